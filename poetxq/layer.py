@@ -1,0 +1,253 @@
+"""The POET-X(Q) linear layer: ``y = x @ (R · W0 · P)ᵀ`` computed input-centric.
+
+Math (POET-X, arXiv 2603.05500; DESIGN.md §1). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
+``P = Ψ_nᵀ BD(G_P) Ψ_n`` and the permutations merged into the stored weight
+``W' = Ψ_m W0 Ψ_nᵀ``, a forward is::
+
+    x' = x[..., perm_P]                  # gather by the input permutation   [.., n]
+    z  = x' @ BD(G_P)ᵀ                   # batched b×b block matmuls         [.., n]
+    h  = z @ W'ᵀ                         # the one big GEMM (W' frozen, low-bit) [.., m]
+    u  = h @ BD(G_R)ᵀ                    # batched block matmuls             [.., m]
+    y  = u[..., inv_perm_R]              # gather by the inverse output permutation
+
+The dense ``m×m`` / ``n×n`` factors and ``R·W0·P`` are never built in the training path. ``W'`` has
+no gradient; backward needs one GEMM for dX (``dz = dh @ W'``) and the small block gradients.
+
+Variants:
+* ``fast`` keeps the GEMM output ``h`` ``[N, m]`` (and ``x'``) for backward: 2 big GEMMs per step.
+* ``mem`` saves only the layer input ``x`` and recomputes ``x'``, ``z`` and ``h`` in backward, in
+  its own autograd Function: 3 big GEMMs per step, no ``[N, m]`` activation kept. POET-XQ uses mem.
+
+``merge_then_reinitialize()`` folds ``R`` and ``P`` into the stored weight (in fp32, then
+re-quantized), draws new permutations and resets ``Q`` to zero; the layer's function is unchanged
+(up to re-quantization error for low-bit stores).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import quant_kernels
+from poetxq.orthogonal import OrthogonalSide
+from poetxq.quant import FrozenWeight, make_frozen_weight
+
+Variant = Literal["fast", "mem"]
+VARIANTS: tuple[str, ...] = ("fast", "mem")
+
+
+def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
+    d = t.shape[-1]
+    return t if d == size else F.pad(t, (0, size - d))
+
+
+def _block_grad(d_out: torch.Tensor, inp: torch.Tensor, nb: int, b: int) -> torch.Tensor:
+    """d/dG of ``out = inp @ BD(G)ᵀ``: ``Σ_t d_out_kᵀ ⊗ inp_k`` → ``[nb, b, b]``."""
+    return torch.einsum("tkd,tkc->kdc", d_out.reshape(-1, nb, b), inp.reshape(-1, nb, b))
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """``z @ W'ᵀ`` with a frozen store: backward is ``dh @ W'`` only (no weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, frozen: FrozenWeight) -> torch.Tensor:  # type: ignore[override]
+        ctx.frozen = frozen
+        return frozen.matmul(z)
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):  # type: ignore[override]
+        return ctx.frozen.matmul_t(dh), None
+
+
+def _forward_autograd(
+    x: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    side_p: OrthogonalSide,
+    side_r: OrthogonalSide,
+) -> torch.Tensor:
+    """Forward built from autograd ops (the ``fast`` variant; also used without grad)."""
+    n, m = side_p.dim, side_r.dim
+    xp = _pad_to(x[..., side_p.perm], side_p.padded_dim)
+    z = quant_kernels.block_diag_matmul(xp, g_p)[..., :n]
+    h = _FrozenMatmul.apply(z, frozen)
+    u = quant_kernels.block_diag_matmul(_pad_to(h, side_r.padded_dim), g_r)[..., :m]
+    return u[..., side_r.inv_perm]
+
+
+class _POETXMemFn(torch.autograd.Function):
+    """The ``mem`` variant: saves ``x``, ``G_P``, ``G_R`` only; recomputes the GEMM in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        g_p: torch.Tensor,
+        g_r: torch.Tensor,
+        frozen: FrozenWeight,
+        side_p: OrthogonalSide,
+        side_r: OrthogonalSide,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, g_p, g_r)
+        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
+        return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x, g_p, g_r = ctx.saved_tensors
+        frozen, sp, sr = ctx.frozen, ctx.side_p, ctx.side_r
+        n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
+        dy = dy.to(x.dtype)
+        # Recompute the forward intermediates (x', z, h) from the saved input.
+        xp = _pad_to(x[..., sp.perm], sp.padded_dim)
+        z = quant_kernels.block_diag_matmul(xp, g_p)
+        h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
+        # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
+        du = _pad_to(dy[..., sr.perm], sr.padded_dim)
+        dg_r = _block_grad(du, h, sr.nb, b_r) if ctx.needs_input_grad[2] else None
+        del h
+        dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
+        dz = _pad_to(frozen.matmul_t(dh), sp.padded_dim)
+        dg_p = _block_grad(dz, xp, sp.nb, b_p) if ctx.needs_input_grad[1] else None
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
+            dx = dxp[..., sp.inv_perm]
+        return dx, dg_p, dg_r, None, None, None
+
+
+def normalized_gaussian(
+    out_features: int,
+    in_features: int,
+    *,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """POET's "normalized Gaussian" W0 ``[m, n]``: i.i.d. N(0, 1) rows scaled to unit L2 norm."""
+    w = torch.randn(out_features, in_features, generator=generator, dtype=torch.float64)
+    return (w / w.norm(dim=1, keepdim=True)).to(dtype)
+
+
+class POETXLinear(nn.Module):
+    """A linear layer trained as ``W = R · W0 · P`` with block-diagonal orthogonal ``R``, ``P``.
+
+    Input ``x [..., n]`` → output ``[..., m]``, computed input-centric (module docstring).
+
+    Args:
+        in_features: ``n``.
+        out_features: ``m``.
+        block_size: ``b`` of the orthogonal blocks (``2 ≤ b ≤ min(m, n)``); ragged dims are
+            padded with a masked last block (see :mod:`poetxq.orthogonal`).
+        bits: 8 → ``W'`` stored int8 row-wise (bitsandbytes layout); 16 → unquantized ``W'`` in
+            ``dtype`` (plain POET-X).
+        variant: ``"mem"`` (saves only ``x``) or ``"fast"`` (keeps the GEMM output).
+        neumann_terms: Neumann order ``k`` of the Cayley–Neumann parameterization.
+        weight: initial ``W0`` ``[m, n]``; default: normalized Gaussian from ``generator``.
+        bias: add a trainable bias (Llama projections have none).
+        stochastic_requant: stochastic rounding when re-quantizing at merges.
+        generator: RNG for ``W0`` and the permutations.
+        dtype: of ``Q`` (and of a 16-bit ``W'``); default fp32.
+        device: where parameters and buffers live.
+
+    Raises:
+        ValueError: bad ``bits``, ``variant`` or ``block_size``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        block_size: int = 256,
+        bits: int = 8,
+        variant: Variant = "mem",
+        neumann_terms: int = 3,
+        weight: torch.Tensor | None = None,
+        bias: bool = False,
+        stochastic_requant: bool = False,
+        generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+        dtype = dtype or torch.float32
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.variant, self.block_size = bits, variant, block_size
+        if weight is None:
+            weight = normalized_gaussian(out_features, in_features, generator=generator)
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(
+                f"weight shape {tuple(weight.shape)} != (out, in) = ({out_features}, {in_features})"
+            )
+        self.P = OrthogonalSide(
+            in_features, block_size, neumann_terms=neumann_terms, generator=generator,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.R = OrthogonalSide(
+            out_features, block_size, neumann_terms=neumann_terms, generator=generator,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        w = weight.detach().to(device=device, dtype=torch.float32 if bits == 8 else dtype)
+        stored = w[self.R.perm][:, self.P.perm]  # W' = Ψ_m W0 Ψ_nᵀ
+        self.frozen = make_frozen_weight(stored, bits, stochastic=stochastic_requant)
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
+
+    def orthogonal_parameters(self) -> list[nn.Parameter]:
+        """The packed skew parameters ``[Q_P, Q_R]`` (trained with ``poet_lr``)."""
+        return [self.P.Q, self.R.Q]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        x = x.to(cdtype)
+        g_p = self.P.blocks().to(cdtype)
+        g_r = self.R.blocks().to(cdtype)
+        with torch.autocast(dev, enabled=False):
+            if self.variant == "mem" and torch.is_grad_enabled():
+                y = _POETXMemFn.apply(x, g_p, g_r, self.frozen, self.P, self.R)
+            else:
+                y = _forward_autograd(x, g_p, g_r, self.frozen, self.P, self.R)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    @torch.no_grad()
+    def effective_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense ``R · W0 · P`` ``[m, n]`` in original coordinates (for merges, export, tests)."""
+        n, m = self.in_features, self.out_features
+        g_p = self.P.blocks().to(torch.float32)
+        g_r = self.R.blocks().to(torch.float32)
+        w = self.frozen.dequantize(torch.float32)  # W' [m, n] in permuted coordinates
+        # BD(G_R) · W': apply the R blocks to each column.
+        w = quant_kernels.block_diag_matmul(_pad_to(w.t(), self.R.padded_dim), g_r)[..., :m].t()
+        # (·) · BD(G_P): row @ BD(G_P) = row @ (BD(G_Pᵀ))ᵀ.
+        w = quant_kernels.block_diag_matmul(_pad_to(w, self.P.padded_dim), g_p.transpose(1, 2))
+        w = w[..., :n]
+        # Back to original coordinates: W = Ψ_mᵀ M Ψ_n.
+        return w[self.R.inv_perm][:, self.P.inv_perm].to(dtype)
+
+    @torch.no_grad()
+    def merge_then_reinitialize(self, generator: torch.Generator | None = None) -> None:
+        """Fold ``R``, ``P`` into ``W'``, draw new permutations, re-store ``W'``, reset ``Q = 0``.
+
+        The optimizer's moments of ``Q`` must be reset by the caller
+        (:func:`poetxq.optim.reset_orthogonal_state`).
+        """
+        w = self.effective_weight(torch.float32)
+        self.P.reinitialize(generator)
+        self.R.reinitialize(generator)
+        self.frozen.store(w[self.R.perm][:, self.P.perm], generator=generator)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"b={self.block_size}, bits={self.bits}, variant={self.variant}"
+        )

@@ -1,0 +1,168 @@
+"""Plain-torch reference implementations of every op the Triton kernels provide.
+
+These functions are the oracle that kernels are tested against and the CPU fallback that the
+POET-X(Q) layer calls when no GPU kernel applies. They depend on torch only (never on poetxq or
+transformers).
+
+Conventions
+-----------
+* A linear weight is ``W ∈ R^{m×n}`` (out m, in n); a layer computes ``y = x @ W.T``.
+* int8 row-wise ("LLM.int8()" / bitsandbytes ``Int8Params`` layout): ``CB`` int8 ``[m, n]``,
+  ``SCB`` fp32 ``[m]`` = max|row|, ``W ≈ CB * SCB[:, None] / 127``.
+* Cayley–Neumann parameterization (POET, arXiv 2506.08001): a skew-symmetric ``Q`` is stored as
+  its strict upper triangle, row-major (``torch.triu_indices(b, b, 1)`` order), ``b(b-1)/2``
+  numbers per ``b×b`` block; ``G = (I + Q)(I + Q + … + Q^k) = I + 2(Q + … + Q^k) + Q^{k+1}``.
+* Block-diagonal multiply: ``x`` has last dim ``nb*b``; block ``i`` of the output is
+  ``x[..., i*b:(i+1)*b] @ G[i].T`` (i.e. ``BD(G) x`` in column-vector notation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "block_diag_matmul",
+    "cayley_neumann",
+    "dequant_int8_rowwise",
+    "int8_rowwise_matmul",
+    "int8_rowwise_matmul_t",
+    "quantize_int8_rowwise",
+    "skew_from_packed",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 row-wise absmax (bitsandbytes Int8Params / LLM.int8 layout)
+# ----------------------------------------------------------------------------------------------
+
+
+def quantize_int8_rowwise(
+    weight: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``weight`` row-wise to int8 with absmax scaling (bitsandbytes layout).
+
+    Args:
+        weight: float tensor ``[m, n]`` (any float dtype; computed in fp32).
+        stochastic: round stochastically (unbiased: ``E[CB] = W*127/SCB``) instead of to nearest.
+        generator: RNG for stochastic rounding (on ``weight``'s device).
+
+    Returns:
+        ``(CB, SCB)``: ``CB`` int8 ``[m, n]``, ``SCB`` fp32 ``[m]`` = ``max|W[i, :]|``.
+        Round-to-nearest matches ``bitsandbytes.functional.int8_vectorwise_quant`` bit for bit on
+        fp16 input (same ``W * (127 / SCB)`` then round-half-to-even). All-zero rows give
+        ``SCB = 0`` and ``CB = 0`` (bitsandbytes would produce NaN there).
+
+    Raises:
+        ValueError: if ``weight`` is not 2-D floating point.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(f"expected a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
+    w = weight.float()
+    scb = w.abs().amax(dim=1)
+    inv = torch.where(scb > 0, 127.0 / scb, torch.zeros_like(scb))
+    scaled = w * inv.unsqueeze(1)
+    if stochastic:
+        gen_device = generator.device if generator is not None else scaled.device
+        noise = torch.rand(scaled.shape, generator=generator, device=gen_device)
+        noise = noise.to(scaled.device)
+        q = torch.floor(scaled + noise)
+    else:
+        q = torch.round(scaled)
+    cb = q.clamp_(-127, 127).to(torch.int8)
+    return cb, scb
+
+
+def dequant_int8_rowwise(
+    cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dequantize int8 row-wise weights: ``W = CB * SCB[:, None] / 127`` → ``[m, n]`` in ``dtype``.
+
+    The product is formed in fp32 and then cast, as bitsandbytes' ``int8_vectorwise_dequant``.
+    """
+    return (cb.float() * (scb.float() / 127.0).unsqueeze(1)).to(dtype)
+
+
+def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` with ``W = dequant(CB, SCB)``: ``x [..., n]`` → ``[..., m]`` in ``x.dtype``.
+
+    Reference for the fused dequant-matmul kernel. The dequantized weight is a temporary that is
+    freed on return; nothing but ``CB``/``SCB`` persists.
+    """
+    return x @ dequant_int8_rowwise(cb, scb, x.dtype).t()
+
+
+def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """``g @ W`` with ``W = dequant(CB, SCB)``: ``g [..., m]`` → ``[..., n]`` (the dX GEMM)."""
+    return g @ dequant_int8_rowwise(cb, scb, g.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cayley–Neumann parameterization and block-diagonal multiply
+# ----------------------------------------------------------------------------------------------
+
+
+def skew_from_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Build skew-symmetric blocks ``Q = U - U.T`` from packed strict upper triangles.
+
+    Args:
+        packed: ``[nb, b(b-1)/2]`` (row-major strict upper triangle of each block).
+        block_size: ``b``.
+
+    Returns:
+        ``Q``: ``[nb, b, b]`` with ``Q.transpose(-1, -2) == -Q``, same dtype/device as ``packed``.
+    """
+    b = block_size
+    nb, npk = packed.shape
+    if npk != b * (b - 1) // 2:
+        raise ValueError(f"packed has {npk} entries per block; b={b} needs {b * (b - 1) // 2}")
+    iu = torch.triu_indices(b, b, 1, device=packed.device)
+    flat_idx = iu[0] * b + iu[1]
+    u = packed.new_zeros(nb, b * b)
+    u = u.index_copy(1, flat_idx, packed)  # differentiable w.r.t. packed
+    u = u.view(nb, b, b)
+    return u - u.transpose(1, 2)
+
+
+def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:
+    """Cayley–Neumann orthogonal blocks ``G ≈ (I + Q)(I - Q)^{-1}`` from packed skew parameters.
+
+    ``G = (I + Q)(I + Q + … + Q^k) = I + 2(Q + Q² + … + Q^k) + Q^{k+1}`` with ``k = terms``
+    (POET, arXiv 2506.08001, §CNP). For ``k = 3``: ``I + 2(Q + Q² + Q³) + Q⁴``. The deviation from
+    orthogonality is ``O(‖Q‖^{k+1})``; ``Q = 0`` gives ``G = I``.
+
+    Args:
+        packed: ``[nb, b(b-1)/2]`` float.
+        block_size: ``b``.
+        terms: Neumann order ``k ≥ 1``.
+
+    Returns:
+        ``G``: ``[nb, b, b]`` in ``packed.dtype``; differentiable.
+    """
+    if terms < 1:
+        raise ValueError(f"Neumann terms k must be >= 1, got {terms}")
+    q = skew_from_packed(packed, block_size)
+    eye = torch.eye(block_size, dtype=q.dtype, device=q.device)
+    acc = q
+    power = q
+    for _ in range(terms - 1):
+        power = power @ q
+        acc = acc + power
+    power = power @ q  # Q^{k+1}
+    return eye + 2.0 * acc + power
+
+
+def block_diag_matmul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal multiply ``x @ BD(G).T``.
+
+    Args:
+        x: ``[..., nb*b]``.
+        g: ``[nb, b, b]``.
+
+    Returns:
+        ``[..., nb*b]`` where block ``i`` is ``x_i @ G[i].T`` (never builds the dense matrix).
+    """
+    nb, b, _ = g.shape
+    lead = x.shape[:-1]
+    xb = x.reshape(-1, nb, b)
+    out = torch.einsum("tkc,kdc->tkd", xb, g)
+    return out.reshape(*lead, nb * b)

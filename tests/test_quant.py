@@ -1,0 +1,65 @@
+"""int8 row-wise store vs bitsandbytes' own quantizer (the oracle)."""
+
+import pytest
+import torch
+
+from poetxq.quant import DenseWeight, Int8RowwiseWeight, make_frozen_weight
+from quant_kernels.reference import (
+    dequant_int8_rowwise,
+    int8_rowwise_matmul,
+    int8_rowwise_matmul_t,
+    quantize_int8_rowwise,
+)
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (33, 65), (128, 256)])
+def test_int8_matches_bitsandbytes(shape, gen):
+    w = (torch.randn(shape, generator=gen) * 3).to(torch.float16)
+    cb_ref, scb_ref, _ = bnb_functional.int8_vectorwise_quant(w.clone())
+    cb, scb = quantize_int8_rowwise(w)
+    assert cb.dtype == torch.int8 and scb.dtype == torch.float32
+    assert torch.equal(cb, cb_ref)
+    assert torch.equal(scb, scb_ref)
+    deq_ref = bnb_functional.int8_vectorwise_dequant(cb_ref, scb_ref)
+    torch.testing.assert_close(dequant_int8_rowwise(cb, scb), deq_ref.float(), rtol=0, atol=1e-6)
+
+
+def test_int8_store_layout_and_gemms(gen):
+    w = torch.randn(24, 40, generator=gen)
+    store = Int8RowwiseWeight(w)
+    sd = store.state_dict()
+    assert set(sd) == {"weight", "SCB", "weight_format"}
+    assert sd["weight"].dtype == torch.int8 and sd["weight_format"].item() == 0
+    deq = store.dequantize()
+    assert (deq - w).abs().max() <= w.abs().amax(1).max() / 127 / 2 + 1e-6  # half a step
+    x = torch.randn(5, 40, generator=gen)
+    g = torch.randn(5, 24, generator=gen)
+    torch.testing.assert_close(store.matmul(x), x @ deq.t())
+    torch.testing.assert_close(store.matmul_t(g), g @ deq)
+    torch.testing.assert_close(int8_rowwise_matmul(x, sd["weight"], sd["SCB"]), x @ deq.t())
+    torch.testing.assert_close(int8_rowwise_matmul_t(g, sd["weight"], sd["SCB"]), g @ deq)
+    assert store.nbytes() == 24 * 40 + 24 * 4 + 1
+
+
+def test_zero_row_and_stochastic_rounding_is_unbiased(gen):
+    w = torch.randn(4, 16, generator=gen)
+    w[2] = 0
+    cb, scb = quantize_int8_rowwise(w)
+    assert scb[2] == 0 and cb[2].abs().max() == 0
+    draws = torch.stack(
+        [dequant_int8_rowwise(*quantize_int8_rowwise(w, stochastic=True, generator=gen))
+         for _ in range(2000)]
+    )  # fmt: skip
+    step = (scb / 127).unsqueeze(1)
+    sigma = step / 2 / 2000**0.5  # std of a draw <= step/2
+    assert torch.all((draws.mean(0) - w).abs() <= 3 * sigma + 1e-7)
+
+
+def test_make_frozen_weight():
+    w = torch.randn(3, 4)
+    assert isinstance(make_frozen_weight(w, 8), Int8RowwiseWeight)
+    assert isinstance(make_frozen_weight(w, 16), DenseWeight)
+    with pytest.raises(ValueError, match="bits=4"):
+        make_frozen_weight(w, 4)
