@@ -1,0 +1,162 @@
+"""All GPU checks and benchmarks of the project in one run; writes JSON to ``--out-dir``.
+
+1. Correctness at real sizes: a POET-XQ (int8) and a POET-X (unquantized) layer at the Llama-8B
+   MLP shape, forward and input/Q gradients against a dense float64 reference
+   ``x @ (R·W0·P)ᵀ`` built on the GPU from the same blocks and permutations; the same layer in
+   bf16 against that reference.
+2. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
+   ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
+3. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
+   the GPU in bf16 with no flags (``evals/vertical_slice.py``; ``--skip-train`` leaves it out).
+
+Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from poetxq.layer import POETXLinear
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _dense_side(side, dtype=torch.float64) -> torch.Tensor:
+    return side.dense(dtype)
+
+
+def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict:
+    dev = "cuda"
+    layer = POETXLinear(n, m, block_size=b, bits=bits, variant="mem", generator=gen, device=dev)
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
+    x = torch.randn(2048, n, device=dev)
+    dy = torch.randn(2048, m, device=dev)
+    # dense float64 reference
+    w0 = layer.frozen.dequantize(torch.float64)[layer.R.inv_perm][:, layer.P.inv_perm]
+    w_dense = _dense_side(layer.R) @ w0 @ _dense_side(layer.P)
+    y_ref = x.double() @ w_dense.t()
+    dx_ref = dy.double() @ w_dense
+    out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits}
+    for dtype in (torch.float32, torch.bfloat16):
+        xx = x.to(dtype).requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        if dtype == torch.bfloat16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = layer(xx)
+        else:
+            y = layer(xx)
+        y.backward(dy.to(y.dtype))
+        key = "fp32" if dtype == torch.float32 else "bf16_autocast"
+        out[key] = {"y_rel_err": _rel(y, y_ref), "dx_rel_err": _rel(xx.grad, dx_ref)}
+    del w_dense, w0
+    torch.cuda.empty_cache()
+    return out
+
+
+def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def layer_speed(n: int, m: int, b: int) -> dict:
+    dev = "cuda"
+    x = torch.randn(1, 2048, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, 2048, m, device=dev, dtype=torch.bfloat16)
+    res: dict = {"shape": f"{n}->{m}", "b": b}
+    lin = torch.nn.Linear(n, m, bias=False, device=dev, dtype=torch.bfloat16)
+
+    def run(mod):
+        def fn():
+            x.grad = None
+            mod(x).backward(dy)
+
+        return fn
+
+    def peak(fn) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    base_ms = _time_ms(run(lin))
+    res["nn_linear_ms"] = base_ms
+    res["nn_linear_peak_extra_mib"] = peak(run(lin))
+    for bits in (8, 16):
+        for variant in ("fast", "mem"):
+            layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
+                                dtype=torch.bfloat16)  # fmt: skip
+            fn = run(layer)
+            ms = _time_ms(fn)
+            name = f"poetx{'q_int8' if bits == 8 else '_bf16'}_{variant}"
+            res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms, "peak_extra_mib": peak(fn)}
+            del layer
+            torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--skip-train", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 1
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "commit": commit.strip() or "unknown",
+        "command": "python evals/gpu_suite.py " + " ".join(argv or sys.argv[1:]),
+    }
+    gen = torch.Generator().manual_seed(0)
+    report["correctness"] = [
+        correctness(4096, 14336, 256, 8, gen),
+        correctness(14336, 4096, 256, 16, gen),
+        correctness(2736, 1024, 256, 8, gen),  # 350M MLP: ragged (2736 = 10x256 + 176)
+    ]
+    print(json.dumps(report["correctness"], indent=1), flush=True)
+    report["layer_speed_8b_mlp_bf16"] = [
+        layer_speed(4096, 14336, 256),
+        layer_speed(14336, 4096, 256),
+    ]
+    print(json.dumps(report["layer_speed_8b_mlp_bf16"], indent=1), flush=True)
+    (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.skip_train:
+        here = Path(__file__).resolve().parent
+        cmd = [sys.executable, str(here / "vertical_slice.py"), "--out",
+               str(out / "vertical_slice_gpu.json")]  # fmt: skip
+        return subprocess.run(cmd, check=False).returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The vertical slice's acceptance runs, side by side, on the embedded default recipe.
+
+Runs, with identical data, seed and steps:
+  * ``int8``    — ``poetxq quantize-and-train --bits 8`` (the default),
+  * ``bf16``    — ``--bits 16`` (unquantized POET-X; fp32 on CPU),
+  * ``control`` — ``--bits 8 --freeze-orthogonal`` (R = P = I frozen; only embeddings, norms and
+    lm_head train),
+and writes one JSON with their validation perplexities, the unigram perplexity of the validation
+split (add-one smoothing, counts from the training split), wall time and the checks of the issue:
+int8 < 0.25 × unigram, int8 ≥ 10 % better than control, |bits16 − int8| ≤ 5 % of int8.
+
+Usage:
+    python evals/vertical_slice.py --out evals/results/vertical_slice_cpu.json [--set k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from poetxq.cli import main as poetxq_main
+
+RUNS = {
+    "int8": ["--bits", "8"],
+    "bits16": ["--bits", "16"],
+    "control": ["--bits", "8", "--freeze-orthogonal"],
+}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    args = ap.parse_args(argv)
+    extra = [x for kv in args.overrides for x in ("--set", kv)]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.runs:
+            start = time.perf_counter()
+            code = poetxq_main(
+                ["quantize-and-train", *RUNS[name], "--output-dir", tmp, "--run-name", name,
+                 "--no-progress", *extra]
+            )  # fmt: skip
+            if code != 0:
+                print(f"run {name} failed with exit code {code}", file=sys.stderr)
+                return code
+            summary = json.loads((Path(tmp) / name / "summary.json").read_text())
+            summary["wall_seconds"] = time.perf_counter() - start
+            summary.pop("run_dir")
+            results[name] = summary
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python evals/vertical_slice.py " + " ".join(argv or sys.argv[1:]),
+        "commit": _commit(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+        + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
+        "runs": results,
+    }
+    if {"int8", "bits16", "control"} <= results.keys():
+        i8, b16, ctl = (results[k]["final_val_ppl"] for k in ("int8", "bits16", "control"))
+        uni = results["int8"]["unigram_val_ppl"]
+        report["checks"] = {
+            "int8_over_unigram": i8 / uni,
+            "a_int8_below_quarter_unigram": i8 < 0.25 * uni,
+            "control_over_int8": ctl / i8,
+            "b_int8_beats_control_by_10pct": i8 <= 0.9 * ctl,
+            "bits16_vs_int8_rel": abs(b16 - i8) / i8,
+            "c_bits16_within_5pct": abs(b16 - i8) <= 0.05 * i8,
+        }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report.get("checks", {}), indent=2))
+    for name, r in results.items():
+        print(f"{name:8s} val ppl {r['final_val_ppl']:8.2f}  ({r['wall_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""``poetxq`` command line: train with POET-XQ, validate recipes.
+
+Every flag maps onto a recipe key (shown in its help); ``--set section.key=value`` reaches any
+other key. Bad input exits with status 2 and one ``poetxq: error: ...`` line, before anything is
+written to the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from poetxq.recipe import RecipeError, load_recipe, parse_override
+
+# flag dest -> recipe key
+_FLAG_KEYS = {
+    "bits": "poet.bits",
+    "block_size": "poet.block_size",
+    "merge_interval": "poet.merge_interval",
+    "variant": "poet.variant",
+    "requant": "poet.requant",
+    "max_steps": "train.max_steps",
+    "batch_size": "train.batch_size",
+    "grad_accum": "train.grad_accum",
+    "seq_len": "train.seq_len",
+    "eval_every": "train.eval_every",
+    "seed": "train.seed",
+    "output_dir": "train.output_dir",
+    "lr": "optim.lr",
+    "poet_lr": "optim.poet_lr",
+    "data": "data.source",
+    "text_field": "data.text_field",
+    "tokenizer": "data.tokenizer",
+    "vocab_size": "data.vocab_size",
+}
+
+_TRAIN_EPILOG = """\
+examples:
+  poetxq quantize-and-train --bits 8                 # embedded default: tiny Llama, English text
+  poetxq quantize-and-train --bits 16                # same run, unquantized POET-X
+  poetxq quantize-and-train --data 'c4/c4-train.0000*-of-01024.json.gz' --max-steps 2000
+  poetxq quantize-and-train --data hf:allenai/c4 --set data.hf_config=en \\
+        --set data.hf_val_split=validation --set data.max_train_tokens=50000000
+  poetxq quantize-and-train --recipe recipes/tiny/poetxq.yaml --set optim.warmup_steps=50
+
+outputs go to <output-dir>/<run-name>/: metrics.jsonl, model.safetensors, recipe.yaml,
+summary.json.
+"""
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("recipe")
+    g.add_argument(
+        "--recipe", metavar="PATH", help="recipe YAML (default: the embedded tiny recipe)"
+    )
+    g.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any recipe key, e.g. --set optim.warmup_steps=50 (repeatable)",
+    )
+    g = p.add_argument_group("POET-X(Q)")
+    g.add_argument(
+        "--bits",
+        type=int,
+        choices=(8, 16),
+        help="frozen W0 storage: 8 = int8 row-wise (POET-XQ), 16 = unquantized POET-X "
+        "[poet.bits, default 8]",
+    )
+    g.add_argument(
+        "--block-size",
+        type=int,
+        metavar="b",
+        help="orthogonal block size b [poet.block_size, default 64]",
+    )
+    g.add_argument(
+        "--merge-interval",
+        type=int,
+        metavar="T",
+        help="steps between merge-then-reinitialize [poet.merge_interval, default 100]",
+    )
+    g.add_argument(
+        "--variant",
+        choices=("fast", "mem"),
+        help="fast keeps the GEMM output for backward; mem recomputes it and saves only "
+        "the layer input [poet.variant, default mem]",
+    )
+    g.add_argument(
+        "--requant",
+        choices=("nearest", "stochastic"),
+        help="rounding when W0 is re-quantized at a merge [poet.requant, default nearest]",
+    )
+    g.add_argument(
+        "--freeze-orthogonal",
+        action="store_true",
+        help="control run: R = P = I frozen, only embeddings, norms and lm_head train",
+    )
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=int, help="optimizer steps [train.max_steps, default 300]")
+    g.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
+    g.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence [train.seq_len, default 128]")
+    g.add_argument("--lr", type=float, help="lr of embeddings, lm_head, norms [optim.lr]")
+    g.add_argument(
+        "--poet-lr",
+        type=float,
+        help="poet_lr; Q params use poet_lr x optim.poet_lr_scale [optim.poet_lr]",
+    )
+    g.add_argument("--seed", type=int, help="run seed [train.seed, default 0]")
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        metavar="SOURCE",
+        help="'embedded' (default: Shakespeare + KJV Bible), a local file/dir/glob "
+        "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]",
+    )
+    g.add_argument("--text-field", help="record field holding the text [data.text_field]")
+    g.add_argument(
+        "--tokenizer",
+        help="'bpe' (train a byte-level BPE on the train split), 'gpt2', a "
+        "tokenizer.json or a HF tokenizer dir [data.tokenizer]",
+    )
+    g.add_argument("--vocab-size", type=int, help="vocab for --tokenizer bpe [data.vocab_size]")
+    g = p.add_argument_group("output")
+    g.add_argument(
+        "--output-dir", help="parent of run directories [train.output_dir, default runs]"
+    )
+    g.add_argument("--run-name", help="run directory name (default: <recipe name>-<timestamp>)")
+    g.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
+    g.add_argument("--eval-every", type=int, help="steps between validation [train.eval_every]")
+    g.add_argument(
+        "--log-with", metavar="TRACKER", help="also log to an accelerate tracker, e.g. tensorboard"
+    )
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``poetxq`` argument parser (sub-commands ``quantize-and-train``, ``train``, ``validate``)."""
+    parser = argparse.ArgumentParser(
+        prog="poetxq",
+        description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight is "
+        "trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_ in (
+        ("quantize-and-train", "train a Llama with POET-XQ (int8 W0) from a recipe"),
+        ("train", "alias of quantize-and-train"),
+    ):
+        p = sub.add_parser(name, help=help_, description=help_ + ".", epilog=_TRAIN_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+        _add_train_args(p)
+    p = sub.add_parser("validate", help="check recipe YAML files against the schema",
+                       description="Validate recipe files; prints one line per file.")  # fmt: skip
+    p.add_argument("recipes", nargs="+", metavar="RECIPE")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()}
+    if args.freeze_orthogonal:
+        out["poet.freeze_orthogonal"] = True
+    for text in args.overrides:
+        key, value = parse_override(text)
+        out[key] = value
+    return out
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from poetxq.train import resolve_run_dir, train  # heavy imports only when training
+
+    recipe = load_recipe(args.recipe, _overrides(args))
+    run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
+    train(recipe, run_dir, log_with=args.log_with, progress=not args.no_progress)
+    return 0
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    for path in args.recipes:
+        recipe = load_recipe(path)
+        print(f"{path}: ok ({recipe.name}: bits={recipe.poet.bits}, b={recipe.poet.block_size})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``poetxq`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from poetxq.data import DataError
+    from poetxq.train import RunDirError
+
+    try:
+        if args.command == "validate":
+            return _run_validate(args)
+        return _run_train(args)
+    except (RecipeError, DataError, RunDirError) as exc:
+        print(f"poetxq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("poetxq: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Optimizer, schedule and merge bookkeeping for POET-X(Q) training (DESIGN.md §1).
+
+* AdamW with three param groups: the packed skew parameters ``Q`` (lr = ``poet_lr × scale``,
+  no weight decay); other ≥ 2-D params (embeddings, ``lm_head``) at the base lr with weight decay;
+  1-D params (norms, biases) at the base lr without decay.
+* Cosine schedule with linear warmup and a floor of ``min_lr_ratio``.
+* Merge-then-reinitialize of every layer, followed by a reset of the Adam moments of ``Q``.
+* Gradient clipping whose threshold is re-warmed from 0.1× to 1× over a few steps after a merge.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from poetxq.recipe import OptimConfig
+from poetxq.surgery import poet_layers
+
+
+def orthogonal_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The ``Q`` parameters of every POET-X(Q) layer in ``model``."""
+    return [p for layer in poet_layers(model) for p in layer.orthogonal_parameters()]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable params with POET param groups (module docstring).
+
+    Group names (``group["name"]``): ``"poet"``, ``"decay"``, ``"no_decay"``; empty groups are
+    dropped. Each group's ``initial_lr`` is set for the scheduler.
+    """
+    q_ids = {id(p) for p in orthogonal_parameters(model)}
+    q, decay, no_decay = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if id(p) in q_ids:
+            q.append(p)
+        elif p.dim() >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [
+        {"name": "poet", "params": q, "lr": cfg.poet_lr * cfg.poet_lr_scale, "weight_decay": 0.0},
+        {"name": "decay", "params": decay, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+        {"name": "no_decay", "params": no_decay, "lr": cfg.lr, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    for g in groups:
+        g["initial_lr"] = g["lr"]
+    return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)
+
+
+def cosine_lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier at ``step`` (0-based): linear warmup to 1, cosine decay to ``min_ratio``.
+
+    ``step < warmup`` → ``(step + 1) / warmup``; afterwards
+    ``min_ratio + (1 - min_ratio) · ½(1 + cos(π · progress))`` with ``progress`` from 0 to 1 at
+    ``total``.
+    """
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR applying :func:`cosine_lr_factor` to every group."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: cosine_lr_factor(s, cfg.warmup_steps, total_steps, cfg.min_lr_ratio),
+    )
+
+
+def reset_orthogonal_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+    """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``) and step count of ``params``.
+
+    After a merge, ``Q`` restarts at 0 in new coordinates, so its old moments are meaningless; with
+    the step count reset, bias correction makes the next update a fresh Adam start.
+    """
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in state:
+                state[key].zero_()
+        if "step" in state:
+            step = state["step"]
+            if torch.is_tensor(step):
+                step.zero_()
+            else:
+                state["step"] = 0
+
+
+@torch.no_grad()
+def merge_and_reset(
+    model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator | None = None
+) -> int:
+    """Merge-then-reinitialize every POET-X(Q) layer and reset ``Q``'s Adam moments.
+
+    Returns:
+        The number of layers merged.
+    """
+    layers = poet_layers(model)
+    for layer in layers:
+        layer.merge_then_reinitialize(generator)
+    reset_orthogonal_state(optimizer, orthogonal_parameters(model))
+    return len(layers)
+
+
+def clip_threshold(max_norm: float, steps_since_merge: int | None, rewarm_steps: int) -> float:
+    """Grad-clip threshold: ``max_norm``, re-warmed linearly from 0.1× after a merge.
+
+    ``steps_since_merge`` is 0 on the first step after a merge (None: no merge yet).
+    """
+    if steps_since_merge is None or rewarm_steps <= 0 or steps_since_merge >= rewarm_steps:
+        return max_norm
+    return max_norm * (0.1 + 0.9 * steps_since_merge / rewarm_steps)

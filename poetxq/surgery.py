@@ -1,0 +1,171 @@
+"""Model surgery: build a transformers Llama from a recipe and swap its projections for POET-X(Q).
+
+The q/k/v/o and gate/up/down projections (``nn.Linear``) are replaced by
+:class:`~poetxq.layer.POETXLinear` with a normalized-Gaussian ``W0``; embeddings, ``lm_head`` and
+RMSNorms stay ordinary trainable parameters. Every target layer is converted — dimensions that are
+not a multiple of the block size get a masked ragged last block, and the summary says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from poetxq.layer import POETXLinear
+from poetxq.recipe import ModelConfig, POETConfig
+
+
+@dataclass
+class ConvertedLayer:
+    """One converted projection: its module path, shape and how ragged dims were handled."""
+
+    name: str
+    in_features: int
+    out_features: int
+    ragged_in: int | None  # size of the ragged last input block, None if b | n
+    ragged_out: int | None
+
+
+@dataclass
+class SurgeryReport:
+    """What :func:`convert_to_poetx` did."""
+
+    layers: list[ConvertedLayer] = field(default_factory=list)
+    block_size: int = 0
+    bits: int = 8
+    variant: str = "mem"
+
+    def ragged(self) -> list[ConvertedLayer]:
+        return [c for c in self.layers if c.ragged_in or c.ragged_out]
+
+
+def build_llama(cfg: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
+    """A randomly initialised ``LlamaForCausalLM`` (fp32) with the recipe's shape and ``vocab_size``."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        initializer_range=cfg.initializer_range,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def _ragged(dim: int, b: int) -> int | None:
+    r = dim % b
+    return r or None
+
+
+def convert_to_poetx(
+    model: nn.Module, cfg: POETConfig, *, generator: torch.Generator | None = None
+) -> SurgeryReport:
+    """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
+
+    ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch; the linear layer's
+    original initialisation is discarded.
+
+    Args:
+        model: a transformers Llama-family model.
+        cfg: the recipe's ``poet`` section (bits, block size, variant, target modules, ...).
+        generator: RNG for ``W0`` and the permutations (reproducible from the run seed).
+
+    Returns:
+        A :class:`SurgeryReport` listing the converted layers.
+
+    Raises:
+        ValueError: no target module found, or the block size exceeds a layer dimension.
+    """
+    report = SurgeryReport(block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant)
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in cfg.target_modules
+    ]
+    if not targets:
+        raise ValueError(f"no nn.Linear named one of {cfg.target_modules} found in the model")
+    b = cfg.block_size
+    for name, lin in targets:
+        n, m = lin.in_features, lin.out_features
+        if b > min(n, m):
+            raise ValueError(
+                f"block size b={b} exceeds a dimension of {name} ({m}x{n}); "
+                f"choose --block-size <= {min(n, m)}"
+            )
+        new = POETXLinear(
+            n,
+            m,
+            block_size=b,
+            bits=cfg.bits,
+            variant=cfg.variant,
+            neumann_terms=cfg.neumann_terms,
+            bias=lin.bias is not None,
+            stochastic_requant=cfg.requant == "stochastic",
+            generator=generator,
+            device=lin.weight.device,
+        )
+        if cfg.freeze_orthogonal:
+            for p in new.orthogonal_parameters():
+                p.requires_grad_(False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        report.layers.append(ConvertedLayer(name, n, m, _ragged(n, b), _ragged(m, b)))
+    return report
+
+
+def poet_layers(model: nn.Module) -> list[POETXLinear]:
+    """All POET-X(Q) layers of ``model`` in module order."""
+    return [m for m in model.modules() if isinstance(m, POETXLinear)]
+
+
+def summarize(model: nn.Module, report: SurgeryReport) -> str:
+    """Multi-line summary: layers converted, ragged handling, trainable params, frozen bytes."""
+    layers = poet_layers(model)
+    q_total = sum(side.num_trainable() for layer in layers for side in (layer.P, layer.R))
+    q_trainable = (
+        q_total if any(p.requires_grad for l_ in layers for p in l_.orthogonal_parameters()) else 0
+    )
+    q_ids = {id(p) for layer in layers for p in layer.orthogonal_parameters()}
+    other = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in q_ids)
+    frozen = sum(layer.frozen.nbytes() for layer in layers)
+    frozen_params = sum(layer.in_features * layer.out_features for layer in layers)
+    kind = "int8 row-wise (bitsandbytes layout)" if report.bits == 8 else "unquantized (POET-X)"
+    shapes: dict[tuple[str, int, int], int] = {}
+    for c in report.layers:
+        key = (c.name.rsplit(".", 1)[-1], c.out_features, c.in_features)
+        shapes[key] = shapes.get(key, 0) + 1
+    lines = [
+        f"POET-X surgery: {len(report.layers)} linear layers converted "
+        f"(b={report.block_size}, variant={report.variant}, W0 {kind})",
+    ]
+    for (proj, m, n), count in shapes.items():
+        lines.append(f"  {count:3d} x {proj:<9s} {m}x{n}")
+    rag = report.ragged()
+    if rag:
+        c = rag[0]
+        lines.append(
+            f"  {len(rag)} layers have dims not divisible by b={report.block_size}: padded with a "
+            f"masked ragged last block (e.g. {c.name} {c.out_features}x{c.in_features}: "
+            f"last in-block {c.ragged_in or report.block_size}, "
+            f"last out-block {c.ragged_out or report.block_size})"
+        )
+    lines.append(
+        f"  trainable: {q_trainable:,} orthogonal (Q) + {other:,} other "
+        f"(embeddings, lm_head, norms) parameters"
+    )
+    lines.append(
+        f"  frozen W0: {frozen_params:,} weights in {frozen / 2**20:.2f} MiB "
+        f"({frozen / max(frozen_params, 1):.3f} bytes/weight)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""The ``poetxq`` CLI: help, bad input (one line, exit 2, nothing written) and a tiny real run."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from poetxq.cli import main
+
+# A tiny but real run: Python's pydoc topics as text, BPE trained on the train split.
+TINY = [
+    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+    "--block-size", "16", "--eval-every", "20", "--no-progress",
+    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
+    "--set", "train.log_every=5", "--set", "optim.warmup_steps=5",
+]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+
+
+def _run(tmp_path, *extra):
+    return main(["quantize-and-train", *TINY, "--output-dir", str(tmp_path), *extra])
+
+
+def test_help_explains_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize-and-train", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--bits", "--block-size", "--merge-interval", "--max-steps", "--variant",
+                 "--recipe", "--data", "poet.block_size"):  # fmt: skip
+        assert flag in out
+
+
+def test_unknown_bits_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["quantize-and-train", "--bits", "3"])
+    assert exc.value.code == 2
+    assert "invalid choice: 3" in capsys.readouterr().err
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poetxq: error: ")
+    return err[0]
+
+
+def test_recipe_typo(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("poet:\n  bits: 8\n  merge_intervall: 10\n")
+    assert main(["quantize-and-train", "--recipe", str(bad), "--output-dir",
+                 str(tmp_path / "out")]) == 2  # fmt: skip
+    assert "poet.merge_intervall" in _one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_block_size_too_large(tmp_path, capsys):
+    assert _run(tmp_path, "--block-size", "4096") == 2
+    assert "block_size" in _one_error_line(capsys)
+
+
+def test_missing_data_leaves_existing_run_dir_untouched(tmp_path, capsys):
+    run = tmp_path / "keep"
+    run.mkdir()
+    (run / "model.safetensors").write_bytes(b"precious")
+    code = _run(tmp_path, "--run-name", "keep", "--overwrite", "--data", str(tmp_path / "nope"))
+    assert code == 2
+    assert "does not exist" in _one_error_line(capsys)
+    assert [p.name for p in run.iterdir()] == ["model.safetensors"]
+    assert (run / "model.safetensors").read_bytes() == b"precious"
+
+
+def test_existing_run_dir_needs_overwrite(tmp_path, capsys):
+    (tmp_path / "r1").mkdir()
+    (tmp_path / "r1" / "x").write_text("1")
+    assert _run(tmp_path, "--run-name", "r1") == 2
+    assert "--overwrite" in _one_error_line(capsys)
+
+
+@pytest.mark.slow
+def test_tiny_run_learns_and_writes_outputs(tmp_path):
+    assert _run(tmp_path, "--run-name", "int8", "--max-steps", "40", "--merge-interval", "15") == 0
+    run = tmp_path / "int8"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "val_ppl" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
+    assert all("loss" in r for r in records if r["step"] > 0)
+    assert evals[-1]["val_ppl"] < 0.5 * evals[0]["val_ppl"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["merges"] == 2 and math.isclose(summary["final_val_ppl"], evals[-1]["val_ppl"])
+    state = load_file(run / "model.safetensors")
+    key = "model.layers.0.mlp.down_proj.frozen"
+    assert state[f"{key}.weight"].dtype == torch.int8
+    assert state[f"{key}.SCB"].dtype == torch.float32
+    assert state[f"{key}.weight_format"].item() == 0
+    assert (run / "recipe.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_frozen_orthogonal_control_keeps_q_at_zero(tmp_path):
+    assert _run(tmp_path, "--run-name", "ctl", "--max-steps", "6", "--freeze-orthogonal") == 0
+    state = load_file(tmp_path / "ctl" / "model.safetensors")
+    qs = [v for k, v in state.items() if k.endswith(".Q")]
+    assert qs and all(q.abs().max() == 0 for q in qs)

@@ -1,0 +1,93 @@
+"""POET AdamW param groups, schedule, clip re-warm and the merge-time moment reset."""
+
+import math
+
+import pytest
+import torch
+
+from poetxq.layer import POETXLinear
+from poetxq.optim import (
+    build_optimizer,
+    clip_threshold,
+    cosine_lr_factor,
+    merge_and_reset,
+    orthogonal_parameters,
+)
+from poetxq.recipe import OptimConfig
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 16)
+        self.proj = POETXLinear(16, 24, block_size=8, bits=8, generator=gen)
+        self.norm = torch.nn.LayerNorm(24)
+
+    def forward(self, ids):
+        return self.norm(self.proj(self.emb(ids)))
+
+
+def test_param_groups(gen):
+    model = Tiny(gen)
+    cfg = OptimConfig(lr=1e-3, poet_lr=2e-3, poet_lr_scale=0.5, weight_decay=0.1)
+    opt = build_optimizer(model, cfg)
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert {id(p) for p in groups["poet"]["params"]} == {
+        id(p) for p in orthogonal_parameters(model)
+    }
+    assert groups["poet"]["lr"] == pytest.approx(1e-3) and groups["poet"]["weight_decay"] == 0
+    assert [p.shape for p in groups["decay"]["params"]] == [(10, 16)]  # embedding only
+    assert groups["decay"]["weight_decay"] == 0.1
+    assert len(groups["no_decay"]["params"]) == 2  # LayerNorm weight and bias
+    # no frozen buffer (int8 W0) is handed to the optimizer
+    assert all(p.dtype.is_floating_point for g in opt.param_groups for p in g["params"])
+
+
+def test_adam_step_matches_hand_computation(gen):
+    model = Tiny(gen)
+    cfg = OptimConfig(lr=1e-3, poet_lr=2e-3, poet_lr_scale=0.5, betas=(0.9, 0.999), eps=1e-8)
+    opt = build_optimizer(model, cfg)
+    q = model.proj.P.Q
+    model(torch.tensor([[1, 2, 3]])).square().sum().backward()
+    g = q.grad.clone()
+    opt.step()
+    # first AdamW step: m = (1-b1) g, v = (1-b2) g², update = lr · m̂ / (sqrt(v̂) + eps)
+    expected = -1e-3 * g / (g.abs() + 1e-8)
+    torch.testing.assert_close(q.detach(), expected, rtol=1e-5, atol=1e-9)
+
+
+def test_merge_resets_q_and_moments(gen):
+    model = Tiny(gen)
+    opt = build_optimizer(model, OptimConfig())
+    for _ in range(3):
+        model(torch.tensor([[1, 2, 3, 4]])).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    q = model.proj.R.Q
+    assert q.abs().max() > 0 and opt.state[q]["exp_avg"].abs().max() > 0
+    emb_state = opt.state[model.emb.weight]["exp_avg"].clone()
+    assert merge_and_reset(model, opt, gen) == 1
+    assert q.abs().max() == 0
+    for p in orthogonal_parameters(model):
+        st = opt.state[p]
+        assert st["exp_avg"].abs().max() == 0 and st["exp_avg_sq"].abs().max() == 0
+        assert float(st["step"]) == 0
+    torch.testing.assert_close(opt.state[model.emb.weight]["exp_avg"], emb_state)  # untouched
+
+
+def test_cosine_schedule_values():
+    assert cosine_lr_factor(0, 10, 110, 0.01) == pytest.approx(0.1)
+    assert cosine_lr_factor(9, 10, 110, 0.01) == pytest.approx(1.0)
+    assert cosine_lr_factor(10, 10, 110, 0.01) == pytest.approx(1.0)
+    mid = 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 0.5))
+    assert cosine_lr_factor(60, 10, 110, 0.01) == pytest.approx(mid)
+    assert cosine_lr_factor(110, 10, 110, 0.01) == pytest.approx(0.01)
+    assert cosine_lr_factor(500, 10, 110, 0.01) == pytest.approx(0.01)
+
+
+def test_clip_rewarm():
+    assert clip_threshold(1.0, None, 10) == 1.0
+    assert clip_threshold(1.0, 0, 10) == pytest.approx(0.1)
+    assert clip_threshold(1.0, 5, 10) == pytest.approx(0.55)
+    assert clip_threshold(1.0, 10, 10) == 1.0
+    assert clip_threshold(2.0, 3, 0) == 2.0

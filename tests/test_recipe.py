@@ -1,0 +1,75 @@
+"""Recipe schema: defaults, YAML files, overrides and one-line errors."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from poetxq.recipe import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
+
+
+def test_recipes_exist():
+    assert RECIPES, "no recipe files found"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_recipe_validates(path):
+    recipe = load_recipe(path)
+    assert recipe.poet.block_size <= recipe.model.hidden_size
+
+
+def test_tiny_recipe_file_equals_embedded_default():
+    assert load_recipe(ROOT / "recipes/tiny/poetxq.yaml") == Recipe()
+
+
+def test_round_trip_and_overrides(tmp_path):
+    r = load_recipe(None, {"train.max_steps": 7, "poet.bits": 16, "data.source": "pydoc"})
+    assert (r.train.max_steps, r.poet.bits, r.data.source) == (7, 16, "pydoc")
+    f = tmp_path / "r.yaml"
+    f.write_text(dump_recipe(r))
+    assert load_recipe(f) == r
+    assert parse_override("optim.lr=3e-4") == ("optim.lr", 3e-4)
+    assert parse_override("poet.freeze_orthogonal=true") == ("poet.freeze_orthogonal", True)
+    with pytest.raises(RecipeError, match="section.key=value"):
+        parse_override("optim.lr")
+
+
+def test_typo_key_names_file_key_and_allowed(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text(yaml.safe_dump({"poet": {"blok_size": 32}}))
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(f)
+    msg = str(exc.value)
+    assert str(f) in msg and "poet.blok_size" in msg and "block_size" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(
+    "tree,needle",
+    [
+        ({"poet": {"bits": 4}}, "poet.bits"),
+        ({"poet": {"variant": "slow"}}, "poet.variant"),
+        ({"poet": {"block_size": 512}}, "exceeds the smallest layer dimension"),
+        ({"model": {"hidden_size": 250}}, "not divisible"),
+        ({"train": {"max_steps": 0}}, "train.max_steps"),
+        ({"data": {"val_fraction": 0.9}}, "data.val_fraction"),
+        ([1, 2], "mapping"),
+    ],
+)
+def test_bad_values(tmp_path, tree, needle):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(tree))
+    with pytest.raises(RecipeError, match=needle):
+        load_recipe(f)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+    f = tmp_path / "broken.yaml"
+    f.write_text("poet: [unclosed")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(f)
