@@ -139,11 +139,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``poetxq`` argument parser (sub-commands ``quantize-and-train``, ``train``, ``validate``)."""
+    """The ``poetxq`` parser: sub-commands ``quantize-and-train``, ``train``, ``validate``."""
     parser = argparse.ArgumentParser(
         prog="poetxq",
-        description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight is "
-        "trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8.",
+        description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight "
+        "is trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_ in (

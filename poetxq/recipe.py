@@ -11,6 +11,7 @@ Errors are reported as one line naming the file, the key and what is allowed
 
 from __future__ import annotations
 
+import contextlib
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -175,10 +176,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     value = yaml.safe_load(raw)
     if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     return key.strip(), value
 
 

@@ -43,7 +43,7 @@ class SurgeryReport:
 
 
 def build_llama(cfg: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
-    """A randomly initialised ``LlamaForCausalLM`` (fp32) with the recipe's shape and ``vocab_size``."""
+    """A randomly initialised fp32 ``LlamaForCausalLM`` of the recipe's shape and ``vocab_size``."""
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,

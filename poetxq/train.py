@@ -228,7 +228,7 @@ def train(
             window_tokens, window_start = 0, now
             lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(raw_optimizer.param_groups)}
             log({
-                "step": step, "loss": loss_value, "lr": lrs.get("decay", scheduler.get_last_lr()[0]),
+                "step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[-1],
                 "poet_lr": lrs.get("poet"), "grad_norm": float(grad_norm), "clip": max_norm,
                 "tokens": step * tokens_per_step, "tokens_per_s": tps,
             })  # fmt: skip

@@ -33,7 +33,7 @@ def test_round_trip_and_overrides(tmp_path):
     assert load_recipe(f) == r
     assert parse_override("optim.lr=3e-4") == ("optim.lr", 3e-4)
     assert parse_override("poet.freeze_orthogonal=true") == ("poet.freeze_orthogonal", True)
-    with pytest.raises(RecipeError, match="section.key=value"):
+    with pytest.raises(RecipeError, match=r"section\.key=value"):
         parse_override("optim.lr")
 
 
