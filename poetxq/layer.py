@@ -4,11 +4,11 @@ Math (POET-X, arXiv 2603.05500; DESIGN.md §1). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`
 ``P = Ψ_nᵀ BD(G_P) Ψ_n`` and the permutations merged into the stored weight
 ``W' = Ψ_m W0 Ψ_nᵀ``, a forward is::
 
-    x' = x.index_select(-1, perm_P)                  # gather by the input permutation   [.., n]
+    x' = x[..., perm_P]                  # gather by the input permutation   [.., n]
     z  = x' @ BD(G_P)ᵀ                   # batched b×b block matmuls         [.., n]
     h  = z @ W'ᵀ                         # the one big GEMM (W' frozen, low-bit) [.., m]
     u  = h @ BD(G_R)ᵀ                    # batched block matmuls             [.., m]
-    y  = u.index_select(-1, inv_perm_R)              # gather by the inverse output permutation
+    y  = u[..., inv_perm_R]              # gather by the inverse output permutation
 
 The dense ``m×m`` / ``n×n`` factors and ``R·W0·P`` are never built in the training path. ``W'`` has
 no gradient; backward needs one GEMM for dX (``dz = dh @ W'``) and the small block gradients.
@@ -44,6 +44,12 @@ def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
     return t if d == size else F.pad(t, (0, size - d))
 
 
+def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t[..., index]`` via a 2-D ``index_select`` (several times faster than N-D on CPU)."""
+    flat = t.reshape(-1, t.shape[-1]).index_select(1, index)
+    return flat.view(*t.shape[:-1], index.numel())
+
+
 def _block_grad(d_out: torch.Tensor, inp: torch.Tensor, nb: int, b: int) -> torch.Tensor:
     """d/dG of ``out = inp @ BD(G)ᵀ``: ``Σ_t d_out_kᵀ ⊗ inp_k`` → ``[nb, b, b]``."""
     return torch.einsum("tkd,tkc->kdc", d_out.reshape(-1, nb, b), inp.reshape(-1, nb, b))
@@ -72,11 +78,11 @@ def _forward_autograd(
 ) -> torch.Tensor:
     """Forward built from autograd ops (the ``fast`` variant; also used without grad)."""
     n, m = side_p.dim, side_r.dim
-    xp = _pad_to(x.index_select(-1, side_p.perm), side_p.padded_dim)
+    xp = _pad_to(_gather_last(x, side_p.perm), side_p.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)[..., :n]
     h = _FrozenMatmul.apply(z, frozen)
     u = quant_kernels.block_diag_matmul(_pad_to(h, side_r.padded_dim), g_r)[..., :m]
-    return u.index_select(-1, side_r.inv_perm)
+    return _gather_last(u, side_r.inv_perm)
 
 
 class _POETXMemFn(torch.autograd.Function):
@@ -103,11 +109,11 @@ class _POETXMemFn(torch.autograd.Function):
         n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
         dy = dy.to(x.dtype)
         # Recompute the forward intermediates (x', z, h) from the saved input.
-        xp = _pad_to(x.index_select(-1, sp.perm), sp.padded_dim)
+        xp = _pad_to(_gather_last(x, sp.perm), sp.padded_dim)
         z = quant_kernels.block_diag_matmul(xp, g_p)
         h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
-        # y = u.index_select(-1, inv_perm_R)  =>  du = dy.index_select(-1, perm_R)
-        du = _pad_to(dy.index_select(-1, sr.perm), sr.padded_dim)
+        # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
+        du = _pad_to(_gather_last(dy, sr.perm), sr.padded_dim)
         dg_r = _block_grad(du, h, sr.nb, b_r) if ctx.needs_input_grad[2] else None
         del h
         dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
@@ -116,7 +122,7 @@ class _POETXMemFn(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
-            dx = dxp.index_select(-1, sp.inv_perm)
+            dx = _gather_last(dxp, sp.inv_perm)
         return dx, dg_p, dg_r, None, None, None
 
 
@@ -208,9 +214,9 @@ class POETXLinear(nn.Module):
         dev = x.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x = x.to(cdtype)
-        g_p = self.P.blocks().to(cdtype)
-        g_r = self.R.blocks().to(cdtype)
-        with torch.autocast(dev, enabled=False):
+        with torch.autocast(dev, enabled=False):  # CNP in the parameters' precision, then cast
+            g_p = self.P.blocks().to(cdtype)
+            g_r = self.R.blocks().to(cdtype)
             if self.variant == "mem" and torch.is_grad_enabled():
                 y = _POETXMemFn.apply(x, g_p, g_r, self.frozen, self.P, self.R)
             else:

@@ -142,6 +142,9 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
         raise ValueError(f"Neumann terms k must be >= 1, got {terms}")
     q = skew_from_packed(packed, block_size)
     eye = torch.eye(block_size, dtype=q.dtype, device=q.device)
+    if terms == 3:  # I + 2Q + Q²(2I + 2Q + Q²): two batched matmuls instead of three
+        q2 = q @ q
+        return eye + 2.0 * q + q2 @ (2.0 * (eye + q) + q2)
     acc = q
     power = q
     for _ in range(terms - 1):
