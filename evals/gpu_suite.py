@@ -50,7 +50,7 @@ def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict
     dx_ref = dy.double() @ w_dense
     out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits}
     for dtype in (torch.float32, torch.bfloat16):
-        xx = x.to(dtype).requires_grad_()
+        xx = x.detach().to(dtype).requires_grad_()
         layer.zero_grad(set_to_none=True)
         if dtype == torch.bfloat16:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -129,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    from vertical_slice import _commit
+
     report: dict = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "commit": commit.strip() or "unknown",
+        "commit": _commit(),
         "command": "python evals/gpu_suite.py " + " ".join(argv or sys.argv[1:]),
     }
     gen = torch.Generator().manual_seed(0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -41,7 +42,8 @@ def _commit() -> str:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        # the GPU host gets a copy of the tree without .git: the caller passes the hash
+        return os.environ.get("POETXQ_COMMIT", "unknown")
 
 
 def main(argv: list[str] | None = None) -> int:
