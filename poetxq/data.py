@@ -109,11 +109,11 @@ class DataConfig(BaseModel):
     streaming: bool = True
     text_field: str = "text"
     tokenizer: str = "bpe"
-    vocab_size: int = Field(8192, ge=256)
+    vocab_size: int = Field(4096, ge=256)  # for tokenizer="bpe"; C4-scale runs want more
     val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     split_seed: int = 1234
     max_train_tokens: int | None = Field(None, ge=1)
-    max_val_tokens: int | None = Field(65536, ge=1)
+    max_val_tokens: int | None = Field(32768, ge=1)
     cache_dir: str | None = None
 
 

@@ -2,8 +2,8 @@
 
 A recipe is plain data (YAML) with five sections — ``model``, ``poet``, ``optim``, ``train``,
 ``data`` — validated by pydantic with unknown keys forbidden. The defaults of this schema *are* the
-embedded default recipe (a tiny Llama on the embedded English corpus, sized to finish in a few
-minutes on 2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values out.
+embedded default recipe (a tiny Llama on the embedded English corpus, sized to finish in under
+three minutes on 2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values out.
 
 Errors are reported as one line naming the file, the key and what is allowed
 (:class:`RecipeError`).
@@ -36,7 +36,7 @@ class ModelConfig(_Section):
     """Llama architecture (transformers ``LlamaConfig`` fields); vocab comes from the tokenizer."""
 
     hidden_size: int = Field(256, gt=0)
-    intermediate_size: int = Field(688, gt=0)
+    intermediate_size: int = Field(704, gt=0)
     num_attention_heads: int = Field(4, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
     num_key_value_heads: int | None = None
@@ -71,8 +71,8 @@ class POETConfig(_Section):
 class OptimConfig(_Section):
     """AdamW with POET param groups, cosine schedule and post-merge clip re-warm."""
 
-    lr: float = Field(2e-3, gt=0)  # embeddings, lm_head, norms
-    poet_lr: float = Field(2e-3, gt=0)
+    lr: float = Field(5e-3, gt=0)  # embeddings, lm_head, norms
+    poet_lr: float = Field(4e-3, gt=0)
     poet_lr_scale: float = Field(0.5, gt=0)  # Q params use poet_lr * poet_lr_scale
     weight_decay: float = Field(0.0, ge=0)  # on >= 2-D non-Q params
     betas: tuple[float, float] = (0.9, 0.999)
@@ -87,10 +87,10 @@ class TrainConfig(_Section):
     """Loop settings. ``batch_size`` is per micro-batch; tokens/step = batch*accum*seq_len."""
 
     max_steps: int = Field(300, gt=0)
-    batch_size: int = Field(16, gt=0)
+    batch_size: int = Field(8, gt=0)
     grad_accum: int = Field(1, gt=0)
     seq_len: int = Field(128, gt=1)
-    eval_every: int = Field(100, gt=0)
+    eval_every: int = Field(150, gt=0)
     eval_max_batches: int | None = Field(None, gt=0)
     log_every: int = Field(10, gt=0)
     seed: int = 0

@@ -139,7 +139,8 @@ def train(
         f"  train {data.train.shape[0]:,} x {tc.seq_len + 1} tokens, "
         f"val {data.val.shape[0]:,} windows, vocab {data.vocab_size:,}"
     )
-    unigram = unigram_perplexity(data.train.flatten(), data.val.flatten(), data.vocab_size)
+    # the unigram baseline scores exactly the tokens the model predicts (labels of each window)
+    unigram = unigram_perplexity(data.train.flatten(), data.val[:, 1:], data.vocab_size)
 
     model = build_llama(recipe.model, data.vocab_size)
     poet_gen = torch.Generator().manual_seed(tc.seed + 1)

@@ -108,3 +108,14 @@ def test_frozen_orthogonal_control_keeps_q_at_zero(tmp_path):
     state = load_file(tmp_path / "ctl" / "model.safetensors")
     qs = [v for k, v in state.items() if k.endswith(".Q")]
     assert qs and all(q.abs().max() == 0 for q in qs)
+
+
+@pytest.mark.slow
+def test_default_command_beats_quarter_of_unigram(tmp_path):
+    """The README's main job, unchanged: ``poetxq quantize-and-train --bits 8`` (about 3 min)."""
+    assert main(["quantize-and-train", "--bits", "8", "--output-dir", str(tmp_path),
+                 "--run-name", "default", "--no-progress"]) == 0  # fmt: skip
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    assert summary["steps"] == 300 and summary["merges"] == 2
+    assert summary["final_val_ppl"] < 0.25 * summary["unigram_val_ppl"]
+    assert summary["final_val_ppl"] < summary["initial_val_ppl"] / 20

@@ -113,7 +113,7 @@ def test_embedded_trained_bpe_has_over_2m_tokens(tmp_path: Path) -> None:
     cfg = DataConfig(source="embedded", vocab_size=1024, cache_dir=str(tmp_path))
     td = prepare_data(cfg, 512, progress=False)
     assert td.train_tokens >= 2_000_000
-    assert td.val_tokens == 65536  # default cap on validation tokens
+    assert td.val_tokens == 32768  # default cap on validation tokens
     assert td.vocab_size == 1024
     assert td.eos_id == 0
     assert td.tokenizer.token_to_id("<|endoftext|>") == 0
