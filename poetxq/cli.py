@@ -8,6 +8,7 @@ written to the run directory.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -169,9 +170,20 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _check_tracker(name: str | None) -> None:
+    """Fail early (before any work) when the asked-for tracker's package is missing."""
+    packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+    if name in packages and not any(importlib.util.find_spec(p) for p in packages[name]):
+        raise RecipeError(
+            f"--log-with {name} needs the '{packages[name][0]}' package: "
+            f"pip install {packages[name][0]}"
+        )
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
+    _check_tracker(args.log_with)
     recipe = load_recipe(args.recipe, _overrides(args))
     run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
     train(recipe, run_dir, log_with=args.log_with, progress=not args.no_progress)

@@ -238,9 +238,8 @@ def train(
         if step % tc.eval_every == 0 and step < tc.max_steps:
             val_loss, val_ppl = evaluate()
             log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
-            bar.write(
-                f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}"
-            ) if main else None
+            if main:
+                bar.write(f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}")
     bar.close()
     train_seconds = time.perf_counter() - train_start
 

@@ -119,3 +119,17 @@ def test_default_command_beats_quarter_of_unigram(tmp_path):
     assert summary["steps"] == 300 and summary["merges"] == 2
     assert summary["final_val_ppl"] < 0.25 * summary["unigram_val_ppl"]
     assert summary["final_val_ppl"] < summary["initial_val_ppl"] / 20
+
+
+def test_missing_tracker_package_is_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+
+    def fake(name, *args):
+        return None if "tensorboard" in name.lower() else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", fake)
+    assert _run(tmp_path, "--log-with", "tensorboard") == 2
+    assert "pip install tensorboard" in _one_error_line(capsys)
+    assert not any(tmp_path.iterdir())
