@@ -1,17 +1,24 @@
 """Low-bit GEMM and orthogonal-block kernels for POET-XQ.
 
-The functions exported here are the single entry points the POET-X(Q) layer calls. Today they are
-the plain-torch references in :mod:`quant_kernels.reference`; the fused Triton kernels (dequant-
-matmul, Cayley–Neumann, permutation-fused block-diagonal multiply) slot in behind these same names
-and keep the reference as the CPU fallback and test oracle. This package imports only torch.
+The functions exported here are the single entry points the POET-X(Q) layer calls. On CUDA tensors
+(with Triton importable) the GEMMs against the frozen weight run as fused Triton dequant-matmul
+kernels (:mod:`quant_kernels.dequant_matmul`); everywhere else the plain-torch references of
+:mod:`quant_kernels.reference` run, and they remain the test oracle. This package imports only
+torch (Triton lazily, on first CUDA use).
 """
 
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from quant_kernels import reference
 from quant_kernels.reference import (
     block_diag_matmul,
     cayley_neumann,
     dequant_int8_rowwise,
-    int8_rowwise_matmul,
-    int8_rowwise_matmul_t,
     quantize_int8_rowwise,
     skew_from_packed,
 )
@@ -24,4 +31,34 @@ __all__ = [
     "int8_rowwise_matmul_t",
     "quantize_int8_rowwise",
     "skew_from_packed",
+    "triton_enabled",
 ]
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve ``t``: a CUDA tensor, Triton installed, and not disabled
+    by ``POETXQ_DISABLE_TRITON=1`` (which forces the torch reference path everywhere)."""
+    return t.is_cuda and _HAS_TRITON and os.environ.get("POETXQ_DISABLE_TRITON", "0") != "1"
+
+
+def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """``x @ Wᵀ`` with ``W = CB · SCB/127`` (``x [..., K]``, ``CB`` int8 ``[N, K]``) → ``[..., N]``.
+
+    Fused Triton kernel on CUDA (the weight is never materialized); torch reference otherwise.
+    """
+    if triton_enabled(x):
+        from quant_kernels.dequant_matmul import int8_matmul
+
+        return int8_matmul(x, cb, scb)
+    return reference.int8_rowwise_matmul(x, cb, scb)
+
+
+def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """``g @ W`` with ``W = CB · SCB/127`` (``g [..., N]``) → ``[..., K]`` (the dX GEMM)."""
+    if triton_enabled(g):
+        from quant_kernels.dequant_matmul import int8_matmul_t
+
+        return int8_matmul_t(g, cb, scb)
+    return reference.int8_rowwise_matmul_t(g, cb, scb)
