@@ -1,12 +1,13 @@
 """All GPU checks and benchmarks of the project in one run; writes JSON to ``--out-dir``.
 
-1. Correctness at real sizes: a POET-XQ (int8) and a POET-X (unquantized) layer at the Llama-8B
-   MLP shape, forward and input/Q gradients against a dense float64 reference
-   ``x @ (R·W0·P)ᵀ`` built on the GPU from the same blocks and permutations; the same layer in
-   bf16 against that reference.
-2. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
+1. Correctness at real sizes: POET-XQ (int8) and POET-X (unquantized) layers at Llama-8B/350M
+   MLP shapes; output and input gradient against a dense float64 ``x @ (R·W0·P)ᵀ`` built on the
+   GPU from the same blocks and permutations, in fp32 and under bf16 autocast.
+2. Fused int8 dequant-matmul vs bf16 cuBLAS at the 8B/13B MLP shapes
+   (``evals/bench_dequant_matmul.py``).
+3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
-3. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
+4. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
    the GPU in bf16 with no flags (``evals/vertical_slice.py``; ``--skip-train`` leaves it out).
 
 Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         correctness(2736, 1024, 256, 8, gen),  # 350M MLP: ragged (2736 = 10x256 + 176)
     ]
     print(json.dumps(report["correctness"], indent=1), flush=True)
+    import bench_dequant_matmul
+
+    report["dequant_matmul"] = bench_dequant_matmul.run_all()
+    (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
     report["layer_speed_8b_mlp_bf16"] = [
         layer_speed(4096, 14336, 256),
         layer_speed(14336, 4096, 256),
