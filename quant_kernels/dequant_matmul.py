@@ -28,11 +28,13 @@ def _configs() -> list[triton.Config]:
     cfgs = []
     for bm, bn, bk, warps, stages in (
         (128, 256, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4),
+        (128, 256, 64, 8, 4),
+        (128, 256, 128, 8, 3),
         (256, 128, 64, 8, 3),
+        (256, 128, 128, 8, 3),
+        (128, 128, 128, 8, 4),
+        (128, 128, 64, 4, 4),
         (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 3),
     ):
         cfgs.append(
             triton.Config(
@@ -72,6 +74,15 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
+def _to(b, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    # int8 -> float is exact either way; the interpreter needs the fp32 hop (it bit-casts int8 to
+    # 16-bit floats), the GPU converts directly.
+    if UPCAST:
+        return b.to(tl.float32).to(dtype)
+    return b.to(dtype)
+
+
+@triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
     # Triton's CPU interpreter mis-multiplies 16-bit float tiles; there (tests only) the already
     # rounded bf16/fp16 operands are widened to fp32 first, which is exact.
@@ -95,18 +106,18 @@ def _int8_mm_nt_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN] view
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BN, BK], K-major
+    # Computed transposed (yᵀ = W xᵀ) so the converted int8 tile is the MMA's register operand.
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0)
-        b = b.to(tl.float32).to(a.dtype)  # int8 -> fp32 -> activation dtype (exact)
-        acc = _dot(a, b, acc, UPCAST)
+        b = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0)
+        acc = _dot(_to(b, a.dtype, UPCAST), tl.trans(a), acc, UPCAST)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0) * (1.0 / 127.0)
-    acc = acc * scale[None, :]
+    acc = tl.trans(acc * scale[:, None])
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(
         y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -129,6 +140,7 @@ def _int8_mm_nn_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :] * stride_gk
     w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    # Measured on the H200 (evals/results): here the plain orientation beats the transposed one.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
