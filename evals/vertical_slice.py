@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     extra = [x for kv in args.overrides for x in ("--set", kv)]
     results: dict[str, dict] = {}
+    commit = _commit()  # read before the runs: HEAD may move while they train
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs:
             start = time.perf_counter()
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {
         "date": time.strftime("%Y-%m-%d"),
         "command": "python evals/vertical_slice.py " + " ".join(argv or sys.argv[1:]),
-        "commit": _commit(),
+        "commit": commit,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
         "runs": results,
