@@ -148,8 +148,10 @@ class POETXLinear(nn.Module):
         out_features: ``m``.
         block_size: ``b`` of the orthogonal blocks (``2 ≤ b ≤ min(m, n)``); ragged dims are
             padded with a masked last block (see :mod:`poetxq.orthogonal`).
-        bits: 8 → ``W'`` stored int8 row-wise (bitsandbytes layout); 16 → unquantized ``W'`` in
-            ``dtype`` (plain POET-X).
+        bits: 8 → ``W'`` stored int8 row-wise (bitsandbytes layout); 4 → NF4/FP4 blockwise
+            (bitsandbytes ``Params4bit`` layout); 16 → unquantized ``W'`` in ``dtype`` (POET-X).
+        quant_type: ``"nf4"`` or ``"fp4"`` (``bits=4`` only).
+        double_quant: quantize the 4-bit ``absmax`` again (``bits=4`` only).
         variant: ``"mem"`` (saves only ``x``) or ``"fast"`` (keeps the GEMM output).
         neumann_terms: Neumann order ``k`` of the Cayley–Neumann parameterization.
         weight: initial ``W0`` ``[m, n]``; default: normalized Gaussian from ``generator``.
@@ -178,6 +180,8 @@ class POETXLinear(nn.Module):
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        quant_type: str = "nf4",
+        double_quant: bool = True,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -199,9 +203,12 @@ class POETXLinear(nn.Module):
             out_features, block_size, neumann_terms=neumann_terms, generator=generator,
             dtype=dtype, device=device,
         )  # fmt: skip
-        w = weight.detach().to(device=device, dtype=torch.float32 if bits == 8 else dtype)
+        w = weight.detach().to(device=device, dtype=torch.float32 if bits in (4, 8) else dtype)
         stored = w[self.R.perm][:, self.P.perm]  # W' = Ψ_m W0 Ψ_nᵀ
-        self.frozen = make_frozen_weight(stored, bits, stochastic=stochastic_requant)
+        self.frozen = make_frozen_weight(
+            stored, bits, stochastic=stochastic_requant, quant_type=quant_type,
+            double_quant=double_quant,
+        )  # fmt: skip
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         )

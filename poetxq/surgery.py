@@ -37,6 +37,7 @@ class SurgeryReport:
     block_size: int = 0
     bits: int = 8
     variant: str = "mem"
+    quant_type: str = "nf4"
 
     def ragged(self) -> list[ConvertedLayer]:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
@@ -87,7 +88,9 @@ def convert_to_poetx(
     Raises:
         ValueError: no target module found, or the block size exceeds a layer dimension.
     """
-    report = SurgeryReport(block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant)
+    report = SurgeryReport(
+        block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant, quant_type=cfg.quant_type
+    )
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
@@ -114,6 +117,8 @@ def convert_to_poetx(
             stochastic_requant=cfg.requant == "stochastic",
             generator=generator,
             device=lin.weight.device,
+            quant_type=cfg.quant_type,
+            double_quant=cfg.double_quant,
         )
         if cfg.freeze_orthogonal:
             for p in new.orthogonal_parameters():
@@ -140,7 +145,10 @@ def summarize(model: nn.Module, report: SurgeryReport) -> str:
     other = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in q_ids)
     frozen = sum(layer.frozen.nbytes() for layer in layers)
     frozen_params = sum(layer.in_features * layer.out_features for layer in layers)
-    kind = "int8 row-wise (bitsandbytes layout)" if report.bits == 8 else "unquantized (POET-X)"
+    kind = {
+        8: "int8 row-wise (bitsandbytes layout)",
+        4: f"4-bit {report.quant_type.upper()} blockwise (bitsandbytes Params4bit layout)",
+    }.get(report.bits, "unquantized (POET-X)")
     shapes: dict[tuple[str, int, int], int] = {}
     for c in report.layers:
         key = (c.name.rsplit(".", 1)[-1], c.out_features, c.in_features)

@@ -61,5 +61,5 @@ def test_make_frozen_weight():
     w = torch.randn(3, 4)
     assert isinstance(make_frozen_weight(w, 8), Int8RowwiseWeight)
     assert isinstance(make_frozen_weight(w, 16), DenseWeight)
-    with pytest.raises(ValueError, match="bits=4"):
-        make_frozen_weight(w, 4)
+    with pytest.raises(ValueError, match="bits=3"):
+        make_frozen_weight(w, 3)

@@ -50,7 +50,8 @@ def test_typo_key_names_file_key_and_allowed(tmp_path):
 @pytest.mark.parametrize(
     "tree,needle",
     [
-        ({"poet": {"bits": 4}}, "poet.bits"),
+        ({"poet": {"bits": 3}}, "poet.bits"),
+        ({"poet": {"quant_type": "int3"}}, "poet.quant_type"),
         ({"poet": {"variant": "slow"}}, "poet.variant"),
         ({"poet": {"block_size": 512}}, "exceeds the smallest layer dimension"),
         ({"model": {"hidden_size": 250}}, "not divisible"),
