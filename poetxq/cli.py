@@ -17,12 +17,12 @@ from poetxq.recipe import RecipeError, load_recipe, parse_override
 
 # flag dest -> recipe key
 _FLAG_KEYS = {
+    "method": "method",
     "bits": "poet.bits",
     "block_size": "poet.block_size",
     "merge_interval": "poet.merge_interval",
     "variant": "poet.variant",
     "requant": "poet.requant",
-    "quant_type": "poet.quant_type",
     "max_steps": "train.max_steps",
     "batch_size": "train.batch_size",
     "grad_accum": "train.grad_accum",
@@ -65,19 +65,21 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override any recipe key, e.g. --set optim.warmup_steps=50 (repeatable)",
     )
+    g = p.add_argument_group("method")
+    g.add_argument(
+        "--method",
+        choices=("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"),
+        help="poetxq (int8 W0), poetx (unquantized W0), or a baseline: adamw, galore, apollo, "
+        "qgalore, qapollo (int8 weights); baseline settings under baseline.* [method, "
+        "default poetxq]",
+    )
     g = p.add_argument_group("POET-X(Q)")
     g.add_argument(
         "--bits",
         type=int,
-        choices=(4, 8, 16),
-        help="frozen W0 storage: 8 = int8 row-wise (POET-XQ), 4 = NF4/FP4 blockwise "
-        "(bitsandbytes Params4bit layout), 16 = unquantized POET-X [poet.bits, default 8]",
-    )
-    g.add_argument(
-        "--quant-type",
-        choices=("nf4", "fp4"),
-        help="4-bit code for --bits 4, blocksize 64, double quant on "
-        "[poet.quant_type, default nf4; poet.double_quant]",
+        choices=(8, 16),
+        help="frozen W0 storage: 8 = int8 row-wise (POET-XQ), 16 = unquantized POET-X "
+        "[poet.bits, default 8]",
     )
     g.add_argument(
         "--block-size",
@@ -200,7 +202,12 @@ def _run_train(args: argparse.Namespace) -> int:
 def _run_validate(args: argparse.Namespace) -> int:
     for path in args.recipes:
         recipe = load_recipe(path)
-        print(f"{path}: ok ({recipe.name}: bits={recipe.poet.bits}, b={recipe.poet.block_size})")
+        detail = (
+            f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
+            if recipe.method in ("poetxq", "poetx")
+            else f"rank={recipe.baseline.rank}"
+        )
+        print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Training recipes: a validated schema, YAML loading and ``key=value`` overrides.
 
-A recipe is plain data (YAML) with five sections — ``model``, ``poet``, ``optim``, ``train``,
-``data`` — validated by pydantic with unknown keys forbidden. The defaults of this schema *are* the
-embedded default recipe (a tiny Llama on the embedded English corpus, sized to finish in under
-three minutes on 2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values out.
+A recipe is plain data (YAML): a ``method`` (``poetxq`` by default, or a baseline) and six
+sections — ``model``, ``poet``, ``optim``, ``train``, ``data``, ``baseline`` — validated by
+pydantic with unknown keys forbidden. The defaults of this schema *are* the embedded default
+recipe (a tiny Llama on the embedded English corpus, sized to finish in under three minutes on
+2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values out.
 
 Errors are reported as one line naming the file, the key and what is allowed
 (:class:`RecipeError`).
@@ -58,14 +59,12 @@ class ModelConfig(_Section):
 class POETConfig(_Section):
     """POET-X(Q) settings (DESIGN.md §1–2)."""
 
-    bits: Literal[4, 8, 16] = 8  # 8 = POET-XQ int8 W0; 4 = NF4/FP4 W0; 16 = unquantized POET-X
+    bits: Literal[8, 16] = 8  # 8 = POET-XQ int8 W0; 16 = unquantized POET-X
     block_size: int = Field(64, ge=2)  # b
     merge_interval: int = Field(100, ge=1)  # T (steps between merge-then-reinitialize)
     variant: Literal["fast", "mem"] = "mem"
     neumann_terms: int = Field(3, ge=1)  # k
     requant: Literal["nearest", "stochastic"] = "nearest"
-    quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
-    double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
     freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
@@ -81,8 +80,37 @@ class OptimConfig(_Section):
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.01, ge=0, le=1)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping (the GaLore/APOLLO scripts' default)
     clip_rewarm_steps: int = Field(10, ge=0)  # clip re-warmed 0.1x -> 1x after each merge
+
+
+METHODS = ("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo")
+Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"]
+
+
+class BaselineConfig(_Section):
+    """Settings of the non-POET methods (DESIGN.md §3; :mod:`poetxq.baselines`).
+
+    ``None`` means the method's default: ``scale`` 0.25 for galore/qgalore and 1.0 for
+    apollo/qapollo; ``weight_group_size`` 256 for qgalore and 128 for qapollo.
+    """
+
+    rank: int = Field(128, ge=1)  # r (clamped to min(out, in) of each weight)
+    update_proj_gap: int = Field(200, ge=1)
+    scale: float | None = Field(None, gt=0)
+    scale_type: Literal["channel", "tensor"] = "channel"  # APOLLO; tensor = APOLLO-Mini
+    norm_growth_limit: float = Field(1.01, ge=1)  # APOLLO's limiter gamma
+    proj_bits: Literal[4, 32] = 4  # qgalore: INT4 projection matrices
+    proj_group_size: int = Field(256, ge=1)
+    state_bits: Literal[8, 32] = 8  # qgalore: 8-bit blockwise Adam states for the low-rank moments
+    lazy_update: bool = True  # qgalore: lazy layer-adaptive subspace refresh
+    cos_threshold: float = Field(0.4, ge=-1, le=1)
+    gamma_proj: int = Field(2, ge=1)
+    queue_size: int = Field(5, ge=1)
+    weight_group_size: int | None = Field(None, ge=1)  # qgalore / qapollo int8 weights
+    stochastic_round: bool = True
+    seed: int = 0  # APOLLO projection seeds and the stochastic-rounding noise
+    target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
 
 class TrainConfig(_Section):
@@ -104,24 +132,30 @@ class Recipe(_Section):
     """A whole training recipe. ``Recipe()`` is the embedded default."""
 
     name: str = "tiny-poetxq"
+    method: Method = "poetxq"  # poetx = POET-X with unquantized W0 (forces poet.bits = 16)
     model: ModelConfig = Field(default_factory=ModelConfig)
     poet: POETConfig = Field(default_factory=POETConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    baseline: BaselineConfig = Field(default_factory=BaselineConfig)
 
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:
         m = self.model
         smallest = min(m.hidden_size, m.intermediate_size)
-        if self.poet.block_size > smallest:
+        if self.method == "poetx" and self.poet.bits != 16:
+            self.poet.bits = 16
+        if self.method in ("poetxq", "poetx") and self.poet.block_size > smallest:
             raise ValueError(
                 f"poet.block_size {self.poet.block_size} exceeds the smallest layer dimension "
                 f"{smallest}; choose a block size <= {smallest}"
             )
         if m.max_position_embeddings < self.train.seq_len:
             m.max_position_embeddings = self.train.seq_len
-        unknown = set(self.poet.target_modules) - set(TARGET_MODULES)
+        unknown = (set(self.poet.target_modules) | set(self.baseline.target_modules)) - set(
+            TARGET_MODULES
+        )
         if unknown:
             raise ValueError(
                 f"unknown target module(s) {sorted(unknown)}; allowed {TARGET_MODULES}"

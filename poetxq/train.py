@@ -22,6 +22,13 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from poetxq.baselines import (
+    build_baseline_optimizer,
+    clip_grad_norm_all,
+    prepare_baseline,
+    quant_modules,
+    summarize_baseline,
+)
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.evaluate import causal_lm_loss, evaluate_perplexity
 from poetxq.optim import (
@@ -144,9 +151,15 @@ def train(
 
     model = build_llama(recipe.model, data.vocab_size)
     poet_gen = torch.Generator().manual_seed(tc.seed + 1)
-    report = convert_to_poetx(model, pc, generator=poet_gen)
-    say(summarize(model, report))
-    optimizer = build_optimizer(model, oc)
+    is_poet = recipe.method in ("poetxq", "poetx")
+    if is_poet:
+        report = convert_to_poetx(model, pc, generator=poet_gen)
+        say(summarize(model, report))
+        optimizer = build_optimizer(model, oc)
+    else:
+        base_report = prepare_baseline(model, recipe.method, recipe.baseline)
+        say(summarize_baseline(model, base_report, recipe.baseline))
+        optimizer = build_baseline_optimizer(model, base_report, recipe.baseline, oc)
     scheduler = build_scheduler(optimizer, oc, tc.max_steps)
 
     loader = DataLoader(
@@ -164,6 +177,7 @@ def train(
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     raw_model = accelerator.unwrap_model(model)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
+    qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
     device = accelerator.device
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -209,13 +223,21 @@ def train(
                 accelerator.backward(loss / tc.grad_accum)
             loss_sum += loss.detach()
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+        if qmods:
+            grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
+        else:  # grad_clip 0: no clipping, the norm is still logged
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1
-        if step % pc.merge_interval == 0 and step < tc.max_steps and not pc.freeze_orthogonal:
+        if (
+            is_poet
+            and step % pc.merge_interval == 0
+            and step < tc.max_steps
+            and not pc.freeze_orthogonal
+        ):
             merge_and_reset(raw_model, raw_optimizer, poet_gen)
             merges += 1
             steps_since_merge = 0
