@@ -23,6 +23,7 @@ _FLAG_KEYS = {
     "merge_interval": "poet.merge_interval",
     "variant": "poet.variant",
     "requant": "poet.requant",
+    "quant_type": "poet.quant_type",
     "max_steps": "train.max_steps",
     "batch_size": "train.batch_size",
     "grad_accum": "train.grad_accum",
@@ -77,9 +78,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--bits",
         type=int,
-        choices=(8, 16),
-        help="frozen W0 storage: 8 = int8 row-wise (POET-XQ), 16 = unquantized POET-X "
-        "[poet.bits, default 8]",
+        choices=(4, 8, 16),
+        help="frozen W0 storage: 8 = int8 row-wise (POET-XQ), 4 = NF4/FP4 blockwise "
+        "(bitsandbytes Params4bit layout), 16 = unquantized POET-X [poet.bits, default 8]",
+    )
+    g.add_argument(
+        "--quant-type",
+        choices=("nf4", "fp4"),
+        help="4-bit code for --bits 4, blocksize 64, double quant on "
+        "[poet.quant_type, default nf4; poet.double_quant]",
     )
     g.add_argument(
         "--block-size",

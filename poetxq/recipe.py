@@ -59,12 +59,14 @@ class ModelConfig(_Section):
 class POETConfig(_Section):
     """POET-X(Q) settings (DESIGN.md §1–2)."""
 
-    bits: Literal[8, 16] = 8  # 8 = POET-XQ int8 W0; 16 = unquantized POET-X
+    bits: Literal[4, 8, 16] = 8  # 8 = POET-XQ int8 W0; 4 = NF4/FP4 W0; 16 = unquantized POET-X
     block_size: int = Field(64, ge=2)  # b
     merge_interval: int = Field(100, ge=1)  # T (steps between merge-then-reinitialize)
     variant: Literal["fast", "mem"] = "mem"
     neumann_terms: int = Field(3, ge=1)  # k
     requant: Literal["nearest", "stochastic"] = "nearest"
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
+    double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
     freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
