@@ -1,4 +1,4 @@
-"""Benchmark + real-size check of the fused int8 dequant-matmul against bf16 cuBLAS (GPU).
+"""Benchmark + real-size check of the fused int8 and NF4 dequant-matmuls vs bf16 cuBLAS (GPU).
 
 For each (M, K, N): bf16 ``x @ Wᵀ`` (cuBLAS, weight in bf16), our fused int8 kernel, and the
 torch dequantize-then-matmul path; and for the backward-input GEMM ``dy @ W`` the same three.
@@ -17,7 +17,12 @@ import sys
 import torch
 
 from quant_kernels import reference
-from quant_kernels.dequant_matmul import int8_matmul, int8_matmul_t
+from quant_kernels.dequant_matmul import (
+    blockwise_4bit_matmul,
+    blockwise_4bit_matmul_t,
+    int8_matmul,
+    int8_matmul_t,
+)
 
 SHAPES = [  # (M tokens, K in, N out)
     (8192, 4096, 14336),  # Llama-8B gate/up
@@ -82,6 +87,10 @@ def bench_shape(m: int, k: int, n: int) -> dict:
             k_: {"ms": t, "ratio_vs_bf16": t / base, "tflops": flops / t / 1e9}
             for k_, t in times.items()
         }
+    try:
+        _bench_nf4(res, w, xs, gs)
+    except Exception as exc:  # bitsandbytes missing/broken on the host: report, keep going
+        res["nf4_error"] = f"{type(exc).__name__}: {exc}"
     x, g = xs(), gs()
     y_ref = x.float() @ w_bf.float().t()
     dx_ref = g.float() @ w_bf.float()
@@ -92,6 +101,45 @@ def bench_shape(m: int, k: int, n: int) -> dict:
         (int8_matmul_t(g, cb, scb).float() - dx_ref).norm() / dx_ref.norm()
     ).item()
     return res
+
+
+def _bench_nf4(res: dict, w: torch.Tensor, xs, gs) -> None:
+    """NF4 (blocksize 64, double quant) fused kernel vs bf16 and bitsandbytes' own 4-bit matmul."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnbf
+
+    n, k = w.shape
+    w16 = w.to(torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(
+        w16, blocksize=64, quant_type="nf4", compress_statistics=True
+    )
+    w_deq = bnbf.dequantize_4bit(packed, state).to(torch.bfloat16)
+
+    def absmax() -> torch.Tensor:  # double-quantized statistics -> fp32 (n·k/64 values)
+        return bnbf.dequantize_blockwise(state.absmax, state.state2).float() + state.offset
+
+    code = state.code.float()
+    fwd = {
+        "bf16_matmul": lambda: xs() @ w_deq.t(),
+        "nf4_fused": lambda: blockwise_4bit_matmul(xs(), packed, absmax(), code, 64, (n, k)),
+        "bnb_matmul_4bit": lambda: bnb.matmul_4bit(xs(), packed.t(), quant_state=state),
+    }
+    bwd = {
+        "bf16_matmul": lambda: gs() @ w_deq,
+        "nf4_fused": lambda: blockwise_4bit_matmul_t(gs(), packed, absmax(), code, 64, (n, k)),
+    }
+    for name, table in (("nf4_forward", fwd), ("nf4_backward_input", bwd)):
+        times = {k_: time_ms(f) for k_, f in table.items()}
+        res[name] = {
+            k_: {"ms": t, "ratio_vs_bf16": t / times["bf16_matmul"]} for k_, t in times.items()
+        }
+    x, g = xs(), gs()
+    y_ref = x.float() @ w_deq.float().t()
+    dx_ref = g.float() @ w_deq.float()
+    y = blockwise_4bit_matmul(x, packed, absmax(), code, 64, (n, k)).float()
+    dx = blockwise_4bit_matmul_t(g, packed, absmax(), code, 64, (n, k)).float()
+    res["nf4_forward"]["rel_err_vs_fp32"] = ((y - y_ref).norm() / y_ref.norm()).item()
+    res["nf4_backward_input"]["rel_err_vs_fp32"] = ((dx - dx_ref).norm() / dx_ref.norm()).item()
 
 
 def run_all() -> list[dict]:
@@ -108,6 +156,17 @@ def run_all() -> list[dict]:
             f"{b['rel_err_vs_fp32']:.1e}",
             flush=True,
         )
+        if "nf4_forward" in r:
+            nf, nb = r["nf4_forward"], r["nf4_backward_input"]
+            print(
+                f"{'':22s}  nf4 fwd/bf16 {nf['nf4_fused']['ratio_vs_bf16']:.3f} (bnb "
+                f"{nf['bnb_matmul_4bit']['ratio_vs_bf16']:.2f})  "
+                f"dX {nb['nf4_fused']['ratio_vs_bf16']:.3f}"
+                f"  err {nf['rel_err_vs_fp32']:.1e}/{nb['rel_err_vs_fp32']:.1e}",
+                flush=True,
+            )
+        else:
+            print(f"{'':22s}  nf4: {r.get('nf4_error')}", flush=True)
     return out
 
 

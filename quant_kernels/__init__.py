@@ -25,6 +25,8 @@ from quant_kernels.reference import (
 
 __all__ = [
     "block_diag_matmul",
+    "blockwise_4bit_matmul",
+    "blockwise_4bit_matmul_t",
     "cayley_neumann",
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
@@ -62,3 +64,45 @@ def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) 
 
         return int8_matmul_t(g, cb, scb)
     return reference.int8_rowwise_matmul_t(g, cb, scb)
+
+
+def blockwise_4bit_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``x @ Wᵀ`` for a bitsandbytes NF4/FP4 blockwise weight ``W [N, K]`` → ``[..., N]``.
+
+    ``absmax`` is fp32 (double-quantized statistics dequantized first). Fused Triton kernel on
+    CUDA; the torch reference (:mod:`quant_kernels.reference_4bit`) otherwise.
+    """
+    from quant_kernels import reference_4bit
+
+    if triton_enabled(x):
+        from quant_kernels.dequant_matmul import blockwise_4bit_matmul as fused
+
+        code = reference_4bit.get_4bit_code(quant_type, x.device)
+        return fused(x, packed, absmax, code, blocksize, shape)
+    return reference_4bit.blockwise_4bit_matmul(x, packed, absmax, quant_type, blocksize, shape)
+
+
+def blockwise_4bit_matmul_t(
+    g: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``g @ W`` for a bitsandbytes NF4/FP4 weight ``W [N, K]`` (``g [..., N]``) → ``[..., K]``."""
+    from quant_kernels import reference_4bit
+
+    if triton_enabled(g):
+        from quant_kernels.dequant_matmul import blockwise_4bit_matmul_t as fused
+
+        code = reference_4bit.get_4bit_code(quant_type, g.device)
+        return fused(g, packed, absmax, code, blocksize, shape)
+    return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)

@@ -156,6 +156,85 @@ def _int8_mm_nn_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _decode_4bit(
+    packed_ptr, absmax_ptr, qmap_ptr, rows, cols, n_cols, mask,
+    BLOCKSIZE: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Dequantize W[rows, cols] from the bitsandbytes 4-bit layout (row-major flat index
+    ``e = row·n_cols + col``; byte ``e // 2``, first element in the high nibble; block scale
+    ``absmax[e // blocksize]``; code value ``quant_map[code]``), rounded to ``DTYPE``."""
+    e = rows.to(tl.int64) * n_cols + cols
+    byte = tl.load(packed_ptr + (e >> 1), mask=mask, other=0).to(tl.int32)
+    code = tl.where((e & 1) == 0, byte >> 4, byte & 15)
+    val = tl.load(qmap_ptr + code, mask=mask, other=0.0)
+    scale = tl.load(absmax_ptr + e // BLOCKSIZE, mask=mask, other=0.0)
+    return (val * scale).to(DTYPE)
+
+
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _4bit_mm_nt_kernel(
+    x_ptr, packed_ptr, absmax_ptr, qmap_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_ym, stride_yn,
+    UPCAST: tl.constexpr, BLOCKSIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """y[M, N] = x[M, K] @ deq(W)[N, K]ᵀ, W in bitsandbytes NF4/FP4 blockwise layout."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ = W xᵀ: W is the register operand
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        cols = k * BLOCK_K + offs_k
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (cols[None, :] < K), other=0.0)
+        wmask = (offs_n[:, None] < N) & (cols[None, :] < K)
+        w = _decode_4bit(packed_ptr, absmax_ptr, qmap_ptr, offs_n[:, None], cols[None, :], K,
+                         wmask, BLOCKSIZE, a.dtype)  # fmt: skip
+        acc = _dot(w, tl.trans(a), acc, UPCAST)
+        x_ptrs += BLOCK_K * stride_xk
+    acc = tl.trans(acc)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(
+        y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)
+    )
+
+
+@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _4bit_mm_nn_kernel(
+    g_ptr, packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
+    M, N, K, W_COLS,
+    stride_gm, stride_gk, stride_om, stride_on,
+    UPCAST: tl.constexpr, BLOCKSIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """out[M, N] = g[M, K] @ deq(W)[K, N]; W has K rows and W_COLS (= N) columns."""
+    pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = g_ptr + offs_m[:, None] * stride_gm + offs_k[None, :] * stride_gk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        rows = k * BLOCK_K + offs_k
+        a = tl.load(g_ptrs, mask=(offs_m[:, None] < M) & (rows[None, :] < K), other=0.0)
+        wmask = (rows[:, None] < K) & (offs_n[None, :] < N)
+        w = _decode_4bit(packed_ptr, absmax_ptr, qmap_ptr, rows[:, None], offs_n[None, :], W_COLS,
+                         wmask, BLOCKSIZE, a.dtype)  # fmt: skip
+        acc = _dot(a, w, acc, UPCAST)
+        g_ptrs += BLOCK_K * stride_gk
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(
+        out_ptrs,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
 def _grid(meta: dict, M: int, N: int) -> tuple[int]:
     return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
@@ -228,3 +307,90 @@ def int8_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch
             UPCAST=_UPCAST,
         )  # fmt: skip
     return out.view(*lead, K)
+
+
+def _check_4bit(packed, absmax, quant_map, shape, act, dim, what, blocksize) -> None:
+    n, k = shape
+    if packed.dtype != torch.uint8 or packed.numel() != (n * k + 1) // 2:
+        raise ValueError(
+            f"packed must be uint8 with {(n * k + 1) // 2} bytes for shape {tuple(shape)}, "
+            f"got {packed.dtype} with {packed.numel()}"
+        )
+    if absmax.numel() != -(-n * k // blocksize) or not absmax.is_floating_point():
+        raise ValueError(
+            f"absmax must be float with {-(-n * k // blocksize)} entries (blocksize {blocksize}); "
+            "double-quantized absmax must be dequantized first"
+        )
+    if quant_map.numel() != 16:
+        raise ValueError(f"quant_map must hold the 16 code values, got {quant_map.numel()}")
+    if act.shape[-1] != shape[dim]:
+        raise ValueError(
+            f"{what} has last dim {act.shape[-1]}; W {tuple(shape)} needs {shape[dim]}"
+        )
+
+
+def blockwise_4bit_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_map: torch.Tensor,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``x @ deq(W)ᵀ`` for a bitsandbytes NF4/FP4 weight ``W [N, K]``, fused (Triton).
+
+    Args:
+        x: ``[..., K]`` bf16/fp16/fp32.
+        packed: uint8 ``[ceil(N·K/2)]`` (any shape; bitsandbytes stores ``[N·K/2, 1]``).
+        absmax: fp32 ``[ceil(N·K/blocksize)]`` (double-quantized absmax dequantized first).
+        quant_map: fp32 ``[16]`` code values (NF4 or FP4).
+        blocksize: elements per absmax block (bitsandbytes: 64).
+        shape: ``(N, K)``.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. Each weight element is ``quant_map[code]·absmax`` rounded to
+        ``x.dtype`` (as the reference dequantizes), fp32 accumulation.
+
+    Raises:
+        ValueError: on mismatched shapes or dtypes.
+    """
+    _check_4bit(packed, absmax, quant_map, shape, x, 1, "x", blocksize)
+    n, k = shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m and n:
+        _4bit_mm_nt_kernel[lambda meta: _grid(meta, m, n)](
+            x2, packed.reshape(-1), absmax.float().reshape(-1), quant_map.float(), y, m, n, k,
+            x2.stride(0), x2.stride(1), y.stride(0), y.stride(1),
+            UPCAST=_UPCAST, BLOCKSIZE=blocksize,
+        )  # fmt: skip
+    return y.view(*lead, n)
+
+
+def blockwise_4bit_matmul_t(
+    g: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_map: torch.Tensor,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``g @ deq(W)`` for a bitsandbytes NF4/FP4 weight ``W [N, K]``: ``g [..., N]`` → ``[..., K]``.
+
+    Same arguments and errors as :func:`blockwise_4bit_matmul`.
+    """
+    _check_4bit(packed, absmax, quant_map, shape, g, 0, "g", blocksize)
+    n, k = shape
+    lead = g.shape[:-1]
+    g2 = g.reshape(-1, n)
+    m = g2.shape[0]
+    out = torch.empty(m, k, device=g.device, dtype=g.dtype)
+    if m and k:
+        _4bit_mm_nn_kernel[lambda meta: _grid(meta, m, k)](
+            g2, packed.reshape(-1), absmax.float().reshape(-1), quant_map.float(), out, m, k, n, k,
+            g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
+            UPCAST=_UPCAST, BLOCKSIZE=blocksize,
+        )  # fmt: skip
+    return out.view(*lead, k)
