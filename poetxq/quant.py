@@ -177,13 +177,13 @@ class Blockwise4bitWeight(FrozenWeight):
         )  # fmt: skip
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return q4.blockwise_4bit_matmul(
+        return quant_kernels.blockwise_4bit_matmul(  # fused Triton kernel on CUDA
             x, self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize,
             (self.out_features, self.in_features),
         )  # fmt: skip
 
     def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
-        return q4.blockwise_4bit_matmul_t(
+        return quant_kernels.blockwise_4bit_matmul_t(
             g, self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize,
             (self.out_features, self.in_features),
         )  # fmt: skip
