@@ -26,6 +26,8 @@ import torch
 
 from poetxq.layer import POETXLinear
 
+RUNS = ["int8", "bits16", "control", "nf4"]
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
@@ -107,15 +109,19 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     base_ms = _time_ms(run(lin))
     res["nn_linear_ms"] = base_ms
     res["nn_linear_peak_extra_mib"] = peak(run(lin))
-    for bits in (8, 16):
+    for bits in (8, 4, 16):
         for variant in ("fast", "mem"):
-            layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
-                                dtype=torch.bfloat16)  # fmt: skip
-            fn = run(layer)
-            ms = _time_ms(fn)
-            name = f"poetx{'q_int8' if bits == 8 else '_bf16'}_{variant}"
-            res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms, "peak_extra_mib": peak(fn)}
-            del layer
+            name = f"poetx{ {8: 'q_int8', 4: 'q_nf4', 16: '_bf16'}[bits] }_{variant}"
+            try:
+                layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
+                                    dtype=torch.bfloat16)  # fmt: skip
+                fn = run(layer)
+                ms = _time_ms(fn)
+                res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
+                             "peak_extra_mib": peak(fn)}  # fmt: skip
+                del layer, fn
+            except Exception as exc:  # record and go on: one broken variant must not hide the rest
+                res[name] = {"error": f"{type(exc).__name__}: {exc}"}
             torch.cuda.empty_cache()
     return res
 
@@ -140,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python evals/gpu_suite.py " + " ".join(argv or sys.argv[1:]),
     }
     gen = torch.Generator().manual_seed(0)
-    report["correctness"] = [
-        correctness(4096, 14336, 256, 8, gen),
-        correctness(14336, 4096, 256, 16, gen),
-        correctness(2736, 1024, 256, 8, gen),  # 350M MLP: ragged (2736 = 10x256 + 176)
-    ]
+    report["correctness"] = []
+    for n, m, bits in ((4096, 14336, 8), (14336, 4096, 16), (2736, 1024, 8), (4096, 14336, 4)):
+        try:  # (2736 -> 1024: the 350M MLP, ragged: 2736 = 10x256 + 176)
+            report["correctness"].append(correctness(n, m, 256, bits, gen))
+        except Exception as exc:
+            report["correctness"].append({"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)})
     print(json.dumps(report["correctness"], indent=1), flush=True)
     import bench_dequant_matmul
 
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_train:
         here = Path(__file__).resolve().parent
         cmd = [sys.executable, str(here / "vertical_slice.py"), "--out",
-               str(out / "vertical_slice_gpu.json")]  # fmt: skip
+               str(out / "vertical_slice_gpu.json"), "--runs", *RUNS]  # fmt: skip
         return subprocess.run(cmd, check=False).returncode
     return 0
 

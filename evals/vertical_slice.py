@@ -33,6 +33,7 @@ RUNS = {
     "int8": ["--bits", "8"],
     "bits16": ["--bits", "16"],
     "control": ["--bits", "8", "--freeze-orthogonal"],
+    "nf4": ["--bits", "4", "--quant-type", "nf4"],
 }
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--runs", nargs="+", default=["int8", "bits16", "control"], choices=list(RUNS))
     args = ap.parse_args(argv)
     extra = [x for kv in args.overrides for x in ("--set", kv)]
     results: dict[str, dict] = {}
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             "bits16_vs_int8_rel": abs(b16 - i8) / i8,
             "c_bits16_within_5pct": abs(b16 - i8) <= 0.05 * i8,
         }
+    if {"int8", "nf4"} <= results.keys():
+        i8, nf4 = results["int8"]["final_val_ppl"], results["nf4"]["final_val_ppl"]
+        report.setdefault("checks", {})["nf4_vs_int8_rel"] = (nf4 - i8) / i8
+        report["checks"]["nf4_within_10pct_of_int8"] = abs(nf4 - i8) <= 0.10 * i8
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report.get("checks", {}), indent=2))
