@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = [x for kv in args.overrides for x in ("--set", kv)]
     results: dict[str, dict] = {}
     commit = _commit()  # read before the runs: HEAD may move while they train
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs:
             start = time.perf_counter()
@@ -63,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
                 ["quantize-and-train", *RUNS[name], "--output-dir", tmp, "--run-name", name,
                  "--no-progress", *extra]
             )  # fmt: skip
-            if code != 0:
+            if code != 0:  # record and go on with the other runs
                 print(f"run {name} failed with exit code {code}", file=sys.stderr)
-                return code
+                failed.append(name)
+                continue
             summary = json.loads((Path(tmp) / name / "summary.json").read_text())
             summary["wall_seconds"] = time.perf_counter() - start
             summary.pop("run_dir")
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
         "runs": results,
+        "failed_runs": failed,
     }
     if {"int8", "bits16", "control"} <= results.keys():
         i8, b16, ctl = (results[k]["final_val_ppl"] for k in ("int8", "bits16", "control"))
@@ -98,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report.get("checks", {}), indent=2))
     for name, r in results.items():
         print(f"{name:8s} val ppl {r['final_val_ppl']:8.2f}  ({r['wall_seconds']:.0f} s)")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
