@@ -156,7 +156,7 @@ def run_all() -> list[dict]:
             f"{b['rel_err_vs_fp32']:.1e}",
             flush=True,
         )
-        if "nf4_forward" in r:
+        if "nf4_forward" in r and "nf4_backward_input" in r:
             nf, nb = r["nf4_forward"], r["nf4_backward_input"]
             print(
                 f"{'':22s}  nf4 fwd/bf16 {nf['nf4_fused']['ratio_vs_bf16']:.3f} (bnb "

@@ -56,6 +56,16 @@ def _interpreting() -> bool:
 
 
 _CONFIGS = _small_configs() if _interpreting() else _configs()
+_CONFIGS_4BIT = (
+    _small_configs()
+    if _interpreting()
+    else [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=w, num_stages=st
+        )
+        for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 2))
+    ]
+)
 _UPCAST = _interpreting()
 
 
@@ -83,11 +93,14 @@ def _to(b, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     # Triton's CPU interpreter mis-multiplies 16-bit float tiles; there (tests only) the already
-    # rounded bf16/fp16 operands are widened to fp32 first, which is exact.
+    # rounded bf16/fp16 operands are widened to fp32 first, which is exact. fp32 activations get
+    # full fp32 products (IEEE), as torch's fp32 matmul does by default, instead of tf32.
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
@@ -97,7 +110,7 @@ def _int8_mm_nt_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] = (x[M, K] @ CB[N, K]ᵀ) * SCB[N] / 127, fp32 accumulation."""
@@ -113,7 +126,7 @@ def _int8_mm_nt_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0)
-        acc = _dot(_to(b, a.dtype, UPCAST), tl.trans(a), acc, UPCAST)
+        acc = _dot(_to(b, a.dtype, UPCAST), tl.trans(a), acc, UPCAST, IEEE)
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     scale = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0) * (1.0 / 127.0)
@@ -130,7 +143,7 @@ def _int8_mm_nn_kernel(
     g_ptr, w_ptr, s_ptr, out_ptr,
     M, N, K,
     stride_gm, stride_gk, stride_wk, stride_wn, stride_om, stride_on,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = g[M, K] @ (CB[K, N] * SCB[K, None] / 127); here K is the weight's row count."""
@@ -148,7 +161,7 @@ def _int8_mm_nn_kernel(
         b = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0)
         s = tl.load(s_ptr + k * BLOCK_K + offs_k, mask=offs_k < k_left, other=0.0)
         b = (b.to(tl.float32) * (s * (1.0 / 127.0))[:, None]).to(a.dtype)
-        acc = _dot(a, b, acc, UPCAST)
+        acc = _dot(a, b, acc, UPCAST, IEEE)
         g_ptrs += BLOCK_K * stride_gk
         w_ptrs += BLOCK_K * stride_wk
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
@@ -172,13 +185,13 @@ def _decode_4bit(
     return (val * scale).to(DTYPE)
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.autotune(configs=_CONFIGS_4BIT, key=["M", "N", "K"])
 @triton.jit
 def _4bit_mm_nt_kernel(
     x_ptr, packed_ptr, absmax_ptr, qmap_ptr, y_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_ym, stride_yn,
-    UPCAST: tl.constexpr, BLOCKSIZE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCKSIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """y[M, N] = x[M, K] @ deq(W)[N, K]ᵀ, W in bitsandbytes NF4/FP4 blockwise layout."""
@@ -194,7 +207,7 @@ def _4bit_mm_nt_kernel(
         wmask = (offs_n[:, None] < N) & (cols[None, :] < K)
         w = _decode_4bit(packed_ptr, absmax_ptr, qmap_ptr, offs_n[:, None], cols[None, :], K,
                          wmask, BLOCKSIZE, a.dtype)  # fmt: skip
-        acc = _dot(w, tl.trans(a), acc, UPCAST)
+        acc = _dot(w, tl.trans(a), acc, UPCAST, IEEE)
         x_ptrs += BLOCK_K * stride_xk
     acc = tl.trans(acc)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
@@ -203,13 +216,13 @@ def _4bit_mm_nt_kernel(
     )
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.autotune(configs=_CONFIGS_4BIT, key=["M", "N", "K"])
 @triton.jit
 def _4bit_mm_nn_kernel(
     g_ptr, packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     M, N, K, W_COLS,
     stride_gm, stride_gk, stride_om, stride_on,
-    UPCAST: tl.constexpr, BLOCKSIZE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, BLOCKSIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """out[M, N] = g[M, K] @ deq(W)[K, N]; W has K rows and W_COLS (= N) columns."""
@@ -225,7 +238,7 @@ def _4bit_mm_nn_kernel(
         wmask = (rows[:, None] < K) & (offs_n[None, :] < N)
         w = _decode_4bit(packed_ptr, absmax_ptr, qmap_ptr, rows[:, None], offs_n[None, :], W_COLS,
                          wmask, BLOCKSIZE, a.dtype)  # fmt: skip
-        acc = _dot(a, w, acc, UPCAST)
+        acc = _dot(a, w, acc, UPCAST, IEEE)
         g_ptrs += BLOCK_K * stride_gk
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(
@@ -276,7 +289,7 @@ def int8_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.T
         _int8_mm_nt_kernel[lambda meta: _grid(meta, M, N)](
             x2, cb, scb.float(), y, M, N, K,
             x2.stride(0), x2.stride(1), cb.stride(0), cb.stride(1), y.stride(0), y.stride(1),
-            UPCAST=_UPCAST,
+            UPCAST=_UPCAST, IEEE=x.dtype == torch.float32,
         )  # fmt: skip
     return y.view(*lead, N)
 
@@ -304,7 +317,7 @@ def int8_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch
         _int8_mm_nn_kernel[lambda meta: _grid(meta, M, K)](
             g2, cb, scb.float(), out, M, K, R,
             g2.stride(0), g2.stride(1), cb.stride(0), cb.stride(1), out.stride(0), out.stride(1),
-            UPCAST=_UPCAST,
+            UPCAST=_UPCAST, IEEE=g.dtype == torch.float32,
         )  # fmt: skip
     return out.view(*lead, K)
 
@@ -364,7 +377,7 @@ def blockwise_4bit_matmul(
         _4bit_mm_nt_kernel[lambda meta: _grid(meta, m, n)](
             x2, packed.reshape(-1), absmax.float().reshape(-1), quant_map.float(), y, m, n, k,
             x2.stride(0), x2.stride(1), y.stride(0), y.stride(1),
-            UPCAST=_UPCAST, BLOCKSIZE=blocksize,
+            UPCAST=_UPCAST, IEEE=x.dtype == torch.float32, BLOCKSIZE=blocksize,
         )  # fmt: skip
     return y.view(*lead, n)
 
@@ -391,6 +404,6 @@ def blockwise_4bit_matmul_t(
         _4bit_mm_nn_kernel[lambda meta: _grid(meta, m, k)](
             g2, packed.reshape(-1), absmax.float().reshape(-1), quant_map.float(), out, m, k, n, k,
             g2.stride(0), g2.stride(1), out.stride(0), out.stride(1),
-            UPCAST=_UPCAST, BLOCKSIZE=blocksize,
+            UPCAST=_UPCAST, IEEE=g.dtype == torch.float32, BLOCKSIZE=blocksize,
         )  # fmt: skip
     return out.view(*lead, k)
