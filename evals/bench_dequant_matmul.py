@@ -15,6 +15,7 @@ import json
 import sys
 
 import torch
+from _common import cuda_time_ms
 
 from quant_kernels import reference
 from quant_kernels.dequant_matmul import (
@@ -31,23 +32,6 @@ SHAPES = [  # (M tokens, K in, N out)
     (8192, 13824, 5120),  # Llama-13B down
     (2048, 4096, 14336),
 ]
-
-
-def time_ms(fn, warmup: int = 10, iters: int = 50) -> float:
-    """Median CUDA-event time of ``fn()`` in ms."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _rotating(make, n: int = 3):
@@ -80,7 +64,7 @@ def bench_shape(m: int, k: int, n: int) -> dict:
         "int8_torch_dequant_then_matmul": lambda: reference.int8_rowwise_matmul_t(gs(), cb, scb),
     }
     for name, table in (("forward", fwd), ("backward_input", bwd)):
-        times = {k_: time_ms(f) for k_, f in table.items()}
+        times = {k_: cuda_time_ms(f) for k_, f in table.items()}
         base = times["bf16_matmul"]
         flops = 2 * m * k * n
         res[name] = {
@@ -129,7 +113,7 @@ def _bench_nf4(res: dict, w: torch.Tensor, xs, gs) -> None:
         "nf4_fused": lambda: blockwise_4bit_matmul_t(gs(), packed, absmax(), code, 64, (n, k)),
     }
     for name, table in (("nf4_forward", fwd), ("nf4_backward_input", bwd)):
-        times = {k_: time_ms(f) for k_, f in table.items()}
+        times = {k_: cuda_time_ms(f) for k_, f in table.items()}
         res[name] = {
             k_: {"ms": t, "ratio_vs_bf16": t / times["bf16_matmul"]} for k_, t in times.items()
         }

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import cuda_time_ms, git_commit
 
 from poetxq.layer import POETXLinear
 
@@ -68,22 +69,6 @@ def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict
     return out
 
 
-def _time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
 def layer_speed(n: int, m: int, b: int) -> dict:
     dev = "cuda"
     x = torch.randn(1, 2048, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -106,7 +91,7 @@ def layer_speed(n: int, m: int, b: int) -> dict:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
-    base_ms = _time_ms(run(lin))
+    base_ms = cuda_time_ms(run(lin))
     res["nn_linear_ms"] = base_ms
     res["nn_linear_peak_extra_mib"] = peak(run(lin))
     for bits in (8, 4, 16):
@@ -116,7 +101,7 @@ def layer_speed(n: int, m: int, b: int) -> dict:
                 layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
                                     dtype=torch.bfloat16)  # fmt: skip
                 fn = run(layer)
-                ms = _time_ms(fn)
+                ms = cuda_time_ms(fn)
                 res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
                              "peak_extra_mib": peak(fn)}  # fmt: skip
                 del layer, fn
@@ -136,13 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 1
-    from vertical_slice import _commit
-
     report: dict = {
         "date": time.strftime("%Y-%m-%d"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python evals/gpu_suite.py " + " ".join(argv or sys.argv[1:]),
     }
     gen = torch.Generator().manual_seed(0)

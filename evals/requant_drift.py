@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import git_commit
 
 from poetxq.layer import POETXLinear, normalized_gaussian
 
 FORMATS = {"int8": (8, "nf4"), "nf4": (4, "nf4"), "fp4": (4, "fp4")}
 POLICIES = ("nearest", "stochastic")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("POETXQ_COMMIT", "unknown")
 
 
 def drift(
@@ -100,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}",
-        "commit": _commit(),
+        "commit": git_commit(),
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "seconds": round(time.perf_counter() - start, 1),
     }

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import git_commit
 
 from poetxq.cli import main as poetxq_main
 
@@ -37,16 +36,6 @@ RUNS = {
 }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        # the GPU host gets a copy of the tree without .git: the caller passes the hash
-        return os.environ.get("POETXQ_COMMIT", "unknown")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -55,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     extra = [x for kv in args.overrides for x in ("--set", kv)]
     results: dict[str, dict] = {}
-    commit = _commit()  # read before the runs: HEAD may move while they train
+    commit = git_commit()  # read before the runs: HEAD may move while they train
     failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.runs:
