@@ -177,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {key: getattr(args, dest) for dest, key in _FLAG_KEYS.items()}
+    out: dict[str, Any] = {
+        key: getattr(args, dest)
+        for dest, key in _FLAG_KEYS.items()
+        if getattr(args, dest) is not None  # flags not given leave the recipe alone
+    }
     if args.freeze_orthogonal:
         out["poet.freeze_orthogonal"] = True
     for text in args.overrides:
@@ -231,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_train(args)
     except (RecipeError, DataError, RunDirError) as exc:
         print(f"poetxq: error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
+        print(f"poetxq: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("poetxq: interrupted", file=sys.stderr)

@@ -102,7 +102,7 @@ class DataConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = "embedded"
+    source: str = Field("embedded", min_length=1)
     hf_config: str | None = None
     hf_train_split: str = "train"
     hf_val_split: str | None = None

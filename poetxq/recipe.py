@@ -53,6 +53,12 @@ class ModelConfig(_Section):
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                 f"{self.num_attention_heads}"
             )
+        kv = self.num_key_value_heads
+        if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
+            raise ValueError(
+                f"num_key_value_heads {kv} must be positive and divide num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
         return self
 
 
@@ -212,7 +218,12 @@ def parse_override(text: str) -> tuple[str, Any]:
             f"override '{text}' must look like section.key=value (e.g. train.max_steps=50)"
         )
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw)
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise RecipeError(
+            f"override '{text}': value is not valid YAML ({exc.__class__.__name__})"
+        ) from None
     if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
         with contextlib.suppress(ValueError):
             value = float(value)
@@ -224,7 +235,7 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
 
     Args:
         path: YAML file (read with ``yaml.safe_load``) or None.
-        overrides: ``{"train.max_steps": 50, ...}``; ``None`` values are ignored.
+        overrides: ``{"train.max_steps": 50, ...}``; a ``None`` value sets the key to null.
 
     Returns:
         The validated :class:`Recipe`.
@@ -251,17 +262,13 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
             )
         tree = loaded
     for key, value in (overrides or {}).items():
-        if value is not None:
-            _set_dotted(tree, key, value)
+        _set_dotted(tree, key, value)  # an explicit None (``--set key=``) sets null
     try:
         return Recipe.model_validate(tree)
     except ValidationError as exc:
         if overrides:
-            source += (
-                " (with overrides "
-                + ", ".join(f"{k}={v}" for k, v in overrides.items() if v is not None)
-                + ")"
-            )
+            source += " (with overrides " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+            source += ")"
         raise RecipeError(format_validation_error(exc, source)) from None
 
 

@@ -40,6 +40,9 @@ from poetxq.optim import (
 from poetxq.recipe import Recipe, dump_recipe
 from poetxq.surgery import build_llama, convert_to_poetx, summarize
 
+#: files a run writes into its directory
+RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json")
+
 
 class RunDirError(ValueError):
     """The run directory cannot be used (exists and is not empty)."""
@@ -70,6 +73,9 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
     """
     name = run_name or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(recipe.train.output_dir) / name
+    for p in (path.parent, path):
+        if p.exists() and not p.is_dir():
+            raise RunDirError(f"'{p}' exists and is not a directory; choose another run location")
     if path.exists() and any(path.iterdir()) and not overwrite:
         raise RunDirError(
             f"run directory '{path}' already exists and is not empty; "
@@ -181,6 +187,8 @@ def train(
     device = accelerator.device
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in RUN_OUTPUTS:  # --overwrite: never leave the previous run's results behind
+        (run_dir / stale).unlink(missing_ok=True)
     (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     if log_with:
         accelerator.init_trackers(recipe.name, config=recipe.model_dump(mode="json"))
