@@ -133,3 +133,32 @@ def test_missing_tracker_package_is_one_line(tmp_path, capsys, monkeypatch):
     assert _run(tmp_path, "--log-with", "tensorboard") == 2
     assert "pip install tensorboard" in _one_error_line(capsys)
     assert not any(tmp_path.iterdir())
+
+
+def test_set_empty_value_is_not_dropped_and_bad_yaml_is_one_line(tmp_path, capsys):
+    assert _run(tmp_path, "--set", "train.max_steps=") == 2  # null is not a valid step count
+    assert "train.max_steps" in _one_error_line(capsys)
+    assert _run(tmp_path, "--set", "train.max_steps=[1") == 2
+    assert "not valid YAML" in _one_error_line(capsys)
+
+
+def test_bad_inputs_found_late_are_one_line(tmp_path, capsys):
+    assert _run(tmp_path, "--batch-size", "100000", "--max-steps", "1") == 2
+    assert "batch_size" in _one_error_line(capsys)
+    (tmp_path / "afile").write_text("x")
+    assert _run(tmp_path, "--run-name", "afile") == 2
+    assert "not a directory" in _one_error_line(capsys)
+    assert _run(tmp_path, "--set", "model.num_key_value_heads=3") == 2
+    assert "num_key_value_heads" in _one_error_line(capsys)
+    assert _run(tmp_path, "--data", "") == 2
+    assert "data.source" in _one_error_line(capsys)
+
+
+@pytest.mark.slow
+def test_overwrite_replaces_every_output(tmp_path):
+    assert _run(tmp_path, "--run-name", "r", "--max-steps", "2") == 0
+    old = (tmp_path / "r" / "model.safetensors").read_bytes()
+    assert _run(tmp_path, "--run-name", "r", "--overwrite", "--max-steps", "3", "--bits", "16") == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["steps"] == 3
+    assert (tmp_path / "r" / "model.safetensors").read_bytes() != old
