@@ -114,7 +114,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--freeze-orthogonal",
         action="store_true",
-        help="control run: R = P = I frozen, only embeddings, norms and lm_head train",
+        help="control run: R = P = I frozen, only embeddings, norms and lm_head train "
+        "[poet.freeze_orthogonal]",
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=int, help="optimizer steps [train.max_steps, default 300]")
