@@ -14,7 +14,7 @@ seeded split. Usage (from the repository root; ``data/`` is git-ignored)::
     poetxq train --data data/offline-corpus ...
 
 The Debian packages are downloaded with ``apt-get download`` into ``--debs`` unless their ``.deb``
-files are already there. ``MANIFEST.json`` in the output records document and character counts and
+files are already there. ``manifest.yaml`` in the output records document and character counts and
 the SHA-256 of each file.
 """
 
@@ -29,6 +29,8 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import yaml
 
 from poetxq.data import _chunk_text, _embedded_source
 
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             _extract(_find_or_download(package, Path(args.debs)), root)
         manifest.append(_write(_python_docs(root), out / "python-docs.jsonl.gz"))
         manifest.append(_write(_gcide(root), out / "gcide.jsonl.gz"))
-    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    # .yaml is not a data suffix, so poetxq does not read the manifest as text
+    (out / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
     for m in manifest:
         print(f"{m['file']}: {m['documents']} documents, {m['characters']:,} characters")
     return 0

@@ -50,11 +50,6 @@ def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return flat.view(*t.shape[:-1], index.numel())
 
 
-def _block_grad(d_out: torch.Tensor, inp: torch.Tensor, nb: int, b: int) -> torch.Tensor:
-    """d/dG of ``out = inp @ BD(G)ᵀ``: ``Σ_t d_out_kᵀ ⊗ inp_k`` → ``[nb, b, b]``."""
-    return torch.einsum("tkd,tkc->kdc", d_out.reshape(-1, nb, b), inp.reshape(-1, nb, b))
-
-
 class _FrozenMatmul(torch.autograd.Function):
     """``z @ W'ᵀ`` with a frozen store: backward is ``dh @ W'`` only (no weight gradient)."""
 
@@ -114,11 +109,12 @@ class _POETXMemFn(torch.autograd.Function):
         h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
         # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
         du = _pad_to(_gather_last(dy, sr.perm), sr.padded_dim)
-        dg_r = _block_grad(du, h, sr.nb, b_r) if ctx.needs_input_grad[2] else None
+        grad = quant_kernels.block_diag_grad
+        dg_r = grad(du, h, sr.nb, b_r) if ctx.needs_input_grad[2] else None
         del h
         dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
         dz = _pad_to(frozen.matmul_t(dh), sp.padded_dim)
-        dg_p = _block_grad(dz, xp, sp.nb, b_p) if ctx.needs_input_grad[1] else None
+        dg_p = grad(dz, xp, sp.nb, b_p) if ctx.needs_input_grad[1] else None
         dx = None
         if ctx.needs_input_grad[0]:
             dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]

@@ -26,8 +26,8 @@ import os
 import torch
 
 from quant_kernels import reference
+from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
 from quant_kernels.reference import (
-    block_diag_matmul,
     cayley_neumann,
     dequant_int8_rowwise,
     quantize_int8_rowwise,
@@ -35,6 +35,7 @@ from quant_kernels.reference import (
 )
 
 __all__ = [
+    "block_diag_grad",
     "block_diag_matmul",
     "blockwise_4bit_matmul",
     "blockwise_4bit_matmul_t",
