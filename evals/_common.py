@@ -8,13 +8,16 @@ from collections.abc import Callable
 
 
 def git_commit() -> str:
-    """HEAD's hash; on hosts whose copy of the tree has no .git, ``$POETXQ_COMMIT`` (or unknown)."""
+    """``$POETXQ_COMMIT`` when set (GPU hosts get a copy of the tree whose .git may be stale or
+    missing), else HEAD's hash, else ``unknown``."""
+    if os.environ.get("POETXQ_COMMIT"):
+        return os.environ["POETXQ_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("POETXQ_COMMIT", "unknown")
+        return "unknown"
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:

@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         text.append(ka.table(sort_by="self_cuda_time_total", row_limit=25))
     out = "\n".join(text)
-    print(out)
     if args.out:
         Path(args.out).write_text(out + "\n")
+    print(out)
     return 0
 
 
