@@ -56,7 +56,10 @@ summary.json.
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("recipe")
     g.add_argument(
-        "--recipe", metavar="PATH", help="recipe YAML (default: the embedded tiny recipe)"
+        "--recipe",
+        metavar="PATH",
+        help="recipe YAML, or MODEL:METHOD from recipes/ (e.g. llama-60m:poetxq); default: the "
+        "embedded tiny recipe",
     )
     g.add_argument(
         "--set",
@@ -147,7 +150,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--output-dir", help="parent of run directories [train.output_dir, default runs]"
     )
-    g.add_argument("--run-name", help="run directory name (default: <recipe name>-<timestamp>)")
+    g.add_argument(
+        "--run-name", help="run directory name (default: <recipe name>-<method>-<timestamp>)"
+    )
     g.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
     g.add_argument("--eval-every", type=int, help="steps between validation [train.eval_every]")
     g.add_argument(
@@ -174,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
     p.add_argument("recipes", nargs="+", metavar="RECIPE")
+    from poetxq.tools_cli import add_tool_parsers  # estimate-memory, bench, report
+
+    add_tool_parsers(sub)
     return parser
 
 
@@ -228,13 +236,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from poetxq.data import DataError
+    from poetxq.tools_cli import TOOL_ERRORS, run_tool
     from poetxq.train import RunDirError
 
     try:
         if args.command == "validate":
             return _run_validate(args)
+        if args.command in ("estimate-memory", "bench", "report"):
+            return run_tool(args)
         return _run_train(args)
-    except (RecipeError, DataError, RunDirError) as exc:
+    except (RecipeError, DataError, RunDirError, *TOOL_ERRORS) as exc:
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
