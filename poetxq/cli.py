@@ -137,7 +137,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--data",
         metavar="SOURCE",
         help="'embedded' (default: Shakespeare + KJV Bible), a local file/dir/glob "
-        "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]",
+        "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]; a non-hf "
+        "source clears data.hf_config and data.hf_val_split",
     )
     g.add_argument("--text-field", help="record field holding the text [data.text_field]")
     g.add_argument(
@@ -191,6 +192,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for dest, key in _FLAG_KEYS.items()
         if getattr(args, dest) is not None  # flags not given leave the recipe alone
     }
+    if args.data is not None and not args.data.startswith("hf:"):
+        # --data replaces the source: the recipe's hub settings do not apply to local text
+        out["data.hf_config"] = None
+        out["data.hf_val_split"] = None
     if args.freeze_orthogonal:
         out["poet.freeze_orthogonal"] = True
     for text in args.overrides:

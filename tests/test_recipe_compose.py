@@ -133,3 +133,25 @@ def test_tiny_recipes_unchanged_and_labels():
     assert run_label(load_recipe(None, {"poet.bits": 16})) == "tiny-poetx"
     assert method_label(load_recipe(None, {"poet.bits": 4})) == "poetxq4"
     assert run_label(load_recipe(ROOT / "recipes/tiny/qgalore.yaml")) == "tiny-qgalore"
+
+
+def test_data_flag_replaces_the_hub_source():
+    from poetxq.cli import _overrides, build_parser
+
+    args = build_parser().parse_args(["train", "--recipe", "llama-60m:poetxq", "--data", "/c4"])
+    r = load_recipe(args.recipe, _overrides(args))
+    assert (r.data.source, r.data.hf_config, r.data.hf_val_split) == ("/c4", None, None)
+    assert r.data.vocab_size == 32000  # the rest of the recipe's data section stays
+
+
+def test_c4_recipe_offline_is_one_error_naming_the_choices(tmp_path, capsys, monkeypatch):
+    from poetxq.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "runs"
+    assert main(["train", "--recipe", "llama-60m:poetxq", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "allenai/c4" in err[0]
+    assert "c4-train.*.json.gz" in err[0] and "--data embedded" in err[0]
+    assert not out.exists()
