@@ -16,6 +16,7 @@ Plots use matplotlib's ``Agg`` backend (no display needed). Every file is writte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -224,6 +225,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     """
     if not run_dirs:
         raise ReportError("no run directories given; pass one or more runs/<name> directories")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ReportError("poetxq report needs matplotlib: pip install -e '.[report]'")
     runs = [read_run(p) for p in run_dirs]  # all read before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
