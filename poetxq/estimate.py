@@ -31,16 +31,18 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   ``b(b−1)/2`` int64 triangle index. Under autocast, ``nn.Linear`` weights are also kept as bf16
   copies. With whole-layer checkpointing a layer keeps only its input (``r·d`` per token,
   ``r`` the residual-stream dtype bytes) and one layer at a time is recomputed.
-* **logits / loss** — ``[T, V]``: the bf16 logits, their fp32 copy and the log-softmax output
-  (``(c + 8)·T·V``).
+* **logits / loss** — ``[T, V]``: in the forward the bf16 logits, their fp32 copy and the
+  log-softmax output; in the loss backward the log-softmax output, its gradient and the logits'
+  gradient (``12·T·V`` bytes, the larger).
 * **workspace** — transients of the largest layer: a dequantized weight (low-bit stores on the
   GEMM path) and ~4 ``[T, max(m, n)]`` buffers of the POET ``mem`` backward or optimizer
   temporaries.
 
-Peak = frozen + buffers + parameters + optimizer states + max(backward phase, optimizer phase),
-backward phase = activations + logits + workspace + ``lm_head`` gradient, optimizer phase =
-all gradients + the optimizer's temporaries. Checked against real byte counts of built models and
-optimizers and against autograd's saved tensors in ``tests/test_estimate.py``.
+Peak = frozen + buffers + parameters + optimizer states + the largest of: the start of backward
+(activations + logits + workspace + ``lm_head`` gradient), its end (all gradients + one layer's
+activations + workspace) and the optimizer step (all gradients + the optimizer's temporaries).
+Checked against real byte counts of built models and optimizers and against autograd's saved
+tensors in ``tests/test_estimate.py``.
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ class MemoryEstimate:
     def __post_init__(self) -> None:
         persistent = self.frozen_weights + self.buffers + self.trainable_params
         persistent += self.optimizer_states
-        backward = self.activations + self.logits + self.workspace + self.lm_head_grad
+        # backward starts with every activation saved and ends with every gradient made while
+        # the last layer's activations (or its recomputation) are still alive
+        start = self.activations + self.logits + self.workspace + self.lm_head_grad
+        end = self.gradients + self.layer_activations + self.workspace
         step = self.gradients + self.optimizer_transient
-        self.peak = persistent + max(backward, step)
+        self.peak = persistent + max(start, end, step)
 
     def to_dict(self) -> dict:
         """JSON-ready dict (bytes as ints)."""
@@ -310,7 +315,9 @@ def estimate_memory(
         notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
     else:
         acts = L * layer_full + head
-    logits = (c + 8) * T * V
+    # forward: bf16 logits + fp32 copy + log-softmax (c + 8)·T·V; loss backward: log-softmax
+    # output + its gradient + the logits' gradient, 12·T·V (the larger)
+    logits = max(c + 8, 12) * T * V
 
     # --- transients --------------------------------------------------------------------------
     max_dim = max(max(m, n) for _, m, n in _projections(recipe))
