@@ -155,3 +155,9 @@ def test_c4_recipe_offline_is_one_error_naming_the_choices(tmp_path, capsys, mon
     assert len(err) == 1 and "allenai/c4" in err[0]
     assert "c4-train.*.json.gz" in err[0] and "--data embedded" in err[0]
     assert not out.exists()
+
+
+def test_by_model_keys_name_existing_model_files():
+    for path in (ROOT / "recipes/methods").glob("*.yaml"):
+        table = yaml.safe_load(path.read_text()).get("by_model", {})
+        assert set(table) <= set(MODELS), f"{path.name}: {set(table) - set(MODELS)}"
