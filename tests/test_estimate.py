@@ -174,3 +174,21 @@ def test_parse_bytes():
     assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
     with pytest.raises(EstimateError, match="80GB"):
         parse_bytes("lots")
+
+
+def test_estimate_memory_cli(tmp_path, capsys):
+    import json
+
+    from poetxq.cli import main
+
+    out = tmp_path / "est.json"
+    args = ["estimate-memory", "--recipe", "llama-60m:poetxq", "--batch-size", "4", "--gpu-mem",
+            "80GB", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    ref = estimate_memory(load_recipe("llama-60m:poetxq", {"train.batch_size": 4}))
+    assert json.loads(out.read_text())["peak"] == ref.peak
+    assert f"{ref.peak / 2**30:9.3f} GiB" in text and "fits in 80.0 GiB" in text
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read memory size 'x'" in err[0]
