@@ -220,7 +220,8 @@ def format_validation_error(
         key = ".".join(str(p) for p in loc) or "<root>"
         src = _source_of(key, provenance, source) if loc else source
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(_allowed_keys(Recipe, loc))
+            keys = _allowed_keys(Recipe, loc) + (["base", "by_model"] if len(loc) == 1 else [])
+            allowed = ", ".join(keys)
             lines.append(f"{src}: unknown key '{key}' (allowed keys here: {allowed})")
         else:
             msg = e["msg"].removeprefix("Value error, ")

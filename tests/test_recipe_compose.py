@@ -161,3 +161,9 @@ def test_by_model_keys_name_existing_model_files():
     for path in (ROOT / "recipes/methods").glob("*.yaml"):
         table = yaml.safe_load(path.read_text()).get("by_model", {})
         assert set(table) <= set(MODELS), f"{path.name}: {set(table) - set(MODELS)}"
+
+
+def test_unknown_top_level_key_lists_composition_keys(tmp_path):
+    f = _write(tmp_path / "m.yaml", {"by_modle": {}})
+    with pytest.raises(RecipeError, match=r"unknown key 'by_modle'.*base, by_model"):
+        load_recipe(f)
