@@ -56,7 +56,10 @@ summary.json.
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("recipe")
     g.add_argument(
-        "--recipe", metavar="PATH", help="recipe YAML (default: the embedded tiny recipe)"
+        "--recipe",
+        metavar="PATH",
+        help="recipe YAML, or MODEL:METHOD from recipes/ (e.g. llama-60m:poetxq); default: the "
+        "embedded tiny recipe",
     )
     g.add_argument(
         "--set",
@@ -134,7 +137,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--data",
         metavar="SOURCE",
         help="'embedded' (default: Shakespeare + KJV Bible), a local file/dir/glob "
-        "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]",
+        "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]; a non-hf "
+        "source clears data.hf_config and data.hf_val_split",
     )
     g.add_argument("--text-field", help="record field holding the text [data.text_field]")
     g.add_argument(
@@ -147,7 +151,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--output-dir", help="parent of run directories [train.output_dir, default runs]"
     )
-    g.add_argument("--run-name", help="run directory name (default: <recipe name>-<timestamp>)")
+    g.add_argument(
+        "--run-name", help="run directory name (default: <recipe name>-<method>-<timestamp>)"
+    )
     g.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
     g.add_argument("--eval-every", type=int, help="steps between validation [train.eval_every]")
     g.add_argument(
@@ -174,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
     p.add_argument("recipes", nargs="+", metavar="RECIPE")
+    from poetxq.tools_cli import add_tool_parsers  # estimate-memory, bench, report
+
+    add_tool_parsers(sub)
     return parser
 
 
@@ -183,6 +192,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         for dest, key in _FLAG_KEYS.items()
         if getattr(args, dest) is not None  # flags not given leave the recipe alone
     }
+    if args.data is not None and not args.data.startswith("hf:"):
+        # --data replaces the source: the recipe's hub settings do not apply to local text
+        out["data.hf_config"] = None
+        out["data.hf_val_split"] = None
     if args.freeze_orthogonal:
         out["poet.freeze_orthogonal"] = True
     for text in args.overrides:
@@ -228,13 +241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from poetxq.data import DataError
+    from poetxq.tools_cli import TOOL_ERRORS, run_tool
     from poetxq.train import RunDirError
 
     try:
         if args.command == "validate":
             return _run_validate(args)
+        if args.command in ("estimate-memory", "bench", "report"):
+            return run_tool(args)
         return _run_train(args)
-    except (RecipeError, DataError, RunDirError) as exc:
+    except (RecipeError, DataError, RunDirError, *TOOL_ERRORS) as exc:
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)

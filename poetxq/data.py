@@ -34,6 +34,7 @@ packing) are cached as ``.npy`` files, so ``seq_len`` is not part of the cache k
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import gzip
 import hashlib
@@ -526,6 +527,10 @@ def _hf_documents(cfg: DataConfig, name: str, split: str) -> Iterator[str]:
         import datasets
     except ImportError as e:
         raise DataError("hf: sources need the 'datasets' package: pip install datasets") from e
+    with contextlib.suppress(ImportError):  # the hub's retry warnings would bury the one error
+        from huggingface_hub.utils import logging as hub_logging
+
+        hub_logging.set_verbosity_error()
     try:
         ds = datasets.load_dataset(name, cfg.hf_config, split=split, streaming=cfg.streaming)
         it = iter(ds)

@@ -43,8 +43,22 @@ class SurgeryReport:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
 
 
-def build_llama(cfg: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
-    """A randomly initialised fp32 ``LlamaForCausalLM`` of the recipe's shape and ``vocab_size``."""
+def build_llama(
+    cfg: ModelConfig,
+    vocab_size: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> LlamaForCausalLM:
+    """A randomly initialised ``LlamaForCausalLM`` of the recipe's shape and ``vocab_size``.
+
+    Args:
+        cfg: the recipe's ``model`` section.
+        vocab_size: tokenizer vocabulary.
+        device: where parameters are created (default CPU); building a large model directly on
+            the GPU avoids a slow CPU initialisation.
+        dtype: parameter dtype (default fp32).
+    """
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
@@ -61,7 +75,15 @@ def build_llama(cfg: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
         mlp_bias=False,
     )
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    if device is None and dtype is None:
+        return LlamaForCausalLM(config)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype or torch.float32)
+        with torch.device(device or "cpu"):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _ragged(dim: int, b: int) -> int | None:
@@ -75,7 +97,8 @@ def convert_to_poetx(
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
     ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch; the linear layer's
-    original initialisation is discarded.
+    original initialisation is discarded. ``Q`` (and an unquantized ``W0``) take the linear
+    layer's dtype; on a GPU ``W0`` is drawn on the device (seeded from ``generator``).
 
     Args:
         model: a transformers Llama-family model.
@@ -106,9 +129,18 @@ def convert_to_poetx(
                 f"block size b={b} exceeds a dimension of {name} ({m}x{n}); "
                 f"choose --block-size <= {min(n, m)}"
             )
+        dev = lin.weight.device
+        weight = None
+        if dev.type != "cpu":  # draw W0 on the device: a CPU float64 draw is slow at 8B scale
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+            g = torch.Generator(device=dev).manual_seed(seed)
+            weight = torch.randn(m, n, device=dev, generator=g, dtype=torch.float32)
+            weight /= weight.norm(dim=1, keepdim=True)
         new = POETXLinear(
             n,
             m,
+            weight=weight,
+            dtype=lin.weight.dtype,
             block_size=b,
             bits=cfg.bits,
             variant=cfg.variant,

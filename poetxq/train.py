@@ -37,7 +37,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.recipe import Recipe, dump_recipe
+from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
 from poetxq.surgery import build_llama, convert_to_poetx, summarize
 
 #: files a run writes into its directory
@@ -63,15 +63,19 @@ class TrainResult:
     train_seconds: float
     merges: int
     device: str
+    method: str = ""  # label: poetxq, poetxq4, poetx or the baseline's name
+    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated (None on CPU)
+    peak_rss_bytes: int | None = None  # the process's peak resident set size (ru_maxrss)
 
 
 def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = False) -> Path:
-    """``<train.output_dir>/<run_name or recipe.name-timestamp>``; nothing is created here.
+    """``<train.output_dir>/<run_name or <name>-<method>-timestamp>`` (:func:`run_label`);
+    nothing is created here.
 
     Raises:
         RunDirError: the directory exists and is not empty (and ``overwrite`` is False).
     """
-    name = run_name or f"{recipe.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = run_name or f"{run_label(recipe)}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(recipe.train.output_dir) / name
     for p in (path.parent, path):
         if p.exists() and not p.is_dir():
@@ -98,6 +102,18 @@ def save_checkpoint(model: torch.nn.Module, path: Path) -> None:
     """Write ``model.state_dict()`` to ``path`` as safetensors, atomically (temp + rename)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     _atomic_write_bytes(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process in bytes (``ru_maxrss``), None where unknown."""
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return None
+    return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # Linux reports KiB
 
 
 def _batches(loader: DataLoader) -> Iterator[torch.Tensor]:
@@ -167,6 +183,8 @@ def train(
         say(summarize_baseline(model, base_report, recipe.baseline))
         optimizer = build_baseline_optimizer(model, base_report, recipe.baseline, oc)
     scheduler = build_scheduler(optimizer, oc, tc.max_steps)
+    if tc.gradient_checkpointing:  # whole decoder layers: keep inputs, recompute in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     loader = DataLoader(
         TensorDataset(data.train),
@@ -287,6 +305,9 @@ def train(
         train_seconds=train_seconds,
         merges=merges,
         device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
+        method=method_label(recipe),
+        peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        peak_rss_bytes=peak_rss_bytes(),
     )
     if main:
         if tc.save_checkpoint:

@@ -1,0 +1,194 @@
+"""Peak memory and step time of POET-XQ training at Llama-8B / 13B scale, beside the estimator.
+
+For each model (default Llama-8B and Llama-13B; recipes/models/*.yaml shapes, vocab 32000):
+POET-XQ with int8 W0, b = 256, the ``mem`` variant, batch 1 x seq 2048, everything in bf16 (the
+official code's setting: parameters, Adam states and activations bf16). The model is built
+directly on the GPU in bf16 and converted there (W0 drawn on the device). One full training step
+= forward + backward + gradient clipping + AdamW step + zero_grad, timed with CUDA syncs; peak =
+``torch.cuda.max_memory_allocated`` over the timed steps, after one untimed warm-up step (so
+Adam states exist: the steady state). Then the same model with whole-layer activation
+checkpointing (transformers ``gradient_checkpointing_enable``, ``use_reentrant=False``).
+``poetxq.estimate.estimate_memory(..., precision="bf16")`` gives the prediction beside each
+measurement. The official POET-XQ code measured on this H200 (DESIGN.md §4) and the issue's
+targets are recorded next to them.
+
+Usage (on the GPU host, about 2-4 minutes):
+    python evals/gpu_memory.py --out $OUT/gpu_memory_h200.json
+CPU smoke test of the script itself:
+    python evals/gpu_memory.py --device cpu --models llama-60m --seq-len 64 --steps 1 \
+        --set model.num_hidden_layers=2 --out /tmp/gpu_memory_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import git_commit
+
+from poetxq.estimate import estimate_memory
+from poetxq.evaluate import causal_lm_loss
+from poetxq.optim import build_optimizer
+from poetxq.recipe import load_recipe, parse_override
+from poetxq.surgery import build_llama, convert_to_poetx
+
+VOCAB = 32000
+GIB = 2**30
+# official POET-XQ code on this H200, 2026-11-30, bs 1, seq 2048, b = 256 (DESIGN.md §4):
+# (GiB, s) without / with whole-layer checkpointing
+OFFICIAL = {
+    "llama-8b": {"no_ckpt": (30.89, 0.53), "ckpt": (12.97, 0.89)},
+    "llama-13b": {"no_ckpt": (44.28, 0.65), "ckpt": (19.27, 0.93)},
+}
+# issue 6 targets: peak GiB without / with checkpointing; steps >= 1.5x faster than official
+TARGET_GIB = {"llama-8b": {"no_ckpt": 25, "ckpt": 11}, "llama-13b": {"no_ckpt": 35, "ckpt": 16}}
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """Both settings (no checkpointing, checkpointing) of one model; one dict per setting."""
+    over = {"poet.bits": 8, "poet.block_size": args.block_size, "poet.variant": "mem",
+            "train.batch_size": args.batch_size, "train.seq_len": args.seq_len}  # fmt: skip
+    for text in args.set:
+        k, v = parse_override(text)
+        over[k] = v
+    recipe = load_recipe(f"{name}:poetxq", over)
+    t0 = time.perf_counter()
+    model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
+    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    optimizer = build_optimizer(model, recipe.optim)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    model.train()
+    gen = torch.Generator(device=dev).manual_seed(1)
+    B, S = args.batch_size, args.seq_len
+
+    def step() -> None:
+        batch = torch.randint(0, VOCAB, (B, S + 1), device=dev, generator=gen)
+        loss = causal_lm_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    out = []
+    for ckpt in (False, True):
+        if ckpt:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        r = recipe.model_copy(deep=True)
+        r.train.gradient_checkpointing = ckpt
+        est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
+        step()  # warm-up: Adam states, allocator, autotuning
+        _sync(dev)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = []
+        for _ in range(args.steps):
+            _sync(dev)
+            t = time.perf_counter()
+            step()
+            _sync(dev)
+            times.append(time.perf_counter() - t)
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        key = "ckpt" if ckpt else "no_ckpt"
+        official = OFFICIAL.get(name, {}).get(key)
+        row = {
+            "model": name,
+            "gradient_checkpointing": ckpt,
+            "batch_size": B,
+            "seq_len": S,
+            "block_size": recipe.poet.block_size,
+            "variant": "mem",
+            "bits": 8,
+            "dtype": "bf16",
+            "step_time_s": statistics.median(times),
+            "step_times_s": times,
+            "peak_memory_bytes": peak,
+            "peak_memory_gib": None if peak is None else peak / GIB,
+            "estimated_peak_bytes": est.peak,
+            "estimated_peak_gib": est.peak / GIB,
+            "measured_over_estimate": None if peak is None else peak / est.peak,
+            "estimate_breakdown_bytes": est.to_dict(),
+            "build_s": build_s,
+        }
+        if official:
+            row["official_peak_gib"], row["official_step_s"] = official
+            row["speedup_vs_official"] = official[1] / row["step_time_s"]
+        target = TARGET_GIB.get(name, {}).get(key)
+        if target is not None and peak is not None:
+            row["target_peak_gib"] = target
+            row["meets_memory_target"] = peak / GIB <= target
+            row["meets_speed_target"] = row.get("speedup_vs_official", 0) >= 1.5
+        out.append(row)
+        mem = "n/a" if peak is None else f"{peak / GIB:.2f} GiB"
+        print(
+            f"{name} ckpt={ckpt}: peak {mem} (estimate {est.peak / GIB:.2f} GiB), "
+            f"step {row['step_time_s']:.3f} s"
+            + (f" (official {official[0]} GiB, {official[1]} s)" if official else ""),
+            flush=True,
+        )
+    optimizer.state.clear()  # free this model's memory before the next one is built
+    model.to("meta")
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--models", default="llama-8b,llama-13b")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (median)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override (smoke tests)")  # fmt: skip
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "gpu_memory: error: no CUDA device; use --device cpu for a smoke test", file=sys.stderr
+        )
+        return 2
+    results = []
+    for name in args.models.split(","):
+        results.extend(measure(name.strip(), args, dev))
+    doc = {
+        "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
+        "(forward, backward, clip, AdamW step), bf16, without and with whole-layer "
+        "activation checkpointing, beside poetxq.estimate's prediction",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("POETXQ_COMMIT") or git_commit(),
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "vocab_size": VOCAB,
+        "results": results,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

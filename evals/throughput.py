@@ -1,0 +1,109 @@
+"""Training throughput of the methods side by side: ``poetxq bench`` over models x seq x methods.
+
+For each model (default Llama-1B and 3B), sequence length (default 256 and 1024) and method
+(default poetxq int8, poetx, qgalore, qapollo, adamw) this runs :func:`poetxq.bench.run_bench`
+on random tokens with the recipe ``MODEL:METHOD`` at ``--tokens`` tokens per step (one
+micro-batch of ``tokens / seq`` sequences, no accumulation): fp32 parameters under bf16
+autocast, as ``poetxq train`` runs on a GPU. It records tokens/s, MFU, peak memory and the
+estimator's prediction per run, and the ratios the issue targets (poetxq >= 1.3x qgalore and
+>= 0.9x adamw) per (model, seq), measured in the same process.
+
+Usage (on the GPU host, a few minutes):
+    python evals/throughput.py --out $OUT/throughput_h200.json
+CPU smoke test of the script itself:
+    python evals/throughput.py --device cpu --models llama-60m --seqs 32 --tokens 64 --steps 1 \
+        --set model.num_hidden_layers=1 --out /tmp/throughput_smoke.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from _common import git_commit
+
+from poetxq.bench import run_bench
+from poetxq.recipe import load_recipe, parse_override
+
+VOCAB = 32000
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--models", default="llama-1b,llama-3b")
+    ap.add_argument("--seqs", default="256,1024")
+    ap.add_argument("--methods", default="poetxq,poetx,qgalore,qapollo,adamw")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens per step (one micro-batch)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override for every run (smoke tests)")  # fmt: skip
+    args = ap.parse_args(argv)
+    runs, ratios = [], []
+    for model in args.models.split(","):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            tps: dict[str, float] = {}
+            for method in args.methods.split(","):
+                over = {"train.seq_len": seq, "train.batch_size": max(1, args.tokens // seq),
+                        "train.grad_accum": 1}  # fmt: skip
+                for text in args.set:
+                    k, v = parse_override(text)
+                    over[k] = v
+                recipe = load_recipe(f"{model}:{method}", over)
+                try:
+                    res = run_bench(recipe, args.steps, warmup=args.warmup, vocab_size=VOCAB,
+                                    device=args.device, echo=lambda _s: None)  # fmt: skip
+                except torch.OutOfMemoryError as exc:
+                    runs.append({"model": model, "seq_len": seq, "method": method,
+                                 "error": str(exc).splitlines()[0]})  # fmt: skip
+                    print(f"{model} seq {seq} {method}: out of memory", flush=True)
+                    continue
+                finally:
+                    gc.collect()
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                print(res.summary_line(), flush=True)
+                tps[method] = res.tokens_per_s
+                runs.append({"model": model, "seq_len": seq, **asdict(res)})
+            row = {"model": model, "seq_len": seq}
+            if "poetxq" in tps and "qgalore" in tps:
+                row["poetxq_over_qgalore"] = tps["poetxq"] / tps["qgalore"]
+                row["meets_qgalore_target"] = row["poetxq_over_qgalore"] >= 1.3
+            if "poetxq" in tps and "adamw" in tps:
+                row["poetxq_over_adamw"] = tps["poetxq"] / tps["adamw"]
+                row["meets_adamw_target"] = row["poetxq_over_adamw"] >= 0.9
+            ratios.append(row)
+            print(json.dumps(row), flush=True)
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    doc = {
+        "what": "training tokens/s, MFU and peak memory per method on random tokens "
+        "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("POETXQ_COMMIT") or git_commit(),
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "tokens_per_step": args.tokens,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Throughput, MFU and peak memory of a recipe's training step on random tokens (no dataset).
+
+One step is what ``poetxq train`` does per optimizer step: ``grad_accum`` forward/backward passes
+of ``batch_size × seq_len`` tokens, gradient clipping, the optimizer step and ``zero_grad``
+(merges are not timed). On a GPU the model is built on the device with fp32 parameters and runs
+under bf16 autocast, as in training; on the CPU it runs in fp32.
+
+* tokens/s = timed steps × tokens per step / wall seconds (after ``warmup`` untimed steps).
+* MFU = ``6 · N · tokens/s / peak`` with ``N`` the dense model's parameter count (embeddings,
+  ``lm_head`` and every projection at full size, whatever the method stores) and ``peak`` the
+  accelerator's dense bf16 FLOP/s (``--peak-tflops`` or :data:`PEAK_TFLOPS` by device name).
+* peak memory = ``torch.cuda.max_memory_allocated`` over the timed steps (GPU); on the CPU the
+  process's peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from poetxq.recipe import Recipe, method_label, run_label
+
+#: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
+
+
+class BenchError(ValueError):
+    """Bad bench input (steps < 1, unknown device)."""
+
+
+@dataclass
+class BenchResult:
+    """What :func:`run_bench` measured (also the JSON it writes)."""
+
+    recipe: str
+    run_label: str
+    method: str
+    device: str
+    precision: str
+    batch_size: int
+    grad_accum: int
+    seq_len: int
+    vocab_size: int
+    steps: int
+    warmup_steps: int
+    gradient_checkpointing: bool
+    tokens_per_step: int
+    step_time_s: float
+    tokens_per_s: float
+    n_params_dense: int
+    peak_tflops: float | None
+    mfu: float | None
+    peak_memory_bytes: int | None
+    peak_rss_bytes: int | None
+    estimated_peak_bytes: int
+    date: str
+    commit: str | None
+    torch: str
+    command: str | None = None
+
+    def summary_line(self) -> str:
+        """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
+        mfu = f"MFU {self.mfu:.1%}" if self.mfu is not None else "MFU n/a"
+        if self.peak_memory_bytes is not None:
+            mem = f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB"
+        elif self.peak_rss_bytes is not None:
+            mem = f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB"
+        else:
+            mem = "peak memory n/a"
+        return (
+            f"bench {self.run_label}: {self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
+            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), {self.steps} steps of "
+            f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
+            f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
+        )
+
+
+def dense_param_count(recipe: Recipe, vocab_size: int) -> int:
+    """Parameters of the recipe's Llama at full size (embeddings, lm_head, projections, norms)."""
+    m = recipe.model
+    d, f, L = m.hidden_size, m.intermediate_size, m.num_hidden_layers
+    kv = (m.num_key_value_heads or m.num_attention_heads) * (d // m.num_attention_heads)
+    per_layer = 2 * d * d + 2 * kv * d + 3 * d * f + 2 * d
+    heads = vocab_size * d * (1 if m.tie_word_embeddings else 2)
+    return L * per_layer + heads + d
+
+
+def peak_tflops_for(device_name: str) -> float | None:
+    """Dense bf16 peak of a GPU from its name (``NVIDIA H200`` → 989.4), None if unknown."""
+    for key, value in PEAK_TFLOPS.items():
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def git_commit() -> str | None:
+    """``$POETXQ_COMMIT`` or the checkout's HEAD, None when neither is available."""
+    env = os.environ.get("POETXQ_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent, check=True,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(
+    recipe: Recipe,
+    steps: int,
+    *,
+    warmup: int = 1,
+    vocab_size: int | None = None,
+    peak_tflops: float | None = None,
+    device: str | None = None,
+    command: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> BenchResult:
+    """Time ``steps`` training steps of ``recipe`` on random tokens.
+
+    Args:
+        recipe: validated recipe (model, method, batch, accumulation, sequence length).
+        steps: timed optimizer steps (≥ 1).
+        warmup: untimed steps first (allocations, autotuning, optimizer states).
+        vocab_size: vocabulary of the random tokens (default ``data.vocab_size``).
+        peak_tflops: accelerator peak for MFU (default: :data:`PEAK_TFLOPS` by GPU name; none on
+            the CPU).
+        device: ``"cuda"``/``"cpu"`` (default: CUDA when available).
+        command: the command line, recorded in the result.
+        echo: where the progress line goes.
+
+    Returns:
+        :class:`BenchResult`.
+
+    Raises:
+        BenchError: ``steps < 1``, ``warmup < 0`` or CUDA asked for but absent.
+    """
+    from poetxq.baselines import (
+        build_baseline_optimizer,
+        clip_grad_norm_all,
+        prepare_baseline,
+        quant_modules,
+    )
+    from poetxq.estimate import estimate_memory
+    from poetxq.evaluate import causal_lm_loss
+    from poetxq.optim import build_optimizer
+    from poetxq.surgery import build_llama, convert_to_poetx
+    from poetxq.train import peak_rss_bytes
+
+    if steps < 1 or warmup < 0:
+        raise BenchError(f"need --steps >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")
+    tc, oc = recipe.train, recipe.optim
+    V = vocab_size or recipe.data.vocab_size
+    torch.manual_seed(tc.seed)
+    gen = torch.Generator().manual_seed(tc.seed + 1)
+    model = build_llama(recipe.model, V, device=dev if dev.type != "cpu" else None)
+    if recipe.method in ("poetxq", "poetx"):
+        convert_to_poetx(model, recipe.poet, generator=gen)
+        optimizer = build_optimizer(model, oc)
+    else:
+        report = prepare_baseline(model, recipe.method, recipe.baseline)
+        optimizer = build_baseline_optimizer(model, report, recipe.baseline, oc)
+    model.to(dev)
+    if tc.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    qmods = quant_modules(model)
+    amp = dev.type == "cuda"
+    data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
+    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
+
+    def step() -> None:
+        for _ in range(tc.grad_accum):
+            batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
+                                  generator=data_gen)  # fmt: skip
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                loss = causal_lm_loss(model, batch)
+            (loss / tc.grad_accum).backward()
+        clip = oc.grad_clip or float("inf")
+        if qmods:
+            clip_grad_norm_all(model.parameters(), qmods, clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    start = time.perf_counter()
+    for i in range(steps):
+        step()
+        if i == 0 and steps > 1:
+            echo(f"bench: step 1/{steps} done")
+    _sync(dev)
+    elapsed = time.perf_counter() - start
+    tps = steps * tokens_per_step / elapsed
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
+    peak = peak_tflops if peak_tflops is not None else (
+        peak_tflops_for(name) if dev.type == "cuda" else None
+    )  # fmt: skip
+    n_dense = dense_param_count(recipe, V)
+    est = estimate_memory(recipe, vocab_size=V, precision="autocast" if amp else "fp32")
+    return BenchResult(
+        recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
+        device=name, precision="bf16-autocast" if amp else "fp32", batch_size=tc.batch_size,
+        grad_accum=tc.grad_accum, seq_len=tc.seq_len, vocab_size=V, steps=steps,
+        warmup_steps=warmup, gradient_checkpointing=tc.gradient_checkpointing,
+        tokens_per_step=tokens_per_step, step_time_s=elapsed / steps, tokens_per_s=tps,
+        n_params_dense=n_dense, peak_tflops=peak,
+        mfu=6 * n_dense * tps / (peak * 1e12) if peak else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
+        torch=torch.__version__, command=command,
+    )  # fmt: skip
+
+
+def write_json(obj: dict, path: Path) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def bench_to_dict(result: BenchResult) -> dict:
+    """The result as a JSON-ready dict."""
+    return asdict(result)

@@ -1,0 +1,372 @@
+"""Analytic GPU-memory estimate of one training step of a recipe, before launching it.
+
+Everything is counted in bytes from the recipe's shapes; nothing is allocated. The breakdown:
+
+* **frozen / quantized weights** — POET-X(Q) stores (:mod:`poetxq.quant`): int8 row-wise
+  ``m·n`` codes + ``4·m`` bytes ``SCB`` + 1 byte ``weight_format``; NF4/FP4 ``⌈m·n/2⌉`` packed
+  codes + 64 B code book + absmax (double quant: 1 byte per 64-block, fp32 per 256 of those, a
+  256-entry fp32 nested code and a 4-byte offset; else fp32 per 64-block); unquantized POET-X
+  ``m·n`` in the parameter dtype. Q-GaLore / Q-APOLLO: ``m·n`` uint8 codes + fp32 scale and zero per
+  group. Plus the POET permutations (int64 ``perm`` and ``inv_perm`` per side) and ragged masks.
+* **trainable parameters** — POET: packed skew ``Q`` ``[⌈d/b⌉, b(b−1)/2]`` per side; every
+  method: embeddings, ``lm_head``, norms, and the projections that are not frozen.
+* **gradients** — one per trainable parameter in its dtype; Q-GaLore / Q-APOLLO keep an fp32
+  ``[m, n]`` gradient per int8 weight (``QuantLinear.float_grad``).
+* **optimizer states** — torch AdamW: two moments in the parameter dtype (+ a 4-byte step);
+  :class:`~poetxq.baselines.lowrank.LowRankAdamW`: fp32 moments for AdamW groups; low-rank moments
+  ``[m, r]`` or ``[r, n]`` (fp32, or 8-bit blockwise codes + fp32 absmax per 256 for Q-GaLore),
+  the projector (fp32, or INT4 packed + fp32 scale/zero per group), Q-GaLore's lazy first singular
+  vector, APOLLO's previous norm.
+* **activations** — tensors autograd saves in the forward pass, per token and decoder layer
+  (``d`` hidden, ``f`` intermediate, ``h`` heads, ``c`` compute-dtype bytes)::
+
+      bf16 (pure):   24d + 8f + 8 + 4h        autocast (fp32 params): 34d + 8f + 8 + 4h
+      fp32:          40d + 16f + 8 + 4h
+
+  (RMSNorms keep an fp32 input and the normalized rows; attention keeps q, k, v, the output and
+  the log-sum-exp; the MLP keeps gate, up, SiLU(gate) and their product.) POET ``mem`` layers keep
+  only their input, the same tensor a ``nn.Linear`` keeps; ``fast`` also keeps the permuted input
+  and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each POET side adds its
+  Cayley–Neumann intermediates, ``⌈d/b⌉·b²·(k·q + c)`` bytes (``q``: Q's dtype bytes) and the
+  ``b(b−1)/2`` int64 triangle index. Under autocast, ``nn.Linear`` weights are also kept as bf16
+  copies. With whole-layer checkpointing a layer keeps only its input (``r·d`` per token,
+  ``r`` the residual-stream dtype bytes) and one layer at a time is recomputed.
+* **logits / loss** — ``[T, V]``: in the forward the bf16 logits, their fp32 copy and the
+  log-softmax output; in the loss backward the log-softmax output, its gradient and the logits'
+  gradient (``12·T·V`` bytes, the larger).
+* **workspace** — transients of the largest layer: a dequantized weight (low-bit stores on the
+  GEMM path) and ~4 ``[T, max(m, n)]`` buffers of the POET ``mem`` backward or optimizer
+  temporaries.
+
+Peak = frozen + buffers + parameters + optimizer states + the largest of: the start of backward
+(activations + logits + workspace + ``lm_head`` gradient), its end (all gradients + one layer's
+activations + workspace) and the optimizer step (all gradients + the optimizer's temporaries).
+Checked against real byte counts of built models and optimizers and against autograd's saved
+tensors in ``tests/test_estimate.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from poetxq.recipe import Recipe, method_label
+
+Precision = str  # "bf16" | "autocast" | "fp32"
+PRECISIONS = ("bf16", "autocast", "fp32")
+STATE_BLOCK = 256  # bitsandbytes' block for 8-bit optimizer states
+NF4_BLOCK = 64
+NESTED_BLOCK = 256
+
+
+class EstimateError(ValueError):
+    """Bad estimator input (unknown precision, unparsable memory size)."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Byte counts of one training step (module docstring); ``peak`` is the predicted maximum of
+    ``torch.cuda.max_memory_allocated`` over a steady-state step."""
+
+    recipe: str
+    method: str
+    precision: str
+    batch_size: int
+    seq_len: int
+    vocab_size: int
+    gradient_checkpointing: bool
+    frozen_weights: int
+    buffers: int
+    trainable_params: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    logits: int
+    workspace: int
+    optimizer_transient: int
+    lm_head_grad: int
+    num_trainable: int
+    num_frozen: int
+    layer_activations: int = 0  # saved by one decoder layer (no checkpointing)
+    head_activations: int = 0  # embeddings, rotary tables, final norm, lm_head input
+    peak: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        persistent = self.frozen_weights + self.buffers + self.trainable_params
+        persistent += self.optimizer_states
+        # backward starts with every activation saved and ends with every gradient made while
+        # the last layer's activations (or its recomputation) are still alive
+        start = self.activations + self.logits + self.workspace + self.lm_head_grad
+        end = self.gradients + self.layer_activations + self.workspace
+        step = self.gradients + self.optimizer_transient
+        self.peak = persistent + max(start, end, step)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (bytes as ints)."""
+        return asdict(self)
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` / ``"80GiB"`` / ``"141 GiB"`` / ``"500MB"`` / ``"1e9"`` → bytes.
+
+    GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20.
+
+    Raises:
+        EstimateError: the text is not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if not m:
+        raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
+    return int(float(m.group(1)) * scale)
+
+
+def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:
+    """``(name, out m, in n)`` of one decoder layer's projections."""
+    mc = recipe.model
+    d, f = mc.hidden_size, mc.intermediate_size
+    hd = d // mc.num_attention_heads
+    kv = (mc.num_key_value_heads or mc.num_attention_heads) * hd
+    return [("q_proj", d, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, d),
+            ("gate_proj", f, d), ("up_proj", f, d), ("down_proj", d, f)]  # fmt: skip
+
+
+def frozen_store_bytes(
+    m: int, n: int, bits: int, *, double_quant: bool = True, elt: int = 4
+) -> int:
+    """Bytes of one POET frozen store ``[m, n]`` (:mod:`poetxq.quant` buffers).
+
+    Args:
+        m, n: out / in features.
+        bits: 8 (int8 row-wise), 4 (NF4/FP4 blockwise), 16 (dense in a dtype of ``elt`` bytes).
+        double_quant: 4-bit absmax quantized again.
+        elt: bytes per element of a dense store.
+    """
+    if bits == 8:
+        return m * n + 4 * m + 1  # CB int8, SCB fp32, weight_format uint8
+    if bits == 4:
+        blocks = math.ceil(m * n / NF4_BLOCK)
+        out = math.ceil(m * n / 2) + 16 * 4  # packed codes, quant_map
+        if double_quant:
+            out += blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 256 * 4 + 4
+        else:
+            out += 4 * blocks
+        return out
+    return m * n * elt
+
+
+def _side(dim: int, b: int) -> tuple[int, int, bool]:
+    """``(blocks, packed entries per block, ragged)`` of one orthogonal side."""
+    nb = math.ceil(dim / b)
+    return nb, b * (b - 1) // 2, dim % b != 0
+
+
+def _lowrank_state_bytes(m: int, n: int, recipe: Recipe) -> int:
+    """Bytes LowRankAdamW keeps for one ``[m, n]`` low-rank weight after its first step."""
+    from poetxq.baselines import resolved_settings
+
+    s = resolved_settings(recipe.method, recipe.baseline)
+    r = min(s["rank"], m, n)
+    right = m >= n
+    low = m * r if right else r * n
+    if s["state_bits"] == 8:
+        moments = 2 * (low + 4 * math.ceil(low / STATE_BLOCK))
+    else:
+        moments = 2 * 4 * low
+    proj_numel = r * n if right else m * r
+    if s["method"] == "apollo":
+        return moments + 4 * proj_numel + 4  # projector fp32, prev_norm fp32 scalar
+    if s["proj_bits"] == 4:
+        groups = math.ceil(proj_numel / s["proj_group_size"])
+        proj = math.ceil(proj_numel / 2) + 2 * 4 * groups
+    else:
+        proj = 4 * proj_numel
+    lazy = 4 * (n if right else m) if s["lazy"] else 0
+    return moments + proj + lazy
+
+
+def estimate_memory(
+    recipe: Recipe,
+    *,
+    vocab_size: int | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    precision: Precision = "autocast",
+) -> MemoryEstimate:
+    """Estimate the memory of one steady-state training step of ``recipe`` (module docstring).
+
+    Args:
+        recipe: validated recipe (model shape, method, POET / baseline settings, checkpointing).
+        vocab_size: tokenizer vocabulary (default: ``data.vocab_size``, the BPE size).
+        batch_size: sequences per micro-batch (default ``train.batch_size``).
+        seq_len: tokens per sequence (default ``train.seq_len``).
+        precision: ``"autocast"`` (fp32 parameters, bf16 compute: ``poetxq train`` on a GPU),
+            ``"bf16"`` (parameters and compute in bf16, the official code's setting) or ``"fp32"``
+            (CPU training).
+
+    Returns:
+        :class:`MemoryEstimate` with every component in bytes.
+
+    Raises:
+        EstimateError: unknown ``precision``.
+    """
+    if precision not in PRECISIONS:
+        raise EstimateError(f"unknown precision '{precision}'; choose one of {PRECISIONS}")
+    mc, pc, tc = recipe.model, recipe.poet, recipe.train
+    V = vocab_size or recipe.data.vocab_size
+    B = batch_size or tc.batch_size
+    S = seq_len or tc.seq_len
+    T = B * S
+    d, f, h, L = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_hidden_layers
+    hd = d // h
+    p = 2 if precision == "bf16" else 4  # parameter (and Q) bytes
+    c = 4 if precision == "fp32" else 2  # compute (activation) bytes
+    r = p  # residual stream follows the embedding output dtype
+    is_poet = recipe.method in ("poetxq", "poetx")
+    quantized = recipe.method in ("qgalore", "qapollo")
+    lowrank = recipe.method in ("galore", "apollo", "qgalore", "qapollo")
+    targets = set(pc.target_modules if is_poet else recipe.baseline.target_modules)
+    bits = 16 if recipe.method == "poetx" else pc.bits
+    b, k = pc.block_size, pc.neumann_terms
+    notes: list[str] = []
+
+    frozen = buffers = params = grads = states = opt_tmp = 0
+    n_train = n_frozen = q_bytes = 0
+    cnp_const = 0  # saved Cayley–Neumann intermediates per decoder layer
+    fast_extra = 0  # per token and layer, fast variant
+    cast_weights = 0  # autocast bf16 copies of nn.Linear weights per layer
+    largest_mn = max(m * n for _, m, n in _projections(recipe))
+    lowrank_states = 0
+    group = recipe.baseline.weight_group_size or (256 if recipe.method == "qgalore" else 128)
+
+    def adam_param(numel: int) -> None:
+        """A parameter trained with plain AdamW (torch's, or LowRankAdamW's adamw group)."""
+        nonlocal params, grads, states, n_train
+        params += numel * p
+        grads += numel * p
+        n_train += numel
+        # torch AdamW: moments in the param dtype + a 4-byte step; LowRankAdamW: fp32 moments
+        states += 8 * numel if lowrank else 2 * numel * p + 4
+
+    for name, m, n in _projections(recipe):
+        if name not in targets:
+            adam_param(m * n)
+            cast_weights += m * n * 2 if precision == "autocast" else 0
+            continue
+        if is_poet:
+            frozen += frozen_store_bytes(m, n, bits, double_quant=pc.double_quant, elt=p)
+            n_frozen += m * n
+            for dim in (n, m):
+                nb, per, ragged = _side(dim, b)
+                q_numel = nb * per
+                params += q_numel * p
+                q_bytes += q_numel * p
+                grads += q_numel * p
+                states += 2 * q_numel * p + 4
+                n_train += q_numel
+                buffers += 2 * 8 * dim + (q_numel * p if ragged else 0)
+                cnp_const += nb * b * b * (k * p + c) + 8 * per
+                fast_extra += c * nb * b
+        elif quantized:
+            frozen += m * n + 2 * 4 * math.ceil(m * n / group)
+            n_frozen += m * n
+            grads += 4 * m * n  # float_grad
+            lowrank_states += _lowrank_state_bytes(m, n, recipe)
+            n_train += m * n
+        else:
+            params += m * n * p
+            grads += m * n * p
+            n_train += m * n
+            cast_weights += m * n * 2 if precision == "autocast" else 0
+            if lowrank:
+                lowrank_states += _lowrank_state_bytes(m, n, recipe)
+            else:
+                states += 2 * m * n * p + 4
+    frozen, buffers, params, grads, states = (
+        x * L for x in (frozen, buffers, params, grads, states)
+    )
+    q_bytes *= L
+    states += lowrank_states * L
+    n_train *= L
+    n_frozen *= L
+    # embeddings, lm_head, norms (2 per layer + final)
+    for numel in [V * d] + ([] if mc.tie_word_embeddings else [V * d]) + [d] * (2 * L + 1):
+        adam_param(numel)
+    lm_head_grad = V * d * p
+
+    # --- activations (bytes saved by autograd) -------------------------------------------------
+    slope = {"bf16": 24 * d + 8 * f, "autocast": 34 * d + 8 * f, "fp32": 40 * d + 16 * f}
+    layer_tok = slope[precision] + 8 + 4 * h
+    if is_poet and pc.variant == "fast":
+        # the inputs mem layers keep and fast layers do not (norm outputs, down_proj input)
+        saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
+        saved_inputs["fp32"] = 4 * (2 * d + f)
+        layer_tok += fast_extra - saved_inputs[precision]
+    layer_const = cnp_const + cast_weights
+    layer_full = T * layer_tok + layer_const
+    head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
+    rotary = 2 * S * hd * (2 if precision == "bf16" else 4)  # cos, sin [1, S, head_dim]
+    head = 8 * B * (S + 1) + rotary + T * head_norm
+    head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
+    if tc.gradient_checkpointing:
+        acts = L * T * d * r + head + layer_full  # layer inputs + one layer recomputed
+        notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
+    else:
+        acts = L * layer_full + head
+    # forward: bf16 logits + fp32 copy + log-softmax (c + 8)·T·V; loss backward: log-softmax
+    # output + its gradient + the logits' gradient, 12·T·V (the larger)
+    logits = max(c + 8, 12) * T * V
+
+    # --- transients --------------------------------------------------------------------------
+    max_dim = max(max(m, n) for _, m, n in _projections(recipe))
+    workspace = 4 * c * T * max_dim
+    if (is_poet and bits in (4, 8)) or quantized:
+        workspace += largest_mn * c  # a dequantized weight on the GEMM path
+    if lowrank:  # dequantized/fp32 weight, gradient, update, noise of the largest weight
+        opt_tmp = 4 * 4 * largest_mn
+    else:  # torch AdamW (foreach, per param group): a temporary the size of the largest group
+        opt_tmp = max(q_bytes, params - q_bytes)
+    if precision == "fp32":
+        notes.append("fp32: CPU training; compare with the process RSS, not CUDA memory")
+    return MemoryEstimate(
+        recipe=recipe.name, method=method_label(recipe), precision=precision, batch_size=B,
+        seq_len=S, vocab_size=V, gradient_checkpointing=tc.gradient_checkpointing,
+        frozen_weights=frozen, buffers=buffers, trainable_params=params, gradients=grads,
+        optimizer_states=states, activations=acts, logits=logits, workspace=workspace,
+        optimizer_transient=opt_tmp, lm_head_grad=lm_head_grad, num_trainable=n_train,
+        num_frozen=n_frozen, layer_activations=layer_full, head_activations=head, notes=notes,
+    )  # fmt: skip
+
+
+def _gib(x: int) -> str:
+    return f"{x / 2**30:9.3f} GiB"
+
+
+def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
+    """A plain-text table of the breakdown and, with ``gpu_mem`` (bytes), fits / does not fit."""
+    ckpt = "on" if est.gradient_checkpointing else "off"
+    rows = [
+        ("frozen / quantized weights", est.frozen_weights, f"{est.num_frozen:,} weights"),
+        ("buffers (permutations, masks)", est.buffers, ""),
+        ("trainable parameters", est.trainable_params, f"{est.num_trainable:,} parameters"),
+        ("gradients", est.gradients, "all present at the optimizer step"),
+        ("optimizer states", est.optimizer_states, ""),
+        ("activations", est.activations, f"checkpointing {ckpt}"),
+        ("logits / loss", est.logits, f"[{est.batch_size * est.seq_len}, {est.vocab_size}]"),
+        ("workspace", est.workspace, "largest layer's transients"),
+        ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
+    ]
+    head = (
+        f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
+        f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"
+    )
+    lines = [head, "-" * len(head)]
+    lines += [f"  {name:<31s}{_gib(v)}  {note}".rstrip() for name, v, note in rows]
+    lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}")
+    if gpu_mem is not None:
+        verdict = "fits" if est.peak <= gpu_mem else "does not fit"
+        lines.append(f"  {verdict} in {gpu_mem / 2**30:.1f} GiB ({est.peak / gpu_mem:.0%} used)")
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)

@@ -1,0 +1,268 @@
+"""Comparison report over run directories: a Markdown results table and PNG plots.
+
+A run directory (written by :func:`poetxq.train.train`) holds ``recipe.yaml`` (the resolved
+recipe), ``metrics.jsonl`` (one JSON object per line: ``step`` and ``loss`` / ``val_ppl`` /
+``tokens_per_s`` ...) and ``summary.json`` (:class:`poetxq.train.TrainResult`). The report puts
+runs of the same model (recipe name without its method suffix) side by side, in a fixed method
+order, and writes into ``out_dir``:
+
+* ``report.md`` — results table (run, method, weight bits, final val ppl, tokens/s, peak
+  memory, train tokens, wall time) and the plots;
+* ``loss.png``, ``val_ppl.png`` — training loss and validation perplexity against tokens;
+* ``throughput.png``, ``peak_memory.png`` — bars per run.
+
+Plots use matplotlib's ``Agg`` backend (no display needed). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from poetxq.recipe import METHOD_LABELS, Recipe, method_label, run_label
+
+METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
+PLOTS = ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png")
+
+
+class ReportError(ValueError):
+    """A run directory is missing or unreadable; the message names the directory and file."""
+
+
+@dataclass
+class Run:
+    """One run directory, read."""
+
+    path: Path
+    recipe: Recipe
+    summary: dict[str, Any]
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        return self.summary.get("method") or method_label(self.recipe)
+
+    @property
+    def model(self) -> str:
+        """The recipe name without its method suffix (runs with the same one share a table)."""
+        label = run_label(self.recipe)
+        return label[: -len(method_label(self.recipe)) - 1]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def bits(self) -> str:
+        """How the projection weights are stored (``int8 W0``, ``nf4 W0``, ``int8 g256``, ...)."""
+        r = self.recipe
+        dense = "bf16" if "bf16" in str(self.summary.get("device", "")) else "fp32"
+        if r.method == "poetxq" and r.poet.bits == 8:
+            return "int8 W0"
+        if r.method == "poetxq" and r.poet.bits == 4:
+            return f"{r.poet.quant_type} W0"
+        if r.method in ("poetxq", "poetx"):
+            return f"{dense} W0"
+        if r.method in ("qgalore", "qapollo"):
+            g = r.baseline.weight_group_size or (256 if r.method == "qgalore" else 128)
+            return f"int8 g{g}"
+        return dense
+
+    @property
+    def peak_memory(self) -> tuple[int | None, str]:
+        """(bytes, kind): CUDA peak allocated, else the process's peak RSS, else (None, '')."""
+        cuda = self.summary.get("peak_memory_bytes")
+        if cuda is not None:
+            return int(cuda), "GPU"
+        rss = self.summary.get("peak_rss_bytes")
+        return (int(rss), "RSS") if rss is not None else (None, "")
+
+
+def read_run(path: str | Path) -> Run:
+    """Read one run directory.
+
+    Raises:
+        ReportError: the directory, ``recipe.yaml``, ``summary.json`` or ``metrics.jsonl`` is
+            missing or unreadable.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        raise ReportError(f"run directory '{p}' does not exist; pass directories made by train")
+    files = {name: p / name for name in ("recipe.yaml", "summary.json", "metrics.jsonl")}
+    for name, f in files.items():
+        if not f.is_file():
+            raise ReportError(
+                f"run directory '{p}' has no {name} (unfinished or not a poetxq run); "
+                "pass finished run directories"
+            )
+    try:
+        tree = yaml.safe_load(files["recipe.yaml"].read_text(encoding="utf-8"))
+        recipe = Recipe.model_validate(tree)
+    except Exception as exc:  # yaml or schema error: one line
+        msg = f"{files['recipe.yaml']}: unreadable recipe ({exc})".splitlines()[0]
+        raise ReportError(msg) from None
+    try:
+        summary = json.loads(files["summary.json"].read_text(encoding="utf-8"))
+        metrics = [
+            json.loads(line)
+            for line in files["metrics.jsonl"].read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"run directory '{p}': bad JSON ({exc})") from None
+    return Run(p, recipe, summary, metrics)
+
+
+def _order(run: Run) -> tuple[str, int, str]:
+    m = run.method
+    return (run.model, METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), run.name)
+
+
+def _fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s:.0f} s" if s < 3600 else f"{s / 3600:.2f} h"
+
+
+def results_rows(runs: list[Run]) -> list[dict[str, str]]:
+    """One table row (strings) per run, in report order."""
+    rows = []
+    for run in sorted(runs, key=_order):
+        s = run.summary
+        mem, kind = run.peak_memory
+        ppl = s.get("final_val_ppl")
+        rows.append({
+            "model": run.model, "run": run.name, "method": run.method, "bits": run.bits,
+            "final val ppl": "n/a" if ppl is None else f"{ppl:.2f}",
+            "tokens/s": f"{s['tokens_per_s']:,.0f}" if "tokens_per_s" in s else "n/a",
+            "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
+            "train tokens": f"{s['tokens']:,}" if "tokens" in s else "n/a",
+            "wall time": _fmt_seconds(s.get("train_seconds")),
+        })  # fmt: skip
+    return rows
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _plots(runs: list[Run], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(runs, key=_order)
+    models = sorted({r.model for r in runs})
+
+    def curves(key: str, fname: str, ylabel: str, logy: bool) -> None:
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+        for ax, model in zip(axes[0], models):
+            for run in (r for r in runs if r.model == model):
+                tps = run.summary.get("tokens", 0) / max(run.summary.get("steps", 1), 1)
+                pts = [(m["step"] * tps, m[key]) for m in run.metrics if m.get(key) is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, ms=3,
+                            label=f"{run.method} ({run.name})")  # fmt: skip
+            ax.set_title(model)
+            ax.set_xlabel("training tokens")
+            ax.set_ylabel(ylabel)
+            if logy:
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
+        plt.close(fig)
+
+    def bars(values: list[float | None], fname: str, ylabel: str) -> None:
+        fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(runs)), 4))
+        labels = [f"{r.model}\n{r.method}" for r in runs]
+        heights = [v if v is not None else 0.0 for v in values]
+        bars_ = ax.bar(range(len(runs)), heights, color=[f"C{_order(r)[1]}" for r in runs])
+        for rect, v in zip(bars_, values):
+            ax.annotate("n/a" if v is None else f"{v:,.3g}", (rect.get_x() + rect.get_width() / 2,
+                        rect.get_height()), ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.set_xticks(range(len(runs)), labels, fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
+        plt.close(fig)
+
+    curves("loss", "loss.png", "training loss (nats)", logy=False)
+    curves("val_ppl", "val_ppl.png", "validation perplexity", logy=True)
+    bars([r.summary.get("tokens_per_s") for r in runs], "throughput.png", "tokens / s")
+    mem = [r.peak_memory for r in runs]
+    kinds = {k for _, k in mem if k}
+    bars([None if b is None else b / 2**30 for b, _ in mem], "peak_memory.png",
+         "peak memory (GiB" + (", " + "/".join(sorted(kinds)) if kinds else "") + ")")  # fmt: skip
+
+
+def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
+    """Read ``run_dirs`` and write ``report.md`` and the PNG plots into ``out_dir``.
+
+    Returns:
+        The path of ``report.md``.
+
+    Raises:
+        ReportError: no run given, or a run directory is missing/unreadable (nothing is written).
+    """
+    if not run_dirs:
+        raise ReportError("no run directories given; pass one or more runs/<name> directories")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ReportError("poetxq report needs matplotlib: pip install -e '.[report]'")
+    runs = [read_run(p) for p in run_dirs]  # all read before anything is written
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
+    out.mkdir(parents=True, exist_ok=True)
+    _plots(runs, out)
+    rows = results_rows(runs)
+    cols = ["run", "method", "bits", "final val ppl", "tokens/s", "peak memory", "train tokens",
+            "wall time"]  # fmt: skip
+    lines = ["# Results", ""]
+    lines.append(
+        f"{len(runs)} run(s); runs of the same model are side by side. Peak memory is "
+        "`torch.cuda.max_memory_allocated` on a GPU, the process's peak RSS (marked) on the CPU."
+    )
+    for model in sorted({r["model"] for r in rows}):
+        lines += ["", f"## {model}", "", "| " + " | ".join(cols) + " |",
+                  "|" + "|".join("---" for _ in cols) + "|"]  # fmt: skip
+        lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows if r["model"] == model]
+    lines += ["", "## Plots", ""]
+    titles = {"loss.png": "Training loss", "val_ppl.png": "Validation perplexity",
+              "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
+    for name in PLOTS:
+        lines += [f"![{titles[name]}]({name})", ""]
+    lines += ["## Runs", ""]
+    for run in sorted(runs, key=_order):
+        s = run.summary
+        lines.append(
+            f"- `{run.path}`: {s.get('steps', '?')} steps on {s.get('device', '?')}, "
+            f"{s.get('merges', 0)} merges, val ppl {s.get('initial_val_ppl', float('nan')):.2f} -> "
+            f"{s.get('final_val_ppl', float('nan')):.2f}"
+        )
+    text = "\n".join(lines) + "\n"
+    path = out / "report.md"
+    _atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+    return path
+
+
+__all__ = ["METHOD_LABELS", "PLOTS", "ReportError", "Run", "build_report", "read_run",
+           "results_rows"]  # fmt: skip

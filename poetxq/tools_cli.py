@@ -1,0 +1,125 @@
+"""The ``estimate-memory``, ``bench`` and ``report`` sub-commands of ``poetxq``.
+
+Kept apart from :mod:`poetxq.cli` (training flags) so each tool's flags live next to its
+runner. Errors are raised as the tools' own ``ValueError`` subclasses (:data:`TOOL_ERRORS`);
+``poetxq.cli.main`` prints them as one ``poetxq: error: ...`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from poetxq.bench import BenchError
+from poetxq.estimate import EstimateError
+from poetxq.report import ReportError
+
+TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
+
+
+def _recipe_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+    p.add_argument(
+        "--recipe", required=required, metavar="RECIPE",
+        help="recipe YAML or MODEL:METHOD from recipes/ (e.g. llama-8b:poetxq)",
+    )  # fmt: skip
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key (repeatable)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence [train.seq_len]")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="whole-layer activation checkpointing [train.gradient_checkpointing]",
+    )  # fmt: skip
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [data.vocab_size]")
+
+
+def add_tool_parsers(sub: Any) -> None:
+    """Add ``estimate-memory``, ``bench`` and ``report`` to the ``poetxq`` sub-parsers."""
+    p = sub.add_parser(
+        "estimate-memory", help="analytic memory breakdown of a recipe's training step",
+        description="Predict the peak GPU memory of one training step of a recipe (frozen "
+        "weights, parameters, gradients, optimizer states, activations, logits, workspace) "
+        "and whether it fits.",
+    )  # fmt: skip
+    _recipe_args(p, required=True)
+    p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory to check against, e.g. 80GB")
+    p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default="autocast",
+                   help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU, "
+                   "default); bf16: everything bf16; fp32: CPU")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
+
+    p = sub.add_parser(
+        "bench", help="tokens/s, MFU and peak memory of a recipe on random tokens",
+        description="Time training steps of a recipe on random tokens (no dataset): prints one "
+        "summary line and writes JSON.",
+    )  # fmt: skip
+    _recipe_args(p, required=True)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")
+    p.add_argument(
+        "--peak-tflops", type=float,
+        help="accelerator peak for MFU (default: by GPU name, H100/H200 989.4)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--out", metavar="JSON", help="write the result here")
+
+    p = sub.add_parser(
+        "report", help="Markdown + PNG comparison of finished runs",
+        description="Build report.md (results table) and loss / val-ppl / throughput / "
+        "peak-memory plots from run directories; runs of the same model side by side.",
+    )  # fmt: skip
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+
+
+def _load(args: argparse.Namespace):  # -> Recipe
+    from poetxq.recipe import load_recipe, parse_override
+
+    over: dict[str, Any] = {}
+    for flag, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len"),
+                      ("grad_accum", "train.grad_accum")):  # fmt: skip
+        if getattr(args, flag, None) is not None:
+            over[key] = getattr(args, flag)
+    if args.gradient_checkpointing:
+        over["train.gradient_checkpointing"] = True
+    for text in args.overrides:
+        key, value = parse_override(text)
+        over[key] = value
+    return load_recipe(args.recipe, over)
+
+
+def run_tool(args: argparse.Namespace) -> int:
+    """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
+    if args.command == "report":
+        from poetxq.report import build_report
+
+        path = build_report(args.runs, args.out)
+        print(f"report: {path} ({len(args.runs)} runs)")
+        return 0
+    from poetxq.bench import write_json
+
+    recipe = _load(args)
+    if args.command == "estimate-memory":
+        from poetxq.estimate import estimate_memory, format_estimate, parse_bytes
+
+        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
+        print(format_estimate(est, gpu))
+        if args.json:
+            write_json(est.to_dict(), Path(args.json))
+        return 0
+    from poetxq.bench import bench_to_dict, run_bench
+
+    result = run_bench(
+        recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,
+        peak_tflops=args.peak_tflops, device=args.device,
+        command="poetxq " + shlex.join(sys.argv[1:]), echo=print,
+    )  # fmt: skip
+    print(result.summary_line())
+    if args.out:
+        write_json(bench_to_dict(result), Path(args.out))
+    return 0

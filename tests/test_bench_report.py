@@ -1,0 +1,143 @@
+"""``poetxq bench`` (CPU, random tokens), whole-layer checkpointing, and ``poetxq report`` built
+from two real tiny CPU runs of different methods."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from poetxq.bench import dense_param_count, run_bench
+from poetxq.cli import main
+from poetxq.evaluate import causal_lm_loss
+from poetxq.recipe import load_recipe
+from poetxq.surgery import build_llama, convert_to_poetx
+
+SMALL = {
+    "model.hidden_size": 64, "model.intermediate_size": 136, "model.num_attention_heads": 4,
+    "model.num_hidden_layers": 2, "poet.block_size": 16, "train.batch_size": 2,
+    "train.seq_len": 16, "data.vocab_size": 300, "baseline.rank": 8,
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+
+
+def test_dense_param_count_equals_transformers():
+    r = load_recipe("llama-60m:poetxq")
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1280,
+                      num_attention_heads=8, num_hidden_layers=8)  # fmt: skip
+    with torch.device("meta"):
+        ref = LlamaForCausalLM(cfg).num_parameters()
+    assert dense_param_count(r, 32000) == ref
+
+
+@pytest.mark.parametrize("method", ["poetxq", "qgalore"])
+def test_bench_cpu_measures_tokens_and_mfu(method):
+    r = load_recipe(None, {**SMALL, "method": method})
+    res = run_bench(r, 2, warmup=1, peak_tflops=1.0, device="cpu", echo=lambda _s: None)
+    assert res.tokens_per_step == 2 * 16 and res.steps == 2
+    assert math.isclose(res.tokens_per_s * res.step_time_s, res.tokens_per_step, rel_tol=1e-9)
+    assert math.isclose(res.mfu, 6 * dense_param_count(r, 300) * res.tokens_per_s / 1e12)
+    assert res.peak_memory_bytes is None and res.peak_rss_bytes > 0
+    assert res.run_label == f"tiny-{method}" and res.estimated_peak_bytes > 0
+
+
+def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
+    args = ["--steps", "2", "--device", "cpu", "--gradient-checkpointing", "--out", str(out)]
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, *args]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    data = json.loads(out.read_text())
+    assert line.startswith("bench tiny-poetxq: ") and "MFU n/a" in line and "peak RSS" in line
+    assert f"{data['tokens_per_s']:,.0f} tok/s" in line
+    assert data["gradient_checkpointing"] is True and data["steps"] == 2
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--steps", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps >= 1" in err[0]
+
+
+@pytest.mark.parametrize("variant", ["mem", "fast"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(variant):
+    r = load_recipe(None, {**SMALL, "poet.variant": variant})
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = build_llama(r.model, 300)
+        convert_to_poetx(model, r.poet, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():  # non-zero Q so the block gradients are not trivial
+            for p in model.parameters():
+                if p.dim() == 2 and p.shape[1] == 120:
+                    p.normal_(0, 0.05)
+        if ckpt:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.train()
+        batch = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(2))
+        loss = causal_lm_loss(model, batch)
+        loss.backward()
+        grads.append(
+            (loss.item(), [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        )
+    (l0, g0), (l1, g1) = grads
+    assert l0 == pytest.approx(l1, rel=1e-6) and len(g0) == len(g1)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+# A tiny but real run (as tests/test_cli.py): pydoc text, BPE trained on the train split.
+TINY = [
+    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+    "--block-size", "16", "--eval-every", "2", "--max-steps", "4", "--no-progress",
+    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
+    "--set", "train.log_every=1", "--set", "optim.warmup_steps=1", "--set", "baseline.rank=8",
+    "--set", "train.save_checkpoint=false",
+]  # fmt: skip
+
+
+def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    for method in ("poetxq", "adamw"):
+        assert main(["train", *TINY, "--method", method, "--output-dir", str(runs)]) == 0
+    dirs = sorted(runs.iterdir())
+    names = [d.name for d in dirs]
+    assert re.fullmatch(r"tiny-adamw-\d{8}-\d{6}", names[0]), names
+    assert re.fullmatch(r"tiny-poetxq-\d{8}-\d{6}", names[1]), names
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in dirs}
+    for s in summaries.values():
+        assert s["peak_rss_bytes"] > 0 and s["peak_memory_bytes"] is None
+        assert s["method"] in ("poetxq", "adamw")
+    out = tmp_path / "report"
+    assert main(["report", *map(str, dirs), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| tiny-")]
+    assert len(rows) == 2 and md.count("## tiny\n") == 1  # one table: side by side
+    assert rows[0].startswith(f"| {names[1]} | poetxq | int8 W0 |")  # poetxq first
+    for name, s in summaries.items():
+        row = next(r for r in rows if r.startswith(f"| {name} "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == f"{s['final_val_ppl']:.2f}"
+        assert cells[4] == f"{s['tokens_per_s']:,.0f}"
+        assert cells[5] == f"{s['peak_rss_bytes'] / 2**30:.2f} GiB (RSS)"
+        assert cells[6] == f"{s['tokens']:,}" == f"{4 * 8 * 32:,}"
+    for png in ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png"):
+        data = (out / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"]({png})" in md
+
+
+def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "recipe.yaml").write_text("name: x\n")
+    out = tmp_path / "rep"
+    assert main(["report", str(tmp_path / "half"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "summary.json" in err[0]
+    assert not out.exists()

@@ -1,0 +1,194 @@
+"""The memory estimator against a hand computation, real byte counts of built models and
+optimizers after one step, and the tensors autograd really saves (CPU)."""
+
+import math
+
+import pytest
+import torch
+
+from poetxq.baselines import (
+    build_baseline_optimizer,
+    optimizer_state_bytes,
+    prepare_baseline,
+    quant_modules,
+)
+from poetxq.estimate import EstimateError, estimate_memory, format_estimate, parse_bytes
+from poetxq.evaluate import causal_lm_loss
+from poetxq.optim import build_optimizer
+from poetxq.recipe import load_recipe
+from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+
+V = 96
+
+
+def _recipe(method="poetxq", **over):
+    base = {
+        "method": method, "model.hidden_size": 64, "model.intermediate_size": 176,
+        "model.num_attention_heads": 4, "model.num_hidden_layers": 2, "poet.block_size": 32,
+        "baseline.rank": 8, "train.batch_size": 2, "train.seq_len": 16,
+    }  # fmt: skip
+    base.update(over)
+    return load_recipe(None, base)
+
+
+def test_hand_computation_poetxq_int8_autocast():
+    """d=64, f=192, h=4, L=2, b=32 (no ragged block), V=96, B=2, S=16 (T=32), autocast."""
+    r = _recipe(**{"model.intermediate_size": 192})
+    est = estimate_memory(r, vocab_size=V, precision="autocast")
+    d, f, L, T, b = 64, 192, 2, 32, 32
+    shapes = [(d, d)] * 4 + [(f, d)] * 2 + [(d, f)]  # (out m, in n)
+    # int8 store: m*n codes + 4*m SCB + 1 weight_format byte
+    assert est.frozen_weights == L * sum(m * n + 4 * m + 1 for m, n in shapes)
+    # Q per side: ceil(dim/32) blocks x 496 packed entries, fp32
+    q = L * sum((n // b + m // b) * 496 for m, n in shapes)
+    assert q == 2 * (4 * 4 * 496 + 3 * 8 * 496) == 39680
+    other = 2 * V * d + (2 * L + 1) * d  # embeddings, lm_head, norms
+    assert est.num_trainable == q + other
+    assert est.trainable_params == 4 * (q + other) == est.gradients
+    # torch AdamW: two fp32 moments + a 4-byte step per tensor (14 Q sides, 2 embeddings, 5 norms)
+    assert est.optimizer_states == 8 * (q + other) + 4 * (L * 14 + 2 + 5)
+    assert est.buffers == L * sum(16 * (m + n) for m, n in shapes)  # perm + inv_perm, int64
+    # activations: per layer and token 34d + 8f + 8 + 4h; per side CNP 3 fp32 + 1 bf16 block
+    # tensors and the int64 triangle index; head: ids, fp32 cos/sin, final norm, bf16 lm_head copy
+    blocks = sum(n // b + m // b for m, n in shapes)
+    layer = T * (34 * d + 8 * f + 8 + 16) + blocks * b * b * 14 + 14 * 8 * 496
+    assert est.layer_activations == layer
+    head = 8 * 2 * 17 + 2 * 16 * 16 * 4 + T * (10 * d + 4) + 2 * V * d  # cos/sin [1, S, 16]
+    assert est.activations == L * layer + head
+    assert est.logits == 12 * T * V
+    assert est.workspace == 4 * 2 * T * f + f * d * 2
+    persistent = est.frozen_weights + est.buffers + est.trainable_params + est.optimizer_states
+    start = est.activations + est.logits + est.workspace + 4 * V * d
+    end = est.gradients + layer + est.workspace
+    step = est.gradients + max(4 * q, 4 * other)
+    assert est.peak == persistent + max(start, end, step)
+
+
+def _build(recipe, dtype=torch.float32):
+    model = build_llama(recipe.model, V, dtype=dtype if dtype != torch.float32 else None)
+    if recipe.method in ("poetxq", "poetx"):
+        convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+        opt = build_optimizer(model, recipe.optim)
+    else:
+        rep = prepare_baseline(model, recipe.method, recipe.baseline)
+        opt = build_baseline_optimizer(model, rep, recipe.baseline, recipe.optim)
+    return model, opt
+
+
+METHOD_CASES = [
+    ("poetxq", {}), ("poetxq", {"poet.bits": 4}), ("poetxq", {"poet.bits": 4,
+    "poet.double_quant": False}), ("poetx", {}), ("poetxq", {"poet.variant": "fast"}),
+    ("adamw", {}), ("galore", {}), ("apollo", {}), ("qgalore", {}), ("qapollo", {}),
+    ("qgalore", {"baseline.proj_bits": 32, "baseline.state_bits": 32}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("method,over", METHOD_CASES, ids=lambda x: str(x))
+def test_parameter_and_state_bytes_equal_a_built_model_after_one_step(method, over):
+    recipe = _recipe(method, **over)  # f=176 is ragged for b=32
+    est = estimate_memory(recipe, vocab_size=V, precision="fp32")
+    torch.manual_seed(0)
+    model, opt = _build(recipe)
+    layers = poet_layers(model)
+    qmods = quant_modules(model)
+    frozen = sum(layer.frozen.nbytes() for layer in layers) + sum(q.nbytes() for q in qmods)
+    buffers = sum(
+        t.nbytes for layer in layers for side in (layer.P, layer.R)
+        for t in (side.perm, side.inv_perm, side.mask) if t is not None
+    )  # fmt: skip
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert est.frozen_weights == frozen
+    assert est.buffers == buffers
+    assert est.trainable_params == sum(p.nbytes for p in trainable)
+    loss = causal_lm_loss(model, torch.randint(0, V, (2, 17)))
+    loss.backward()
+    grads = sum(p.grad.nbytes for p in trainable) + sum(q.float_grad.nbytes for q in qmods)
+    assert est.gradients == grads
+    opt.step()
+    assert est.optimizer_states == optimizer_state_bytes(opt)
+
+
+def _saved_bytes(model, windows, autocast=False):
+    """Bytes of the distinct storages autograd saves in one forward (parameters and buffers,
+    which live anyway, excluded)."""
+    live = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in live:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
+        model(input_ids=windows[:, :-1])
+    return sum(seen.values())
+
+
+ACT_CASES = [
+    ("poetxq", "bf16", {}), ("poetxq", "autocast", {}), ("poetxq", "fp32", {}),
+    ("poetxq", "bf16", {"poet.variant": "fast"}), ("poetxq", "autocast", {"poet.variant": "fast"}),
+    ("poetx", "fp32", {"poet.variant": "fast"}), ("adamw", "bf16", {}), ("adamw", "autocast", {}),
+    ("qgalore", "autocast", {}), ("poetxq", "bf16", {"train.gradient_checkpointing": True}),
+    ("poetxq", "autocast", {"train.gradient_checkpointing": True}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("method,precision,over", ACT_CASES, ids=lambda x: str(x))
+def test_activations_equal_what_autograd_saves(method, precision, over):
+    recipe = _recipe(method, **{"model.intermediate_size": 192, **over})
+    est = estimate_memory(recipe, vocab_size=V, precision=precision)
+    torch.manual_seed(0)
+    model, _ = _build(recipe, torch.bfloat16 if precision == "bf16" else torch.float32)
+    if recipe.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    saved = _saved_bytes(model, torch.randint(0, V, (2, 17)), autocast=precision == "autocast")
+    if recipe.train.gradient_checkpointing:
+        # the estimate adds one recomputed layer; the rotary cos/sin [1, S, 16] are kept as
+        # checkpoint inputs, not through saved-tensor hooks
+        rotary = 2 * 16 * 16 * (2 if precision == "bf16" else 4)
+        assert saved == est.activations - est.layer_activations - rotary
+    else:
+        assert saved == est.activations
+
+
+def test_checkpointing_shrinks_activations_and_format():
+    r = load_recipe("llama-8b:poetxq", {"poet.block_size": 256})
+    a = estimate_memory(r, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16")
+    r2 = load_recipe("llama-8b:poetxq", {"train.gradient_checkpointing": True})
+    b = estimate_memory(r2, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16")
+    assert b.activations < a.activations / 5 and b.peak < a.peak
+    # int8 W0 of the 7 projections x 32 layers: ~6.5 GB, 1.000x bytes per weight
+    assert math.isclose(a.frozen_weights / a.num_frozen, 1.0, rel_tol=1e-3)
+    text = format_estimate(a, parse_bytes("80GB"))
+    assert "fits in 80.0 GiB" in text and "predicted peak" in text
+    assert "does not fit" in format_estimate(a, parse_bytes("1GB"))
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 2**30 == parse_bytes("80 GiB")
+    assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
+    with pytest.raises(EstimateError, match="80GB"):
+        parse_bytes("lots")
+
+
+def test_estimate_memory_cli(tmp_path, capsys):
+    import json
+
+    from poetxq.cli import main
+
+    out = tmp_path / "est.json"
+    args = ["estimate-memory", "--recipe", "llama-60m:poetxq", "--batch-size", "4", "--gpu-mem",
+            "80GB", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    ref = estimate_memory(load_recipe("llama-60m:poetxq", {"train.batch_size": 4}))
+    assert json.loads(out.read_text())["peak"] == ref.peak
+    assert f"{ref.peak / 2**30:9.3f} GiB" in text and "fits in 80.0 GiB" in text
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read memory size 'x'" in err[0]
