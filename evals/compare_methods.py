@@ -51,6 +51,9 @@ MODELS: dict[str, dict[str, int]] = {
     "130m": dict(
         hidden_size=768, intermediate_size=2048, num_attention_heads=12, num_hidden_layers=12
     ),
+    "1b": dict(
+        hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_hidden_layers=24
+    ),
 }
 
 _POET = {  # Sphere-AI-Lab/poet scripts/benchmark_c4_poet/pretrain_poet_60m.sh
