@@ -1,0 +1,189 @@
+"""Render the committed GPU results (``evals/results/*.json``) into ``docs/RESULTS.md`` + PNGs.
+
+Every number in the page is read from a results file, whose path, date, commit and GPU are printed
+beside its table; nothing is typed in by hand. Re-run after committing new results::
+
+    python evals/render_results.py            # writes docs/RESULTS.md and docs/img/*.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "evals" / "results"
+LABELS = {
+    "poetxq": "POET-XQ (int8 W0)",
+    "poetx": "POET-X (bf16 W0)",
+    "qgalore": "Q-GaLore",
+    "qapollo": "Q-APOLLO",
+    "adamw": "AdamW",
+    "control": "control (R = P = I frozen)",
+}
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _provenance(name: str, d: dict[str, Any]) -> str:
+    gpu = d.get("gpu") or d.get("device", "?")
+    commit = d.get("commit") or ", ".join(dict.fromkeys(c["commit"] for c in d.get("calls", [])))
+    date = d.get("date") or d.get("calls", [{}])[0].get("date", "?")
+    return f"Source: `evals/results/{name}` ({gpu}, {date}, commit {commit})."
+
+
+def _comparison(img: Path) -> list[str]:
+    name = "compare_60m_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    runs = d["runs"]
+    lines = [
+        f"## Llama-{d['model'].upper()} pretraining, {d['train_tokens'] / 1e6:.1f}M tokens, "
+        "same data for every method",
+        "",
+        f"{d['data']}; {d['steps']} steps x {d['tokens_per_step']:,} tokens "
+        f"({d['epochs']:.2f} epochs), the same held-out validation windows "
+        f"({d['val_tokens']:,} tokens) for every method. Lower perplexity is better.",
+        "",
+        "| method | final val ppl | tokens/s | peak memory (GiB) |",
+        "|---|---:|---:|---:|",
+    ]
+    best = min(r["final_val_ppl"] for m, r in runs.items() if m != "control")
+    for m, r in runs.items():
+        ppl = f"{r['final_val_ppl']:.2f}"
+        if r["final_val_ppl"] == best:
+            ppl = f"**{ppl}**"
+        lines.append(
+            f"| {LABELS.get(m, m)} | {ppl} | {r['tokens_per_s']:,.0f} | "
+            f"{r['peak_memory_gib']:.1f} |"
+        )
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for m, r in runs.items():
+        pts = [(c["step"] * d["tokens_per_step"] / 1e6, c["val_ppl"]) for c in r["val_curve"]]
+        pts = [p for p in pts if p[0] > 0]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS.get(m, m))
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("validation perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(img / "compare_60m_val_ppl.png", dpi=120)
+    plt.close(fig)
+    lines += [
+        "",
+        "![validation perplexity](img/compare_60m_val_ppl.png)",
+        "",
+        _provenance(name, d),
+        "",
+        f"Note: {d.get('note', '')}",
+        "",
+    ]
+    return lines
+
+
+def _throughput(img: Path) -> list[str]:
+    name = "throughput_1b_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    rows = d["runs"]
+    seqs = sorted({r["seq_len"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [
+        f"## Training throughput, Llama-1B, {d['tokens_per_step']:,} tokens per step",
+        "",
+        "Random tokens (`poetxq bench`), fp32 parameters + bf16 autocast; tokens/s (MFU).",
+        "",
+        "| method | " + " | ".join(f"seq {s}" for s in seqs) + " | peak memory (GiB) |",
+        "|---|" + "---:|" * (len(seqs) + 1),
+    ]
+    for m in methods:
+        cells = []
+        for s in seqs:
+            r = next(x for x in rows if x["method"] == m and x["seq_len"] == s)
+            cells.append(f"{r['tokens_per_s']:,.0f} ({100 * r['mfu']:.1f} %)")
+        peak = next(x for x in rows if x["method"] == m)["peak_memory_bytes"] / 2**30
+        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {peak:.1f} |")
+    lines.append("")
+    for ratio in d.get("ratios", []):
+        lines.append(
+            f"- seq {ratio['seq_len']}: POET-XQ / Q-GaLore = {ratio['poetxq_over_qgalore']:.2f} "
+            f"(target ≥ 1.3), POET-XQ / AdamW = {ratio['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
+        )
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / len(seqs)
+    for i, s in enumerate(seqs):
+        vals = [
+            next(x for x in rows if x["method"] == m and x["seq_len"] == s)["tokens_per_s"]
+            for m in methods
+        ]
+        ax.bar([j + i * width for j in range(len(methods))], vals, width, label=f"seq {s}")
+    ax.set_xticks([j + width * (len(seqs) - 1) / 2 for j in range(len(methods))], methods)
+    ax.set_ylabel("tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(img / "throughput_1b.png", dpi=120)
+    plt.close(fig)
+    lines += ["", "![throughput](img/throughput_1b.png)", "", _provenance(name, d), ""]
+    return lines
+
+
+def _memory() -> list[str]:
+    name = "gpu_memory_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        "## POET-XQ at 8B / 13B: peak memory and step time (batch 1, seq 2048, int8 W0, b = 256)",
+        "",
+        "| model | checkpointing | peak (GiB) | estimate (GiB) | official code (GiB) | "
+        "target (GiB) | step (s) | official step (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["results"]:
+        lines.append(
+            f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
+            f"{r['peak_memory_gib']:.2f} | {r['estimated_peak_gib']:.2f} | "
+            f"{r['official_peak_gib']:.2f} | {r['target_peak_gib']} | {r['step_time_s']:.3f} | "
+            f"{r['official_step_s']:.2f} |"
+        )
+    lines += ["", _provenance(name, d), ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(REPO / "docs" / "RESULTS.md"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    img = out.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Results",
+        "",
+        "Generated by `python evals/render_results.py` from the JSON files in `evals/results/`;",
+        "each section names its file, GPU, date and commit. Ratios are measured side by side in",
+        "one run.",
+        "",
+    ]
+    lines += _comparison(img) + _throughput(img) + _memory()
+    out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
