@@ -24,13 +24,16 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
       fp32:          40d + 16f + 8 + 4h
 
   (RMSNorms keep an fp32 input and the normalized rows; attention keeps q, k, v, the output and
-  the log-sum-exp; the MLP keeps gate, up, SiLU(gate) and their product.) POET ``mem`` layers keep
-  only their input, the same tensor a ``nn.Linear`` keeps; ``fast`` also keeps the permuted input
-  and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each POET side adds its
-  Cayley–Neumann intermediates, ``⌈d/b⌉·b²·(k·q + c)`` bytes (``q``: Q's dtype bytes) and the
-  ``b(b−1)/2`` int64 triangle index. Under autocast, ``nn.Linear`` weights are also kept as bf16
-  copies. With whole-layer checkpointing a layer keeps only its input (``r·d`` per token,
-  ``r`` the residual-stream dtype bytes) and one layer at a time is recomputed.
+  the log-sum-exp; the MLP keeps gate, up, SiLU(gate) and their product — with POET ``mem`` layers
+  only gate and up, :class:`poetxq.layer.POETXSwiGLUMLP`, so ``4f`` less, ``8f`` in fp32.) POET
+  ``mem`` layers keep only their input, the same tensor a ``nn.Linear`` keeps; ``fast`` also keeps
+  the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each
+  POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
+  map keeps no intermediates (its backward recomputes them), only its packed input: once for the
+  whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`), or under
+  checkpointing a masked copy of a ragged side's ``Q``. Under autocast, ``nn.Linear`` weights are
+  also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its input (``r·d``
+  per token, ``r`` the residual-stream dtype bytes) and one layer at a time is recomputed.
 * **logits / loss** — ``[T, V]``: in the forward the bf16 logits, their fp32 copy and the
   log-softmax output; in the loss backward the log-softmax output, its gradient and the logits'
   gradient (``12·T·V`` bytes, the larger).
@@ -229,7 +232,7 @@ def estimate_memory(
     lowrank = recipe.method in ("galore", "apollo", "qgalore", "qapollo")
     targets = set(pc.target_modules if is_poet else recipe.baseline.target_modules)
     bits = 16 if recipe.method == "poetx" else pc.bits
-    b, k = pc.block_size, pc.neumann_terms
+    b = pc.block_size
     notes: list[str] = []
 
     frozen = buffers = params = grads = states = opt_tmp = 0
@@ -267,7 +270,12 @@ def estimate_memory(
                 states += 2 * q_numel * p + 4
                 n_train += q_numel
                 buffers += 2 * 8 * dim + (q_numel * p if ragged else 0)
-                cnp_const += nb * b * b * (k * p + c) + 8 * per
+                # the blocks G in the compute dtype, saved by the layer; the CNP saves only its
+                # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
+                # masked copy of a ragged side's Q when each layer computes its own blocks
+                cnp_const += nb * b * b * c
+                if ragged and tc.gradient_checkpointing:
+                    cnp_const += q_numel * p
                 fast_extra += c * nb * b
         elif quantized:
             frozen += m * n + 2 * 4 * math.ceil(m * n / group)
@@ -299,6 +307,9 @@ def estimate_memory(
     # --- activations (bytes saved by autograd) -------------------------------------------------
     slope = {"bf16": 24 * d + 8 * f, "autocast": 34 * d + 8 * f, "fp32": 40 * d + 16 * f}
     layer_tok = slope[precision] + 8 + 4 * h
+    if is_poet and pc.variant == "mem":
+        # POETXSwiGLUMLP: SiLU(gate) and the product are recomputed, only gate and up are kept
+        layer_tok -= (8 if precision == "fp32" else 4) * f
     if is_poet and pc.variant == "fast":
         # the inputs mem layers keep and fast layers do not (norm outputs, down_proj input)
         saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
@@ -315,6 +326,8 @@ def estimate_memory(
         notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
     else:
         acts = L * layer_full + head
+        if is_poet and not pc.freeze_orthogonal:
+            acts += q_bytes  # poetxq.blockcache: the concatenated Q of all sides, saved once
     # forward: bf16 logits + fp32 copy + log-softmax (c + 8)·T·V; loss backward: log-softmax
     # output + its gradient + the logits' gradient, 12·T·V (the larger)
     logits = max(c + 8, 12) * T * V

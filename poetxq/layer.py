@@ -100,26 +100,83 @@ class _POETXMemFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         x, g_p, g_r = ctx.saved_tensors
-        frozen, sp, sr = ctx.frozen, ctx.side_p, ctx.side_r
-        n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
-        dy = dy.to(x.dtype)
-        # Recompute the forward intermediates (x', z, h) from the saved input.
-        xp = _pad_to(_gather_last(x, sp.perm), sp.padded_dim)
-        z = quant_kernels.block_diag_matmul(xp, g_p)
-        h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
-        # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
-        du = _pad_to(_gather_last(dy, sr.perm), sr.padded_dim)
-        grad = quant_kernels.block_diag_grad
-        dg_r = grad(du, h, sr.nb, b_r) if ctx.needs_input_grad[2] else None
-        del h
-        dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
-        dz = _pad_to(frozen.matmul_t(dh), sp.padded_dim)
-        dg_p = grad(dz, xp, sp.nb, b_p) if ctx.needs_input_grad[1] else None
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
-            dx = _gather_last(dxp, sp.inv_perm)
+        dx, dg_p, dg_r = _mem_backward(
+            x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, ctx.needs_input_grad[:3]
+        )
         return dx, dg_p, dg_r, None, None, None
+
+
+def _mem_backward(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    sp: OrthogonalSide,
+    sr: OrthogonalSide,
+    needs: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of the ``mem`` forward from its saved input: ``(dx, dG_P, dG_R)`` (None where
+    ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
+    n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
+    dy = dy.to(x.dtype)
+    xp = _pad_to(_gather_last(x, sp.perm), sp.padded_dim)
+    z = quant_kernels.block_diag_matmul(xp, g_p)
+    h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
+    # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
+    du = _pad_to(_gather_last(dy, sr.perm), sr.padded_dim)
+    grad = quant_kernels.block_diag_grad
+    dg_r = grad(du, h, sr.nb, b_r) if needs[2] else None
+    del h
+    dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
+    dz = _pad_to(frozen.matmul_t(dh), sp.padded_dim)
+    dg_p = grad(dz, xp, sp.nb, b_p) if needs[1] else None
+    dx = None
+    if needs[0]:
+        dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
+        dx = _gather_last(dxp, sp.inv_perm)
+    return dx, dg_p, dg_r
+
+
+class _SwiGLUDownMemFn(torch.autograd.Function):
+    """``down(SiLU(gate) · up)`` with a ``mem`` down projection, saving ``gate`` and ``up`` only.
+
+    The product ``SiLU(gate) · up`` (the down projection's input) and ``SiLU(gate)`` are
+    recomputed in backward (elementwise), instead of being kept as two more ``[T, f]`` tensors.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        g_p: torch.Tensor,
+        g_r: torch.Tensor,
+        frozen: FrozenWeight,
+        side_p: OrthogonalSide,
+        side_r: OrthogonalSide,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, g_p, g_r)
+        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
+        x = F.silu(gate) * up
+        return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        gate, up, g_p, g_r = ctx.saved_tensors
+        act = F.silu(gate)
+        x = act * up
+        needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
+        dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, needs)
+        del x
+        d_gate = d_up = None
+        if dx is not None:
+            d_up = dx * act
+            wide = torch.promote_types(gate.dtype, torch.float32)  # SiLU' in >= fp32
+            g = gate.to(wide)
+            sig = torch.sigmoid(g)
+            d_gate = ((dx * up).to(wide) * (sig * (1 + g * (1 - sig)))).to(gate.dtype)
+        return d_gate, d_up, dg_p, dg_r, None, None, None
 
 
 def normalized_gaussian(
@@ -218,8 +275,8 @@ class POETXLinear(nn.Module):
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         x = x.to(cdtype)
         with torch.autocast(dev, enabled=False):  # CNP in the parameters' precision, then cast
-            g_p = self.P.blocks().to(cdtype)
-            g_r = self.R.blocks().to(cdtype)
+            g_p = self.P.blocks_as(cdtype)
+            g_r = self.R.blocks_as(cdtype)
             if self.variant == "mem" and torch.is_grad_enabled():
                 y = _POETXMemFn.apply(x, g_p, g_r, self.frozen, self.P, self.R)
             else:
@@ -227,6 +284,27 @@ class POETXLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``
+        for backward (the ``mem`` variant; otherwise the plain composition).
+
+        Args:
+            gate, up: ``[..., in_features]`` outputs of the gate and up projections.
+
+        Returns:
+            ``[..., out_features]``, equal to ``self(F.silu(gate) * up)``.
+        """
+        if self.variant != "mem" or self.bias is not None or not torch.is_grad_enabled():
+            return self(F.silu(gate) * up)
+        dev = gate.device.type
+        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate.dtype
+        with torch.autocast(dev, enabled=False):
+            g_p = self.P.blocks_as(cdtype)
+            g_r = self.R.blocks_as(cdtype)
+            return _SwiGLUDownMemFn.apply(
+                gate.to(cdtype), up.to(cdtype), g_p, g_r, self.frozen, self.P, self.R
+            )
 
     @torch.no_grad()
     def effective_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -260,3 +338,21 @@ class POETXLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"b={self.block_size}, bits={self.bits}, variant={self.variant}"
         )
+
+
+class POETXSwiGLUMLP(nn.Module):
+    """A Llama MLP ``down(SiLU(gate(x)) · up(x))`` over POET-X(Q) projections whose down
+    projection keeps only ``gate(x)`` and ``up(x)`` for backward
+    (:meth:`POETXLinear.forward_swiglu`).
+
+    Holds the same ``gate_proj`` / ``up_proj`` / ``down_proj`` submodules as the transformers
+    ``LlamaMLP`` it replaces, so state-dict keys are unchanged. Input ``[..., hidden]`` →
+    output ``[..., hidden]``.
+    """
+
+    def __init__(self, gate_proj: POETXLinear, up_proj: POETXLinear, down_proj: POETXLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward_swiglu(self.gate_proj(x), self.up_proj(x))

@@ -14,6 +14,7 @@ block is ``diag(G_r, I)`` with ``G_r`` the CNP of an ``r×r`` skew matrix — st
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,9 @@ class OrthogonalSide(nn.Module):
         ValueError: if ``b < 2`` or ``b > dim``.
     """
 
+    #: set by :class:`poetxq.blockcache.BlockCache` (batched CNP over all sides of a model)
+    block_cache: Any = None
+
     def __init__(
         self,
         dim: int,
@@ -115,9 +119,18 @@ class OrthogonalSide(nn.Module):
         return int(self.mask.sum().item())
 
     def blocks(self) -> torch.Tensor:
-        """The orthogonal blocks ``G`` ``[nb, b, b]`` (differentiable w.r.t. ``Q``)."""
+        """The orthogonal blocks ``G`` ``[nb, b, b]`` (differentiable w.r.t. ``Q``; backward
+        recomputes the CNP intermediates instead of keeping them, see
+        :func:`quant_kernels.cayley_neumann_lean`)."""
         q = self.Q if self.mask is None else self.Q * self.mask
-        return quant_kernels.cayley_neumann(q, self.block_size, self.neumann_terms)
+        return quant_kernels.cayley_neumann_lean(q, self.block_size, self.neumann_terms)
+
+    def blocks_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`blocks` cast to ``dtype``, taken from the model's batched
+        :class:`poetxq.blockcache.BlockCache` when one holds fresh blocks for this side."""
+        cache = self.block_cache
+        g = cache.blocks(self, dtype) if cache is not None else None
+        return g if g is not None else self.blocks().to(dtype)
 
     @torch.no_grad()
     def reinitialize(self, generator: torch.Generator | None = None) -> None:

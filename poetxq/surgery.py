@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from poetxq.layer import POETXLinear
+from poetxq.blockcache import attach_block_cache
+from poetxq.layer import POETXLinear, POETXSwiGLUMLP
 from poetxq.recipe import ModelConfig, POETConfig
 
 
@@ -38,6 +39,7 @@ class SurgeryReport:
     bits: int = 8
     variant: str = "mem"
     quant_type: str = "nf4"
+    fused_mlps: int = 0  # MLPs replaced by POETXSwiGLUMLP (mem variant)
 
     def ragged(self) -> list[ConvertedLayer]:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
@@ -158,7 +160,32 @@ def convert_to_poetx(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.layers.append(ConvertedLayer(name, n, m, _ragged(n, b), _ragged(m, b)))
+    report.fused_mlps = fuse_swiglu_mlps(model)
+    old = getattr(model, "poetx_block_cache", None)
+    if old is not None:
+        old.remove()
+    model.poetx_block_cache = attach_block_cache(model)  # one batched CNP per model forward
     return report
+
+
+def fuse_swiglu_mlps(model: nn.Module) -> int:
+    """Replace each SiLU-gated MLP whose three projections are ``mem`` POET-X(Q) layers by a
+    :class:`POETXSwiGLUMLP` (same submodules and state-dict keys; keeps two ``[T, f]`` tensors
+    for backward instead of four). Returns how many MLPs were replaced."""
+    count = 0
+    for name, mod in list(model.named_modules()):
+        projs = [getattr(mod, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
+        act = getattr(mod, "act_fn", None)
+        if (
+            all(isinstance(p, POETXLinear) and p.variant == "mem" for p in projs)
+            and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+            and projs[2].bias is None
+        ):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, POETXSwiGLUMLP(*projs))
+            count += 1
+    return count
 
 
 def poet_layers(model: nn.Module) -> list[POETXLinear]:

@@ -27,6 +27,7 @@ import torch
 
 from quant_kernels import reference
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
+from quant_kernels.cnp import cayley_neumann_lean
 from quant_kernels.reference import (
     cayley_neumann,
     dequant_int8_rowwise,
@@ -40,6 +41,7 @@ __all__ = [
     "blockwise_4bit_matmul",
     "blockwise_4bit_matmul_t",
     "cayley_neumann",
+    "cayley_neumann_lean",
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",

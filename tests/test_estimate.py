@@ -48,13 +48,14 @@ def test_hand_computation_poetxq_int8_autocast():
     # torch AdamW: two fp32 moments + a 4-byte step per tensor (14 Q sides, 2 embeddings, 5 norms)
     assert est.optimizer_states == 8 * (q + other) + 4 * (L * 14 + 2 + 5)
     assert est.buffers == L * sum(16 * (m + n) for m, n in shapes)  # perm + inv_perm, int64
-    # activations: per layer and token 34d + 8f + 8 + 4h; per side CNP 3 fp32 + 1 bf16 block
-    # tensors and the int64 triangle index; head: ids, fp32 cos/sin, final norm, bf16 lm_head copy
+    # activations: per layer and token 34d + 4f + 8 + 4h; per side the bf16 blocks G (the CNP
+    # keeps no intermediates); once, the concatenated fp32 Q of all sides (the batched CNP's
+    # input); head: ids, fp32 cos/sin, final norm, bf16 lm_head copy
     blocks = sum(n // b + m // b for m, n in shapes)
-    layer = T * (34 * d + 8 * f + 8 + 16) + blocks * b * b * 14 + 14 * 8 * 496
+    layer = T * (34 * d + 4 * f + 8 + 16) + blocks * b * b * 2  # MLP keeps gate, up only
     assert est.layer_activations == layer
     head = 8 * 2 * 17 + 2 * 16 * 16 * 4 + T * (10 * d + 4) + 2 * V * d  # cos/sin [1, S, 16]
-    assert est.activations == L * layer + head
+    assert est.activations == L * layer + head + 4 * q
     assert est.logits == 12 * T * V
     assert est.workspace == 4 * 2 * T * f + f * d * 2
     persistent = est.frozen_weights + est.buffers + est.trainable_params + est.optimizer_states
