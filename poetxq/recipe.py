@@ -134,6 +134,9 @@ class TrainConfig(_Section):
     seed: int = 0
     output_dir: str = "runs"
     save_checkpoint: bool = True
+    save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
+    keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
 
 
 class Recipe(_Section):
