@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -216,7 +217,9 @@ def train(
         data.train, tc.batch_size, rank=accelerator.process_index, world_size=world,
         seed=tc.seed + 2,
     )  # fmt: skip
-    model, optimizer = accelerator.prepare(model, optimizer)
+    with warnings.catch_warnings():  # torch >= 2.13 renames broadcast_buffers; same meaning
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad

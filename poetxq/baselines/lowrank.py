@@ -218,10 +218,10 @@ class LowRankAdamW(torch.optim.Optimizer):
         """Adam direction ``N = m̂ / (√v̂ + ε)`` for gradient ``r``; updates the moments."""
         b1, b2 = group["betas"]
         eight = group["method"] != "adamw" and group["state_bits"] == 8
+        if eight and self._m8 is None:  # also after load_state_dict
+            self._m8, self._v8 = _Blockwise8bit(True), _Blockwise8bit(False)
         if "exp_avg" not in state:
             if eight:
-                if self._m8 is None:
-                    self._m8, self._v8 = _Blockwise8bit(True), _Blockwise8bit(False)
                 zero = torch.zeros_like(r)
                 state["exp_avg"], state["exp_avg_absmax"] = self._m8.quantize(zero)
                 state["exp_avg_sq"], state["exp_avg_sq_absmax"] = self._v8.quantize(zero)
