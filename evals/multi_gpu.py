@@ -239,9 +239,10 @@ def main() -> None:
         kw = {"model": small, "steps": args.equiv_steps, "precision": "fp32", "log_every": 1,
               "merge_interval": merge, "size": size}  # fmt: skip
         save_kw = {"save": True, "save_every": 5} if method == "poetxq" else {}
-        one = launch(f"eq_{method}_1", _overrides(method, batch=8, **kw), 1, work, vocab=v)
+        cap = {"timeout": max(min(left() - 60, 200), 30)}  # a hung launch must not eat it all
+        one = launch(f"eq_{method}_1", _overrides(method, batch=8, **kw), 1, work, vocab=v, **cap)
         two = launch(f"eq_{method}_2", _overrides(method, batch=4, **kw, **save_kw), 2, work,
-                     vocab=v, deterministic=True)  # fmt: skip
+                     vocab=v, deterministic=True, **cap)  # fmt: skip
         cmp = compare(one, two, args.rtol)
         cmp["replicas_identical"] = two.get("summary", {}).get("replicas_identical")
         cmp["ok"] = bool(cmp["ok"] and cmp["replicas_identical"])
@@ -252,7 +253,8 @@ def main() -> None:
             ckpt = work / f"eq_{method}_2" / "checkpoints" / "step-00000005"
             again = launch("resume_poetxq_2", _overrides(method, batch=4, **kw, **save_kw), 2,
                            work, vocab=v, resume_from=str(ckpt),
-                           run_dir=work / f"eq_{method}_2", deterministic=True)  # fmt: skip
+                           run_dir=work / f"eq_{method}_2", deterministic=True,
+                           timeout=max(min(left() - 60, 200), 30))  # fmt: skip
             if "error" in again:
                 report["resume"] = {"ok": False, "error": again["error"]}
             else:

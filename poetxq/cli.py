@@ -58,8 +58,8 @@ resume after a crash or SIGTERM (exactly: same losses as an uninterrupted run):
   poetxq train --run-name long --save-every 100 --resume auto   # same line to start or continue
 
 multi-GPU (DDP; --batch-size is per process):
-  accelerate launch --num_processes 2 -m poetxq.cli train --recipe R.yaml --save-every 500
-  torchrun --nproc_per_node 2 -m poetxq.cli train --recipe R.yaml
+  accelerate launch --multi_gpu --num_processes 2 -m poetxq.cli train --recipe R.yaml
+  torchrun --nproc_per_node 2 -m poetxq.cli train --recipe R.yaml     # also on CPU (gloo)
 """
 
 
