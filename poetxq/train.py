@@ -369,7 +369,7 @@ def train(
     bar.close()
     interrupted = step < tc.max_steps
     train_seconds = seconds_before + time.perf_counter() - train_start
-    if tc.save_checkpoint:  # at the end, and on SIGTERM/SIGINT (the state after `step`)
+    if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
         checkpoint(step)
     same = replicas_identical(raw_model) if world > 1 else None
     this_session = max(train_seconds - seconds_before, 1e-9)
