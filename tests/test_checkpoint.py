@@ -281,3 +281,13 @@ def test_resume_corrupted_checkpoint(saved_run, tmp_path, capsys, victim):
     line = _one_error_line(capsys)
     assert victim in line and "corrupted" in line and "delete" in line
     assert _snapshot(run) == before
+
+
+def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+    args = ["train", *TINY, "--output-dir", str(saved_run.parent), "--max-steps", "4",
+            "--save-every", "2", "--resume", "auto"]  # fmt: skip
+    assert main([*args, "--run-name", "r"]) == 2  # the saved run, already at its last step
+    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    assert main([*args, "--run-name", "fresh"]) == 0  # no checkpoint yet: a new run
+    assert [s for s, _ in list_checkpoints(saved_run.parent / "fresh")] == [2, 4]
