@@ -13,6 +13,9 @@
    GPU per step: tokens/s of POET-XQ int8 (b = 256, no merge inside the timed window) and AdamW at
    1 and 2 GPUs, the steady-state median over logged windows after the first; the scaling ratio
    tok/s(2 GPUs) / tok/s(1 GPU) (ideal 2.0) and peak memory per GPU.
+4. **Merge strategy**: time of the deterministic merge every rank runs (4 POET-XQ layers at the
+   1B shapes) against broadcasting the merged int8 weights and permutations from rank 0, which a
+   rank-0 merge would need.
 
 Tokens are synthetic (no network, no tokenizer): each window repeats a random 64-token phrase,
 so the loss falls as the model learns to copy. Every run goes through the real training loop
@@ -70,9 +73,65 @@ def synthetic_data(vocab: int, seq_len: int, n_train: int, n_val: int, seed: int
     )  # fmt: skip
 
 
+def merge_cost_worker(spec: dict) -> None:
+    """Time one deterministic merge of every POET-XQ layer against broadcasting the merged state
+    (int8 W0, SCB, permutations) from rank 0, at the given model shape (median of 3, ms)."""
+    import torch
+    import torch.distributed as dist
+
+    from poetxq.optim import build_optimizer, merge_and_reset
+    from poetxq.recipe import load_recipe
+    from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    recipe = load_recipe(None, spec["overrides"])
+    model = build_llama(recipe.model, spec["vocab"])
+    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(1))
+    model.to(dev)
+    opt = build_optimizer(model, recipe.optim)
+    layers = poet_layers(model)
+    state = [b for layer in layers for b in layer.buffers()]
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(3):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    gen = torch.Generator().manual_seed(2)
+    merge_ms = timed(lambda: merge_and_reset(model, opt, gen))
+
+    def broadcast() -> None:
+        for b in state:
+            dist.broadcast(b, src=0)
+
+    bcast_ms = timed(broadcast)
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps({
+            "layers": len(layers), "merge_ms": merge_ms, "broadcast_ms": bcast_ms,
+            "broadcast_bytes": sum(b.numel() * b.element_size() for b in state),
+        }))  # fmt: skip
+    dist.destroy_process_group()
+
+
 def worker(spec_path: str) -> None:
     """Run one training described by the JSON spec; rank 0 writes the result JSON."""
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("kind") == "merge_cost":
+        merge_cost_worker(spec)
+        return
     import torch
 
     if spec.get("deterministic"):
@@ -136,11 +195,13 @@ def _overrides(method: str, *, size: dict, model: dict, steps: int, batch: int, 
 
 def launch(name: str, overrides: dict, nproc: int, work: Path, *, vocab: int,
            resume_from: str | None = None, run_dir: Path | None = None,
-           deterministic: bool = False, timeout: float = 600) -> dict:  # fmt: skip
+           deterministic: bool = False, timeout: float = 600,
+           kind: str = "train") -> dict:  # fmt: skip
     """Run one worker with ``nproc`` processes; returns its result (or an ``error``)."""
     run_dir = run_dir or work / name
     spec = {"overrides": overrides, "run_dir": str(run_dir), "result": str(work / f"{name}.json"),
-            "resume_from": resume_from, "deterministic": deterministic, "vocab": vocab}  # fmt: skip
+            "resume_from": resume_from, "deterministic": deterministic, "vocab": vocab,
+            "kind": kind}  # fmt: skip
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
     me = str(Path(__file__).resolve())
@@ -161,9 +222,10 @@ def launch(name: str, overrides: dict, nproc: int, work: Path, *, vocab: int,
         res["error"] = proc.stderr[-4000:]
         return res
     res.update(json.loads((work / f"{name}.json").read_text()))
-    res["peak_mem_gib_per_rank"] = [
-        json.loads(Path(f"{work / name}.json.peak{r}").read_text()) for r in range(nproc)
-    ]
+    if kind == "train":
+        res["peak_mem_gib_per_rank"] = [
+            json.loads(Path(f"{work / name}.json.peak{r}").read_text()) for r in range(nproc)
+        ]
     print(f"[{name}] done in {res['launch_s']:.0f} s", flush=True)
     return res
 
@@ -292,6 +354,21 @@ def main() -> None:
         tp, ta = p.get(n, {}).get("tokens_per_s_median"), a.get(n, {}).get("tokens_per_s_median")
         if tp and ta:
             report["throughput"][f"poetxq_over_adamw_{n}"] = tp / ta
+    # 4: merge on every rank (what the loop does) vs rank-0 merge + broadcast, 4 layers at 1B
+    if n_dev >= 2 and left() > 60:
+        four = {**size["model"], "num_hidden_layers": 4}
+        o = _overrides("poetxq", size=size, model=four, steps=1, batch=1, precision="fp32",
+                       log_every=1, merge_interval=1)  # fmt: skip
+        r = launch("merge_cost", o, 2, work, vocab=v, kind="merge_cost",
+                   timeout=max(min(left() - 10, 200), 30))  # fmt: skip
+        r["note"] = (
+            "merge_ms: every rank merges all layers itself (no communication); "
+            "broadcast_ms: the cost a rank-0 merge would add on top of its own merge"
+        )
+        report["merge_vs_broadcast"] = r
+        save()
+    else:
+        report["skipped"].append("merge vs broadcast")
     report["total_s"] = time.perf_counter() - start
     save()
     print(json.dumps({k: report[k] for k in ("skipped", "total_s")}))
