@@ -30,6 +30,8 @@ _FLAG_KEYS = {
     "seq_len": "train.seq_len",
     "eval_every": "train.eval_every",
     "seed": "train.seed",
+    "save_every": "train.save_every",
+    "keep_last": "train.keep_last",
     "output_dir": "train.output_dir",
     "lr": "optim.lr",
     "poet_lr": "optim.poet_lr",
@@ -49,7 +51,15 @@ examples:
   poetxq quantize-and-train --recipe recipes/tiny/poetxq.yaml --set optim.warmup_steps=50
 
 outputs go to <output-dir>/<run-name>/: metrics.jsonl, model.safetensors, recipe.yaml,
-summary.json.
+summary.json, checkpoints/step-N/ (full training state; --save-every, --keep-last).
+
+resume after a crash or SIGTERM (exactly: same losses as an uninterrupted run):
+  poetxq train --resume runs/tiny-poetxq-20261130-101500
+  poetxq train --run-name long --save-every 100 --resume auto   # same line to start or continue
+
+multi-GPU (DDP; --batch-size is per process):
+  accelerate launch --multi_gpu --num_processes 2 -m poetxq.cli train --recipe R.yaml
+  torchrun --nproc_per_node 2 -m poetxq.cli train --recipe R.yaml     # also on CPU (gloo)
 """
 
 
@@ -160,6 +170,30 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--log-with", metavar="TRACKER", help="also log to an accelerate tracker, e.g. tensorboard"
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g = p.add_argument_group("checkpoints and resume")
+    g.add_argument(
+        "--save-every",
+        type=int,
+        metavar="N",
+        help="write a full training checkpoint (model incl. frozen low-bit weights, optimizer, "
+        "scheduler, RNG, data position) to <run>/checkpoints/step-N/ every N steps; one is "
+        "always written at the end and on SIGTERM/SIGINT [train.save_every, default 0 = only "
+        "then]",
+    )
+    g.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="K",
+        help="checkpoints kept; older ones are deleted once a newer one is complete "
+        "[train.keep_last, default 2]",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="RUN_DIR|auto",
+        help="continue a run from its newest checkpoint, exactly (the recipe must match the "
+        "run's; its own recipe is used when --recipe is not given). auto: continue "
+        "<output-dir>/<run-name> if it holds a checkpoint, else start it",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,9 +252,28 @@ def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
     _check_tracker(args.log_with)
-    recipe = load_recipe(args.recipe, _overrides(args))
-    run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
-    train(recipe, run_dir, log_with=args.log_with, progress=not args.no_progress)
+    ckpt = run_dir = None
+    if args.resume:
+        from poetxq.checkpoint import plan_resume
+
+        recipe, run_dir, ckpt = plan_resume(
+            args.resume, recipe_path=args.recipe, overrides=_overrides(args),
+            run_name=args.run_name,
+        )  # fmt: skip
+    else:
+        recipe = load_recipe(args.recipe, _overrides(args))
+    if run_dir is None:
+        run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
+    result = train(
+        recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
+    )
+    if result.interrupted:  # a checkpoint was saved; exit like the signal would
+        print(
+            f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue with: "
+            f"poetxq train --resume {run_dir}",
+            file=sys.stderr,
+        )
+        return 130 if result.stop_signal == "SIGINT" else 143
     return 0
 
 
@@ -240,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poetxq`` console script; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from poetxq.checkpoint import CheckpointError
     from poetxq.data import DataError
     from poetxq.tools_cli import TOOL_ERRORS, run_tool
     from poetxq.train import RunDirError
@@ -250,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("estimate-memory", "bench", "report"):
             return run_tool(args)
         return _run_train(args)
-    except (RecipeError, DataError, RunDirError, *TOOL_ERRORS) as exc:
+    except (RecipeError, DataError, RunDirError, CheckpointError, *TOOL_ERRORS) as exc:
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)

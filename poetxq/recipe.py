@@ -140,6 +140,9 @@ class TrainConfig(_Section):
     # whole-layer activation checkpointing (transformers gradient_checkpointing_enable,
     # use_reentrant=False): each decoder layer keeps only its input and recomputes the rest
     gradient_checkpointing: bool = False
+    save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
+    keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
 
 
 class Recipe(_Section):

@@ -1,25 +1,31 @@
 """The training loop (accelerate): recipe → data → model surgery → POET AdamW → metrics/checkpoint.
 
 CPU runs in fp32; on a GPU the loop runs under bf16 autocast (accelerate ``mixed_precision="bf16"``)
-with no flag needed. Every ``merge_interval`` optimizer steps all POET-X(Q) layers are merged and
-re-initialized and the Adam moments of ``Q`` are reset. Metrics go to
-``<run_dir>/metrics.jsonl`` (one JSON object per line) and, when asked, accelerate's trackers.
+with no flag needed (``train.precision`` overrides). Every ``merge_interval`` optimizer steps all
+POET-X(Q) layers are merged and re-initialized and the Adam moments of ``Q`` are reset. Metrics go
+to ``<run_dir>/metrics.jsonl`` (one JSON object per line) and, when asked, accelerate's trackers.
+
+Under ``accelerate launch`` / ``torchrun`` every process trains a replica on its own shard of each
+global batch (:mod:`poetxq.distributed`); rank 0 writes metrics and checkpoints. Full training
+checkpoints (:mod:`poetxq.checkpoint`) are written every ``train.save_every`` steps, at the end and
+when SIGTERM/SIGINT arrives; ``resume_from`` continues a run exactly where its checkpoint left it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from safetensors.torch import save_file
-from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from poetxq.baselines import (
@@ -29,7 +35,19 @@ from poetxq.baselines import (
     quant_modules,
     summarize_baseline,
 )
+from poetxq.checkpoint import (
+    CHECKPOINT_DIR,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
+from poetxq.distributed import (
+    ShardedBatches,
+    StopSignals,
+    all_reduce_float_grads,
+    any_rank,
+    replicas_identical,
+)
 from poetxq.evaluate import causal_lm_loss, evaluate_perplexity
 from poetxq.optim import (
     build_optimizer,
@@ -66,6 +84,11 @@ class TrainResult:
     method: str = ""  # label: poetxq, poetxq4, poetx or the baseline's name
     peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated (None on CPU)
     peak_rss_bytes: int | None = None  # the process's peak resident set size (ru_maxrss)
+    num_processes: int = 1
+    interrupted: bool = False  # stopped early by SIGTERM/SIGINT (a checkpoint was saved)
+    stop_signal: str | None = None
+    resumed_from: list[int] = field(default_factory=list)  # checkpoint steps this run resumed at
+    replicas_identical: bool | None = None  # multi-process: all ranks ended with equal weights
 
 
 def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = False) -> Path:
@@ -116,14 +139,19 @@ def peak_rss_bytes() -> int | None:
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # Linux reports KiB
 
 
-def _batches(loader: DataLoader) -> Iterator[torch.Tensor]:
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        for (batch,) in loader:
-            yield batch
-        epoch += 1
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """Drop records after ``step`` (and a torn last line) from ``metrics.jsonl``, atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the line a killed process was writing
+        if isinstance(record, dict) and record.get("step", step + 1) <= step:
+            kept.append(line + "\n")
+    _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
 
 
 def train(
@@ -134,6 +162,7 @@ def train(
     progress: bool = True,
     data: TokenData | None = None,
     echo: Callable[[str], None] = print,
+    resume_from: Path | None = None,
 ) -> TrainResult:
     """Train ``recipe`` and write metrics, the checkpoint and the resolved recipe to ``run_dir``.
 
@@ -145,24 +174,40 @@ def train(
         progress: show tqdm bars.
         data: pre-tokenized data (tests); default: :func:`poetxq.data.prepare_data`.
         echo: where human-readable lines go.
+        resume_from: a checkpoint directory (``<run_dir>/checkpoints/step-N``) to continue from;
+            its recipe must match ``recipe`` (checked by the caller, see
+            :func:`poetxq.checkpoint.recipe_differences`).
 
     Returns:
-        :class:`TrainResult`.
+        :class:`TrainResult` (``interrupted`` is True when a signal stopped the run early).
+
+    Raises:
+        poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
-    mixed = "bf16" if torch.cuda.is_available() else "no"
+    cuda = torch.cuda.is_available()
+    if tc.precision == "auto":
+        mixed = "bf16" if cuda else "no"
+    else:
+        mixed = "bf16" if tc.precision == "bf16" else "no"
     accelerator = Accelerator(
+        cpu=not cuda,  # lets torchrun/accelerate launch run DDP over gloo on CPU-only hosts
         mixed_precision=mixed,
         gradient_accumulation_steps=tc.grad_accum,
         log_with=log_with,
         project_dir=str(run_dir),
+        # frozen W0, permutations and int8 codes are buffers kept identical by deterministic
+        # updates: never re-broadcast them on every forward
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
     )
     main = accelerator.is_main_process
+    world = accelerator.num_processes
     say = echo if main else (lambda _s: None)
     set_seed(tc.seed)
 
     if data is None:
-        data = prepare_data(recipe.data, tc.seq_len, progress=progress and main)
+        with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache first
+            data = prepare_data(recipe.data, tc.seq_len, progress=progress and main)
     say(f"data: {data.source_description}")
     say(
         f"  train {data.train.shape[0]:,} x {tc.seq_len + 1} tokens, "
@@ -186,31 +231,46 @@ def train(
     if tc.gradient_checkpointing:  # whole decoder layers: keep inputs, recompute in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    loader = DataLoader(
-        TensorDataset(data.train),
-        batch_size=tc.batch_size,
-        shuffle=True,
-        drop_last=True,
-        generator=torch.Generator().manual_seed(tc.seed + 2),
-    )
-    if len(loader) == 0:
-        raise ValueError(
-            f"training split has {data.train.shape[0]} windows, fewer than batch_size "
-            f"{tc.batch_size}; lower train.batch_size or train.seq_len"
-        )
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    sharded = ShardedBatches(
+        data.train, tc.batch_size, rank=accelerator.process_index, world_size=world,
+        seed=tc.seed + 2,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # torch >= 2.13 renames broadcast_buffers; same meaning
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
     device = accelerator.device
+    generators = {"poet": poet_gen}
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in RUN_OUTPUTS:  # --overwrite: never leave the previous run's results behind
-        (run_dir / stale).unlink(missing_ok=True)
-    (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
+    resumed: dict = {}
+    if resume_from is not None:
+        meta = load_training_checkpoint(
+            resume_from, model=raw_model, optimizer=raw_optimizer, scheduler=scheduler,
+            generators=generators,
+        )  # fmt: skip
+        resumed = meta["loop"]
+        say(f"resumed from {resume_from} (step {meta['step']} of {tc.max_steps})")
+
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_from is None:  # --overwrite: never leave the previous run's results behind
+            for stale in RUN_OUTPUTS:
+                (run_dir / stale).unlink(missing_ok=True)
+            shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
+        else:
+            _keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
+            (run_dir / "summary.json").unlink(missing_ok=True)
+        (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
+    accelerator.wait_for_everyone()
     if log_with:
         accelerator.init_trackers(recipe.name, config=recipe.model_dump(mode="json"))
-    metrics_file = (run_dir / "metrics.jsonl").open("w", encoding="utf-8") if main else None
+    metrics_file = (
+        (run_dir / "metrics.jsonl").open("a" if resumed else "w", encoding="utf-8")
+        if main
+        else None
+    )
 
     def log(record: dict) -> None:
         if metrics_file is not None:
@@ -225,29 +285,59 @@ def train(
             max_batches=tc.eval_max_batches,
         )  # fmt: skip
 
-    val_loss0, val_ppl0 = evaluate()
-    say(f"step 0: val ppl {val_ppl0:.1f} (unigram baseline on this split: {unigram:.1f})")
-    log({"step": 0, "val_loss": val_loss0, "val_ppl": val_ppl0, "unigram_val_ppl": unigram})
+    if resumed:
+        val_loss0, val_ppl0 = resumed["initial_val_loss"], resumed["initial_val_ppl"]
+        log({"step": resumed["step"], "event": "resumed", "checkpoint": str(resume_from)})
+    else:
+        val_loss0, val_ppl0 = evaluate()
+        say(f"step 0: val ppl {val_ppl0:.1f} (unigram baseline on this split: {unigram:.1f})")
+        log({"step": 0, "val_loss": val_loss0, "val_ppl": val_ppl0, "unigram_val_ppl": unigram})
 
-    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * accelerator.num_processes
-    batches = _batches(loader)
-    steps_since_merge: int | None = None
-    merges = 0
-    loss_value = float("nan")
+    tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * world
+    start_step = resumed.get("step", 0)
+    position = resumed.get("data_position", 0)  # micro-batches this rank has drawn
+    batches = sharded.iterate(position)
+    steps_since_merge: int | None = resumed.get("steps_since_merge")
+    merges = resumed.get("merges", 0)
+    loss_value = resumed.get("loss", float("nan"))
+    seconds_before = resumed.get("train_seconds", 0.0)
+    resumed_from = [*resumed.get("resumed_from", []), start_step] if resumed else []
     window_tokens, window_start = 0, time.perf_counter()
     train_start = time.perf_counter()
+
+    def checkpoint(step: int) -> None:
+        if main:
+            save_training_checkpoint(
+                run_dir, step, model=raw_model, optimizer=raw_optimizer, scheduler=scheduler,
+                generators=generators, recipe_yaml=dump_recipe(recipe), keep_last=tc.keep_last,
+                loop_state={
+                    "step": step, "merges": merges, "steps_since_merge": steps_since_merge,
+                    "data_position": position, "loss": loss_value,
+                    "initial_val_loss": val_loss0, "initial_val_ppl": val_ppl0,
+                    "train_seconds": seconds_before + time.perf_counter() - train_start,
+                    "resumed_from": resumed_from, "num_processes": world,
+                },
+            )  # fmt: skip
+        accelerator.wait_for_everyone()
+
     bar = tqdm(
-        total=tc.max_steps, desc="train", disable=not (progress and main), dynamic_ncols=True
-    )
+        total=tc.max_steps, initial=start_step, desc="train", disable=not (progress and main),
+        dynamic_ncols=True,
+    )  # fmt: skip
     model.train()
-    for step in range(1, tc.max_steps + 1):
+    step = start_step
+    stop = StopSignals()  # SIGTERM/SIGINT: finish the step, save, stop
+    for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
         for _ in range(tc.grad_accum):
-            batch = next(batches)
+            batch = next(batches).to(device)
+            position += 1
             with accelerator.accumulate(model):
                 loss = causal_lm_loss(model, batch)
                 accelerator.backward(loss / tc.grad_accum)
             loss_sum += loss.detach()
+        if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
+            all_reduce_float_grads([q.float_grad for q in qmods if q.float_grad is not None])
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
         if qmods:
             grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
@@ -267,6 +357,8 @@ def train(
             merge_and_reset(raw_model, raw_optimizer, poet_gen)
             merges += 1
             steps_since_merge = 0
+            if world > 1 and not replicas_identical(raw_model):
+                raise RuntimeError(f"ranks hold different weights after the merge at step {step}")
 
         window_tokens += tokens_per_step
         bar.update(1)
@@ -288,38 +380,61 @@ def train(
             log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
             if main:
                 bar.write(f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}")
+        if any_rank(stop.received is not None, device):  # every rank stops at the same step
+            break
+        if tc.save_every and step % tc.save_every == 0 and step < tc.max_steps:
+            checkpoint(step)
     bar.close()
-    train_seconds = time.perf_counter() - train_start
+    interrupted = step < tc.max_steps
+    train_seconds = seconds_before + time.perf_counter() - train_start
+    if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
+        checkpoint(step)
+    same = replicas_identical(raw_model) if world > 1 else None
+    this_session = max(train_seconds - seconds_before, 1e-9)
+    tokens_per_s = (step - start_step) * tokens_per_step / this_session
 
-    val_loss, val_ppl = evaluate()
-    log({"step": tc.max_steps, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
+    if interrupted:
+        sig = stop.received.name if stop.received is not None else "signal"
+        log({"step": step, "event": "interrupted", "signal": sig})
+        val_loss = val_ppl = None
+        say(f"interrupted by {sig} after step {step}; continue with --resume {run_dir}")
+    else:
+        sig = None
+        val_loss, val_ppl = evaluate()
+        log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
     result = TrainResult(
         run_dir=str(run_dir),
-        steps=tc.max_steps,
-        tokens=tc.max_steps * tokens_per_step,
+        steps=step,
+        tokens=step * tokens_per_step,
         initial_val_ppl=val_ppl0,
-        final_val_ppl=val_ppl,
+        final_val_ppl=val_ppl,  # type: ignore[arg-type]  # None when interrupted
         unigram_val_ppl=unigram,
         final_train_loss=loss_value,
-        tokens_per_s=tc.max_steps * tokens_per_step / train_seconds,
+        tokens_per_s=tokens_per_s,
         train_seconds=train_seconds,
         merges=merges,
         device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
         method=method_label(recipe),
         peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         peak_rss_bytes=peak_rss_bytes(),
+        num_processes=world,
+        interrupted=interrupted,
+        stop_signal=sig,
+        resumed_from=resumed_from,
+        replicas_identical=same,
     )
     if main:
-        if tc.save_checkpoint:
+        if tc.save_checkpoint and not interrupted:
             save_checkpoint(raw_model, run_dir / "model.safetensors")
         (run_dir / "summary.json").write_text(
             json.dumps(asdict(result), indent=2), encoding="utf-8"
         )
         metrics_file.close()
     accelerator.end_training()
-    say(
-        f"done: {tc.max_steps} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
-        f"({result.tokens_per_s:,.0f} tok/s), {merges} merges; val ppl {val_ppl0:.1f} -> "
-        f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
-    )
+    if not interrupted:
+        say(
+            f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
+            f"({result.tokens_per_s:,.0f} tok/s), {merges} merges; val ppl {val_ppl0:.1f} -> "
+            f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
+        )
     return result

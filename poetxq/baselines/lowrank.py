@@ -154,6 +154,29 @@ class LowRankAdamW(torch.optim.Optimizer):
         for q in self._qmods.values():
             q.float_grad = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict()`` plus ``"rounding_generators"``: the state (uint8
+        tensor) of the stochastic-rounding noise generator of each device type in use, so that a
+        resumed run draws the same noise as an uninterrupted one."""
+        out = super().state_dict()
+        out["rounding_generators"] = {dev.type: gen.get_state() for dev, gen in self._gens.items()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; the noise generators are re-created on the device of
+        the quantized weights (e.g. a checkpoint from ``cuda:0`` loads on ``cuda:1``)."""
+        state_dict = dict(state_dict)
+        gens = state_dict.pop("rounding_generators", {})
+        super().load_state_dict(state_dict)
+        self._gens = {}
+        devices = {q.weight.device for q in self._qmods.values()}
+        for dev_type, gen_state in gens.items():
+            for dev in devices:
+                if dev.type == dev_type:
+                    gen = torch.Generator(device=dev)
+                    gen.set_state(gen_state.cpu())
+                    self._gens[dev] = gen
+
     def _rounding_noise(self, w: torch.Tensor) -> torch.Tensor:
         gen = self._gens.get(w.device)
         if gen is None:
@@ -195,10 +218,10 @@ class LowRankAdamW(torch.optim.Optimizer):
         """Adam direction ``N = m̂ / (√v̂ + ε)`` for gradient ``r``; updates the moments."""
         b1, b2 = group["betas"]
         eight = group["method"] != "adamw" and group["state_bits"] == 8
+        if eight and self._m8 is None:  # also after load_state_dict
+            self._m8, self._v8 = _Blockwise8bit(True), _Blockwise8bit(False)
         if "exp_avg" not in state:
             if eight:
-                if self._m8 is None:
-                    self._m8, self._v8 = _Blockwise8bit(True), _Blockwise8bit(False)
                 zero = torch.zeros_like(r)
                 state["exp_avg"], state["exp_avg_absmax"] = self._m8.quantize(zero)
                 state["exp_avg_sq"], state["exp_avg_sq_absmax"] = self._v8.quantize(zero)

@@ -1,0 +1,500 @@
+"""Full training-state checkpoints: write atomically, find, verify, load, resume exactly.
+
+A checkpoint is a directory ``<run_dir>/checkpoints/step-<8-digit step>/`` holding:
+
+* ``model.safetensors`` — ``model.state_dict()``: trainable parameters (``Q``, embeddings, norms,
+  ``lm_head``) and every buffer, i.e. the frozen low-bit weights with their quantization state
+  (int8 ``weight``/``SCB``/``weight_format``; NF4 ``weight``/``absmax``/``quant_map``/nested
+  statistics/``quant_state``; Q-GaLore/Q-APOLLO codes, ``scales``, ``zeros``) and the POET
+  permutations ``perm``/``inv_perm``.
+* ``state.safetensors`` — every tensor of the optimizer state (Adam moments, 8-bit moment codes
+  and their absmax, INT4 projector codes, APOLLO projections, step tensors, the stochastic-rounding
+  generator) and the RNG states (torch CPU, CUDA, numpy's MT19937 key, named generators such as the
+  POET merge generator).
+* ``recipe.yaml`` — the resolved recipe of the run.
+* ``state.json`` — everything else, as JSON: format and version, the step, the loop state (merge
+  counter, steps since the last merge, data position, initial validation perplexity, ...), the
+  non-tensor optimizer state with ``{"__tensor__": key}`` placeholders, the scheduler state, the
+  Python ``random`` state, numpy's position, and the size and SHA-256 of every other file.
+
+Nothing is pickled; tensors are read with safetensors only.
+
+Writing is atomic: files go to ``checkpoints/.tmp-step-...-<pid>/``, are fsynced, and the
+directory is renamed to ``step-...`` (then the parent is fsynced). A crash at any point leaves the
+previous ``step-*`` directories untouched; a stale temp directory is removed by the next save.
+Only after the new checkpoint is complete are the oldest ones beyond ``keep_last`` deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+
+FORMAT = "poetxq-training-checkpoint"
+VERSION = 1
+CHECKPOINT_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+_FILES = ("model.safetensors", "state.safetensors", "recipe.yaml")
+
+#: recipe keys that may differ between a run and its resumption (they change no training state)
+RESUMABLE_KEYS = frozenset(
+    {
+        "name",
+        "train.save_every",
+        "train.keep_last",
+        "train.log_every",
+        "train.eval_every",
+        "train.eval_max_batches",
+        "train.output_dir",
+        "train.save_checkpoint",
+        "data.cache_dir",
+    }
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used: missing, incomplete, corrupted or from another recipe."""
+
+
+# ------------------------------------------------------------------------------------------------
+# JSON + safetensors encoding of nested state (optimizer / scheduler state dicts)
+# ------------------------------------------------------------------------------------------------
+
+
+def encode_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Turn a nested state (dicts, lists, tuples, scalars, tensors) into JSON-able data.
+
+    Tensors are moved to ``tensors`` (CPU, contiguous) under ``prefix``-derived keys and replaced
+    by ``{"__tensor__": key}``; tuples become ``{"__tuple__": [...]}``; dicts whose keys are not
+    all strings become ``{"__dict__": [[key, value], ...]}`` (keys kept as JSON scalars).
+
+    Raises:
+        CheckpointError: an object of another type (names its path).
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().cpu().contiguous()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: encode_state(v, f"{prefix}.{k}", tensors) for k, v in obj.items()}
+        return {
+            "__dict__": [[k, encode_state(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]
+        }
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_state(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [encode_state(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise CheckpointError(f"cannot store {type(obj).__name__} at '{prefix}' in a checkpoint")
+
+
+def decode_state(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`encode_state`.
+
+    Raises:
+        CheckpointError: a ``__tensor__`` key absent from ``tensors``.
+    """
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            key = obj["__tensor__"]
+            if key not in tensors:
+                raise CheckpointError(f"tensor '{key}' is missing from state.safetensors")
+            return tensors[key]
+        if set(obj) == {"__tuple__"}:
+            return tuple(decode_state(v, tensors) for v in obj["__tuple__"])
+        if set(obj) == {"__dict__"}:
+            return {k: decode_state(v, tensors) for k, v in obj["__dict__"]}
+        return {k: decode_state(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_state(v, tensors) for v in obj]
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG states
+# ------------------------------------------------------------------------------------------------
+
+
+def capture_rng(
+    generators: dict[str, torch.Generator], tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Record torch (CPU and every CUDA device), numpy, Python ``random`` and ``generators``.
+
+    Tensor parts go to ``tensors`` under ``rng.*``; returns the JSON part.
+    """
+    tensors["rng.torch"] = torch.get_rng_state()
+    cuda = 0
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng.cuda.{i}"] = s
+        cuda = torch.cuda.device_count()
+    np_state = np.random.get_state(legacy=False)
+    tensors["rng.numpy.key"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+    for name, gen in generators.items():
+        tensors[f"rng.gen.{name}"] = gen.get_state()
+    version, internal, gauss = random.getstate()
+    return {
+        "cuda_devices": cuda,
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "python": [version, list(internal), gauss],
+        "generators": sorted(generators),
+    }
+
+
+def restore_rng(
+    meta: dict[str, Any], tensors: dict[str, torch.Tensor], generators: dict[str, torch.Generator]
+) -> None:
+    """Inverse of :func:`capture_rng` (CUDA states only for devices present on both sides).
+
+    Raises:
+        CheckpointError: a named generator of ``generators`` was not saved.
+    """
+    torch.set_rng_state(tensors["rng.torch"])
+    if meta["cuda_devices"] and torch.cuda.is_available():
+        for i in range(min(meta["cuda_devices"], torch.cuda.device_count())):
+            torch.cuda.set_rng_state(tensors[f"rng.cuda.{i}"], i)
+    n = meta["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "state": {"key": tensors["rng.numpy.key"].numpy().astype(np.uint32), "pos": n["pos"]},
+            "has_gauss": n["has_gauss"],
+            "gauss": n["gauss"],
+        }
+    )
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    for name, gen in generators.items():
+        key = f"rng.gen.{name}"
+        if key not in tensors:
+            raise CheckpointError(f"checkpoint has no state for generator '{name}'")
+        gen.set_state(tensors[key])
+
+
+# ------------------------------------------------------------------------------------------------
+# Files
+# ------------------------------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of ``run_dir`` as ``(step, path)``, oldest first (temp dirs ignored)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint directory of ``run_dir``, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _remove_stale(root: Path) -> None:
+    for p in root.glob(".tmp-step-*"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".old-step-*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` (a separate function so tests can interrupt it)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def save_training_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    generators: dict[str, torch.Generator],
+    loop_state: dict[str, Any],
+    recipe_yaml: str,
+    keep_last: int,
+) -> Path:
+    """Write the full training state at ``step`` atomically and prune to ``keep_last``.
+
+    Args:
+        run_dir: the run directory; the checkpoint goes to ``<run_dir>/checkpoints/step-N``.
+        step: optimizer steps completed.
+        model: the unwrapped model (its ``state_dict`` is saved; shared tensors once).
+        optimizer: the unwrapped optimizer (``state_dict()``; tensors to safetensors).
+        scheduler: an LR scheduler with ``state_dict()``.
+        generators: named generators to save (e.g. ``{"poet": merge_generator}``).
+        loop_state: JSON-able loop variables (merges, data position, ...).
+        recipe_yaml: the resolved recipe (``dump_recipe``).
+        keep_last: number of newest checkpoints to keep (>= 1).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        OSError: the write failed (the previous checkpoints are intact; the temp dir is removed).
+    """
+    root = Path(run_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale(root)
+    name = f"step-{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        tensors: dict[str, torch.Tensor] = {}
+        opt_meta = encode_state(optimizer.state_dict(), "optimizer", tensors)
+        sched_meta = encode_state(scheduler.state_dict(), "scheduler", tensors)
+        rng_meta = capture_rng(generators, tensors)
+        write_tensors(tensors, tmp / "state.safetensors")
+        (tmp / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+        files = {}
+        for f in _FILES:
+            _fsync_path(tmp / f)
+            files[f] = {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "loop": loop_state,
+            "optimizer": opt_meta,
+            "scheduler": sched_meta,
+            "rng": rng_meta,
+            "files": files,
+        }
+        with (tmp / "state.json").open("w", encoding="utf-8") as fh:
+            json.dump(meta, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_path(tmp)
+        old = None
+        if final.exists():  # the same step saved twice (e.g. SIGTERM right after a periodic save)
+            old = root / f".old-{name}-{os.getpid()}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_path(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for _step, path in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def read_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
+    """Read and verify ``state.json`` of ``ckpt_dir`` (format, files present, sizes, SHA-256).
+
+    Raises:
+        CheckpointError: one line naming the missing or corrupted file and what to do.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    hint = f"delete '{ckpt_dir}' to resume from the checkpoint before it, or start a new run"
+    meta_path = ckpt_dir / "state.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' has no state.json; {hint}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"checkpoint file '{meta_path}' is corrupted ({type(exc).__name__}); {hint}"
+        ) from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{meta_path}' is not a poetxq training checkpoint; {hint}")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"'{meta_path}' has checkpoint version {meta.get('version')}, this poetxq reads "
+            f"version {VERSION}; resume it with the poetxq version that wrote it"
+        )
+    for name, info in meta["files"].items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file '{path}' is missing; {hint}")
+        if path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file '{path}' is corrupted (size or SHA-256 differs from "
+                f"state.json); {hint}"
+            )
+    return meta
+
+
+def load_training_checkpoint(
+    ckpt_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    generators: dict[str, torch.Generator],
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save_training_checkpoint` into live objects.
+
+    Verifies the files first (:func:`read_checkpoint`), then loads the model state (strict),
+    optimizer, scheduler, RNG states and ``generators`` in place.
+
+    Returns:
+        ``state.json``'s content (``meta["step"]``, ``meta["loop"]``, ...).
+
+    Raises:
+        CheckpointError: corrupted files or a model/optimizer that does not match the checkpoint.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_checkpoint(ckpt_dir)
+    try:
+        missing, unexpected = load_model(model, str(ckpt_dir / "model.safetensors"), strict=False)
+        tensors = load_file(str(ckpt_dir / "state.safetensors"))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' cannot be read: {exc}") from None
+    except RuntimeError as exc:  # shape mismatch or a layer's own load check
+        first = str(exc).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}' does not fit this model: "
+            f"{' '.join(s.strip() for s in first[:3])}"
+        ) from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}' does not fit this model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    try:
+        optimizer.load_state_dict(decode_state(meta["optimizer"], tensors))
+        scheduler.load_state_dict(decode_state(meta["scheduler"], tensors))
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}': optimizer/scheduler state does not fit: {exc}"
+        ) from None
+    restore_rng(meta["rng"], tensors, generators)
+    return meta
+
+
+def recipe_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Dotted keys (outside :data:`RESUMABLE_KEYS`) whose values differ, as ``key: a -> b``.
+
+    Both arguments are ``Recipe.model_dump(mode="json")`` trees.
+    """
+
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(saved), flat(current)
+    return [
+        f"{k}: {a.get(k)!r} -> {b.get(k)!r}"
+        for k in sorted(set(a) | set(b))
+        if k not in RESUMABLE_KEYS and a.get(k) != b.get(k)
+    ]
+
+
+def plan_resume(
+    resume: str,
+    *,
+    recipe_path: str | None,
+    overrides: dict[str, Any],
+    run_name: str | None,
+) -> tuple[Any, Path | None, Path | None]:
+    """Work out what ``--resume RUN_DIR|auto`` continues.
+
+    * ``RUN_DIR``: the run in that directory, from its newest checkpoint. The recipe is
+      ``recipe_path`` if given, else the checkpoint's own, with ``overrides`` applied.
+    * ``auto``: the run ``<train.output_dir>/<run_name>`` of the given recipe if it holds a
+      checkpoint; otherwise ``(recipe, None, None)``: start it fresh.
+
+    Returns:
+        ``(recipe, run_dir, checkpoint_dir)``; ``run_dir`` and ``checkpoint_dir`` are None for a
+        fresh start under ``auto``.
+
+    Raises:
+        CheckpointError: missing run directory or checkpoint, ``auto`` without ``run_name``, a
+            corrupted checkpoint, a finished run, or a recipe that differs from the
+            checkpoint's in a key outside :data:`RESUMABLE_KEYS` (one line, naming the keys).
+        poetxq.recipe.RecipeError: a bad recipe file or override.
+    """
+    from poetxq.recipe import load_recipe
+
+    if resume == "auto":
+        if not run_name:
+            raise CheckpointError(
+                "--resume auto needs --run-name NAME (the run to continue, or to start when it "
+                "has no checkpoint yet)"
+            )
+        recipe = load_recipe(recipe_path, overrides)
+        run_dir = Path(recipe.train.output_dir) / run_name
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            return recipe, None, None
+    else:
+        run_dir = Path(resume)
+        if not run_dir.is_dir():
+            raise CheckpointError(
+                f"--resume: run directory '{resume}' does not exist; give the directory of an "
+                "earlier run (it holds checkpoints/) or use --resume auto --run-name NAME"
+            )
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise CheckpointError(
+                f"--resume: '{resume}' holds no checkpoint (checkpoints/step-*); the run saved "
+                "none (train with --save-every N) or this is not a run directory"
+            )
+        read_checkpoint(ckpt)  # fail on corruption before loading the recipe from it
+        recipe = load_recipe(recipe_path or ckpt / "recipe.yaml", overrides)
+        # the run stays where it is, whatever output_dir the recipe names
+    meta = read_checkpoint(ckpt)
+    saved = load_recipe(ckpt / "recipe.yaml")
+    diff = recipe_differences(saved.model_dump(mode="json"), recipe.model_dump(mode="json"))
+    if diff:
+        raise CheckpointError(
+            f"--resume: the recipe differs from the checkpoint's in {'; '.join(diff)}; resume "
+            "with the run's own recipe (only save/log/eval settings may change) or start a new run"
+        )
+    if meta["step"] >= recipe.train.max_steps:
+        raise CheckpointError(
+            f"--resume: run '{run_dir}' already finished (step {meta['step']} of "
+            f"{recipe.train.max_steps}); start a new run to train further"
+        )
+    return recipe, run_dir, ckpt

@@ -1,0 +1,293 @@
+"""Training checkpoints: exact state round trip per optimizer, atomic writes that survive a kill
+half-way, pruning, and bad ``--resume`` input (one line, exit 2, nothing overwritten)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from poetxq.baselines import build_baseline_optimizer, prepare_baseline
+from poetxq.checkpoint import (
+    CheckpointError,
+    decode_state,
+    encode_state,
+    latest_checkpoint,
+    list_checkpoints,
+    load_training_checkpoint,
+    save_training_checkpoint,
+)
+from poetxq.cli import main
+from poetxq.layer import POETXLinear
+from poetxq.optim import build_optimizer, build_scheduler, merge_and_reset
+from poetxq.recipe import BaselineConfig, OptimConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Tiny(nn.Module):
+    """Two projections named like Llama's (so the baselines target them) and a norm weight."""
+
+    def __init__(self, poet: bool, gen: torch.Generator) -> None:
+        super().__init__()
+        if poet:
+            kw = {"block_size": 8, "bits": 8, "generator": gen, "stochastic_requant": True}
+            self.q_proj, self.up_proj = POETXLinear(24, 40, **kw), POETXLinear(40, 24, **kw)
+        else:
+            self.q_proj, self.up_proj = nn.Linear(24, 40, bias=False), nn.Linear(40, 24)
+        self.norm = nn.Parameter(torch.ones(24))
+        self.emb = nn.Parameter(0.1 * torch.randn(24, 24, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up_proj(torch.tanh(self.q_proj(x @ self.emb))) * self.norm
+
+
+def _setup(method: str):
+    """A fresh model + optimizer + scheduler (+ merge generator) for ``method``, seeded."""
+    torch.manual_seed(0)  # nn.Linear init
+    gen = torch.Generator().manual_seed(7)
+    oc = OptimConfig(lr=0.02, poet_lr=0.05, warmup_steps=2)
+    model = Tiny(method == "poetxq", gen)
+    if method == "poetxq":
+        opt = build_optimizer(model, oc)
+    else:
+        cfg = BaselineConfig(rank=4, update_proj_gap=2, weight_group_size=64, queue_size=2,
+                             cos_threshold=-1.0)  # fmt: skip
+        opt = build_baseline_optimizer(model, prepare_baseline(model, method, cfg), cfg, oc)
+    sched = build_scheduler(opt, oc, 20)
+    return model, opt, sched, torch.Generator().manual_seed(11)
+
+
+def _train(model, opt, sched, merge_gen, steps: range, data_gen: torch.Generator) -> list[float]:
+    losses = []
+    for t in steps:
+        x = torch.randn(16, 24, generator=data_gen)
+        loss = (model(x) - x.flip(1)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if isinstance(model.q_proj, POETXLinear) and t % 2 == 0:
+            merge_and_reset(model, opt, merge_gen)
+        losses.append(loss.item())
+    return losses
+
+
+def _data_after(steps: int) -> torch.Generator:
+    """The data generator of :func:`_train` positioned after ``steps`` steps."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        torch.randn(16, 24, generator=gen)
+    return gen
+
+
+def _save(tmp_path, step, model, opt, sched, merge_gen, keep_last=3):
+    return save_training_checkpoint(
+        tmp_path, step, model=model, optimizer=opt, scheduler=sched,
+        generators={"poet": merge_gen}, loop_state={"step": step}, recipe_yaml="name: t\n",
+        keep_last=keep_last,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["poetxq", "qgalore", "qapollo", "galore", "adamw"])
+def test_resumed_state_continues_bit_for_bit(tmp_path, method):
+    """5 steps, save, 5 more steps; a fresh setup loaded from the checkpoint repeats the last 5
+    losses and ends with the same weights, quant state, permutations and optimizer state."""
+    model, opt, sched, mg = _setup(method)
+    _train(model, opt, sched, mg, range(1, 6), torch.Generator().manual_seed(3))
+    torch.manual_seed(99)
+    ckpt = _save(tmp_path, 5, model, opt, sched, mg)
+    rng_at_save = torch.get_rng_state()
+    ref = _train(model, opt, sched, mg, range(6, 11), _data_after(5))
+
+    model2, opt2, sched2, mg2 = _setup(method)
+    torch.manual_seed(123)  # a different global RNG state: the checkpoint must restore it
+    meta = load_training_checkpoint(ckpt, model=model2, optimizer=opt2, scheduler=sched2,
+                                    generators={"poet": mg2})  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), rng_at_save)
+    assert meta["step"] == 5 and meta["loop"] == {"step": 5}
+    got = _train(model2, opt2, sched2, mg2, range(6, 11), _data_after(5))
+    assert got == ref
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for i, st in s1["state"].items():
+        for k, v in st.items():
+            w = s2["state"][i][k]
+            assert torch.equal(v, w) if torch.is_tensor(v) else (v == w and type(v) is type(w)), k
+
+
+def test_state_encoding_keeps_types():
+    state = {"state": {0: {"step": 3, "shape": (2, 5), "q": [0.5, -1.0], "t": torch.arange(3)}},
+             "groups": [{"betas": (0.9, 0.95), "name": None}]}  # fmt: skip
+    tensors: dict = {}
+    meta = json.loads(json.dumps(encode_state(state, "o", tensors)))
+    back = decode_state(meta, tensors)
+    assert back["state"][0]["shape"] == (2, 5) and back["groups"][0]["betas"] == (0.9, 0.95)
+    assert list(back["state"]) == [0] and back["state"][0]["q"] == [0.5, -1.0]
+    assert torch.equal(back["state"][0]["t"], torch.arange(3))
+    with pytest.raises(CheckpointError, match="cannot store object"):
+        encode_state({"x": object()}, "o", {})
+
+
+def test_keep_last_prunes_only_after_a_complete_save(tmp_path):
+    model, opt, sched, mg = _setup("adamw")
+    for step in (2, 4, 6):
+        _save(tmp_path, step, model, opt, sched, mg, keep_last=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
+    _save(tmp_path, 6, model, opt, sched, mg, keep_last=2)  # the same step again replaces it
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
+
+
+_KILL_MID_WRITE = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from safetensors.torch import save
+    import poetxq.checkpoint as ck
+    sys.path.insert(0, {tests!r})
+    from test_checkpoint import _setup, _save, _train
+    model, opt, sched, mg = _setup("qgalore")
+    _train(model, opt, sched, mg, range(1, 3), torch.Generator().manual_seed(3))
+    _save({run!r}, 2, model, opt, sched, mg)
+    _train(model, opt, sched, mg, range(3, 5), torch.Generator().manual_seed(4))
+
+    def half_then_die(tensors, path):  # the optimizer-state file is half written, then SIGKILL
+        blob = save(tensors)
+        with open(path, "wb") as f:
+            f.write(blob[: len(blob) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ck.write_tensors = half_then_die
+    _save({run!r}, 4, model, opt, sched, mg)
+    """
+)
+
+
+def test_write_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
+    run = tmp_path / "run"
+    code = _KILL_MID_WRITE.format(tests=str(ROOT / "tests"), run=str(run))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leftovers = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert leftovers[0].startswith(".tmp-step-00000004-") and leftovers[1:] == ["step-00000002"]
+    assert latest_checkpoint(run).name == "step-00000002"
+
+    # the survivor loads and equals the state after 2 steps of an identical run
+    model, opt, sched, mg = _setup("qgalore")
+    _train(model, opt, sched, mg, range(1, 3), torch.Generator().manual_seed(3))
+    model2, opt2, sched2, mg2 = _setup("qgalore")
+    load_training_checkpoint(latest_checkpoint(run), model=model2, optimizer=opt2,
+                             scheduler=sched2, generators={"poet": mg2})  # fmt: skip
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    assert torch.equal(mg.get_state(), mg2.get_state())
+    _save(run, 3, model2, opt2, sched2, mg2)  # the next save clears the torn temp dir
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step-00000002", "step-00000003",
+    ]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# bad --resume input through the CLI
+# ------------------------------------------------------------------------------------------------
+
+TINY = [
+    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+    "--block-size", "16", "--eval-every", "20", "--no-progress",
+    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=1",
+    "--set", "train.log_every=1", "--set", "optim.warmup_steps=2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4 (max_steps 6 so it can be resumed)."""
+    base = tmp_path_factory.mktemp("resume")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+        code = main(["train", *TINY, "--output-dir", str(base), "--run-name", "r",
+                     "--max-steps", "4", "--save-every", "2"])  # fmt: skip
+    assert code == 0
+    run = base / "r"
+    assert [s for s, _ in list_checkpoints(run)] == [2, 4]
+    return run
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poetxq: error: "), err
+    return err[0]
+
+
+def _snapshot(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_resume_finished_run_is_refused(saved_run, capsys):
+    before = _snapshot(saved_run)
+    assert main(["train", "--resume", str(saved_run), "--no-progress"]) == 2
+    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    assert _snapshot(saved_run) == before
+
+
+def test_resume_missing_dir(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in _one_error_line(capsys)
+
+
+def test_resume_dir_without_checkpoint(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "holds no checkpoint" in _one_error_line(capsys)
+
+
+def test_resume_auto_needs_run_name(capsys):
+    assert main(["train", "--resume", "auto"]) == 2
+    assert "--run-name" in _one_error_line(capsys)
+
+
+def test_resume_recipe_mismatch(saved_run, capsys):
+    before = _snapshot(saved_run)
+    # max_steps changes the LR schedule and optim.lr the updates: neither resumes exactly
+    assert main(["train", "--resume", str(saved_run), "--set", "optim.lr=0.1",
+                 "--max-steps", "8"]) == 2  # fmt: skip
+    line = _one_error_line(capsys)
+    assert "optim.lr: 0.005 -> 0.1" in line and "train.max_steps: 4 -> 8" in line
+    assert _snapshot(saved_run) == before
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "state.safetensors", "state.json"])
+def test_resume_corrupted_checkpoint(saved_run, tmp_path, capsys, victim):
+    run = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(saved_run), str(run)], check=True)
+    path = run / "checkpoints" / "step-00000004" / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run)]) == 2
+    line = _one_error_line(capsys)
+    assert victim in line and "corrupted" in line and "delete" in line
+    assert _snapshot(run) == before
+
+
+def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+    args = ["train", *TINY, "--output-dir", str(saved_run.parent), "--max-steps", "4",
+            "--save-every", "2", "--resume", "auto"]  # fmt: skip
+    assert main([*args, "--run-name", "r"]) == 2  # the saved run, already at its last step
+    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    assert main([*args, "--run-name", "fresh"]) == 0  # no checkpoint yet: a new run
+    assert [s for s, _ in list_checkpoints(saved_run.parent / "fresh")] == [2, 4]
