@@ -70,17 +70,24 @@ def _ragged(dim: int, b: int) -> int | None:
 
 
 def convert_to_poetx(
-    model: nn.Module, cfg: POETConfig, *, generator: torch.Generator | None = None
+    model: nn.Module,
+    cfg: POETConfig,
+    *,
+    generator: torch.Generator | None = None,
+    keep_weights: bool = False,
 ) -> SurgeryReport:
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
-    ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch; the linear layer's
-    original initialisation is discarded.
+    ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch, and the linear
+    layer's original initialisation is discarded — unless ``keep_weights``: then ``W0`` is the
+    layer's own weight as it is (quantized, no re-initialisation or row normalisation) and its
+    bias is copied, for continuing from a pretrained checkpoint.
 
     Args:
         model: a transformers Llama-family model.
         cfg: the recipe's ``poet`` section (bits, block size, variant, target modules, ...).
         generator: RNG for ``W0`` and the permutations (reproducible from the run seed).
+        keep_weights: use each layer's existing weight (and bias) as ``W0``.
 
     Returns:
         A :class:`SurgeryReport` listing the converted layers.
@@ -114,12 +121,16 @@ def convert_to_poetx(
             variant=cfg.variant,
             neumann_terms=cfg.neumann_terms,
             bias=lin.bias is not None,
+            weight=lin.weight.detach().float() if keep_weights else None,
             stochastic_requant=cfg.requant == "stochastic",
             generator=generator,
             device=lin.weight.device,
             quant_type=cfg.quant_type,
             double_quant=cfg.double_quant,
         )
+        if keep_weights and lin.bias is not None:
+            with torch.no_grad():
+                new.bias.copy_(lin.bias)
         if cfg.freeze_orthogonal:
             for p in new.orthogonal_parameters():
                 p.requires_grad_(False)
