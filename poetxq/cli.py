@@ -232,9 +232,10 @@ def _run_train(args: argparse.Namespace) -> int:
     _check_tracker(args.log_with)
     recipe = load_recipe(args.recipe, _overrides(args))
     if recipe.model.pretrained is not None:  # fail before any work; a hub id becomes a local dir
-        from poetxq.pretrained import resolve_pretrained
+        from poetxq.pretrained import check_pretrained_config, resolve_pretrained
 
         local = resolve_pretrained(recipe.model.pretrained)
+        check_pretrained_config(local)
         if recipe.data.tokenizer == recipe.model.pretrained:
             recipe.data.tokenizer = local
     run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)

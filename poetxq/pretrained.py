@@ -70,18 +70,22 @@ def resolve_pretrained(ref: str) -> str:
     except Exception as exc:  # offline, unknown repo, gated, ...
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise PretrainedError(
-            f"cannot fetch model '{ref}' from the Hugging Face hub ({type(exc).__name__}: "
-            f"{first}); download it elsewhere and pass its local directory"
+            f"model '{ref}' is not a local directory and cannot be fetched from the Hugging Face "
+            f"hub ({type(exc).__name__}: {first}); pass a local checkpoint directory"
         ) from None
 
 
-def load_pretrained(path: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for Llama shape.
+def check_pretrained_config(path: str) -> Any:
+    """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
+
+    Returns:
+        The ``PretrainedConfig``.
 
     Raises:
-        PretrainedError: unreadable checkpoint or a model type outside :data:`LLAMA_FAMILY`.
+        PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, or an
+            already quantized checkpoint.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -99,6 +103,18 @@ def load_pretrained(path: str) -> nn.Module:
             f"'{path}' is already quantized ({config.quantization_config.get('quant_method')}); "
             "pass an unquantized (bf16/fp32) checkpoint"
         )
+    return config
+
+
+def load_pretrained(path: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for Llama shape.
+
+    Raises:
+        PretrainedError: unreadable checkpoint or a model type outside :data:`LLAMA_FAMILY`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_pretrained_config(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:
