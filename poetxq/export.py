@@ -54,6 +54,7 @@ import quant_kernels
 from poetxq.layer import POETXLinear
 from poetxq.quant import INT8_ROW_FORMAT, Blockwise4bitWeight
 from poetxq.recipe import Recipe, RecipeError, load_recipe
+from quant_kernels import reference_4bit as q4
 
 FORMATS: tuple[str, ...] = ("hf-bf16", "hf-bnb8", "hf-bnb4")
 TOKENIZER_DIR = "tokenizer"  # inside a run directory
@@ -278,6 +279,42 @@ def merged_state_dict(model: nn.Module, fmt: str, *, quant_type: str = "nf4") ->
     for name, layer in layers.items():
         for k, v in merged_linear_state_dict(layer, fmt, quant_type=quant_type).items():
             out[f"{name}.{k}"] = v
+    return out
+
+
+def decode_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our decoding of an exported state dict: every bnb-quantized weight as dense fp32.
+
+    int8 entries (``X.weight`` int8 with ``X.SCB``) become ``CB · SCB / 127``; 4-bit entries
+    (``X.weight`` with ``X.weight.quant_state.bitsandbytes__*``) are dequantized with the shape,
+    code and block size their quant_state names (double quant included); other float tensors are
+    cast to fp32. The result loads into the plain transformers model (no bitsandbytes needed).
+
+    Raises:
+        ValueError: a 4-bit entry whose quant_state is corrupt.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if ".weight." in key or key.endswith((".SCB", ".weight_format")):
+            continue  # statistics, consumed with their weight below
+        base = key.removesuffix("weight")
+        qs = [k for k in state if k.startswith(key + ".quant_state.bitsandbytes__")]
+        if value.dtype == torch.int8 and base + "SCB" in state:
+            out[key] = quant_kernels.dequant_int8_rowwise(value, state[base + "SCB"])
+        elif qs:
+            meta = q4.quant_state_from_tensor(state[qs[0]])
+            absmax = state[key + ".absmax"]
+            if key + ".nested_absmax" in state:
+                absmax = q4.double_dequantize_absmax(
+                    absmax, state[key + ".nested_absmax"], state[key + ".nested_quant_map"],
+                    torch.tensor(float(meta["nested_offset"])), int(meta["nested_blocksize"]),
+                )  # fmt: skip
+            out[key] = q4.dequantize_4bit_blockwise(
+                value, absmax.float(), meta["quant_type"], int(meta["blocksize"]),
+                tuple(meta["shape"]), torch.float32,
+            )  # fmt: skip
+        else:
+            out[key] = value.float() if value.is_floating_point() else value
     return out
 
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from poetxq.cli import main
 from poetxq.export import (
     bnb_4bit_state_dict,
+    decode_state_dict,
     load_run,
     merged_linear_state_dict,
     merged_state_dict,
@@ -156,24 +157,7 @@ def _reference_from_export(run, fmt: str) -> torch.nn.Module:
     """fp32 transformers model whose weights are *our* decoding of the exported tensors."""
     sd = merged_state_dict(run.model, fmt, quant_type=run.recipe.poet.quant_type)
     plain = AutoModelForCausalLM.from_config(run.config, dtype=torch.float32)
-    dense = {}
-    for key in plain.state_dict():
-        if key in sd and sd[key].is_floating_point():
-            dense[key] = sd[key].float()
-        elif fmt == "hf-bnb8":
-            dense[key] = dequant_int8_rowwise(sd[key], sd[key.removesuffix("weight") + "SCB"])
-        else:
-            mod = plain.get_submodule(key.removesuffix(".weight"))
-            p = key + "."
-            qs = q4.quant_state_from_tensor(sd[p + "quant_state.bitsandbytes__nf4"])
-            offset = torch.tensor(qs["nested_offset"])
-            absmax = q4.double_dequantize_absmax(
-                sd[p + "absmax"], sd[p + "nested_absmax"], sd[p + "nested_quant_map"], offset, 256
-            )
-            dense[key] = q4.dequantize_4bit_blockwise(
-                sd[key], absmax, "nf4", 64, (mod.out_features, mod.in_features)
-            )
-    plain.load_state_dict(dense)
+    plain.load_state_dict(decode_state_dict(sd))
     return plain.eval()
 
 
