@@ -39,6 +39,7 @@ _FLAG_KEYS = {
     "text_field": "data.text_field",
     "tokenizer": "data.tokenizer",
     "vocab_size": "data.vocab_size",
+    "model": "model.pretrained",
 }
 
 _TRAIN_EPILOG = """\
@@ -78,6 +79,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override any recipe key, e.g. --set optim.warmup_steps=50 (repeatable)",
+    )
+    g.add_argument(
+        "--model",
+        metavar="DIR_OR_HUB_ID",
+        help="continue a pretrained transformers Llama-family checkpoint: its weights become W0 "
+        "as they are, its config and tokenizer are used, the recipe's model section is ignored "
+        "[model.pretrained]",
     )
     g = p.add_argument_group("method")
     g.add_argument(
@@ -197,7 +205,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``poetxq`` parser: sub-commands ``quantize-and-train``, ``train``, ``validate``."""
+    """The ``poetxq`` parser: ``quantize-and-train``, ``train``, ``export``, ``validate``."""
     parser = argparse.ArgumentParser(
         prog="poetxq",
         description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight "
@@ -211,6 +219,23 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_ + ".", epilog=_TRAIN_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _add_train_args(p)
+    p = sub.add_parser(
+        "export",
+        help="write a run as a Hugging Face model directory (bf16, bnb int8 or bnb 4-bit)",
+        description="Merge R and P into every POET layer and write RUN_DIR as a directory that "
+        "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads, with the tokenizer.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (absent or empty)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=("hf-bf16", "hf-bnb8", "hf-bnb4"),
+        help="hf-bf16: plain bf16; hf-bnb8: int8 Linear8bitLt; hf-bnb4: NF4/FP4 Linear4bit "
+        "(quantization_config in config.json)",
+    )
+    p.add_argument("--quant-type", choices=("nf4", "fp4"), help="4-bit code (default: the run's)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
     p.add_argument("recipes", nargs="+", metavar="RECIPE")
@@ -262,6 +287,13 @@ def _run_train(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         recipe = load_recipe(args.recipe, _overrides(args))
+    if recipe.model.pretrained is not None:  # fail before any work; a hub id becomes a local dir
+        from poetxq.pretrained import check_pretrained_config, resolve_pretrained
+
+        local = resolve_pretrained(recipe.model.pretrained)
+        check_pretrained_config(local)
+        if recipe.data.tokenizer == recipe.model.pretrained:
+            recipe.data.tokenizer = local
     if run_dir is None:
         run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
     result = train(
@@ -274,6 +306,14 @@ def _run_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 130 if result.stop_signal == "SIGINT" else 143
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from poetxq.export import export_run
+
+    export_run(args.run_dir, args.format, args.out_dir, overwrite=args.overwrite,
+               quant_type=args.quant_type)  # fmt: skip
     return 0
 
 
@@ -295,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from poetxq.checkpoint import CheckpointError
     from poetxq.data import DataError
+    from poetxq.export import ExportError
+    from poetxq.pretrained import PretrainedError
     from poetxq.tools_cli import TOOL_ERRORS, run_tool
     from poetxq.train import RunDirError
 
@@ -303,8 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_validate(args)
         if args.command in ("estimate-memory", "bench", "report"):
             return run_tool(args)
+        if args.command == "export":
+            return _run_export(args)
         return _run_train(args)
-    except (RecipeError, DataError, RunDirError, CheckpointError, *TOOL_ERRORS) as exc:
+    except (
+        RecipeError, DataError, RunDirError, CheckpointError, ExportError, PretrainedError,
+        *TOOL_ERRORS,
+    ) as exc:  # fmt: skip
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)

@@ -37,7 +37,14 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """Llama architecture (transformers ``LlamaConfig`` fields); vocab comes from the tokenizer."""
+    """Llama architecture (transformers ``LlamaConfig`` fields); vocab comes from the tokenizer.
+
+    ``pretrained`` (``--model``): a transformers Llama-family checkpoint directory (or hub id) to
+    continue from; its own config, weights and tokenizer are used and the other fields here are
+    ignored (:mod:`poetxq.pretrained`).
+    """
+
+    pretrained: str | None = None
 
     hidden_size: int = Field(256, gt=0)
     intermediate_size: int = Field(704, gt=0)
@@ -163,7 +170,9 @@ class Recipe(_Section):
         smallest = min(m.hidden_size, m.intermediate_size)
         if self.method == "poetx" and self.poet.bits != 16:
             self.poet.bits = 16
-        if self.method in ("poetxq", "poetx") and self.poet.block_size > smallest:
+        if m.pretrained is not None:
+            _check_pretrained(self)
+        elif self.method in ("poetxq", "poetx") and self.poet.block_size > smallest:
             raise ValueError(
                 f"poet.block_size {self.poet.block_size} exceeds the smallest layer dimension "
                 f"{smallest}; choose a block size <= {smallest}"
@@ -178,6 +187,16 @@ class Recipe(_Section):
                 f"unknown target module(s) {sorted(unknown)}; allowed {TARGET_MODULES}"
             )
         return self
+
+
+def _check_pretrained(recipe: Recipe) -> None:
+    """``model.pretrained`` set: POET methods only; the tokenizer defaults to the checkpoint's."""
+    if recipe.method not in ("poetxq", "poetx"):
+        raise ValueError(
+            f"model.pretrained (--model) works with methods poetxq and poetx, not {recipe.method!r}"
+        )
+    if recipe.data.tokenizer.strip() == "bpe":  # the default: use the checkpoint's tokenizer
+        recipe.data.tokenizer = recipe.model.pretrained  # type: ignore[assignment]
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

@@ -94,18 +94,25 @@ def _ragged(dim: int, b: int) -> int | None:
 
 
 def convert_to_poetx(
-    model: nn.Module, cfg: POETConfig, *, generator: torch.Generator | None = None
+    model: nn.Module,
+    cfg: POETConfig,
+    *,
+    generator: torch.Generator | None = None,
+    keep_weights: bool = False,
 ) -> SurgeryReport:
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
-    ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch; the linear layer's
-    original initialisation is discarded. ``Q`` (and an unquantized ``W0``) take the linear
-    layer's dtype; on a GPU ``W0`` is drawn on the device (seeded from ``generator``).
+    ``W0`` is drawn fresh (normalized Gaussian), as POET-X trains from scratch, and the linear
+    layer's original initialisation is discarded — unless ``keep_weights``: then ``W0`` is the
+    layer's own weight as it is (quantized, no re-initialisation or row normalisation) and its
+    bias is copied, for continuing from a pretrained checkpoint.
+    On a GPU a fresh ``W0`` is drawn on the device (seeded from ``generator``).
 
     Args:
         model: a transformers Llama-family model.
         cfg: the recipe's ``poet`` section (bits, block size, variant, target modules, ...).
         generator: RNG for ``W0`` and the permutations (reproducible from the run seed).
+        keep_weights: use each layer's existing weight (and bias) as ``W0``.
 
     Returns:
         A :class:`SurgeryReport` listing the converted layers.
@@ -132,8 +139,8 @@ def convert_to_poetx(
                 f"choose --block-size <= {min(n, m)}"
             )
         dev = lin.weight.device
-        weight = None
-        if dev.type != "cpu":  # draw W0 on the device: a CPU float64 draw is slow at 8B scale
+        weight = lin.weight.detach().float() if keep_weights else None
+        if weight is None and dev.type != "cpu":  # draw W0 on the device (a CPU draw is slow at 8B)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
             g = torch.Generator(device=dev).manual_seed(seed)
             weight = torch.randn(m, n, device=dev, generator=g, dtype=torch.float32)
@@ -154,6 +161,9 @@ def convert_to_poetx(
             quant_type=cfg.quant_type,
             double_quant=cfg.double_quant,
         )
+        if keep_weights and lin.bias is not None:
+            with torch.no_grad():
+                new.bias.copy_(lin.bias)
         if cfg.freeze_orthogonal:
             for p in new.orthogonal_parameters():
                 p.requires_grad_(False)

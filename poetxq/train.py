@@ -49,17 +49,19 @@ from poetxq.distributed import (
     replicas_identical,
 )
 from poetxq.evaluate import causal_lm_loss, evaluate_perplexity
+from poetxq.export import save_run_artifacts
 from poetxq.optim import (
     build_optimizer,
     build_scheduler,
     clip_threshold,
     merge_and_reset,
 )
+from poetxq.pretrained import build_model
 from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
-from poetxq.surgery import build_llama, convert_to_poetx, summarize
+from poetxq.surgery import convert_to_poetx, summarize
 
 #: files a run writes into its directory
-RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json")
+RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
 
 
 class RunDirError(ValueError):
@@ -216,11 +218,11 @@ def train(
     # the unigram baseline scores exactly the tokens the model predicts (labels of each window)
     unigram = unigram_perplexity(data.train.flatten(), data.val[:, 1:], data.vocab_size)
 
-    model = build_llama(recipe.model, data.vocab_size)
+    model, keep_weights = build_model(recipe, data.vocab_size, echo=say)  # --model: pretrained
     poet_gen = torch.Generator().manual_seed(tc.seed + 1)
     is_poet = recipe.method in ("poetxq", "poetx")
     if is_poet:
-        report = convert_to_poetx(model, pc, generator=poet_gen)
+        report = convert_to_poetx(model, pc, generator=poet_gen, keep_weights=keep_weights)
         say(summarize(model, report))
         optimizer = build_optimizer(model, oc)
     else:
@@ -264,6 +266,8 @@ def train(
             (run_dir / "summary.json").unlink(missing_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     accelerator.wait_for_everyone()
+    if main and resume_from is None:  # config.json + tokenizer/, for poetxq export
+        save_run_artifacts(run_dir, raw_model, data.tokenizer, data.eos_id)
     if log_with:
         accelerator.init_trackers(recipe.name, config=recipe.model_dump(mode="json"))
     metrics_file = (
