@@ -138,30 +138,60 @@ def _throughput(img: Path) -> list[str]:
     fig.savefig(img / "throughput_1b.png", dpi=120)
     plt.close(fig)
     lines += ["", "![throughput](img/throughput_1b.png)", "", _provenance(name, d), ""]
+    lean_name = "throughput_1b_lean_h200.json"
+    lean = _load(lean_name)
+    if lean is not None:
+        lines += [
+            "After the lean-activation changes (one batched Cayley–Neumann per forward, CNP "
+            "backward by recomputation, fused SwiGLU down projection), same script:",
+            "",
+            "| method | seq | tokens/s |",
+            "|---|---:|---:|",
+        ]
+        for r in lean["runs"]:
+            lines.append(
+                f"| {LABELS.get(r['method'], r['method'])} | {r['seq_len']} | "
+                f"{r['tokens_per_s']:,.0f} |"
+            )
+        lines.append("")
+        for ratio in lean.get("ratios", []):
+            lines.append(
+                f"- seq {ratio['seq_len']}: POET-XQ / AdamW = "
+                f"{ratio['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
+            )
+        lines += ["", _provenance(lean_name, lean), ""]
     return lines
 
 
 def _memory() -> list[str]:
-    name = "gpu_memory_h200.json"
-    d = _load(name)
+    name, before_name = "gpu_memory_h200.json", "gpu_memory_h200_before_lean.json"
+    d, before = _load(name), _load(before_name)
     if d is None:
         return []
+    prev = {(r["model"], r["gradient_checkpointing"]): r for r in (before or {}).get("results", [])}
     lines = [
         "## POET-XQ at 8B / 13B: peak memory and step time (batch 1, seq 2048, int8 W0, b = 256)",
         "",
-        "| model | checkpointing | peak (GiB) | estimate (GiB) | official code (GiB) | "
-        "target (GiB) | step (s) | official step (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "One full training step (forward, backward, clip, AdamW), bf16. *Before* is the same "
+        "script before the lean-activation changes.",
+        "",
+        "| model | checkpointing | peak (GiB) | estimate (GiB) | before (GiB) | official code "
+        "(GiB) | target (GiB) | step (s) | before (s) | official step (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["results"]:
+        p = prev.get((r["model"], r["gradient_checkpointing"]))
         lines.append(
             f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
             f"{r['peak_memory_gib']:.2f} | {r['estimated_peak_gib']:.2f} | "
+            f"{p['peak_memory_gib'] if p else float('nan'):.2f} | "
             f"{r['official_peak_gib']:.2f} | {r['target_peak_gib']} | {r['step_time_s']:.3f} | "
-            f"{r['official_step_s']:.2f} |"
+            f"{p['step_time_s'] if p else float('nan'):.3f} | {r['official_step_s']:.2f} |"
         )
-    lines += ["", _provenance(name, d), ""]
-    return lines
+    lines += ["", _provenance(name, d)]
+    if before is not None:
+        lines.append(_provenance(before_name, before).replace("Source", "Before"))
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,8 +95,11 @@ class BlockCache:
         ]
 
     def _before(self, module: nn.Module, _args: Any) -> None:
+        ckpt = _checkpointing(module)
         for group in self.groups:
-            if _checkpointing(module):
+            for side in group.sides:  # a checkpointed layer frees its CNP intermediates itself
+                side.lean_cnp = not ckpt
+            if ckpt:
                 group.clear()  # each checkpointed layer computes (and recomputes) its own
             else:
                 group.refresh()

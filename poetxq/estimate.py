@@ -30,10 +30,12 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
-  whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`), or under
-  checkpointing a masked copy of a ragged side's ``Q``. Under autocast, ``nn.Linear`` weights are
-  also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its input (``r·d``
-  per token, ``r`` the residual-stream dtype bytes) and one layer at a time is recomputed.
+  whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`); under
+  checkpointing the recomputed layer runs the plain CNP (``k·q·b²`` more per block and the
+  ``b(b−1)/2`` int64 triangle index), which its own backward frees. Under autocast, ``nn.Linear``
+  weights are also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its
+  input (``r·d`` per token, ``r`` the residual-stream dtype bytes) and one layer at a time is
+  recomputed.
 * **logits / loss** — ``[T, V]``: in the forward the bf16 logits, their fp32 copy and the
   log-softmax output; in the loss backward the log-softmax output, its gradient and the logits'
   gradient (``12·T·V`` bytes, the larger).
@@ -274,8 +276,9 @@ def estimate_memory(
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
-                if ragged and tc.gradient_checkpointing:
-                    cnp_const += q_numel * p
+                if tc.gradient_checkpointing:  # plain CNP inside the recomputed layer: Q, Q²,
+                    # the inner factor and the int64 triangle index are kept until its backward
+                    cnp_const += nb * b * b * pc.neumann_terms * p + 8 * per
                 fast_extra += c * nb * b
         elif quantized:
             frozen += m * n + 2 * 4 * math.ceil(m * n / group)
