@@ -1,8 +1,9 @@
 """The way out: POET-X(Q) runs as Hugging Face / bitsandbytes checkpoints.
 
-A run directory holds ``W'`` (the frozen weight in *permuted* coordinates, ``Ψ_m W0 Ψ_nᵀ``) and the
-orthogonal factors ``R``, ``P`` separately. Everything outside poetxq wants the effective weight
-``W = R · W0 · P`` in the model's own coordinates, so export does, per POET-X(Q) layer:
+A run directory holds the frozen weight in *permuted* coordinates (``Ψ_m W0 Ψ_nᵀ`` for int8 and
+16-bit; ``Ψ_m W0``, rows only, for 4-bit) and the orthogonal factors ``R``, ``P`` separately.
+Everything outside poetxq wants the effective weight ``W = R · W0 · P`` in the model's own
+coordinates, so export does, per POET-X(Q) layer:
 
 1. ``W = layer.effective_weight()`` — fold ``R`` and ``P`` in (fp32) and permute back;
 2. store it as the target format expects it:
@@ -20,10 +21,11 @@ orthogonal factors ``R``, ``P`` separately. Everything outside poetxq wants the 
    ``AutoModelForCausalLM.from_pretrained(out_dir)`` rebuilds ``Linear8bitLt`` / ``Linear4bit``
    layers from the stored bytes. Embeddings, norms and ``lm_head`` are written in bf16.
 
-Re-quantizing ``W`` in original coordinates is one more rounding, the same one a merge does: for
-int8 right after a merge (``R = P = I``) it is exact (row-wise scales survive permutations); for
-4-bit the blocks of 64 are re-cut in original coordinates, so the exported weights differ from the
-run's by one 4-bit rounding (see ``evals/results/requant_drift_cpu.json``).
+Re-quantizing ``W`` in original coordinates is one more rounding, the same one a merge does. Right
+after a merge (``R = P = I``) it is exact for int8 (row-wise scales survive permutations) and for
+4-bit when ``in_features`` is a multiple of the blocksize (the stored rows are whole blocks, only
+reordered). Between merges ``R·W0·P`` is not representable in the format, so the exported weights
+differ from the run's by one rounding (see ``evals/results/requant_drift_cpu.json``).
 
 bitsandbytes 0.50.2 facts this module relies on (checked in ``tests/test_export.py``):
 

@@ -10,6 +10,9 @@ Math (POET-X, arXiv 2603.05500; DESIGN.md §1). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`
     u  = h @ BD(G_R)ᵀ                    # batched block matmuls             [.., m]
     y  = u[..., inv_perm_R]              # gather by the inverse output permutation
 
+4-bit stores keep the columns in input order, ``W'' = Ψ_m W0``, and gather ``z`` back by
+``Ψ_nᵀ`` before the GEMM (:class:`_InputOrderStore`): their 64-blocks then never regroup at merges.
+
 The dense ``m×m`` / ``n×n`` factors and ``R·W0·P`` are never built in the training path. ``W'`` has
 no gradient; backward needs one GEMM for dX (``dz = dh @ W'``) and the small block gradients.
 
@@ -48,6 +51,27 @@ def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t[..., index]`` via a 2-D ``index_select`` (several times faster than N-D on CPU)."""
     flat = t.reshape(-1, t.shape[-1]).index_select(1, index)
     return flat.view(*t.shape[:-1], index.numel())
+
+
+class _InputOrderStore:
+    """A frozen store kept with its columns in the *original* input order, ``W'' = Ψ_m W0``.
+
+    4-bit blockwise formats quantize 64 consecutive entries of the flattened weight together; with
+    ``n`` a multiple of the blocksize a block lies within one row, so permuting rows only reorders
+    blocks, but permuting columns would regroup them at every merge (quantization drift) and make
+    an exported weight one extra rounding away from the trained one. The cost is one more gather
+    per GEMM: ``z`` (in ``P``'s permuted order) is put back in input order before ``W''``, and the
+    transposed product is permuted again.
+    """
+
+    def __init__(self, frozen: FrozenWeight, side_p: OrthogonalSide) -> None:
+        self.frozen, self.side_p = frozen, side_p
+
+    def matmul(self, z: torch.Tensor) -> torch.Tensor:
+        return self.frozen.matmul(_gather_last(z, self.side_p.inv_perm))
+
+    def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
+        return _gather_last(self.frozen.matmul_t(dh), self.side_p.perm)
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -257,7 +281,9 @@ class POETXLinear(nn.Module):
             dtype=dtype, device=device,
         )  # fmt: skip
         w = weight.detach().to(device=device, dtype=torch.float32 if bits in (4, 8) else dtype)
-        stored = w[self.R.perm][:, self.P.perm]  # W' = Ψ_m W0 Ψ_nᵀ
+        #: 4-bit: W'' = Ψ_m W0 (columns in input order, see _InputOrderStore); else W' = Ψ_m W0 Ψ_nᵀ
+        self.input_order_store = bits == 4
+        stored = self._to_store_order(w)
         self.frozen = make_frozen_weight(
             stored, bits, stochastic=stochastic_requant, quant_type=quant_type,
             double_quant=double_quant,
@@ -265,6 +291,21 @@ class POETXLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         )
+
+    def _to_store_order(self, w: torch.Tensor) -> torch.Tensor:
+        """``W [m, n]`` in original coordinates → the stored order (rows, and unless
+        ``input_order_store`` also columns, permuted)."""
+        w = w[self.R.perm]
+        return w if self.input_order_store else w[:, self.P.perm]
+
+    def _store_op(self) -> FrozenWeight | _InputOrderStore:
+        """What the GEMMs multiply by: ``W'`` in ``P``'s permuted column order."""
+        return _InputOrderStore(self.frozen, self.P) if self.input_order_store else self.frozen
+
+    def stored_w0(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized frozen ``W0`` ``[m, n]`` in original coordinates (tests, drift)."""
+        w = self.frozen.dequantize(dtype)[self.R.inv_perm]
+        return w if self.input_order_store else w[:, self.P.inv_perm]
 
     def orthogonal_parameters(self) -> list[nn.Parameter]:
         """The packed skew parameters ``[Q_P, Q_R]`` (trained with ``poet_lr``)."""
@@ -278,9 +319,9 @@ class POETXLinear(nn.Module):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
             if self.variant == "mem" and torch.is_grad_enabled():
-                y = _POETXMemFn.apply(x, g_p, g_r, self.frozen, self.P, self.R)
+                y = _POETXMemFn.apply(x, g_p, g_r, self._store_op(), self.P, self.R)
             else:
-                y = _forward_autograd(x, g_p, g_r, self.frozen, self.P, self.R)
+                y = _forward_autograd(x, g_p, g_r, self._store_op(), self.P, self.R)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -303,7 +344,7 @@ class POETXLinear(nn.Module):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
             return _SwiGLUDownMemFn.apply(
-                gate.to(cdtype), up.to(cdtype), g_p, g_r, self.frozen, self.P, self.R
+                gate.to(cdtype), up.to(cdtype), g_p, g_r, self._store_op(), self.P, self.R
             )
 
     @torch.no_grad()
@@ -312,7 +353,9 @@ class POETXLinear(nn.Module):
         n, m = self.in_features, self.out_features
         g_p = self.P.blocks().to(torch.float32)
         g_r = self.R.blocks().to(torch.float32)
-        w = self.frozen.dequantize(torch.float32)  # W' [m, n] in permuted coordinates
+        w = self.frozen.dequantize(torch.float32)  # stored [m, n]; to W' (both sides permuted):
+        if self.input_order_store:
+            w = w[:, self.P.perm]
         # BD(G_R) · W': apply the R blocks to each column.
         w = quant_kernels.block_diag_matmul(_pad_to(w.t(), self.R.padded_dim), g_r)[..., :m].t()
         # (·) · BD(G_P): row @ BD(G_P) = row @ (BD(G_Pᵀ))ᵀ.
@@ -331,7 +374,7 @@ class POETXLinear(nn.Module):
         w = self.effective_weight(torch.float32)
         self.P.reinitialize(generator)
         self.R.reinitialize(generator)
-        self.frozen.store(w[self.R.perm][:, self.P.perm], generator=generator)
+        self.frozen.store(self._to_store_order(w), generator=generator)
 
     def extra_repr(self) -> str:
         return (
