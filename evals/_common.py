@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def git_commit() -> str:
@@ -37,3 +42,27 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) ->
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
+
+
+def provenance(device_name: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """The header every results JSON starts with: date (UTC), GPU or ``cpu``, torch, commit and
+    the command line that produced it."""
+    import torch
+
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpu": device_name,
+        "torch": torch.__version__,
+        "commit": git_commit(),
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+    }
+
+
+def write_json_atomic(path: str | Path, doc: dict[str, Any]) -> Path:
+    """Write ``doc`` as indented JSON to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _common import git_commit
+from _common import provenance, write_json_atomic
 
 from poetxq.estimate import estimate_memory
 from poetxq.evaluate import causal_lm_loss
@@ -173,20 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
         "(forward, backward, clip, AdamW step), bf16, without and with whole-layer "
         "activation checkpointing, beside poetxq.estimate's prediction",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": os.environ.get("POETXQ_COMMIT") or git_commit(),
-        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
         "results": results,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    print(f"wrote {write_json_atomic(args.out, doc)}")
     return 0
 
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
-import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
-from _common import git_commit
+from _common import provenance, write_json_atomic
 
 from poetxq.bench import run_bench
 from poetxq.recipe import load_recipe, parse_override
@@ -87,21 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "what": "training tokens/s, MFU and peak memory per method on random tokens "
         "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "commit": os.environ.get("POETXQ_COMMIT") or git_commit(),
-        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "tokens_per_step": args.tokens,
         "ratios": ratios,
         "runs": runs,
     }
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    print(f"wrote {path}")
+    print(f"wrote {write_json_atomic(args.out, doc)}")
     return 0
 
 

@@ -1,0 +1,57 @@
+"""The eval scripts that turn committed results into pages, and the comparison's recipes."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    sys.path.insert(0, str(REPO / "evals"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "evals" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_results_page_reads_its_numbers_from_the_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    render = _load("render_results")
+    out = tmp_path / "RESULTS.md"
+    assert render.main(["--out", str(out)]) == 0
+    page = out.read_text()
+    compare = json.loads((REPO / "evals/results/compare_60m_h200.json").read_text())
+    for method, run in compare["runs"].items():
+        row = next(
+            line for line in page.splitlines() if line.startswith(f"| {render.LABELS[method]} |")
+        )
+        assert f"{run['final_val_ppl']:.2f}" in row and f"{run['tokens_per_s']:,.0f}" in row
+    memory = json.loads((REPO / "evals/results/gpu_memory_h200.json").read_text())
+    for r in memory["results"]:
+        assert f"| {r['peak_memory_gib']:.2f} | {r['estimated_peak_gib']:.2f} |" in page
+    assert (tmp_path / "img" / "compare_60m_val_ppl.png").stat().st_size > 1000
+
+
+def test_comparison_recipes_share_everything_but_the_method_settings():
+    compare = _load("compare_methods")
+    args = argparse.Namespace(
+        model="60m", batch_size=256, seq_len=256, evals=5, seed=0, data="embedded",
+        vocab_size=32000, max_val_tokens=1 << 20,
+    )  # fmt: skip
+    recipes = {m: compare.build_recipe(m, args, 763) for m in compare.METHODS}
+    shared = {(r.model.hidden_size, r.model.num_hidden_layers, r.train.max_steps,
+               r.train.batch_size, r.train.seq_len, r.data.source, r.data.vocab_size,
+               r.train.seed) for r in recipes.values()}  # fmt: skip
+    assert shared == {(512, 8, 763, 256, 256, "embedded", 32000, 0)}
+    assert recipes["qgalore"].optim.lr == 0.015 and recipes["qgalore"].baseline.rank == 128
+    assert recipes["poetxq"].poet.block_size == 256 and recipes["poetxq"].optim.poet_lr == 0.002
+    assert recipes["poetx"].poet.bits == 16 and recipes["poetxq"].poet.bits == 8
+    assert (
+        recipes["control"].poet.freeze_orthogonal and not recipes["poetxq"].poet.freeze_orthogonal
+    )
+    assert recipes["adamw"].optim.warmup_steps == 76  # 10 % of the steps
