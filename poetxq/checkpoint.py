@@ -85,7 +85,11 @@ def encode_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any
         CheckpointError: an object of another type (names its path).
     """
     if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach().cpu().contiguous()
+        t = obj.detach()
+        # a copy of its own: optimizers may share one tensor between states (bitsandbytes' qmaps),
+        # and safetensors refuses shared storage; a device tensor is copied by .cpu() anyway
+        t = t.cpu() if t.device.type != "cpu" else t.clone()
+        tensors[prefix] = t.contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):

@@ -219,7 +219,7 @@ def estimate_memory(
     """
     if precision not in PRECISIONS:
         raise EstimateError(f"unknown precision '{precision}'; choose one of {PRECISIONS}")
-    mc, pc, tc = recipe.model, recipe.poet, recipe.train
+    mc, pc, tc, oc = recipe.model, recipe.poet, recipe.train, recipe.optim
     V = vocab_size or recipe.data.vocab_size
     B = batch_size or tc.batch_size
     S = seq_len or tc.seq_len
@@ -246,6 +246,16 @@ def estimate_memory(
     lowrank_states = 0
     group = recipe.baseline.weight_group_size or (256 if recipe.method == "qgalore" else 128)
 
+    def adam_states(numel: int) -> int:
+        """POET methods' AdamW moments of one tensor: torch (param dtype + 4-byte step tensor)
+        or bitsandbytes AdamW8bit (uint8 codes + fp32 absmax per 256 + two 256-entry qmaps for
+        tensors of >= 4096 elements, fp32 below; its step is a Python int)."""
+        if oc.state_bits == 32:
+            return 2 * numel * p + 4
+        if numel < 4096:
+            return 2 * numel * 4
+        return 2 * numel + 2 * 4 * math.ceil(numel / 256) + 2 * 256 * 4
+
     def adam_param(numel: int) -> None:
         """A parameter trained with plain AdamW (torch's, or LowRankAdamW's adamw group)."""
         nonlocal params, grads, states, n_train
@@ -253,7 +263,7 @@ def estimate_memory(
         grads += numel * p
         n_train += numel
         # torch AdamW: moments in the param dtype + a 4-byte step; LowRankAdamW: fp32 moments
-        states += 8 * numel if lowrank else 2 * numel * p + 4
+        states += 8 * numel if lowrank else adam_states(numel)
 
     for name, m, n in _projections(recipe):
         if name not in targets:
@@ -269,7 +279,7 @@ def estimate_memory(
                 params += q_numel * p
                 q_bytes += q_numel * p
                 grads += q_numel * p
-                states += 2 * q_numel * p + 4
+                states += adam_states(q_numel)
                 n_train += q_numel
                 buffers += 2 * 8 * dim + (q_numel * p if ragged else 0)
                 # the blocks G in the compute dtype, saved by the layer; the CNP saves only its

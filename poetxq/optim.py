@@ -24,11 +24,13 @@ def orthogonal_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for layer in poet_layers(model) for p in layer.orthogonal_parameters()]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable params with POET param groups (module docstring).
 
     Group names (``group["name"]``): ``"poet"``, ``"decay"``, ``"no_decay"``; empty groups are
-    dropped. Each group's ``initial_lr`` is set for the scheduler.
+    dropped. Each group's ``initial_lr`` is set for the scheduler. ``cfg.state_bits == 8`` uses
+    bitsandbytes' ``AdamW8bit`` (blockwise-quantized moments, Dettmers et al. 2022, for tensors of
+    at least 4096 elements; smaller ones keep fp32 moments) instead of ``torch.optim.AdamW``.
     """
     q_ids = {id(p) for p in orthogonal_parameters(model)}
     q, decay, no_decay = [], [], []
@@ -49,6 +51,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     groups = [g for g in groups if g["params"]]
     for g in groups:
         g["initial_lr"] = g["lr"]
+    if cfg.state_bits == 8:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, betas=cfg.betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)
 
 
@@ -76,7 +82,8 @@ def build_scheduler(
 
 
 def reset_orthogonal_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
-    """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``) and step count of ``params``.
+    """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``) and step count of ``params`` (for
+    bitsandbytes' 8-bit optimizers: drop their state, which the next step re-creates at zero).
 
     After a merge, ``Q`` restarts at 0 in new coordinates, so its old moments are meaningless; with
     the step count reset, bias correction makes the next update a fresh Adam start.
@@ -84,6 +91,9 @@ def reset_orthogonal_state(optimizer: torch.optim.Optimizer, params: list[nn.Par
     for p in params:
         state = optimizer.state.get(p)
         if not state:
+            continue
+        if "state1" in state:  # bitsandbytes 8-bit: drop it; the next step starts it afresh
+            del optimizer.state[p]
             continue
         for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             if key in state:

@@ -100,6 +100,9 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.01, ge=0, le=1)
     grad_clip: float = Field(1.0, ge=0)  # 0 = no clipping (the GaLore/APOLLO scripts' default)
     clip_rewarm_steps: int = Field(10, ge=0)  # clip re-warmed 0.1x -> 1x after each merge
+    # POET methods: 8 = bitsandbytes AdamW8bit (blockwise 8-bit moments for tensors of >= 4096
+    # elements, fp32 below); 32 = torch AdamW (moments in the parameters' dtype)
+    state_bits: Literal[8, 32] = 32
 
 
 METHODS = ("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo")
@@ -179,6 +182,11 @@ class Recipe(_Section):
             )
         if m.max_position_embeddings < self.train.seq_len:
             m.max_position_embeddings = self.train.seq_len
+        if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):
+            raise ValueError(
+                f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "
+                "(Q-GaLore's 8-bit states are baseline.state_bits)"
+            )
         unknown = (set(self.poet.target_modules) | set(self.baseline.target_modules)) - set(
             TARGET_MODULES
         )

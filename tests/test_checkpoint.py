@@ -52,10 +52,12 @@ def _setup(method: str):
     """A fresh model + optimizer + scheduler (+ merge generator) for ``method``, seeded."""
     torch.manual_seed(0)  # nn.Linear init
     gen = torch.Generator().manual_seed(7)
-    oc = OptimConfig(lr=0.02, poet_lr=0.05, warmup_steps=2)
-    model = Tiny(method == "poetxq", gen)
-    if method == "poetxq":
+    oc = OptimConfig(lr=0.02, poet_lr=0.05, warmup_steps=2, state_bits=8 if "8" in method else 32)
+    model = Tiny(method.startswith("poetxq"), gen)
+    if method.startswith("poetxq"):
         opt = build_optimizer(model, oc)
+        if oc.state_bits == 8:  # 8-bit codes for these small tensors too (default: >= 4096)
+            opt.args.min_8bit_size = 64
     else:
         cfg = BaselineConfig(rank=4, update_proj_gap=2, weight_group_size=64, queue_size=2,
                              cos_threshold=-1.0)  # fmt: skip
@@ -95,7 +97,9 @@ def _save(tmp_path, step, model, opt, sched, merge_gen, keep_last=3):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["poetxq", "qgalore", "qapollo", "galore", "adamw"])
+@pytest.mark.parametrize(
+    "method", ["poetxq", "poetxq-8bit", "qgalore", "qapollo", "galore", "adamw"]
+)
 def test_resumed_state_continues_bit_for_bit(tmp_path, method):
     """5 steps, save, 5 more steps; a fresh setup loaded from the checkpoint repeats the last 5
     losses and ends with the same weights, quant state, permutations and optimizer state."""
@@ -118,10 +122,19 @@ def test_resumed_state_continues_bit_for_bit(tmp_path, method):
         assert torch.equal(a, b), k
     s1, s2 = opt.state_dict(), opt2.state_dict()
     assert s1["param_groups"] == s2["param_groups"]
-    for i, st in s1["state"].items():
-        for k, v in st.items():
-            w = s2["state"][i][k]
-            assert torch.equal(v, w) if torch.is_tensor(v) else (v == w and type(v) is type(w)), k
+    _assert_same(s1["state"], s2["state"], "state")
+
+
+def _assert_same(a, b, path: str) -> None:
+    """Nested optimizer state equal: tensors bit for bit, other values and their types."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b and type(a) is type(b), path
 
 
 def test_state_encoding_keeps_types():

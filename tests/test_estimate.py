@@ -81,6 +81,7 @@ METHOD_CASES = [
     "poet.double_quant": False}), ("poetx", {}), ("poetxq", {"poet.variant": "fast"}),
     ("adamw", {}), ("galore", {}), ("apollo", {}), ("qgalore", {}), ("qapollo", {}),
     ("qgalore", {"baseline.proj_bits": 32, "baseline.state_bits": 32}),
+    ("poetxq", {"optim.state_bits": 8, "poet.block_size": 64}),  # Q of 2016 and 6048 entries
 ]  # fmt: skip
 
 

@@ -91,3 +91,33 @@ def test_clip_rewarm():
     assert clip_threshold(1.0, 5, 10) == pytest.approx(0.55)
     assert clip_threshold(1.0, 10, 10) == 1.0
     assert clip_threshold(2.0, 3, 0) == 2.0
+
+
+def test_8bit_states_use_bitsandbytes_and_merges_restart_them():
+    """optim.state_bits=8: bitsandbytes AdamW8bit with 8-bit codes for large tensors; a merge
+    drops Q's state so the next step is a fresh Adam start (same as a new optimizer's step)."""
+    import bitsandbytes as bnb
+
+    from poetxq.layer import POETXLinear
+    from poetxq.optim import build_optimizer, reset_orthogonal_state
+    from poetxq.recipe import OptimConfig
+
+    gen = torch.Generator().manual_seed(0)
+    layer = POETXLinear(256, 128, block_size=128, bits=8, generator=gen)  # Q: 2 x 8128 entries
+    opt = build_optimizer(layer, OptimConfig(state_bits=8))
+    assert isinstance(opt, bnb.optim.AdamW8bit)
+    x = torch.randn(4, 256, generator=gen)
+    layer(x).square().sum().backward()
+    opt.step()
+    assert opt.state[layer.P.Q]["state1"].dtype == torch.uint8
+    reset_orthogonal_state(opt, [layer.P.Q, layer.R.Q])
+    assert layer.P.Q not in opt.state and layer.R.Q not in opt.state
+    before = layer.P.Q.detach().clone()
+    opt.zero_grad()
+    layer(x).square().sum().backward()
+    grad = layer.P.Q.grad.clone()
+    opt.step()  # Adam's first step moves each entry by lr * g / (|g| + eps) = +-lr
+    lr = opt.param_groups[0]["lr"]
+    step = layer.P.Q.detach() - before
+    big = grad.abs() > 1e-3
+    torch.testing.assert_close(step[big], -lr * grad[big].sign(), rtol=2e-2, atol=0)

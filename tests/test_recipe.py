@@ -74,3 +74,9 @@ def test_missing_and_malformed_files(tmp_path):
     f.write_text("poet: [unclosed")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(f)
+
+
+def test_8bit_optimizer_states_only_for_poet_methods():
+    assert load_recipe(None, {"optim.state_bits": 8}).optim.state_bits == 8
+    with pytest.raises(RecipeError, match="state_bits 8 applies to the POET methods"):
+        load_recipe(None, {"method": "adamw", "optim.state_bits": 8})
