@@ -1,11 +1,11 @@
 """Side-by-side pretraining comparison of POET-XQ and the baselines on one model and corpus.
 
-Every method trains the same Llama (default: 60M, DESIGN.md §5) on the same token stream (one
-tokenization, one seeded document-level train / validation split) for the same number of tokens,
-and is scored on the same held-out validation windows. Per method the script records final
-validation perplexity, tokens/s (training time incl. periodic evaluation), peak GPU memory
-(``torch.cuda.max_memory_allocated``) and the validation curve, and rewrites ``--out`` after each
-method so a run cut short keeps what finished.
+Every method trains the same Llama (default: 60M, the shape of recipes/models/llama-60m.yaml) on
+the same token stream (one tokenization, one seeded document-level train / validation split) for
+the same number of tokens, and is scored on the same held-out validation windows. Per method the
+script records final validation perplexity, tokens/s (training time incl. periodic evaluation),
+peak GPU memory (``torch.cuda.max_memory_allocated``) and the validation curve, and rewrites
+``--out`` after each method so a run cut short keeps what finished.
 
 Hyperparameters per method follow the authors' 60M scripts (named beside each value below); the
 other settings come from ``recipes/tiny/<method>.yaml``. ``control`` is POET-XQ with the
@@ -43,7 +43,7 @@ from poetxq.data import prepare_data  # noqa: E402
 from poetxq.recipe import load_recipe  # noqa: E402
 from poetxq.train import train  # noqa: E402
 
-#: Llama shapes (DESIGN.md §5)
+#: Llama shapes (as recipes/models/*.yaml)
 MODELS: dict[str, dict[str, int]] = {
     "60m": dict(
         hidden_size=512, intermediate_size=1280, num_attention_heads=8, num_hidden_layers=8

@@ -9,8 +9,8 @@ directly on the GPU in bf16 and converted there (W0 drawn on the device). One fu
 Adam states exist: the steady state). Then the same model with whole-layer activation
 checkpointing (transformers ``gradient_checkpointing_enable``, ``use_reentrant=False``).
 ``poetxq.estimate.estimate_memory(..., precision="bf16")`` gives the prediction beside each
-measurement. The official POET-XQ code measured on this H200 (DESIGN.md §4) and the issue's
-targets are recorded next to them.
+measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
+project's issue) and the issue's targets are recorded next to them.
 
 Usage (on the GPU host, about 2-4 minutes):
     python evals/gpu_memory.py --out $OUT/gpu_memory_h200.json
@@ -38,7 +38,7 @@ from poetxq.surgery import build_llama, convert_to_poetx
 
 VOCAB = 32000
 GIB = 2**30
-# official POET-XQ code on this H200, 2026-11-30, bs 1, seq 2048, b = 256 (DESIGN.md §4):
+# official POET-XQ code on this H200, 2026-11-30, bs 1, seq 2048, b = 256:
 # (GiB, s) without / with whole-layer checkpointing
 OFFICIAL = {
     "llama-8b": {"no_ckpt": (30.89, 0.53), "ckpt": (12.97, 0.89)},

@@ -9,10 +9,10 @@
 2. **Resume under DDP on the GPU**: the 2-process POET-XQ run is resumed from its step-5
    checkpoint; the resumed losses are compared with the uninterrupted ones (deterministic
    algorithms on; reported as bit-exact or with the largest difference).
-3. **Throughput**, Llama-1B (24 layers, DESIGN.md §5), bf16 autocast, seq 256, 16 sequences per
-   GPU per step: tokens/s of POET-XQ int8 (b = 256, no merge inside the timed window) and AdamW at
-   1 and 2 GPUs, the steady-state median over logged windows after the first; the scaling ratio
-   tok/s(2 GPUs) / tok/s(1 GPU) (ideal 2.0) and peak memory per GPU.
+3. **Throughput**, Llama-1B (24 layers, recipes/models/llama-1b.yaml), bf16 autocast, seq 256, 16
+   sequences per GPU per step: tokens/s of POET-XQ int8 (b = 256, no merge inside the timed
+   window) and AdamW at 1 and 2 GPUs, the steady-state median over logged windows after the first;
+   the scaling ratio tok/s(2 GPUs) / tok/s(1 GPU) (ideal 2.0) and peak memory per GPU.
 4. **Merge strategy**: time of the deterministic merge every rank runs (4 POET-XQ layers at the
    1B shapes) against broadcasting the merged int8 weights and permutations from rank 0, which a
    rank-0 merge would need.

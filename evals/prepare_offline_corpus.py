@@ -1,4 +1,4 @@
-"""Build the larger offline English corpus (DESIGN.md §6) as a folder of ``.jsonl.gz`` files.
+"""Build the larger offline English corpus as a folder of ``.jsonl.gz`` files.
 
 The corpus is public-domain / freely licensed text that can be fetched without a model hub:
 

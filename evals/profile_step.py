@@ -1,7 +1,8 @@
 """Profile training steps of one method on random tokens (torch.profiler), to find overheads.
 
 Prints the top operators by self CPU time and by self device time, and the mean step time, for a
-Llama of the given shape (default: 60M, DESIGN.md §5) built exactly as the trainer builds it.
+Llama of the given shape (default: 60M, recipes/models/llama-60m.yaml) built exactly as the
+trainer builds it.
 
     python evals/profile_step.py --method poetxq --batch-size 128 --seq-len 256 --out prof.txt
 """

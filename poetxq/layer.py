@@ -1,6 +1,6 @@
 """The POET-X(Q) linear layer: ``y = x @ (R · W0 · P)ᵀ`` computed input-centric.
 
-Math (POET-X, arXiv 2603.05500; DESIGN.md §1). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
+Math (POET-X, arXiv 2603.05500). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
 ``P = Ψ_nᵀ BD(G_P) Ψ_n`` and the permutations merged into the stored weight
 ``W' = Ψ_m W0 Ψ_nᵀ``, a forward is::
 

@@ -1,4 +1,4 @@
-"""Optimizer, schedule and merge bookkeeping for POET-X(Q) training (DESIGN.md §1).
+"""Optimizer, schedule and merge bookkeeping for POET-X(Q) training (POET, arXiv 2506.08001).
 
 * AdamW with three param groups: the packed skew parameters ``Q`` (lr = ``poet_lr × scale``,
   no weight decay); other ≥ 2-D params (embeddings, ``lm_head``) at the base lr with weight decay;

@@ -73,7 +73,7 @@ class ModelConfig(_Section):
 
 
 class POETConfig(_Section):
-    """POET-X(Q) settings (DESIGN.md §1–2)."""
+    """POET-X(Q) settings (POET-X, arXiv 2603.05500; W0 in bitsandbytes' int8 / NF4 / FP4)."""
 
     bits: Literal[4, 8, 16] = 8  # 8 = POET-XQ int8 W0; 4 = NF4/FP4 W0; 16 = unquantized POET-X
     block_size: int = Field(64, ge=2)  # b
@@ -110,7 +110,7 @@ Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qap
 
 
 class BaselineConfig(_Section):
-    """Settings of the non-POET methods (DESIGN.md §3; :mod:`poetxq.baselines`).
+    """Settings of the non-POET methods (GaLore, Q-GaLore, APOLLO; :mod:`poetxq.baselines`).
 
     ``None`` means the method's default: ``scale`` 0.25 for galore/qgalore and 1.0 for
     apollo/qapollo; ``weight_group_size`` 256 for qgalore and 128 for qapollo.

@@ -4,7 +4,7 @@ Torch only (never imports poetxq). Round-to-nearest output is byte-identical to
 ``bitsandbytes.functional.quantize_4bit`` on the CPU (bitsandbytes 0.50), which is the oracle in
 ``tests/test_quant4bit.py``.
 
-Layout (QLoRA, arXiv 2305.14314; DESIGN.md §2)
+Layout (QLoRA, arXiv 2305.14314)
 -----------------------------------------------
 * The weight is flattened row-major and cut into blocks of ``blocksize`` (default 64) elements;
   the last block may be shorter. ``absmax`` fp32 ``[nblocks]`` holds ``max|block|``.

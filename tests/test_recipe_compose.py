@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "recipes/models").glob("*.yaml"))
 METHODS = sorted(p.stem for p in (ROOT / "recipes/methods").glob("*.yaml"))
 
-# DESIGN.md §5
+# the Llama shapes of the GaLore / POET papers
 SHAPES = {
     "llama-60m": (512, 1280, 8, 8),
     "llama-130m": (768, 2048, 12, 12),

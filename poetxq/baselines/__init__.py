@@ -1,7 +1,7 @@
 """Baselines trained in the same loop as POET-XQ: AdamW, GaLore, APOLLO, Q-GaLore, Q-APOLLO.
 
 Our own implementations of the papers' update rules (GaLore arXiv 2403.03507, Q-GaLore
-arXiv 2407.08296, APOLLO arXiv 2412.05270; DESIGN.md §3), in two modules:
+arXiv 2407.08296, APOLLO arXiv 2412.05270), in two modules:
 
 * :mod:`poetxq.baselines.qlinear` — group-wise asymmetric 8-bit weights and ``QuantLinear``.
 * :mod:`poetxq.baselines.lowrank` — ``LowRankAdamW``: GaLore/APOLLO projections, Q-GaLore's INT4

@@ -1,4 +1,6 @@
-"""One AdamW for the low-rank baselines: GaLore, APOLLO, Q-GaLore, Q-APOLLO (DESIGN.md §3).
+"""One AdamW for the low-rank baselines: GaLore, APOLLO, Q-GaLore, Q-APOLLO.
+
+Papers: GaLore arXiv 2403.03507, APOLLO arXiv 2412.05270, Q-GaLore arXiv 2407.08296.
 
 Every parameter group has a ``method``:
 

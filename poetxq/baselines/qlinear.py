@@ -1,6 +1,6 @@
 """Group-wise asymmetric low-bit weights and the quantized linear layer of Q-GaLore / Q-APOLLO.
 
-Format (Q-GaLore arXiv 2407.08296 §3; DESIGN.md §3): the weight is flattened row-major and cut
+Format (Q-GaLore arXiv 2407.08296 §3): the weight is flattened row-major and cut
 into groups of ``g`` consecutive elements. Per group, with ``B`` bits (``L = 2^B − 1``)::
 
     scale = max(max − min, 1e-5) / L          zero = clamp(−round(min / scale), 0, L)
