@@ -300,7 +300,11 @@ def _local_files(source: str) -> tuple[list[Path], str]:
             )
         return [path.resolve()], f"file {source}"
     if path.is_dir():
-        files = sorted(p.resolve() for p in path.rglob("*") if p.is_file())
+        files = sorted(
+            p.resolve()
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )  # hidden files and folders (.cache, .git, editor swap files) are not data
         what = f"directory {source}"
     elif any(ch in expanded for ch in "*?["):
         matches = sorted(globlib.glob(expanded, recursive=True))

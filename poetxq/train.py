@@ -98,8 +98,17 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
     nothing is created here.
 
     Raises:
-        RunDirError: the directory exists and is not empty (and ``overwrite`` is False).
+        RunDirError: the directory exists and is not empty (and ``overwrite`` is False), or
+            ``run_name`` is not a plain folder name (a path, ``..``, empty or hidden).
     """
+    if run_name is not None and (
+        not run_name or run_name in (".", "..") or run_name.startswith(".")
+        or any(sep in run_name for sep in ("/", "\\"))
+    ):  # fmt: skip
+        raise RunDirError(
+            f"--run-name '{run_name}' must be a plain folder name (no '/', not starting with '.'); "
+            "use --output-dir to choose where runs go"
+        )
     name = run_name or f"{run_label(recipe)}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(recipe.train.output_dir) / name
     for p in (path.parent, path):

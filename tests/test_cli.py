@@ -83,6 +83,13 @@ def test_existing_run_dir_needs_overwrite(tmp_path, capsys):
     assert "--overwrite" in _one_error_line(capsys)
 
 
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", ".."])
+def test_run_name_must_be_a_plain_folder_name(tmp_path, capsys, name):
+    assert _run(tmp_path, "--run-name", name) == 2
+    assert "plain folder name" in _one_error_line(capsys)
+    assert not (tmp_path.parent / "escape").exists()
+
+
 @pytest.mark.slow
 def test_tiny_run_learns_and_writes_outputs(tmp_path):
     assert _run(tmp_path, "--run-name", "int8", "--max-steps", "40", "--merge-interval", "15") == 0

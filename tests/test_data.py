@@ -312,6 +312,16 @@ def test_local_directory_prepare(tmp_path: Path) -> None:
     assert "2 file(s)" in td.source_description
 
 
+def test_local_directory_skips_hidden_files_and_folders(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / ".cache").mkdir(parents=True)
+    _write_jsonl(src / "part1.jsonl", DOCS[:20])
+    _write_jsonl(src / ".cache" / "old.jsonl", ["cached junk"] * 5)
+    _write_jsonl(src / ".part1.jsonl.swp.jsonl", ["editor junk"] * 5)
+    docs = _all_docs(DataConfig(source=str(src), val_fraction=0.2))
+    assert sorted(docs) == sorted(DOCS[:20])
+
+
 def test_local_c4_style_split(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "c4-train.00000-of-00002.json.gz", DOCS[:15], gz=True)
     _write_jsonl(tmp_path / "c4-train.00001-of-00002.json.gz", DOCS[15:30], gz=True)
