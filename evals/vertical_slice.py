@@ -2,7 +2,7 @@
 
 Runs, with identical data, seed and steps:
   * ``int8``    — ``poetxq quantize-and-train --bits 8`` (the default),
-  * ``bf16``    — ``--bits 16`` (unquantized POET-X; fp32 on CPU),
+  * ``bits16``  — ``--bits 16`` (unquantized POET-X; fp32 on CPU),
   * ``control`` — ``--bits 8 --freeze-orthogonal`` (R = P = I frozen; only embeddings, norms and
     lm_head train),
 and writes one JSON with their validation perplexities, the unigram perplexity of the validation

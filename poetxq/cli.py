@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -273,10 +274,68 @@ def _check_tracker(name: str | None) -> None:
         )
 
 
+#: flags that only mean something for the POET methods
+_POET_FLAGS = ("bits", "block_size", "merge_interval", "variant", "requant", "quant_type",
+               "poet_lr", "freeze_orthogonal")  # fmt: skip
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
+    """Flags that do not apply to the resolved recipe are an error, not silently ignored.
+
+    Raises:
+        RecipeError: one line naming the flag, why it does not apply and what to do instead.
+    """
+    given = [d for d in _POET_FLAGS if getattr(args, d, None) not in (None, False)]
+    if recipe.method not in ("poetxq", "poetx") and given:
+        raise RecipeError(
+            f"{', '.join(map(_flag, given))} appl{'ies' if len(given) == 1 else 'y'} to the POET "
+            f"methods (poetxq and poetx) only, not --method {recipe.method}; drop "
+            f"{'it' if len(given) == 1 else 'them'} or use --method poetxq"
+        )
+    if recipe.method == "poetx" and args.bits not in (None, 16):
+        raise RecipeError(
+            f"--method poetx keeps W0 unquantized; for --bits {args.bits} use --method poetxq"
+        )
+    if args.quant_type is not None and recipe.poet.bits != 4:
+        raise RecipeError(
+            f"--quant-type applies to --bits 4 only (this run has bits {recipe.poet.bits})"
+        )
+    if args.requant is not None and recipe.poet.bits == 16:
+        raise RecipeError("--requant applies to quantized W0 (--bits 8 or 4), not to --bits 16")
+    if recipe.model.pretrained is not None and (args.tokenizer or args.vocab_size):
+        raise RecipeError(
+            "--model uses the checkpoint's own tokenizer; drop --tokenizer / --vocab-size"
+        )
+
+
+def _absolute_paths(recipe: Any) -> None:
+    """Local data and model paths as absolute paths, so the saved recipe (and ``--resume``)
+    works from any directory."""
+    src = recipe.data.source
+    if src not in ("embedded", "pydoc") and not src.startswith("hf:"):
+        recipe.data.source = os.path.abspath(os.path.expanduser(src))
+    pre = recipe.model.pretrained
+    if pre is not None and os.path.exists(os.path.expanduser(pre)):
+        recipe.model.pretrained = os.path.abspath(os.path.expanduser(pre))
+        if recipe.data.tokenizer == pre:
+            recipe.data.tokenizer = recipe.model.pretrained
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
     _check_tracker(args.log_with)
+    if args.resume and args.overwrite:
+        raise RecipeError("--resume continues a run and --overwrite would erase it; drop one")
+    if args.resume and args.resume != "auto" and (args.run_name or args.output_dir):
+        raise RecipeError(
+            "--resume RUN_DIR continues that directory; drop --run-name / --output-dir "
+            "(they go with --resume auto)"
+        )
     ckpt = run_dir = None
     if args.resume:
         from poetxq.checkpoint import plan_resume
@@ -287,11 +346,15 @@ def _run_train(args: argparse.Namespace) -> int:
         )  # fmt: skip
     else:
         recipe = load_recipe(args.recipe, _overrides(args))
+        _absolute_paths(recipe)
+    _check_flags(args, recipe)
     if recipe.model.pretrained is not None:  # fail before any work; a hub id becomes a local dir
         from poetxq.pretrained import check_pretrained_config, resolve_pretrained
 
         local = resolve_pretrained(recipe.model.pretrained)
         check_pretrained_config(local)
+        if recipe.name == "tiny-poetxq":  # the default recipe's name: name runs after the model
+            recipe.name = os.path.basename(os.path.normpath(str(local)))
         if recipe.data.tokenizer == recipe.model.pretrained:
             recipe.data.tokenizer = local
     if run_dir is None:
@@ -302,7 +365,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
         print(
             f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue with: "
-            f"poetxq train --resume {run_dir}",
+            f"poetxq train --resume {run_dir.resolve()}",
             file=sys.stderr,
         )
         return 130 if result.stop_signal == "SIGINT" else 143
@@ -310,8 +373,10 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _run_export(args: argparse.Namespace) -> int:
-    from poetxq.export import export_run
+    from poetxq.export import ExportError, export_run
 
+    if args.quant_type is not None and args.format != "hf-bnb4":
+        raise ExportError(f"--quant-type applies to --format hf-bnb4 only, not {args.format}")
     export_run(args.run_dir, args.format, args.out_dir, overwrite=args.overwrite,
                quant_type=args.quant_type)  # fmt: skip
     return 0

@@ -116,7 +116,8 @@ class MemoryEstimate:
 def parse_bytes(text: str) -> int:
     """``"80GB"`` / ``"80GiB"`` / ``"141 GiB"`` / ``"500MB"`` / ``"1e9"`` → bytes.
 
-    GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20.
+    GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20; a bare
+    number is bytes and must be at least 2**20 (``80`` is an error, not 80 bytes).
 
     Raises:
         EstimateError: the text is not a size.
@@ -124,6 +125,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
     if not m:
         raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
+    if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
+        raise EstimateError(
+            f"memory size '{text}' has no unit; write e.g. {m.group(1)}GB (bare numbers are bytes)"
+        )
     scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
     return int(float(m.group(1)) * scale)
 

@@ -343,7 +343,14 @@ def _bnb_config(model: nn.Module, fmt: str, quant_type: str) -> dict[str, Any]:
     return cfg.to_dict()
 
 
-def _check_out_dir(out: Path, overwrite: bool) -> None:
+def _check_out_dir(out: Path, overwrite: bool, run_dir: Path | None = None) -> None:
+    if run_dir is not None:
+        src, dst = run_dir.resolve(), out.resolve()
+        if src == dst or src.is_relative_to(dst) or dst.is_relative_to(src):
+            raise ExportError(
+                f"output directory '{out}' overlaps the run directory '{run_dir}' (exporting there "
+                "would replace the run); choose a directory outside the run"
+            )
     if out.exists() and not out.is_dir():
         raise ExportError(f"'{out}' exists and is not a directory; choose another output directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -390,7 +397,7 @@ def export_run(
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = Path(out_dir)
-    _check_out_dir(out, overwrite)
+    _check_out_dir(out, overwrite, Path(run_dir))
     run = load_run(run_dir, echo=echo)
     model, config = run.model, run.config
     qt = quant_type or run.recipe.poet.quant_type
@@ -400,8 +407,8 @@ def export_run(
         if straddle:
             echo(
                 f"warning: {len(straddle)} layers (e.g. {straddle[0]}) have in_features not a "
-                "multiple of 64; bitsandbytes 0.50.2's CPU dequantize_4bit misreads such blocks "
-                "(GPU is fine)"
+                "multiple of 64; on the CPU bitsandbytes 0.50.2 misreads such blocks or fails "
+                "in the forward pass of the loaded model (expected fine on a GPU, not yet checked)"
             )
     tie = bool(getattr(config, "tie_word_embeddings", False))
     config = config.__class__.from_dict(config.to_dict())  # a copy we may edit

@@ -255,7 +255,12 @@ def format_validation_error(
             lines.append(f"{src}: unknown key '{key}' (allowed keys here: {allowed})")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{src}: key '{key}': {msg} (got {e.get('input')!r})")
+            if not loc or isinstance(e.get("input"), dict):  # a whole section: do not dump it
+                lines.append(f"{src}: {'' if not loc else f'key {key!r}: '}{msg}")
+                continue
+            got = repr(e.get("input"))
+            got = got if len(got) <= 80 else got[:77] + "..."
+            lines.append(f"{src}: key '{key}': {msg} (got {got})")
     return "; ".join(lines)
 
 

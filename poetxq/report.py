@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +135,11 @@ def _fmt_seconds(s: float | None) -> str:
     return f"{s:.0f} s" if s < 3600 else f"{s / 3600:.2f} h"
 
 
+def _fmt_number(x: Any) -> str:
+    """``x`` with two decimals, or ``n/a`` for a missing / non-finite value."""
+    return f"{x:.2f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
 def results_rows(runs: list[Run]) -> list[dict[str, str]]:
     """One table row (strings) per run, in report order."""
     rows = []
@@ -143,7 +149,7 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         ppl = s.get("final_val_ppl")
         rows.append({
             "model": run.model, "run": run.name, "method": run.method, "bits": run.bits,
-            "final val ppl": "n/a" if ppl is None else f"{ppl:.2f}",
+            "final val ppl": _fmt_number(ppl),
             "tokens/s": f"{s['tokens_per_s']:,.0f}" if "tokens_per_s" in s else "n/a",
             "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
             "train tokens": f"{s['tokens']:,}" if "tokens" in s else "n/a",
@@ -253,10 +259,13 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     lines += ["## Runs", ""]
     for run in sorted(runs, key=_order):
         s = run.summary
+        ppl0, ppl = (_fmt_number(s.get(k)) for k in ("initial_val_ppl", "final_val_ppl"))
+        stopped = (
+            f" (stopped by {s.get('stop_signal') or 'a signal'})" if s.get("interrupted") else ""
+        )
         lines.append(
             f"- `{run.path}`: {s.get('steps', '?')} steps on {s.get('device', '?')}, "
-            f"{s.get('merges', 0)} merges, val ppl {s.get('initial_val_ppl', float('nan')):.2f} -> "
-            f"{s.get('final_val_ppl', float('nan')):.2f}"
+            f"{s.get('merges', 0)} merges, val ppl {ppl0} -> {ppl}{stopped}"
         )
     text = "\n".join(lines) + "\n"
     path = out / "report.md"

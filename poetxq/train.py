@@ -14,6 +14,7 @@ when SIGTERM/SIGINT arrives; ``resume_from`` continues a run exactly where its c
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -91,6 +92,14 @@ class TrainResult:
     stop_signal: str | None = None
     resumed_from: list[int] = field(default_factory=list)  # checkpoint steps this run resumed at
     replicas_identical: bool | None = None  # multi-process: all ranks ended with equal weights
+
+
+def _finite(record: dict) -> dict:
+    """``record`` with NaN / inf floats as None, so the JSON is valid (a run stopped before its
+    first logged loss has no loss)."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
 
 
 def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = False) -> Path:
@@ -440,7 +449,7 @@ def train(
         if tc.save_checkpoint and not interrupted:
             save_checkpoint(raw_model, run_dir / "model.safetensors")
         (run_dir / "summary.json").write_text(
-            json.dumps(asdict(result), indent=2), encoding="utf-8"
+            json.dumps(_finite(asdict(result)), indent=2), encoding="utf-8"
         )
         metrics_file.close()
     accelerator.end_training()

@@ -308,7 +308,7 @@ def test_lazy_refresh_doubles_the_gap(gen):
 # --- a short CLI run per method (the TINY arguments of tests/test_cli.py) ---
 TINY = [
     "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
-    "--block-size", "16", "--eval-every", "100", "--no-progress", "--max-steps", "16",
+    "--set", "poet.block_size=16", "--eval-every", "100", "--no-progress", "--max-steps", "16",
     "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
     "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
     "--set", "train.log_every=4", "--set", "optim.warmup_steps=4", "--lr", "1e-2",

@@ -94,7 +94,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(variant):
 # A tiny but real run (as tests/test_cli.py): pydoc text, BPE trained on the train split.
 TINY = [
     "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
-    "--block-size", "16", "--eval-every", "2", "--max-steps", "4", "--no-progress",
+    "--set", "poet.block_size=16", "--eval-every", "2", "--max-steps", "4", "--no-progress",
     "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
     "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
     "--set", "train.log_every=1", "--set", "optim.warmup_steps=1", "--set", "baseline.rank=8",
@@ -131,6 +131,16 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
         assert f"]({png})" in md
+    # a run stopped by a signal before its final evaluation: n/a, not a traceback
+    stopped = dirs[0] / "summary.json"
+    s = json.loads(stopped.read_text())
+    s.update(final_val_ppl=None, final_train_loss=None, interrupted=True, stop_signal="SIGTERM")
+    stopped.write_text(json.dumps(s))
+    assert main(["report", *map(str, dirs), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    row = next(r for r in md.splitlines() if r.startswith(f"| {names[0]} "))
+    assert [c.strip() for c in row.strip("|").split("|")][3] == "n/a"
+    assert "-> n/a (stopped by SIGTERM)" in md
 
 
 def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):

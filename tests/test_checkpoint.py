@@ -217,7 +217,7 @@ def test_write_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
 
 TINY = [
     "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
-    "--block-size", "16", "--eval-every", "20", "--no-progress",
+    "--set", "poet.block_size=16", "--eval-every", "20", "--no-progress",
     "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
     "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=1",
     "--set", "train.log_every=1", "--set", "optim.warmup_steps=2",

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from poetxq.cli import main
@@ -169,3 +170,36 @@ def test_overwrite_replaces_every_output(tmp_path):
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["steps"] == 3
     assert (tmp_path / "r" / "model.safetensors").read_bytes() != old
+
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (["--method", "adamw", "--freeze-orthogonal"], "POET methods (poetxq and poetx) only"),
+        (["--method", "galore", "--poet-lr", "1e-3", "--merge-interval", "5"], "apply to the POET"),
+        (["--method", "poetx", "--bits", "8"], "use --method poetxq"),
+        (["--bits", "8", "--quant-type", "fp4"], "--quant-type applies to --bits 4"),
+        (["--bits", "16", "--requant", "stochastic"], "--requant applies to quantized W0"),
+        (["--resume", "runs/x", "--run-name", "y"], "go with --resume auto"),
+        (["--resume", "auto", "--run-name", "y", "--overwrite"], "drop one"),
+    ],
+)
+def test_flags_that_do_not_apply_are_one_error(tmp_path, capsys, flags, expect):
+    assert _run(tmp_path, *flags) == 2
+    assert expect in _one_error_line(capsys)
+    assert not any(tmp_path.iterdir())
+
+
+def test_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
+    """recipe.yaml must work for --resume from any directory."""
+    import pydoc_data.topics
+
+    (tmp_path / "d").mkdir()
+    lines = [json.dumps({"text": t}) for t in pydoc_data.topics.topics.values()]
+    (tmp_path / "d" / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.chdir(tmp_path)
+    args = [a if a != "pydoc" else "d" for a in TINY]
+    args += ["--max-steps", "2", "--output-dir", "runs", "--run-name", "r"]
+    assert main(["train", *args]) == 0
+    saved = yaml.safe_load((tmp_path / "runs" / "r" / "recipe.yaml").read_text())
+    assert saved["data"]["source"] == str(tmp_path / "d")

@@ -90,8 +90,8 @@ def test_float_grads_are_averaged_once(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 COMMON = [
-    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--block-size", "16",
-    "--eval-every", "100", "--no-progress", "--max-steps", "8", "--merge-interval", "3",
+    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--set", "poet.block_size=16",
+    "--eval-every", "100", "--no-progress", "--max-steps", "8", "--set", "poet.merge_interval=3",
     "--save-every", "4", "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
     "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
     "--set", "train.log_every=1", "--set", "optim.warmup_steps=3",

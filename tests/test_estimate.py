@@ -194,3 +194,12 @@ def test_estimate_memory_cli(tmp_path, capsys):
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read memory size 'x'" in err[0]
+
+
+def test_memory_sizes_need_a_unit():
+    assert parse_bytes("80GB") == parse_bytes("80 GiB") == 80 * 2**30
+    assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
+    with pytest.raises(EstimateError, match=r"has no unit; write e\.g\. 80GB"):
+        parse_bytes("80")
+    with pytest.raises(EstimateError, match="cannot read memory size"):
+        parse_bytes("eighty")

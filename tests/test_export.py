@@ -213,6 +213,18 @@ def test_export_refuses_non_empty_out_dir(runs, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp left
 
 
+def test_export_never_overwrites_the_run_or_its_parent(runs, capsys):
+    before = sorted(p.name for p in runs.iterdir())
+    files = sorted(p.name for p in (runs / "b8").iterdir())
+    for out in (runs / "b8", runs, runs / "b8" / "sub"):
+        code = main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out), "--overwrite"])
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "overlaps the run directory" in err[0]
+    assert sorted(p.name for p in runs.iterdir()) == before
+    assert sorted(p.name for p in (runs / "b8").iterdir()) == files
+
+
 def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()

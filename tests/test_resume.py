@@ -26,8 +26,9 @@ PRELUDE = (
 MAX_STEPS, SAVE_EVERY, MERGE_INTERVAL = 16, 4, 3  # saves at 4, 8, 12; merges at 3, 6, 9, 12, 15
 COMMON = [
     "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
-    "--block-size", "16", "--eval-every", "100", "--no-progress", "--max-steps", str(MAX_STEPS),
-    "--save-every", str(SAVE_EVERY), "--merge-interval", str(MERGE_INTERVAL),
+    "--set", "poet.block_size=16", "--eval-every", "100", "--no-progress",
+    "--max-steps", str(MAX_STEPS),
+    "--save-every", str(SAVE_EVERY), "--set", f"poet.merge_interval={MERGE_INTERVAL}",
     "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
     "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
     "--set", "train.log_every=1", "--set", "optim.warmup_steps=4", "--set", "train.precision=fp32",
