@@ -261,6 +261,7 @@ def test_export_of_checkpoint_with_bad_quant_state_is_one_error(runs, tmp_path, 
 
 
 def test_export_of_a_non_run_is_one_error(tmp_path, capsys):
-    assert main(["export", str(tmp_path), "--format", "hf-bf16", str(tmp_path / "o")]) == 2
+    (tmp_path / "r").mkdir()
+    assert main(["export", str(tmp_path / "r"), "--format", "hf-bf16", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a finished run directory" in err[0]
