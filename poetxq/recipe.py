@@ -375,12 +375,32 @@ def _apply_by_model(tree: dict[str, Any], prov: dict[str, str]) -> None:
         _merge(tree, prov, entry, f"{label} (by_model.{tree['name']})")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the
+    last one silently, so a recipe would not say what it does)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def _read_mapping(path: Path, included_from: str | None) -> dict[str, Any]:
     where = f" (base of {included_from})" if included_from else ""
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}'{where} does not exist; pass an existing YAML file")
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         msg = f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})"
         raise RecipeError(" ".join(msg.split())) from exc

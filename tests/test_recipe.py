@@ -80,3 +80,11 @@ def test_8bit_optimizer_states_only_for_poet_methods():
     assert load_recipe(None, {"optim.state_bits": 8}).optim.state_bits == 8
     with pytest.raises(RecipeError, match="state_bits 8 applies to the POET methods"):
         load_recipe(None, {"method": "adamw", "optim.state_bits": 8})
+
+
+def test_duplicate_yaml_key_is_one_error(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("train:\n  max_steps: 10\n  max_steps: 20\n")
+    with pytest.raises(RecipeError, match="key 'max_steps' appears twice") as exc:
+        load_recipe(p)
+    assert "\n" not in str(exc.value) and str(p) in str(exc.value)
