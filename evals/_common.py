@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -14,15 +11,10 @@ from typing import Any
 
 def git_commit() -> str:
     """``$POETXQ_COMMIT`` when set (GPU hosts get a copy of the tree whose .git may be stale or
-    missing), else HEAD's hash, else ``unknown``."""
-    if os.environ.get("POETXQ_COMMIT"):
-        return os.environ["POETXQ_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    missing), else HEAD's hash, else ``unknown`` (:func:`poetxq.bench.git_commit`)."""
+    from poetxq.bench import git_commit as commit
+
+    return commit() or "unknown"
 
 
 def cuda_time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) -> float:
@@ -59,10 +51,8 @@ def provenance(device_name: str, argv: list[str] | None = None) -> dict[str, Any
 
 
 def write_json_atomic(path: str | Path, doc: dict[str, Any]) -> Path:
-    """Write ``doc`` as indented JSON to ``path`` through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    """Write ``doc`` as indented JSON to ``path`` atomically (:func:`poetxq.bench.write_json`)."""
+    from poetxq.bench import write_json
+
+    write_json(doc, Path(path))
+    return Path(path)

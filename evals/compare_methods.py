@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import sys
 import tempfile
@@ -38,7 +37,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evals._common import git_commit  # noqa: E402
+from evals._common import git_commit, write_json_atomic  # noqa: E402
 from poetxq.data import prepare_data  # noqa: E402
 from poetxq.recipe import load_recipe  # noqa: E402
 from poetxq.train import train  # noqa: E402
@@ -195,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             f"peak {peak if peak is None else round(peak, 2)} GiB  {res.train_seconds:.0f} s",
             flush=True,
         )
-        tmp_out = out.with_suffix(".tmp")
-        tmp_out.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp_out, out)
+        write_json_atomic(out, result)
     return 0
 
 

@@ -20,11 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from evals.compare_methods import MODELS  # noqa: E402
-from poetxq.baselines import build_baseline_optimizer, prepare_baseline  # noqa: E402
+from poetxq.bench import build_model_and_optimizer  # noqa: E402
 from poetxq.evaluate import causal_lm_loss  # noqa: E402
-from poetxq.optim import build_optimizer  # noqa: E402
 from poetxq.recipe import load_recipe  # noqa: E402
-from poetxq.surgery import build_llama, convert_to_poetx  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,15 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides.update({"method": args.method, "poet.block_size": args.block_size})
     recipe = load_recipe(REPO / "recipes" / "tiny" / f"{args.method}.yaml", overrides)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_llama(recipe.model, args.vocab_size)
-    if args.method in ("poetxq", "poetx"):
-        convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
-        model.to(dev)
-        opt = build_optimizer(model, recipe.optim)
-    else:
-        report = prepare_baseline(model, args.method, recipe.baseline)
-        model.to(dev)
-        opt = build_baseline_optimizer(model, report, recipe.baseline, recipe.optim)
+    model, opt = build_model_and_optimizer(recipe, args.vocab_size, dev)
     batch = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), device=dev)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
 

@@ -116,6 +116,26 @@ def git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
+def build_model_and_optimizer(
+    recipe: Recipe, vocab_size: int, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The recipe's Llama on ``device`` (POET methods: converted, W0 drawn from
+    ``train.seed + 1``; baselines: prepared) and its optimizer, as the trainer builds them."""
+    from poetxq.baselines import build_baseline_optimizer, prepare_baseline
+    from poetxq.optim import build_optimizer
+    from poetxq.surgery import build_llama, convert_to_poetx
+
+    gen = torch.Generator().manual_seed(recipe.train.seed + 1)
+    model = build_llama(recipe.model, vocab_size, device=device if device.type != "cpu" else None)
+    if recipe.method in ("poetxq", "poetx"):
+        convert_to_poetx(model, recipe.poet, generator=gen)
+        optimizer = build_optimizer(model, recipe.optim)
+    else:
+        report = prepare_baseline(model, recipe.method, recipe.baseline)
+        optimizer = build_baseline_optimizer(model, report, recipe.baseline, recipe.optim)
+    return model.to(device), optimizer
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -151,16 +171,9 @@ def run_bench(
     Raises:
         BenchError: ``steps < 1``, ``warmup < 0`` or CUDA asked for but absent.
     """
-    from poetxq.baselines import (
-        build_baseline_optimizer,
-        clip_grad_norm_all,
-        prepare_baseline,
-        quant_modules,
-    )
+    from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.estimate import estimate_memory
     from poetxq.evaluate import causal_lm_loss
-    from poetxq.optim import build_optimizer
-    from poetxq.surgery import build_llama, convert_to_poetx
     from poetxq.train import peak_rss_bytes
 
     if steps < 1 or warmup < 0:
@@ -171,15 +184,7 @@ def run_bench(
     tc, oc = recipe.train, recipe.optim
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
-    gen = torch.Generator().manual_seed(tc.seed + 1)
-    model = build_llama(recipe.model, V, device=dev if dev.type != "cpu" else None)
-    if recipe.method in ("poetxq", "poetx"):
-        convert_to_poetx(model, recipe.poet, generator=gen)
-        optimizer = build_optimizer(model, oc)
-    else:
-        report = prepare_baseline(model, recipe.method, recipe.baseline)
-        optimizer = build_baseline_optimizer(model, report, recipe.baseline, oc)
-    model.to(dev)
+    model, optimizer = build_model_and_optimizer(recipe, V, dev)
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
