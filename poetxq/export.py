@@ -150,16 +150,19 @@ def merged_linear_state_dict(
 # --------------------------------------------------------------------------------------------
 
 
-def save_run_artifacts(run_dir: Path, model: nn.Module, tokenizer: Any, eos_id: int) -> None:
+def save_run_artifacts(run_dir: Path, model: nn.Module, tokenizer: Any | None, eos_id: int) -> None:
     """Write what export needs beside the checkpoint: ``config.json`` and ``tokenizer/``.
 
     Args:
         run_dir: the run directory (exists).
         model: the transformers model being trained (its ``.config`` is saved).
-        tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer.
+        tokenizer: a ``tokenizers.Tokenizer`` or a transformers tokenizer; ``None`` for token data
+            made without one (synthetic benchmarks), which writes no ``tokenizer/``.
         eos_id: id of the end-of-text token (used as ``eos_token`` of a wrapped tokenizer).
     """
     model.config.save_pretrained(str(run_dir))
+    if tokenizer is None:
+        return
     target = run_dir / TOKENIZER_DIR
     tmp = run_dir / f".{TOKENIZER_DIR}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
