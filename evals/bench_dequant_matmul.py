@@ -5,6 +5,9 @@ torch dequantize-then-matmul path; and for the backward-input GEMM ``dy @ W`` th
 Ratios are measured side by side in one process (median of CUDA-event timings, inputs rotated
 over several buffers so L2 does not hold them). Correctness: relative error vs an fp32 product.
 
+The streamed path (:mod:`quant_kernels.streamed`) is timed at several slab sizes, and every path's
+peak transient memory is recorded beside its time (the weight's bf16 size is the yardstick).
+
 Usage:  python evals/bench_dequant_matmul.py [--out FILE.json]
 """
 
@@ -24,14 +27,22 @@ from quant_kernels.dequant_matmul import (
     int8_matmul,
     int8_matmul_t,
 )
+from quant_kernels.streamed import (
+    fourbit_decoder,
+    int8_decoder,
+    streamed_matmul_nn,
+    streamed_matmul_nt,
+)
 
 SHAPES = [  # (M tokens, K in, N out)
     (8192, 4096, 14336),  # Llama-8B gate/up
     (8192, 14336, 4096),  # Llama-8B down
     (8192, 5120, 13824),  # Llama-13B gate/up
     (8192, 13824, 5120),  # Llama-13B down
-    (2048, 4096, 14336),
+    (2048, 4096, 14336),  # one 8B sequence of 2048 tokens
+    (2048, 14336, 4096),
 ]
+SLABS_MIB = (16, 32, 64)  # slab sizes of the streamed path compared side by side
 
 
 def _rotating(make, n: int = 3):
@@ -45,6 +56,31 @@ def _rotating(make, n: int = 3):
     return nxt
 
 
+def _peak_extra_mib(fn) -> float:
+    """Memory a call allocates beyond its inputs and its output (MiB): its transients."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+    del out
+    return extra / 2**20
+
+
+def _measure(table: dict, flops: int) -> dict:
+    """Time every entry of ``table`` (name → zero-argument call) side by side; ratios vs bf16."""
+    res = {}
+    for name, fn in table.items():
+        slow = "fused" in name and "nf4" in name  # the fused NF4 kernels take tens of ms
+        t = cuda_time_ms(fn, warmup=2, iters=5) if slow else cuda_time_ms(fn)
+        res[name] = {"ms": t, "tflops": flops / t / 1e9, "peak_extra_mib": _peak_extra_mib(fn)}
+    base = res["bf16_matmul"]["ms"]
+    for r in res.values():
+        r["ratio_vs_bf16"] = r["ms"] / base
+    return res
+
+
 def bench_shape(m: int, k: int, n: int) -> dict:
     dev, bf = "cuda", torch.bfloat16
     w = torch.randn(n, k, device=dev) / k**0.5
@@ -52,7 +88,8 @@ def bench_shape(m: int, k: int, n: int) -> dict:
     w_bf = reference.dequant_int8_rowwise(cb, scb, bf)
     xs = _rotating(lambda: torch.randn(m, k, device=dev, dtype=bf))
     gs = _rotating(lambda: torch.randn(m, n, device=dev, dtype=bf))
-    res: dict = {"M": m, "K": k, "N": n}
+    res: dict = {"M": m, "K": k, "N": n, "weight_bf16_mib": n * k * 2 / 2**20}
+    dec = int8_decoder(cb, scb)
     fwd = {
         "bf16_matmul": lambda: xs() @ w_bf.t(),
         "int8_fused": lambda: int8_matmul(xs(), cb, scb),
@@ -63,32 +100,35 @@ def bench_shape(m: int, k: int, n: int) -> dict:
         "int8_fused": lambda: int8_matmul_t(gs(), cb, scb),
         "int8_torch_dequant_then_matmul": lambda: reference.int8_rowwise_matmul_t(gs(), cb, scb),
     }
-    for name, table in (("forward", fwd), ("backward_input", bwd)):
-        times = {k_: cuda_time_ms(f) for k_, f in table.items()}
-        base = times["bf16_matmul"]
-        flops = 2 * m * k * n
-        res[name] = {
-            k_: {"ms": t, "ratio_vs_bf16": t / base, "tflops": flops / t / 1e9}
-            for k_, t in times.items()
-        }
+    for mib in SLABS_MIB:
+        sb = mib * 2**20
+        name = f"int8_streamed_{mib}MiB"
+        fwd[name] = lambda sb=sb: streamed_matmul_nt(xs(), dec, n, k, slab_bytes=sb)
+        bwd[name] = lambda sb=sb: streamed_matmul_nn(gs(), dec, n, k, slab_bytes=sb)
+    flops = 2 * m * k * n
+    res["forward"] = _measure(fwd, flops)
+    res["backward_input"] = _measure(bwd, flops)
     try:
-        _bench_nf4(res, w, xs, gs)
+        _bench_nf4(res, w, xs, gs, flops)
     except Exception as exc:  # bitsandbytes missing/broken on the host: report, keep going
         res["nf4_error"] = f"{type(exc).__name__}: {exc}"
     x, g = xs(), gs()
     y_ref = x.float() @ w_bf.float().t()
     dx_ref = g.float() @ w_bf.float()
-    res["forward"]["rel_err_vs_fp32"] = (
-        (int8_matmul(x, cb, scb).float() - y_ref).norm() / y_ref.norm()
-    ).item()
-    res["backward_input"]["rel_err_vs_fp32"] = (
-        (int8_matmul_t(g, cb, scb).float() - dx_ref).norm() / dx_ref.norm()
-    ).item()
+    for key, y in (("int8_fused", int8_matmul(x, cb, scb)),
+                   ("int8_streamed", streamed_matmul_nt(x, dec, n, k))):  # fmt: skip
+        err = ((y.float() - y_ref).norm() / y_ref.norm()).item()
+        res["forward"][f"rel_err_vs_fp32_{key}"] = err
+    for key, dx in (("int8_fused", int8_matmul_t(g, cb, scb)),
+                    ("int8_streamed", streamed_matmul_nn(g, dec, n, k))):  # fmt: skip
+        res["backward_input"][f"rel_err_vs_fp32_{key}"] = (
+            (dx.float() - dx_ref).norm() / dx_ref.norm()
+        ).item()
     return res
 
 
-def _bench_nf4(res: dict, w: torch.Tensor, xs, gs) -> None:
-    """NF4 (blocksize 64, double quant) fused kernel vs bf16 and bitsandbytes' own 4-bit matmul."""
+def _bench_nf4(res: dict, w: torch.Tensor, xs, gs, flops: int) -> None:
+    """NF4 (blocksize 64, double quant): fused and streamed paths vs bf16 and bnb's 4-bit matmul."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
@@ -103,27 +143,45 @@ def _bench_nf4(res: dict, w: torch.Tensor, xs, gs) -> None:
         return bnbf.dequantize_blockwise(state.absmax, state.state2).float() + state.offset
 
     code = state.code.float()
+    sb = 32 * 2**20
+
+    def streamed_nt():
+        return streamed_matmul_nt(xs(), fourbit_decoder(packed, absmax(), code, 64, k), n, k,
+                                  slab_bytes=sb)  # fmt: skip
+
+    def streamed_nn():
+        return streamed_matmul_nn(gs(), fourbit_decoder(packed, absmax(), code, 64, k), n, k,
+                                  slab_bytes=sb)  # fmt: skip
+
     fwd = {
         "bf16_matmul": lambda: xs() @ w_deq.t(),
-        "nf4_fused": lambda: blockwise_4bit_matmul(xs(), packed, absmax(), code, 64, (n, k)),
+        "nf4_streamed_32MiB": streamed_nt,
         "bnb_matmul_4bit": lambda: bnb.matmul_4bit(xs(), packed.t(), quant_state=state),
+        "nf4_fused": lambda: blockwise_4bit_matmul(xs(), packed, absmax(), code, 64, (n, k)),
     }
     bwd = {
         "bf16_matmul": lambda: gs() @ w_deq,
+        "nf4_streamed_32MiB": streamed_nn,
         "nf4_fused": lambda: blockwise_4bit_matmul_t(gs(), packed, absmax(), code, 64, (n, k)),
     }
-    for name, table in (("nf4_forward", fwd), ("nf4_backward_input", bwd)):
-        times = {k_: cuda_time_ms(f) for k_, f in table.items()}
-        res[name] = {
-            k_: {"ms": t, "ratio_vs_bf16": t / times["bf16_matmul"]} for k_, t in times.items()
-        }
+    res["nf4_forward"] = _measure(fwd, flops)
+    res["nf4_backward_input"] = _measure(bwd, flops)
     x, g = xs(), gs()
     y_ref = x.float() @ w_deq.float().t()
     dx_ref = g.float() @ w_deq.float()
-    y = blockwise_4bit_matmul(x, packed, absmax(), code, 64, (n, k)).float()
-    dx = blockwise_4bit_matmul_t(g, packed, absmax(), code, 64, (n, k)).float()
-    res["nf4_forward"]["rel_err_vs_fp32"] = ((y - y_ref).norm() / y_ref.norm()).item()
-    res["nf4_backward_input"]["rel_err_vs_fp32"] = ((dx - dx_ref).norm() / dx_ref.norm()).item()
+    dec = fourbit_decoder(packed, absmax(), code, 64, k)
+    y = streamed_matmul_nt(x, dec, n, k).float()
+    dx = streamed_matmul_nn(g, dec, n, k).float()
+    res["nf4_forward"]["rel_err_vs_fp32_streamed"] = ((y - y_ref).norm() / y_ref.norm()).item()
+    res["nf4_backward_input"]["rel_err_vs_fp32_streamed"] = (
+        (dx - dx_ref).norm() / dx_ref.norm()
+    ).item()
+
+
+def _line(label: str, table: dict) -> str:
+    parts = [f"{name} {r['ratio_vs_bf16']:.3f}" for name, r in table.items()
+             if isinstance(r, dict) and name != "bf16_matmul"]  # fmt: skip
+    return f"  {label:9s} bf16 {table['bf16_matmul']['ms']:.3f} ms | " + ", ".join(parts)
 
 
 def run_all() -> list[dict]:
@@ -131,26 +189,12 @@ def run_all() -> list[dict]:
     for m, k, n in SHAPES:
         r = bench_shape(m, k, n)
         out.append(r)
-        f, b = r["forward"], r["backward_input"]
-        print(
-            f"M={m:5d} K={k:5d} N={n:5d}  fwd int8/bf16 {f['int8_fused']['ratio_vs_bf16']:.3f} "
-            f"(torch deq {f['int8_torch_dequant_then_matmul']['ratio_vs_bf16']:.2f}, "
-            f"bf16 {f['bf16_matmul']['ms']:.3f} ms)  dX int8/bf16 "
-            f"{b['int8_fused']['ratio_vs_bf16']:.3f}  err {f['rel_err_vs_fp32']:.1e}/"
-            f"{b['rel_err_vs_fp32']:.1e}",
-            flush=True,
-        )
-        if "nf4_forward" in r and "nf4_backward_input" in r:
-            nf, nb = r["nf4_forward"], r["nf4_backward_input"]
-            print(
-                f"{'':22s}  nf4 fwd/bf16 {nf['nf4_fused']['ratio_vs_bf16']:.3f} (bnb "
-                f"{nf['bnb_matmul_4bit']['ratio_vs_bf16']:.2f})  "
-                f"dX {nb['nf4_fused']['ratio_vs_bf16']:.3f}"
-                f"  err {nf['rel_err_vs_fp32']:.1e}/{nb['rel_err_vs_fp32']:.1e}",
-                flush=True,
-            )
-        else:
-            print(f"{'':22s}  nf4: {r.get('nf4_error')}", flush=True)
+        print(f"M={m} K={k} N={n} (ratios vs bf16 cuBLAS)", flush=True)
+        for key in ("forward", "backward_input", "nf4_forward", "nf4_backward_input"):
+            if key in r:
+                print(_line(key.replace("backward_input", "dX"), r[key]), flush=True)
+        if "nf4_error" in r:
+            print(f"  nf4: {r['nf4_error']}", flush=True)
     return out
 
 

@@ -103,7 +103,25 @@ def build_recipe(method: str, args: argparse.Namespace, steps: int):
         "data.max_val_tokens": args.max_val_tokens,
     })  # fmt: skip
     overrides.update(extra)
+    overrides.update(getattr(args, "extra", {}))
     return load_recipe(REPO / "recipes" / "tiny" / f"{file}.yaml", overrides)
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    """``["optim.poet_lr=4e-3", ...]`` → ``{"optim.poet_lr": 0.004}`` (values parsed as YAML).
+
+    Raises:
+        ValueError: an item without ``=`` or with an empty key.
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. optim.poet_lr=4e-3")
+        out[key.strip()] = yaml.safe_load(value)  # "4e-3" stays a string; the schema coerces it
+    return out
 
 
 def _val_curve(run_dir: Path) -> list[dict[str, float]]:
@@ -128,8 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--evals", type=int, default=5, help="validation points during training")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe", type=int, default=0, help="only time N steps per method")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="recipe override applied to every method after its own (e.g. optim.poet_lr=4e-3; "
+        "VALUE is read as YAML); for hyperparameter sweeps",
+    )  # fmt: skip
     ap.add_argument("--out", required=True, help="results JSON (rewritten after each method)")
     args = ap.parse_args(argv)
+    try:
+        args.extra = _parse_sets(args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
 
     tokens_per_step = args.batch_size * args.seq_len
     steps = args.probe or math.ceil(args.tokens / tokens_per_step)
@@ -179,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             curve = _val_curve(run_dir)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         result["runs"][method] = {
-            "recipe_overrides": METHODS[method][1],
+            "recipe_overrides": {**METHODS[method][1], **args.extra},
             "lr": recipe.optim.lr,
             "final_val_ppl": res.final_val_ppl,
             "final_train_loss": res.final_train_loss,

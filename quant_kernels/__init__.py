@@ -5,17 +5,18 @@ call, the fastest *measured* correct path; the plain-torch references
 (:mod:`quant_kernels.reference`, :mod:`quant_kernels.reference_4bit`) run on the CPU and remain
 the test oracle.
 
-Dispatch on CUDA, from the H200 measurements in ``evals/results/dequant_matmul_h200.json``:
+Dispatch on CUDA (see ``evals/results/dequant_matmul_h200.json``):
 
-* int8 forward ``x @ Wᵀ``: fused Triton kernel (:mod:`quant_kernels.dequant_matmul`) when the
-  token count M ≤ 4096 (1.52× bf16 vs 2.05× for dequantize-then-cuBLAS at M = 2048); above that,
-  dequantize-then-cuBLAS (1.24–1.38× vs 1.44–1.63×).
-* int8 dX ``g @ W`` and all 4-bit GEMMs: dequantize-then-cuBLAS (the fused dX kernel measured
-  1.8–2.4×, the fused NF4 kernels 20–60×: correct, not yet fast). The dequantized weight is a
-  transient of one layer, freed on return; no float copy persists.
+* all four weight GEMMs (int8 / NF4 / FP4, forward ``x @ Wᵀ`` and dX ``g @ W``) with at least
+  :data:`STREAMED_MIN_M` token rows: the slab-streamed path (:mod:`quant_kernels.streamed`): one
+  memory-bound Triton kernel decodes a bounded band of the weight into a reusable 16-bit slab and
+  cuBLAS multiplies it; the weight never exists in 16 bits beyond one slab;
+* fewer rows (decode-bound GEMMs): the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`),
+  which decode each weight tile in registers.
 
-``POETXQ_KERNELS=fused`` forces the fused kernels everywhere on CUDA, ``POETXQ_KERNELS=torch`` the
-torch path. This package imports only torch (Triton lazily, on first use).
+``POETXQ_KERNELS=fused`` / ``streamed`` / ``torch`` force one path everywhere on CUDA (``torch``:
+the plain references, which dequantize the whole weight at once). This package imports only torch
+(Triton lazily, on first use).
 """
 
 from __future__ import annotations
@@ -48,33 +49,50 @@ __all__ = [
     "quantize_int8_rowwise",
     "skew_from_packed",
     "triton_enabled",
+    "weight_gemm_path",
 ]
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-#: int8 forward uses the fused kernel up to this many tokens (rows of x); see module docstring
-FUSED_INT8_FORWARD_MAX_M = 4096
+#: token rows from which the weight GEMMs take the slab-streamed path (module docstring)
+STREAMED_MIN_M = 512
+
+_MODES = ("auto", "fused", "streamed", "torch")
 
 
 def _policy() -> str:
     mode = os.environ.get("POETXQ_KERNELS", "auto")
-    if mode not in ("auto", "fused", "torch"):
-        raise ValueError(f"POETXQ_KERNELS={mode!r}; use auto, fused or torch")
+    if mode not in _MODES:
+        raise ValueError(f"POETXQ_KERNELS={mode!r}; use one of {', '.join(_MODES)}")
     return mode
-
-
-def triton_enabled(t: torch.Tensor, *, measured_faster: bool = True) -> bool:
-    """Whether a fused Triton kernel serves ``t``: a CUDA tensor, Triton installed, and either
-    ``POETXQ_KERNELS=fused`` or (default ``auto``) the kernel measured faster for this call."""
-    if not (t.is_cuda and _HAS_TRITON):
-        return False
-    mode = _policy()
-    return mode == "fused" or (mode == "auto" and measured_faster)
 
 
 def _rows(t: torch.Tensor) -> int:
     return t.numel() // max(t.shape[-1], 1)
+
+
+def weight_gemm_path(act: torch.Tensor) -> str:
+    """Which path serves a weight GEMM whose activation operand is ``act``.
+
+    Returns ``"torch"`` (CPU tensors, no Triton, or ``POETXQ_KERNELS=torch``), ``"fused"`` or
+    ``"streamed"`` (see the module docstring).
+
+    Raises:
+        ValueError: ``POETXQ_KERNELS`` holds an unknown mode.
+    """
+    mode = _policy()
+    if not (act.is_cuda and _HAS_TRITON) or mode == "torch":
+        return "torch"
+    if mode != "auto":
+        return mode
+    return "streamed" if _rows(act) >= STREAMED_MIN_M else "fused"
+
+
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Whether Triton kernels may serve ``t``: a CUDA tensor, Triton installed, and
+    ``POETXQ_KERNELS`` not ``torch``."""
+    return t.is_cuda and _HAS_TRITON and _policy() != "torch"
 
 
 def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
@@ -82,7 +100,12 @@ def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) ->
 
     Dispatch: see the module docstring.
     """
-    if triton_enabled(x, measured_faster=_rows(x) <= FUSED_INT8_FORWARD_MAX_M):
+    path = weight_gemm_path(x)
+    if path == "streamed":
+        from quant_kernels.streamed import int8_decoder, streamed_matmul_nt
+
+        return streamed_matmul_nt(x, int8_decoder(cb, scb), *cb.shape)
+    if path == "fused":
         from quant_kernels.dequant_matmul import int8_matmul
 
         return int8_matmul(x, cb, scb)
@@ -91,7 +114,12 @@ def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) ->
 
 def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
     """``g @ W`` with ``W = CB · SCB/127`` (``g [..., N]``) → ``[..., K]`` (the dX GEMM)."""
-    if triton_enabled(g, measured_faster=False):
+    path = weight_gemm_path(g)
+    if path == "streamed":
+        from quant_kernels.streamed import int8_decoder, streamed_matmul_nn
+
+        return streamed_matmul_nn(g, int8_decoder(cb, scb), *cb.shape)
+    if path == "fused":
         from quant_kernels.dequant_matmul import int8_matmul_t
 
         return int8_matmul_t(g, cb, scb)
@@ -113,7 +141,14 @@ def blockwise_4bit_matmul(
     """
     from quant_kernels import reference_4bit
 
-    if triton_enabled(x, measured_faster=False):
+    path = weight_gemm_path(x)
+    if path == "streamed":
+        from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nt
+
+        code = reference_4bit.get_4bit_code(quant_type, x.device)
+        dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
+        return streamed_matmul_nt(x, dec, *shape)
+    if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul as fused
 
         code = reference_4bit.get_4bit_code(quant_type, x.device)
@@ -132,7 +167,14 @@ def blockwise_4bit_matmul_t(
     """``g @ W`` for a bitsandbytes NF4/FP4 weight ``W [N, K]`` (``g [..., N]``) → ``[..., K]``."""
     from quant_kernels import reference_4bit
 
-    if triton_enabled(g, measured_faster=False):
+    path = weight_gemm_path(g)
+    if path == "streamed":
+        from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nn
+
+        code = reference_4bit.get_4bit_code(quant_type, g.device)
+        dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
+        return streamed_matmul_nn(g, dec, *shape)
+    if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul_t as fused
 
         code = reference_4bit.get_4bit_code(quant_type, g.device)

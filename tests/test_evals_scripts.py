@@ -55,3 +55,17 @@ def test_comparison_recipes_share_everything_but_the_method_settings():
         recipes["control"].poet.freeze_orthogonal and not recipes["poetxq"].poet.freeze_orthogonal
     )
     assert recipes["adamw"].optim.warmup_steps == 76  # 10 % of the steps
+
+
+def test_comparison_set_overrides_every_method_after_its_own():
+    compare = _load("compare_methods")
+    extra = compare._parse_sets(["optim.poet_lr=4e-3", "poet.merge_interval=100"])
+    args = argparse.Namespace(
+        model="60m", batch_size=8, seq_len=64, evals=2, seed=0, data="embedded",
+        vocab_size=512, max_val_tokens=4096, extra=extra,
+    )  # fmt: skip
+    poet = compare.build_recipe("poetxq", args, 10)
+    assert poet.optim.poet_lr == 0.004 and poet.poet.merge_interval == 100
+    assert poet.optim.lr == 0.01  # the method's own value is kept where --set is silent
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        compare._parse_sets(["optim.poet_lr"])

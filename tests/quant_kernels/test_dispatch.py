@@ -19,19 +19,21 @@ class _FakeCuda:
 
 def test_cpu_never_uses_kernels():
     assert not quant_kernels.triton_enabled(torch.zeros(2, 2))
+    assert quant_kernels.weight_gemm_path(torch.zeros(4096, 8)) == "torch"
 
 
 @pytest.mark.skipif(not quant_kernels._HAS_TRITON, reason="triton not installed")
 def test_auto_policy_and_overrides(monkeypatch):
     monkeypatch.delenv("POETXQ_KERNELS", raising=False)
-    small, big = _FakeCuda(2048), _FakeCuda(8192)
-    limit = quant_kernels.FUSED_INT8_FORWARD_MAX_M
-    assert quant_kernels.triton_enabled(small, measured_faster=quant_kernels._rows(small) <= limit)
-    assert not quant_kernels.triton_enabled(big, measured_faster=quant_kernels._rows(big) <= limit)
-    monkeypatch.setenv("POETXQ_KERNELS", "fused")
-    assert quant_kernels.triton_enabled(big, measured_faster=False)
-    monkeypatch.setenv("POETXQ_KERNELS", "torch")
-    assert not quant_kernels.triton_enabled(small, measured_faster=True)
+    limit = quant_kernels.STREAMED_MIN_M
+    small, big = _FakeCuda(limit - 1), _FakeCuda(limit)
+    assert quant_kernels.weight_gemm_path(small) == "fused"
+    assert quant_kernels.weight_gemm_path(big) == "streamed"
+    assert quant_kernels.triton_enabled(small)
+    for mode in ("fused", "streamed", "torch"):
+        monkeypatch.setenv("POETXQ_KERNELS", mode)
+        assert quant_kernels.weight_gemm_path(small) == quant_kernels.weight_gemm_path(big) == mode
+    assert not quant_kernels.triton_enabled(big)
     monkeypatch.setenv("POETXQ_KERNELS", "bogus")
-    with pytest.raises(ValueError, match="POETXQ_KERNELS"):
-        quant_kernels.triton_enabled(small)
+    with pytest.raises(ValueError, match="POETXQ_KERNELS='bogus'; use one of auto, fused"):
+        quant_kernels.weight_gemm_path(small)

@@ -1,0 +1,201 @@
+"""Slab-streamed dequant-GEMM: cuBLAS speed with only a bounded slab of the weight in 16 bits.
+
+The fused kernels in :mod:`quant_kernels.dequant_matmul` decode every weight tile once per
+M-tile, which costs ALU time that Hopper's tensor cores do not wait for. At training sizes
+(M = 2k–16k tokens) the GEMM is compute-bound, so the other way is cheaper: decode a *slab* of the
+weight — a band of rows (forward) or of columns (dX) — into a small reusable buffer with one
+memory-bound Triton kernel, and hand that slab to cuBLAS, writing straight into its band of the
+output. The full-precision weight never exists: at most ``slab_bytes`` of it at a time (default
+:data:`DEFAULT_SLAB_BYTES`, well below the weight's bf16 size at Llama-1B…13B shapes), and a slab
+that small is reused from L2.
+
+* forward ``y[M, N] = x[M, K] @ deq(W)[N, K]ᵀ``: row slabs ``W[n0:n1, :]`` → ``y[:, n0:n1]``;
+* dX ``dx[M, K] = g[M, N] @ deq(W)``: column slabs ``W[:, k0:k1]`` → ``dx[:, k0:k1]``; every
+  output element is one cuBLAS reduction over all of ``N`` (no split accumulation, no extra
+  rounding).
+
+Each slab element is decoded exactly as the plain-torch references do (fp32 product, then one
+rounding to the activation dtype): int8 row-wise ``CB · (SCB / 127)`` (bitsandbytes
+``Int8Params``), 4-bit ``quant_map[code] · absmax[e // blocksize]`` over the row-major flat index
+``e`` (bitsandbytes ``Params4bit``, first element of a byte in the high nibble). So results equal
+:func:`quant_kernels.reference.int8_rowwise_matmul` / ``reference_4bit.blockwise_4bit_matmul``
+up to cuBLAS's own accumulation order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+#: bytes of 16-bit weight decoded per slab (forward rows / dX columns); see the module docstring
+DEFAULT_SLAB_BYTES = 32 * 2**20
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_BLOCK_R, _BLOCK_C = (16, 32) if _INTERPRET else (32, 128)
+
+
+@triton.jit
+def _int8_slab_kernel(
+    cb_ptr, scale_ptr, out_ptr,
+    row0, col0, rows, cols, stride_cb,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """out[r, c] = CB[row0 + r, col0 + c] · scale[row0 + r] (fp32), rounded to out's dtype."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    src = cb_ptr + (row0 + r).to(tl.int64)[:, None] * stride_cb + (col0 + c)[None, :]
+    q = tl.load(src, mask=mask, other=0).to(tl.float32)
+    s = tl.load(scale_ptr + row0 + r, mask=r < rows, other=0.0)
+    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+    tl.store(dst, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _4bit_slab_kernel(
+    packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
+    row0, col0, rows, cols, n_cols,
+    BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """out[r, c] = quant_map[code(e)] · absmax[e // BLOCKSIZE] with e = (row0+r)·n_cols + col0+c."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    e = (row0 + r).to(tl.int64)[:, None] * n_cols + (col0 + c)[None, :]
+    byte = tl.load(packed_ptr + (e >> 1), mask=mask, other=0).to(tl.int32)
+    code = tl.where((e & 1) == 0, byte >> 4, byte & 15)
+    val = tl.load(qmap_ptr + code, mask=mask, other=0.0)
+    scale = tl.load(absmax_ptr + e // BLOCKSIZE, mask=mask, other=0.0)
+    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+    tl.store(dst, (val * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# A slab decoder fills ``buf`` (contiguous, ``rows·cols`` elements) with W[row0:row0+rows,
+# col0:col0+cols] and returns it as a ``[rows, cols]`` view.
+_Decoder = Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
+
+
+def _launch_grid(rows: int, cols: int) -> tuple[int, int]:
+    return (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+
+
+def int8_decoder(cb: torch.Tensor, scb: torch.Tensor) -> _Decoder:
+    """Slab decoder for a bitsandbytes int8 row-wise weight (``CB`` int8 ``[N, K]``, ``SCB``
+    fp32 ``[N]``)."""
+    scale = scb.float() / 127.0  # [N] fp32, the same rounding as reference.dequant_int8_rowwise
+
+    def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
+        out = buf[: rows * cols]
+        _int8_slab_kernel[_launch_grid(rows, cols)](
+            cb, scale, out, row0, col0, rows, cols, cb.stride(0),
+            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        )  # fmt: skip
+        return out.view(rows, cols)
+
+    return decode
+
+
+def fourbit_decoder(
+    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, k: int
+) -> _Decoder:
+    """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32)."""
+    packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
+
+    def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
+        out = buf[: rows * cols]
+        _4bit_slab_kernel[_launch_grid(rows, cols)](
+            packed, absmax, qmap, out, row0, col0, rows, cols, k,
+            BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+        )  # fmt: skip
+        return out.view(rows, cols)
+
+    return decode
+
+
+def _band(total: int, other: int, elem: int, slab_bytes: int, align: int) -> int:
+    """Rows (or columns) per slab: as many as fit ``slab_bytes``, a multiple of ``align``."""
+    per = max(slab_bytes // max(other * elem, 1), align) // align * align
+    return min(per, total)
+
+
+def _check_slab_bytes(slab_bytes: int) -> None:
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+
+
+def streamed_matmul_nt(
+    x: torch.Tensor,
+    decode: _Decoder,
+    n: int,
+    k: int,
+    *,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> torch.Tensor:
+    """``x @ deq(W)ᵀ`` for ``W [n, k]`` given as a slab decoder, one band of rows at a time.
+
+    Args:
+        x: ``[..., k]`` floating point (bf16/fp16/fp32; the slab is decoded in ``x.dtype``).
+        decode: :func:`int8_decoder` / :func:`fourbit_decoder` of the weight.
+        n, k: the weight's shape.
+        slab_bytes: size of the reusable decoded slab.
+
+    Returns:
+        ``[..., n]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: ``x``'s last dim is not ``k`` or ``slab_bytes ≤ 0``.
+    """
+    _check_slab_bytes(slab_bytes)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has last dim {x.shape[-1]}; the weight [{n}, {k}] needs {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    y = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y.view(*lead, n)
+    band = _band(n, k, x.element_size(), slab_bytes, 128)
+    buf = torch.empty(band * k, device=x.device, dtype=x.dtype)
+    for n0 in range(0, n, band):
+        rows = min(band, n - n0)
+        torch.mm(x2, decode(buf, n0, rows, 0, k).t(), out=y[:, n0 : n0 + rows])
+    return y.view(*lead, n)
+
+
+def streamed_matmul_nn(
+    g: torch.Tensor,
+    decode: _Decoder,
+    n: int,
+    k: int,
+    *,
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> torch.Tensor:
+    """``g @ deq(W)`` for ``W [n, k]`` (the dX GEMM), one band of columns at a time.
+
+    Args:
+        g: ``[..., n]`` floating point.
+        decode, n, k, slab_bytes: as in :func:`streamed_matmul_nt`.
+
+    Returns:
+        ``[..., k]`` in ``g.dtype``.
+
+    Raises:
+        ValueError: ``g``'s last dim is not ``n`` or ``slab_bytes ≤ 0``.
+    """
+    _check_slab_bytes(slab_bytes)
+    if g.shape[-1] != n:
+        raise ValueError(f"g has last dim {g.shape[-1]}; the weight [{n}, {k}] needs {n}")
+    lead = g.shape[:-1]
+    g2 = g.reshape(-1, n)
+    out = torch.empty(g2.shape[0], k, device=g.device, dtype=g.dtype)
+    if out.numel() == 0:
+        return out.view(*lead, k)
+    band = _band(k, n, g.element_size(), slab_bytes, 64)
+    buf = torch.empty(band * n, device=g.device, dtype=g.dtype)
+    for k0 in range(0, k, band):
+        cols = min(band, k - k0)
+        torch.mm(g2, decode(buf, 0, n, k0, cols), out=out[:, k0 : k0 + cols])
+    return out.view(*lead, k)

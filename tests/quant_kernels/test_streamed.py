@@ -1,0 +1,114 @@
+"""Slab-streamed dequant-GEMM vs bitsandbytes' own dequantizers (CPU: Triton interpreter)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
+    )
+
+F = pytest.importorskip("bitsandbytes.functional")
+
+from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise  # noqa: E402
+from quant_kernels.streamed import (  # noqa: E402
+    fourbit_decoder,
+    int8_decoder,
+    streamed_matmul_nn,
+    streamed_matmul_nt,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# relative Frobenius error vs a float64 product of the same rounded weight; the interpreter
+# truncates fp32 -> bf16 where the GPU rounds, hence the looser CPU bf16 bound
+TOL = {torch.float32: 1e-6 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def _int8(n: int, k: int, gen: torch.Generator):
+    w = torch.randn(n, k, generator=gen).to(torch.float16)
+    cb, scb, _ = F.int8_vectorwise_quant(w.clone())
+    assert all(torch.equal(a, b) for a, b in zip(quantize_int8_rowwise(w)[:2], (cb, scb)))
+    deq = dequant_int8_rowwise(cb, scb)  # fp32: CB·(SCB/127), the rounding the slab reproduces
+    # bitsandbytes forms (CB·SCB)·(1/127): the same value to within an ulp
+    torch.testing.assert_close(deq, F.int8_vectorwise_dequant(cb, scb).float(), rtol=3e-7, atol=0)
+    return int8_decoder(cb.to(DEVICE), scb.to(DEVICE)), deq
+
+
+def _4bit(n: int, k: int, quant_type: str, double_quant: bool, gen: torch.Generator):
+    w = torch.randn(n, k, generator=gen)
+    packed, st = F.quantize_4bit(
+        w.clone(), blocksize=64, quant_type=quant_type, compress_statistics=double_quant
+    )
+    deq = F.dequantize_4bit(packed, st).float()
+    absmax = st.absmax.float()
+    if double_quant:
+        absmax = (F.dequantize_blockwise(st.absmax, st.state2) + st.offset).float()
+    dec = fourbit_decoder(packed.to(DEVICE), absmax.to(DEVICE), st.code.float().to(DEVICE), 64, k)
+    return dec, deq
+
+
+@pytest.mark.parametrize("rect", [(0, 7, 0, 40), (2, 5, 17, 23), (6, 1, 39, 1)])
+def test_int8_slab_equals_reference_dequant_exactly(rect, gen):
+    dec, deq = _int8(7, 40, gen)
+    r0, rows, c0, cols = rect
+    buf = torch.full((rows * cols + 5,), float("nan"), device=DEVICE)
+    slab = dec(buf, r0, rows, c0, cols)
+    assert slab.shape == (rows, cols)
+    assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols])
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, gen):
+    dec, deq = _4bit(9, 192, quant_type, double_quant, gen)
+    buf = torch.empty(9 * 192, device=DEVICE)
+    for r0, rows, c0, cols in ((0, 9, 0, 192), (2, 5, 63, 66), (8, 1, 191, 1), (1, 3, 1, 130)):
+        slab = dec(buf, r0, rows, c0, cols)  # odd offsets: nibble order and block boundaries
+        assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols])
+
+
+# slab_bytes small enough that every call streams several bands, the last one partial
+@pytest.mark.parametrize("m,n,k", [(1, 300, 64), (33, 130, 192), (5, 257, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_int8_forward_and_dx(m, n, k, dtype, gen):
+    dec, deq = _int8(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    g = torch.randn(m, n, generator=gen).to(dtype)
+    slab = 64 * k * x.element_size()  # forward bands of 128 rows (the alignment floor)
+    y = streamed_matmul_nt(x.to(DEVICE), dec, n, k, slab_bytes=slab)
+    dx = streamed_matmul_nn(g.to(DEVICE), dec, n, k, slab_bytes=64 * n * g.element_size())
+    assert y.shape == (m, n) and dx.shape == (m, k) and y.dtype == dx.dtype == dtype
+    w = deq.to(dtype).double()
+    assert _rel(y, x.double() @ w.t()) <= TOL[dtype]
+    assert _rel(dx, g.double() @ w) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_streamed_4bit_forward_and_dx(quant_type, gen):
+    n, k = 131, 256
+    dec, deq = _4bit(n, k, quant_type, True, gen)
+    x = torch.randn(2, 3, k, generator=gen)  # leading dims are kept
+    g = torch.randn(2, 3, n, generator=gen)
+    y = streamed_matmul_nt(x.to(DEVICE), dec, n, k, slab_bytes=1)  # 128-row bands
+    dx = streamed_matmul_nn(g.to(DEVICE), dec, n, k, slab_bytes=1)  # 64-column bands
+    assert y.shape == (2, 3, n) and dx.shape == (2, 3, k)
+    assert _rel(y, x.double() @ deq.double().t()) <= TOL[torch.float32]
+    assert _rel(dx, g.double() @ deq.double()) <= TOL[torch.float32]
+
+
+def test_errors(gen):
+    dec, _ = _int8(8, 16, gen)
+    with pytest.raises(ValueError, match="last dim 8; the weight \\[8, 16\\] needs 16"):
+        streamed_matmul_nt(torch.randn(2, 8, device=DEVICE), dec, 8, 16)
+    with pytest.raises(ValueError, match="last dim 16; the weight \\[8, 16\\] needs 8"):
+        streamed_matmul_nn(torch.randn(2, 16, device=DEVICE), dec, 8, 16)
+    with pytest.raises(ValueError, match="slab_bytes must be positive"):
+        streamed_matmul_nt(torch.randn(2, 16, device=DEVICE), dec, 8, 16, slab_bytes=0)
+    assert streamed_matmul_nt(torch.randn(0, 16, device=DEVICE), dec, 8, 16).shape == (0, 8)
