@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from evals._common import git_commit, write_json_atomic  # noqa: E402
 from poetxq.data import prepare_data  # noqa: E402
 from poetxq.recipe import load_recipe  # noqa: E402
-from poetxq.train import train  # noqa: E402
+from poetxq.train import DivergedError, train  # noqa: E402
 
 #: Llama shapes (as recipes/models/*.yaml)
 MODELS: dict[str, dict[str, int]] = {
@@ -202,7 +202,19 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.reset_peak_memory_stats()
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / method
-            res = train(recipe, run_dir, progress=False, data=data, echo=lambda s: None)
+            try:
+                res = train(recipe, run_dir, progress=False, data=data, echo=lambda s: None)
+            except DivergedError as exc:  # record it and go on with the other methods
+                overrides = {**METHODS[method][1], **args.extra}
+                curve = _val_curve(run_dir)
+                result["runs"][method] = {
+                    "recipe_overrides": overrides,
+                    "error": str(exc),
+                    "val_curve": curve,
+                }
+                print(f"{method:8s} {exc}", flush=True)
+                write_json_atomic(out, result)
+                continue
             curve = _val_curve(run_dir)
         peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         result["runs"][method] = {

@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from poetxq.export import ExportError
     from poetxq.pretrained import PretrainedError
     from poetxq.tools_cli import TOOL_ERRORS, run_tool
-    from poetxq.train import RunDirError
+    from poetxq.train import DivergedError, RunDirError
 
     try:
         if args.command == "validate":
@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_train(args)
     except (
         RecipeError, DataError, RunDirError, CheckpointError, ExportError, PretrainedError,
-        *TOOL_ERRORS,
+        DivergedError, *TOOL_ERRORS,
     ) as exc:  # fmt: skip
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2

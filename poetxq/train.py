@@ -69,6 +69,18 @@ class RunDirError(ValueError):
     """The run directory cannot be used (exists and is not empty)."""
 
 
+class DivergedError(RuntimeError):
+    """The training loss became NaN or infinite; nothing was saved after that point."""
+
+
+def _diverged(loss: float, step: int, run_dir: Path) -> DivergedError:
+    return DivergedError(
+        f"training loss is {loss} at step {step}: the run diverged. Lower the learning rates "
+        "(--lr, and --poet-lr for POET methods) or raise warmup; checkpoints written before "
+        f"step {step} in {run_dir} are kept, nothing was saved after the divergence"
+    )
+
+
 @dataclass
 class TrainResult:
     """Summary of a finished run (also written to ``<run_dir>/summary.json``)."""
@@ -384,8 +396,13 @@ def train(
 
         window_tokens += tokens_per_step
         bar.update(1)
-        if step % tc.log_every == 0 or step == tc.max_steps:
+        saving = bool(tc.save_every) and step % tc.save_every == 0 and step < tc.max_steps
+        if step % tc.log_every == 0 or step == tc.max_steps or saving:
             loss_value = accelerator.reduce(loss_sum, "mean").item() / tc.grad_accum
+            if not math.isfinite(loss_value):  # every rank sees the same reduced value
+                log({"step": step, "event": "diverged", "loss": loss_value})
+                bar.close()
+                raise _diverged(loss_value, step, run_dir)
             now = time.perf_counter()
             tps = window_tokens / max(now - window_start, 1e-9)
             window_tokens, window_start = 0, now
@@ -404,7 +421,7 @@ def train(
                 bar.write(f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}")
         if any_rank(stop.received is not None, device):  # every rank stops at the same step
             break
-        if tc.save_every and step % tc.save_every == 0 and step < tc.max_steps:
+        if saving:
             checkpoint(step)
     bar.close()
     interrupted = step < tc.max_steps

@@ -203,3 +203,17 @@ def test_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
     assert main(["train", *args]) == 0
     saved = yaml.safe_load((tmp_path / "runs" / "r" / "recipe.yaml").read_text())
     assert saved["data"]["source"] == str(tmp_path / "d")
+
+
+def test_divergence_stops_with_one_line_and_saves_nothing_after(tmp_path, capsys):
+    # absurd learning rates: the Cayley–Neumann powers of Q overflow within a few steps
+    code = _run(tmp_path, "--run-name", "div", "--max-steps", "30", "--lr", "1e4", "--poet-lr",
+                "1e4", "--save-every", "1", "--set", "optim.warmup_steps=0")  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "the run diverged" in err[0], err
+    run = tmp_path / "div"
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    bad_step = next(e["step"] for e in events if e.get("event") == "diverged")
+    assert bad_step < 30 and not (run / "summary.json").exists()
+    saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
+    assert saved and max(saved) < bad_step  # the good ones are kept, none after the divergence
