@@ -3,14 +3,15 @@
 1. Correctness at real sizes: POET-XQ (int8) and POET-X (unquantized) layers at Llama-8B/350M
    MLP shapes; output and input gradient against a dense float64 ``x @ (R·W0·P)ᵀ`` built on the
    GPU from the same blocks and permutations, in fp32 and under bf16 autocast.
-2. Fused int8 dequant-matmul vs bf16 cuBLAS at the 8B/13B MLP shapes
-   (``evals/bench_dequant_matmul.py``).
+2. The int8 / NF4 weight GEMMs (fused, slab-streamed, torch, bnb) vs bf16 cuBLAS at the 8B/13B
+   MLP shapes (``evals/bench_dequant_matmul.py``).
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
-4. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
+4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
+5. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
    the GPU in bf16 with no flags (``evals/vertical_slice.py``; ``--skip-train`` leaves it out).
 
-Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT
+Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT [--parts dequant,layer]
 """
 
 from __future__ import annotations
@@ -111,11 +112,41 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     return res
 
 
+def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -> str:
+    """Top CUDA kernels of one POET-XQ layer forward+backward (input [1, 2048, n], bf16)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = "cuda"
+    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
+                        dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(1, 2048, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, 2048, m, device=dev, dtype=torch.bfloat16)
+    for _ in range(3):
+        layer(x).backward(dy)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer(x).backward(dy)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=18, max_name_column_width=70
+    )
+
+
+PARTS = ("correctness", "dequant", "layer", "profile", "train")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if args.skip_train:
+        parts.discard("train")
+    if not parts <= set(PARTS):
+        ap.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {PARTS}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():
@@ -129,24 +160,34 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python evals/gpu_suite.py " + " ".join(argv or sys.argv[1:]),
     }
     gen = torch.Generator().manual_seed(0)
-    report["correctness"] = []
-    for n, m, bits in ((4096, 14336, 8), (14336, 4096, 16), (2736, 1024, 8), (4096, 14336, 4)):
-        try:  # (2736 -> 1024: the 350M MLP, ragged: 2736 = 10x256 + 176)
-            report["correctness"].append(correctness(n, m, 256, bits, gen))
-        except Exception as exc:
-            report["correctness"].append({"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)})
-    print(json.dumps(report["correctness"], indent=1), flush=True)
-    import bench_dequant_matmul
+    path = out / "gpu_suite.json"
+    if "correctness" in parts:
+        report["correctness"] = []
+        for n, m, bits in ((4096, 14336, 8), (14336, 4096, 16), (2736, 1024, 8), (4096, 14336, 4)):
+            try:  # (2736 -> 1024: the 350M MLP, ragged: 2736 = 10x256 + 176)
+                report["correctness"].append(correctness(n, m, 256, bits, gen))
+            except Exception as exc:
+                report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
+                                              "error": repr(exc)})  # fmt: skip
+        print(json.dumps(report["correctness"], indent=1), flush=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "dequant" in parts:
+        import bench_dequant_matmul
 
-    report["dequant_matmul"] = bench_dequant_matmul.run_all()
-    (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
-    report["layer_speed_8b_mlp_bf16"] = [
-        layer_speed(4096, 14336, 256),
-        layer_speed(14336, 4096, 256),
-    ]
-    print(json.dumps(report["layer_speed_8b_mlp_bf16"], indent=1), flush=True)
-    (out / "gpu_suite.json").write_text(json.dumps(report, indent=2) + "\n")
-    if not args.skip_train:
+        report["dequant_matmul"] = bench_dequant_matmul.run_all()
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "layer" in parts:
+        report["layer_speed_8b_mlp_bf16"] = [
+            layer_speed(4096, 14336, 256),
+            layer_speed(14336, 4096, 256),
+        ]
+        print(json.dumps(report["layer_speed_8b_mlp_bf16"], indent=1), flush=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "profile" in parts:
+        report["layer_profile_int8_mem_4096_14336"] = table = layer_profile(4096, 14336, 256)
+        print(table, flush=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "train" in parts:
         here = Path(__file__).resolve().parent
         cmd = [sys.executable, str(here / "vertical_slice.py"), "--out",
                str(out / "vertical_slice_gpu.json"), "--runs", *RUNS]  # fmt: skip
