@@ -55,3 +55,15 @@ def test_comparison_recipes_share_everything_but_the_method_settings():
         recipes["control"].poet.freeze_orthogonal and not recipes["poetxq"].poet.freeze_orthogonal
     )
     assert recipes["adamw"].optim.warmup_steps == 76  # 10 % of the steps
+
+
+def test_bench_cnp_stacks_the_llama_8b_blocks_and_needs_a_gpu(capsys):
+    bench = _load("bench_cnp")
+    total, rows = bench.model_blocks("llama-8b:poetxq", 256)
+    # 32 layers x (4 attention projections x (16 + 16) + gate/up 2 x (56 + 16) + down (16 + 56))
+    assert total == 32 * (4 * 32 + 2 * 72 + 72) == 11008
+    assert {r["name"]: (r["R_blocks"], r["P_blocks"]) for r in rows}["down_proj"] == (16, 56)
+    if not __import__("torch").cuda.is_available():
+        assert bench.main([]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "needs a CUDA GPU" in err
