@@ -14,6 +14,10 @@ Dispatch on CUDA (see ``evals/results/dequant_matmul_h200.json``):
 * fewer rows (decode-bound GEMMs): the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`),
   which decode each weight tile in registers.
 
+* Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the torch path.
+  The fused Triton CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``, fp32/bf16/fp16) is opt-in
+  until ``evals/bench_cnp.py`` has timed it on the GPU (:data:`FUSED_CNP_MEASURED_FASTER`).
+
 ``POETXQ_KERNELS=fused`` / ``streamed`` / ``torch`` force one path everywhere on CUDA (``torch``:
 the plain references, which dequantize the whole weight at once). This package imports only torch
 (Triton lazily, on first use).
@@ -26,11 +30,9 @@ import os
 
 import torch
 
-from quant_kernels import reference
+from quant_kernels import cnp, reference
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
-from quant_kernels.cnp import cayley_neumann_lean
 from quant_kernels.reference import (
-    cayley_neumann,
     dequant_int8_rowwise,
     quantize_int8_rowwise,
     skew_from_packed,
@@ -59,6 +61,12 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 STREAMED_MIN_M = 512
 
 _MODES = ("auto", "fused", "streamed", "torch")
+
+#: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA. False until the GPU
+#: benchmark (``python evals/bench_cnp.py``, Llama-8B blocks at b = 256) measures it faster than
+#: the torch path; ``POETXQ_KERNELS=fused`` uses it regardless.
+FUSED_CNP_MEASURED_FASTER = False
+_FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _policy() -> str:
@@ -180,3 +188,39 @@ def blockwise_4bit_matmul_t(
         code = reference_4bit.get_4bit_code(quant_type, g.device)
         return fused(g, packed, absmax, code, blocksize, shape)
     return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)
+
+
+def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
+    """Whether the fused Triton CNP serves this call: CUDA, Triton, ``k = 3``, fp32/bf16/fp16, and
+    either :data:`FUSED_CNP_MEASURED_FASTER` or ``POETXQ_KERNELS=fused`` (never with ``torch``)."""
+    return (
+        terms == 3
+        and packed.dtype in _FUSED_CNP_DTYPES
+        and triton_enabled(packed)
+        and (FUSED_CNP_MEASURED_FASTER or _policy() == "fused")
+    )
+
+
+def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:
+    """Cayley–Neumann blocks ``G [nb, b, b]`` from packed skew parameters ``[nb, b(b-1)/2]``
+    (:func:`quant_kernels.reference.cayley_neumann`: same arguments, result and errors).
+
+    Dispatch: the fused Triton kernels (:mod:`quant_kernels.cnp_triton`) when
+    :func:`_fused_cnp` allows; otherwise the torch reference under plain autograd.
+    """
+    if _fused_cnp(packed, terms):
+        from quant_kernels.cnp_triton import cayley_neumann_fused
+
+        return cayley_neumann_fused(packed, block_size, terms)
+    return reference.cayley_neumann(packed, block_size, terms)
+
+
+def cayley_neumann_lean(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:
+    """:func:`cayley_neumann` that saves only ``packed`` for backward
+    (:func:`quant_kernels.cnp.cayley_neumann_lean`; the fused kernels save only ``packed`` too).
+    """
+    if _fused_cnp(packed, terms):
+        from quant_kernels.cnp_triton import cayley_neumann_fused
+
+        return cayley_neumann_fused(packed, block_size, terms)
+    return cnp.cayley_neumann_lean(packed, block_size, terms)

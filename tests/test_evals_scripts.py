@@ -69,3 +69,15 @@ def test_comparison_set_overrides_every_method_after_its_own():
     assert poet.optim.lr == 0.01  # the method's own value is kept where --set is silent
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         compare._parse_sets(["optim.poet_lr"])
+
+
+def test_bench_cnp_stacks_the_llama_8b_blocks_and_needs_a_gpu(capsys):
+    bench = _load("bench_cnp")
+    total, rows = bench.model_blocks("llama-8b:poetxq", 256)
+    # 32 layers x (4 attention projections x (16 + 16) + gate/up 2 x (56 + 16) + down (16 + 56))
+    assert total == 32 * (4 * 32 + 2 * 72 + 72) == 11008
+    assert {r["name"]: (r["R_blocks"], r["P_blocks"]) for r in rows}["down_proj"] == (16, 56)
+    if not __import__("torch").cuda.is_available():
+        assert bench.main([]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "needs a CUDA GPU" in err

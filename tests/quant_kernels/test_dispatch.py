@@ -37,3 +37,41 @@ def test_auto_policy_and_overrides(monkeypatch):
     monkeypatch.setenv("POETXQ_KERNELS", "bogus")
     with pytest.raises(ValueError, match="POETXQ_KERNELS='bogus'; use one of auto, fused"):
         quant_kernels.weight_gemm_path(small)
+
+
+class _FakeCudaPacked(_FakeCuda):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__(4, 120)
+        self.dtype = dtype
+
+
+@pytest.mark.skipif(not quant_kernels._HAS_TRITON, reason="triton not installed")
+def test_fused_cnp_is_opt_in_until_measured(monkeypatch):
+    monkeypatch.delenv("POETXQ_KERNELS", raising=False)
+    fp32, bf16 = _FakeCudaPacked(torch.float32), _FakeCudaPacked(torch.bfloat16)
+    assert not quant_kernels.FUSED_CNP_MEASURED_FASTER  # until evals/bench_cnp.py says otherwise
+    assert not quant_kernels._fused_cnp(fp32, 3)
+    monkeypatch.setattr(quant_kernels, "FUSED_CNP_MEASURED_FASTER", True)
+    assert quant_kernels._fused_cnp(bf16, 3)
+    monkeypatch.setattr(quant_kernels, "FUSED_CNP_MEASURED_FASTER", False)
+    monkeypatch.setenv("POETXQ_KERNELS", "fused")
+    assert quant_kernels._fused_cnp(fp32, 3) and quant_kernels._fused_cnp(bf16, 3)
+    assert not quant_kernels._fused_cnp(fp32, 4)  # only k = 3 is fused
+    assert not quant_kernels._fused_cnp(_FakeCudaPacked(torch.float64), 3)
+    monkeypatch.setenv("POETXQ_KERNELS", "torch")
+    assert not quant_kernels._fused_cnp(bf16, 3)
+
+
+@pytest.mark.parametrize("entry", ["cayley_neumann", "cayley_neumann_lean"])
+def test_cnp_entry_points_use_torch_on_cpu_even_when_forced(entry, monkeypatch):
+    monkeypatch.setenv("POETXQ_KERNELS", "fused")
+    packed = (torch.randn(3, 28, generator=torch.Generator().manual_seed(0)) * 0.1).double()
+    leaf = packed.clone().requires_grad_(True)
+    g = getattr(quant_kernels, entry)(leaf, 8, 3)
+    ref_leaf = packed.clone().requires_grad_(True)
+    ref = quant_kernels.reference.cayley_neumann(ref_leaf, 8, 3)
+    assert torch.equal(g, ref)
+    d_g = torch.randn(3, 8, 8, dtype=torch.float64)
+    g.backward(d_g)
+    ref.backward(d_g)
+    assert torch.equal(leaf.grad, ref_leaf.grad)

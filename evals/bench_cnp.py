@@ -1,0 +1,213 @@
+"""Benchmark + real-size check of the fused Triton CNP (:mod:`quant_kernels.cnp_triton`) (GPU).
+
+The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
+``recipes/models/llama-8b.yaml`` as :mod:`poetxq.estimate` reads them (32 layers; q, k, v, o
+4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear ``m×n`` has
+``⌈m/b⌉`` blocks in R and ``⌈n/b⌉`` in P, 11,008 blocks in all, evaluated as one stack as
+:mod:`poetxq.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
+``‖Q‖₂ ≈ 0.4``.
+
+For fp32 and bf16 ``packed``: the fused result against the torch reference (max abs error of
+``G`` and of ``d_packed`` in fp32; relative errors vs a float64 evaluation on a subset of blocks),
+then forward (no grad) and forward+backward times of :func:`quant_kernels.reference.cayley_neumann`
+under plain autograd, :func:`quant_kernels.cnp.cayley_neumann_lean` and
+:func:`quant_kernels.cnp_triton.cayley_neumann_fused` (median of CUDA-event timings after
+warm-up), the ratios, and the extra peak memory of one forward+backward. fp32 matmuls run without
+tf32 (torch's default), as the fused kernels do. About 30-60 s on an H200. ``--sweep`` also
+times the fused forward+backward for other ``(tile, num_warps)`` configurations (compiles 4
+kernels per configuration; a minute or two more), to choose
+:func:`quant_kernels.cnp_triton.default_config`.
+
+Usage:  python evals/bench_cnp.py [--out FILE.json] [--block-size 256] [--dtypes fp32,bf16]
+                                  [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+from _common import cuda_time_ms, provenance, write_json_atomic
+
+from poetxq.estimate import _projections
+from poetxq.orthogonal import num_blocks
+from poetxq.recipe import load_recipe
+from quant_kernels import cnp, reference
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SWEEP = {  # (tile, num_warps) tried by --sweep
+    torch.float32: [(16, 4), (32, 4), (32, 8), (64, 8)],
+    torch.bfloat16: [(32, 4), (64, 4), (64, 8), (128, 8)],
+}
+CHECK_BLOCKS = 256  # blocks compared against float64
+
+
+def model_blocks(recipe_spec: str, block_size: int) -> tuple[int, list[dict]]:
+    """``(total blocks, per-projection rows)`` of every orthogonal side of ``recipe_spec``'s
+    model at block size ``block_size`` (only the recipe's POET target modules)."""
+    recipe = load_recipe(recipe_spec)
+    layers = recipe.model.num_hidden_layers
+    rows, total = [], 0
+    for name, m, n in _projections(recipe):
+        if name not in recipe.poet.target_modules:
+            continue
+        r_blocks, p_blocks = num_blocks(m, block_size), num_blocks(n, block_size)
+        rows.append({"name": name, "out": m, "in": n, "R_blocks": r_blocks, "P_blocks": p_blocks})
+        total += layers * (r_blocks + p_blocks)
+    return total, rows
+
+
+def _peak_mib(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _max_rel(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    diff = (a.double() - ref.double()).abs()
+    return diff.max().item(), (diff.norm() / ref.double().norm()).item()
+
+
+def bench_dtype(
+    packed: torch.Tensor, d_g: torch.Tensor, b: int, warmup: int, reps: int, sweep: bool = False
+) -> dict:
+    """Check and time the three CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
+    (and, with ``sweep``, the fused path under each configuration of :data:`SWEEP`)."""
+    from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
+
+    paths = {
+        "reference": reference.cayley_neumann,
+        "lean": cnp.cayley_neumann_lean,
+        "fused": cayley_neumann_fused,
+    }
+    leaf = packed.detach().requires_grad_(True)
+
+    def fwd_bwd(fn) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(fn(leaf, b, 3), leaf, d_g)
+
+    def fwd(fn) -> Callable[[], object]:
+        def run():
+            with torch.no_grad():
+                return fn(packed, b, 3)
+
+        return run
+
+    res: dict = {"fused_config": list(default_config(b, packed.dtype))}
+    # correctness at full size: fused vs the torch reference in the same dtype
+    g_ref = reference.cayley_neumann(leaf, b, 3)
+    (dp_ref,) = torch.autograd.grad(g_ref, leaf, d_g)
+    g_ref = g_ref.detach()
+    g_fused = cayley_neumann_fused(leaf, b, 3)
+    (dp_fused,) = torch.autograd.grad(g_fused, leaf, d_g)
+    g_fused = g_fused.detach()
+    fa, fr = _max_rel(g_fused, g_ref)
+    ba, br = _max_rel(dp_fused, dp_ref)
+    res["check_vs_reference"] = {
+        "fwd_max_abs_err": fa, "fwd_rel_err": fr, "bwd_max_abs_err": ba, "bwd_rel_err": br,
+    }  # fmt: skip
+    del g_ref, g_fused, dp_ref, dp_fused
+    # both against float64 on a subset: who is closer to the exact polynomial?
+    sub = packed[:CHECK_BLOCKS].double().requires_grad_(True)
+    g64 = reference.cayley_neumann(sub, b, 3)
+    (dp64,) = torch.autograd.grad(g64, sub, d_g[:CHECK_BLOCKS].double())
+    check64 = {}
+    for name in ("reference", "fused"):
+        s = packed[:CHECK_BLOCKS].detach().requires_grad_(True)
+        g = paths[name](s, b, 3)
+        (dp,) = torch.autograd.grad(g, s, d_g[:CHECK_BLOCKS])
+        check64[name] = {"fwd_rel_err": _max_rel(g, g64)[1], "bwd_rel_err": _max_rel(dp, dp64)[1]}
+    res["check_vs_float64_subset"] = {"blocks": sub.shape[0], **check64}
+    del sub, g64, dp64
+    torch.cuda.empty_cache()
+
+    ms: dict = {}
+    for name, fn in paths.items():
+        ms[name] = {
+            "fwd": cuda_time_ms(fwd(fn), warmup=warmup, iters=reps),
+            "fwd_bwd": cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps),
+            "fwd_bwd_peak_extra_mib": _peak_mib(fwd_bwd(fn)),
+        }
+        torch.cuda.empty_cache()
+    res["ms"] = ms
+    res["ratio_fused_vs_reference"] = {
+        k: ms["fused"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
+    }
+    res["ratio_fused_vs_lean"] = {k: ms["fused"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")}
+    if sweep:
+        res["sweep_fwd_bwd_ms"] = {}
+        for cfg in SWEEP[packed.dtype]:
+            fn = lambda p, b_, k, cfg=cfg: cayley_neumann_fused(p, b_, k, config=cfg)  # noqa: E731
+            try:
+                t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
+            except Exception as exc:  # a configuration that does not compile or fit: report it
+                t = f"{type(exc).__name__}: {str(exc)[:200]}"
+            res["sweep_fwd_bwd_ms"][f"tile{cfg[0]}_warps{cfg[1]}"] = t
+            torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", help="results JSON")
+    ap.add_argument("--recipe", default="llama-8b:poetxq", help="model whose blocks are stacked")
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true", help="also time other fused configurations")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cnp: needs a CUDA GPU (none found); nothing measured", file=sys.stderr)
+        return 1
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        ap.error(f"unknown dtype(s) {bad}; use {sorted(DTYPES)}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    b = args.block_size
+    nb, rows = model_blocks(args.recipe, b)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    packed32 = torch.randn(nb, b * (b - 1) // 2, device="cuda", generator=gen) * (0.2 / b**0.5)
+    d_g32 = torch.randn(nb, b, b, device="cuda", generator=gen) / b**0.5
+    doc = {
+        **provenance(torch.cuda.get_device_name(), argv),
+        "recipe": args.recipe, "block_size": b, "num_blocks": nb, "projections": rows,
+        "warmup": args.warmup, "reps": args.reps, "allow_tf32": False, "results": {},
+    }  # fmt: skip
+    print(f"{args.recipe}: {nb} blocks of {b}x{b} on {doc['gpu']}", flush=True)
+    for name in dtypes:
+        dt = DTYPES[name]
+        r = bench_dtype(packed32.to(dt), d_g32.to(dt), b, args.warmup, args.reps, args.sweep)
+        doc["results"][name] = r
+        ms, c = r["ms"], r["check_vs_reference"]
+        for k in ("fwd", "fwd_bwd"):
+            print(
+                f"{name} {k:7s}  reference {ms['reference'][k]:8.2f} ms  lean "
+                f"{ms['lean'][k]:8.2f} ms  fused {ms['fused'][k]:8.2f} ms  "
+                f"fused/ref {r['ratio_fused_vs_reference'][k]:.3f}  "
+                f"fused/lean {r['ratio_fused_vs_lean'][k]:.3f}",
+                flush=True,
+            )
+        peaks = "  ".join(f"{p} {ms[p]['fwd_bwd_peak_extra_mib']:.0f}" for p in ms)
+        print(
+            f"{name} check   fwd max abs {c['fwd_max_abs_err']:.2e} (rel {c['fwd_rel_err']:.1e})  "
+            f"bwd max abs {c['bwd_max_abs_err']:.2e} (rel {c['bwd_rel_err']:.1e})  "
+            f"peak extra MiB: {peaks}",
+            flush=True,
+        )
+        if "sweep_fwd_bwd_ms" in r:
+            print(f"{name} sweep   fused fwd_bwd ms by config: {r['sweep_fwd_bwd_ms']}", flush=True)
+    if args.out:
+        write_json_atomic(args.out, doc)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
