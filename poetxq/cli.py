@@ -143,7 +143,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, help="optimizer steps [train.max_steps, default 300]")
     g.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
     g.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence [train.seq_len, default 128]")
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per sequence [train.seq_len, default 128]; above the recipe's "
+        "model.max_position_embeddings that is raised to it (printed as a note), above a --model "
+        "checkpoint's an error (RoPE is not extended)",
+    )
     g.add_argument("--lr", type=float, help="lr of embeddings, lm_head, norms [optim.lr]")
     g.add_argument(
         "--poet-lr",
@@ -362,7 +368,7 @@ def _run_train(args: argparse.Namespace) -> int:
         from poetxq.pretrained import check_pretrained_config, resolve_pretrained
 
         local = resolve_pretrained(recipe.model.pretrained)
-        check_pretrained_config(local)
+        check_pretrained_config(local, recipe.train.seq_len)
         if recipe.name == "tiny-poetxq":  # the default recipe's name: name runs after the model
             recipe.name = os.path.basename(os.path.normpath(str(local)))
         if recipe.data.tokenizer == recipe.model.pretrained:
