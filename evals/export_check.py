@@ -11,9 +11,10 @@ Two parts, no data or network needed:
 * **model** — a small random POET-XQ Llama (int8 and NF4 W0, non-zero ``Q``) is written as a run
   directory, exported to ``hf-bf16`` / ``hf-bnb8`` / ``hf-bnb4`` and loaded with
   ``AutoModelForCausalLM.from_pretrained(out, device_map=device)``; relative logit difference to
-  our model (fp32) and to our own decoding of the exported bytes in a plain fp32 transformers
-  model (the second isolates how bitsandbytes/transformers read the bytes from the rounding that
-  export adds) is recorded.
+  our model (fp32), to our model after the merge export does for the bnb format of the run's own
+  store (one training merge; the export should match it within bf16), and to our own decoding of
+  the exported bytes in a plain fp32 transformers model (isolating how bitsandbytes/transformers
+  read the bytes from the rounding that export adds) is recorded.
 
     python evals/export_check.py --device cuda --out $OUT/export_check_h200.json
 """
@@ -34,7 +35,9 @@ from _common import git_commit
 from poetxq.export import (
     decode_state_dict,
     export_run,
+    load_run,
     merged_linear_state_dict,
+    merged_state_dict,
     save_run_artifacts,
 )
 from poetxq.layer import POETXLinear
@@ -159,10 +162,14 @@ def check_model(device: str, bits: int, tmp: Path) -> dict:
             loaded = AutoModelForCausalLM.from_pretrained(str(out), device_map=device).eval()
             plain = AutoModelForCausalLM.from_config(model.config, dtype=torch.float32).eval()
             plain.load_state_dict(decode_state_dict(load_file(str(out / "model.safetensors"))))
+            twin = load_run(run, echo=lambda _s: None).model  # as export loads it
+            merged_state_dict(twin, fmt, quant_type=recipe.poet.quant_type)  # export's merges
             with torch.no_grad():
                 theirs = loaded(ids.to(device)).logits
                 decoded = plain(ids).logits
+                ours_merged = twin(ids).logits
             result[fmt] = {"rel_logit_diff_vs_ours": _rel(theirs, ours),
+                           "rel_logit_diff_vs_ours_after_export_merge": _rel(theirs, ours_merged),
                            "rel_logit_diff_vs_our_decoding": _rel(theirs, decoded),
                            "layer_type": type(loaded.model.layers[0].mlp.down_proj).__name__,
                            "dtype": str(loaded.dtype)}  # fmt: skip

@@ -2,30 +2,37 @@
 
 A run directory holds the frozen weight in *permuted* coordinates (``Ψ_m W0 Ψ_nᵀ`` for int8 and
 16-bit; ``Ψ_m W0``, rows only, for 4-bit) and the orthogonal factors ``R``, ``P`` separately.
-Everything outside poetxq wants the effective weight ``W = R · W0 · P`` in the model's own
-coordinates, so export does, per POET-X(Q) layer:
+Everything outside poetxq wants one weight ``W`` per layer in the model's own coordinates, so
+export does, per POET-X(Q) layer, on the model loaded into memory (the run directory is only read):
 
-1. ``W = layer.effective_weight()`` — fold ``R`` and ``P`` in (fp32) and permute back;
-2. store it as the target format expects it:
+* **the layer's own format** (an int8 store → ``hf-bnb8``; a 4-bit store → ``hf-bnb4`` with the
+  run's code, when ``in_features`` is a multiple of 64): first **merge** it exactly as training
+  does (:meth:`POETXLinear.merge_then_reinitialize`: fold ``R``, ``P`` into ``W0`` in fp32 and
+  re-quantize with the run's rounding policy; afterwards ``R = P = I``), then write the **stored
+  codes themselves** with rows (int8: and columns) permuted back: int8 ``CB``/``SCB`` as stored;
+  4-bit packed nibbles and block scales moved whole row by whole row. Only the 4-bit double-quant
+  statistics are recomputed (bitsandbytes' ``quantize_blockwise`` of the reordered scales, whose
+  groups of 256 change). So the export *is* the run's model after one more training merge, up to
+  bf16 and that re-done double quant (0.5–0.7 % relative logits on the test model). Between merges
+  ``R·W0·P`` is not on the 4-bit grid: the merge itself, one 4-bit rounding, changes the logits by
+  ~10–12 % there (int8: ~0.7 %), exactly as the run's next merge would.
+* **any other case** (``hf-bf16``; a format or code other than the store's; 4-bit rows that are
+  not whole 64-blocks): ``W = layer.effective_weight()`` (``R · W0 · P`` folded in fp32, permuted
+  back) is rounded once into the format; the layer is not merged.
 
-   * ``hf-bf16``: a plain transformers checkpoint, every tensor bf16;
-   * ``hf-bnb8``: ``W`` quantized int8 row-wise, bitsandbytes ``Linear8bitLt`` state-dict keys
-     ``weight`` (int8 CB ``[m, n]``), ``SCB`` (fp32 ``[m]``), ``weight_format`` (uint8 0);
-   * ``hf-bnb4``: ``W`` quantized NF4/FP4 (blocksize 64, double quant), bitsandbytes
-     ``Linear4bit`` keys ``weight`` (uint8 ``[m·n/2, 1]``), ``weight.absmax``,
-     ``weight.quant_map``, ``weight.nested_absmax``, ``weight.nested_quant_map``,
-     ``weight.quant_state.bitsandbytes__<type>``;
+Formats:
 
-   with ``quantization_config`` (``quant_method: bitsandbytes``, transformers'
-   ``BitsAndBytesConfig`` serialization) in ``config.json`` for the bnb formats, so that
-   ``AutoModelForCausalLM.from_pretrained(out_dir)`` rebuilds ``Linear8bitLt`` / ``Linear4bit``
-   layers from the stored bytes. Embeddings, norms and ``lm_head`` are written in bf16.
+* ``hf-bf16``: a plain transformers checkpoint, every tensor bf16;
+* ``hf-bnb8``: int8 row-wise, bitsandbytes ``Linear8bitLt`` state-dict keys ``weight`` (int8 CB
+  ``[m, n]``), ``SCB`` (fp32 ``[m]``), ``weight_format`` (uint8 0);
+* ``hf-bnb4``: NF4/FP4 (blocksize 64, double quant), bitsandbytes ``Linear4bit`` keys ``weight``
+  (uint8 ``[m·n/2, 1]``), ``weight.absmax``, ``weight.quant_map``, ``weight.nested_absmax``,
+  ``weight.nested_quant_map``, ``weight.quant_state.bitsandbytes__<type>``;
 
-Re-quantizing ``W`` in original coordinates is one more rounding, the same one a merge does. Right
-after a merge (``R = P = I``) it is exact for int8 (row-wise scales survive permutations) and for
-4-bit when ``in_features`` is a multiple of the blocksize (the stored rows are whole blocks, only
-reordered). Between merges ``R·W0·P`` is not representable in the format, so the exported weights
-differ from the run's by one rounding (see ``evals/results/requant_drift_cpu.json``).
+with ``quantization_config`` (``quant_method: bitsandbytes``, transformers' ``BitsAndBytesConfig``
+serialization) in ``config.json`` for the bnb formats, so that
+``AutoModelForCausalLM.from_pretrained(out_dir)`` rebuilds ``Linear8bitLt`` / ``Linear4bit``
+layers from the stored bytes. Embeddings, norms and ``lm_head`` are written in bf16.
 
 bitsandbytes 0.50.2 facts this module relies on (checked in ``tests/test_export.py``):
 
@@ -54,7 +61,7 @@ from torch import nn
 
 import quant_kernels
 from poetxq.layer import POETXLinear
-from poetxq.quant import INT8_ROW_FORMAT, Blockwise4bitWeight
+from poetxq.quant import INT8_ROW_FORMAT, Blockwise4bitWeight, Int8RowwiseWeight
 from poetxq.recipe import Recipe, RecipeError, load_recipe
 from quant_kernels import reference_4bit as q4
 
@@ -114,16 +121,136 @@ def bnb_4bit_state_dict(
     return {k: v.contiguous() for k, v in store.state_dict().items()}
 
 
+EXPORT_MERGE_SEED = 0  # seeds the permutations (and stochastic rounding) of export's merges
+
+
+def writes_stored_codes(layer: POETXLinear, fmt: str, quant_type: str = "nf4") -> bool:
+    """Whether ``fmt`` can hold ``layer``'s own stored codes unchanged (after a merge).
+
+    True for an int8 store exported as ``hf-bnb8`` (row-wise scales survive permutations) and for
+    a 4-bit store of ``quant_type`` with blocksize 64 exported as ``hf-bnb4`` when
+    ``in_features`` is a multiple of 64 (every stored row is whole 64-blocks and whole bytes, so
+    un-permuting rows moves blocks and their scales unchanged). Otherwise export rounds the
+    effective weight into ``fmt`` afresh.
+    """
+    frozen = layer.frozen
+    if fmt == "hf-bnb8":
+        return isinstance(frozen, Int8RowwiseWeight)
+    if fmt == "hf-bnb4":
+        return (
+            isinstance(frozen, Blockwise4bitWeight)
+            and frozen.quant_type == quant_type
+            and frozen.blocksize == 64
+            and layer.in_features % 64 == 0
+        )
+    return False
+
+
+def is_merged(layer: POETXLinear) -> bool:
+    """``R = P = I`` exactly (``Q = 0`` on both sides): nothing left to fold into ``W0``."""
+    return not (bool(layer.P.Q.detach().any()) or bool(layer.R.Q.detach().any()))
+
+
+def _double_quantize_bnb(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any, float]:
+    """bitsandbytes' double quantization of fp32 block scales ``[nb]`` (as ``quantize_4bit``
+    with ``compress_statistics=True`` does it): ``offset = mean``, ``absmax - offset`` quantized
+    8-bit blockwise (block 256, dynamic map) by ``bitsandbytes.functional.quantize_blockwise``.
+
+    Returns:
+        ``(uint8 absmax [nb], nested_absmax fp32 [ceil(nb/256)], nested_quant_map fp32 [256],
+        offset)``.
+    """
+    import bitsandbytes.functional as bnbF
+
+    absmax = absmax.float().contiguous()
+    offset = absmax.mean()
+    q, nested = bnbF.quantize_blockwise(absmax - offset, blocksize=256)
+    return q, nested.absmax.float(), nested.code.float(), float(offset.item())
+
+
+def stored_codes_state_dict(layer: POETXLinear, fmt: str) -> dict[str, torch.Tensor]:
+    """A merged layer's stored codes, permuted back to original coordinates, under ``fmt``'s keys.
+
+    No weight is rounded: ``hf-bnb8`` gets the stored int8 ``CB`` ``[m, n]`` and ``SCB`` ``[m]``
+    with rows (and, for the int8 store's ``Ψ_m W0 Ψ_nᵀ``, columns) un-permuted; ``hf-bnb4`` gets
+    the stored packed nibbles of ``Ψ_m W0`` with whole rows un-permuted (uint8
+    ``[m·n/2, 1]``) and the block scales moved with their blocks. Only the double-quant statistics
+    are recomputed (bitsandbytes' ``quantize_blockwise`` of the reordered fp32 scales, groups of
+    256 in the new flat order), which moves each scale by at most one 8-bit step of its group.
+
+    Args:
+        layer: a POET-X(Q) layer with ``R = P = I`` (:func:`is_merged`) whose store ``fmt`` holds
+            (:func:`writes_stored_codes`).
+        fmt: ``"hf-bnb8"`` or ``"hf-bnb4"``.
+
+    Returns:
+        Keys relative to the layer, as :func:`bnb_int8_state_dict` / :func:`bnb_4bit_state_dict`
+        (the 4-bit quant_state's ``dtype`` is the store's).
+
+    Raises:
+        ValueError: the layer is not merged, or ``fmt`` cannot hold its codes.
+    """
+    frozen = layer.frozen
+    fits = writes_stored_codes(layer, fmt, getattr(frozen, "quant_type", "nf4"))
+    if not fits:
+        raise ValueError(f"{fmt} cannot hold this layer's stored codes ({layer.extra_repr()})")
+    if not is_merged(layer):
+        raise ValueError("R, P are not the identity; merge the layer first")
+    m, n = layer.out_features, layer.in_features
+    rows = layer.R.inv_perm  # original row j is stored row inv_perm[j]
+    if isinstance(frozen, Int8RowwiseWeight):  # stored Ψ_m W0 Ψ_nᵀ
+        return {
+            "weight": frozen.weight[rows][:, layer.P.inv_perm].contiguous(),
+            "SCB": frozen.SCB[rows].contiguous(),
+            "weight_format": torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8),
+        }
+    assert isinstance(frozen, Blockwise4bitWeight)  # stored Ψ_m W0, rows of n/64 whole blocks
+    packed = frozen.weight.view(m, n // 2)[rows].reshape(-1, 1).contiguous()
+    absmax = frozen.dequantized_absmax().view(m, n // frozen.blocksize)[rows].reshape(-1)
+    q_abs, nested, nested_map, offset = _double_quantize_bnb(absmax)
+    meta = {
+        "quant_type": frozen.quant_type,
+        "blocksize": frozen.blocksize,
+        "dtype": str(frozen.dtype).removeprefix("torch."),
+        "shape": [m, n],
+        "nested_blocksize": 256,
+        "nested_dtype": "float32",
+        "nested_offset": offset,
+    }
+    return {
+        "weight": packed,
+        "weight.absmax": q_abs.contiguous(),
+        "weight.quant_map": frozen.quant_map.float().contiguous(),
+        "weight.nested_absmax": nested.contiguous(),
+        "weight.nested_quant_map": nested_map.contiguous(),
+        f"weight.quant_state.bitsandbytes__{frozen.quant_type}": q4.quant_state_to_tensor(meta),
+    }
+
+
 def merged_linear_state_dict(
-    layer: POETXLinear, fmt: str, *, quant_type: str = "nf4"
+    layer: POETXLinear,
+    fmt: str,
+    *,
+    quant_type: str = "nf4",
+    generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
     """The layer's effective weight ``R · W0 · P`` (original coordinates) as ``fmt`` stores it.
 
+    Where ``fmt`` is the layer's own store (:func:`writes_stored_codes`: int8 → ``hf-bnb8``, 4-bit
+    of ``quant_type`` → ``hf-bnb4``), the layer is first **merged in place** exactly as training
+    merges it (:meth:`POETXLinear.merge_then_reinitialize`: fold ``R``, ``P`` in fp32, new
+    permutations, re-quantize with the layer's own rounding policy; skipped when ``R = P = I``
+    already), and its stored codes are written as they are (:func:`stored_codes_state_dict`), so
+    the export equals the merged layer. Otherwise (``hf-bf16``, or another format than the store's)
+    ``R · W0 · P`` is rounded once into ``fmt`` and the layer is left untouched.
+
     Args:
-        layer: a POET-X(Q) layer (any ``bits``).
+        layer: a POET-X(Q) layer (any ``bits``); modified in place as described.
         fmt: ``"hf-bf16"`` (``weight`` bf16 ``[m, n]``), ``"hf-bnb8"`` (:func:`bnb_int8_state_dict`)
             or ``"hf-bnb4"`` (:func:`bnb_4bit_state_dict` with ``quant_type``).
         quant_type: 4-bit code for ``hf-bnb4``.
+        generator: RNG of the merge (permutations, stochastic rounding); default a fresh generator
+            seeded with :data:`EXPORT_MERGE_SEED`, so exports are reproducible.
 
     Returns:
         Keys relative to the layer (``weight``..., plus ``bias`` in bf16 if the layer has one).
@@ -131,15 +258,22 @@ def merged_linear_state_dict(
     Raises:
         ValueError: unknown ``fmt``.
     """
-    w = layer.effective_weight(torch.float32)
-    if fmt == "hf-bf16":
-        out = {"weight": w.to(torch.bfloat16)}
-    elif fmt == "hf-bnb8":
-        out = bnb_int8_state_dict(w)
-    elif fmt == "hf-bnb4":
-        out = bnb_4bit_state_dict(w, quant_type)
-    else:
+    if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if writes_stored_codes(layer, fmt, quant_type):
+        if not is_merged(layer):
+            if generator is None:
+                generator = torch.Generator().manual_seed(EXPORT_MERGE_SEED)
+            layer.merge_then_reinitialize(generator)
+        out = stored_codes_state_dict(layer, fmt)
+    else:
+        w = layer.effective_weight(torch.float32)
+        if fmt == "hf-bf16":
+            out = {"weight": w.to(torch.bfloat16)}
+        elif fmt == "hf-bnb8":
+            out = bnb_int8_state_dict(w)
+        else:
+            out = bnb_4bit_state_dict(w, quant_type)
     if layer.bias is not None:
         out["bias"] = layer.bias.detach().to(torch.bfloat16)
     return out
@@ -269,11 +403,23 @@ def _load_run_tokenizer(run: Path, recipe: Recipe, echo: Callable[[str], None]) 
     return as_hf_tokenizer(data.tokenizer, data.eos_id)
 
 
-def merged_state_dict(model: nn.Module, fmt: str, *, quant_type: str = "nf4") -> dict[str, Any]:
+def merged_state_dict(
+    model: nn.Module,
+    fmt: str,
+    *,
+    quant_type: str = "nf4",
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """The whole model's state dict with every POET-X(Q) layer merged and stored as ``fmt``.
 
-    Non-POET tensors (embeddings, norms, ``lm_head``) are cast to bf16.
+    Each POET layer goes through :func:`merged_linear_state_dict` in module order with one
+    generator (default: seeded with :data:`EXPORT_MERGE_SEED`), so layers whose own store ``fmt``
+    holds are **merged in place**, as a training merge does; afterwards ``model`` computes exactly
+    what the exported weights encode (up to the 4-bit double-quant statistics). Non-POET tensors
+    (embeddings, norms, ``lm_head``) are cast to bf16.
     """
+    if generator is None:
+        generator = torch.Generator().manual_seed(EXPORT_MERGE_SEED)
     layers = {name: m for name, m in model.named_modules() if isinstance(m, POETXLinear)}
     prefixes = tuple(name + "." for name in layers)
     out: dict[str, torch.Tensor] = {}
@@ -282,7 +428,8 @@ def merged_state_dict(model: nn.Module, fmt: str, *, quant_type: str = "nf4") ->
             continue
         out[key] = value.detach().to(torch.bfloat16) if value.is_floating_point() else value
     for name, layer in layers.items():
-        for k, v in merged_linear_state_dict(layer, fmt, quant_type=quant_type).items():
+        sd = merged_linear_state_dict(layer, fmt, quant_type=quant_type, generator=generator)
+        for k, v in sd.items():
             out[f"{name}.{k}"] = v
     return out
 
@@ -379,7 +526,9 @@ def export_run(
     ``model.safetensors``, ``generation_config.json`` when the model has one, and the tokenizer
     files; ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` loads it. Everything is
     written into a temporary sibling directory first and renamed into place at the end, so a
-    failed export leaves ``out_dir`` as it was.
+    failed export leaves ``out_dir`` as it was. ``run_dir`` is only read: ``out_dir`` may not lie
+    in it (or contain it), and the merges of ``hf-bnb8``/``hf-bnb4`` (module docstring) happen on
+    the model in memory, with a generator seeded :data:`EXPORT_MERGE_SEED` (reproducible).
 
     Args:
         run_dir: a finished run directory.
@@ -418,7 +567,17 @@ def export_run(
     config.dtype = torch.bfloat16
     if fmt != "hf-bf16":
         config.quantization_config = _bnb_config(model, fmt, qt)
-    state = merged_state_dict(model, fmt, quant_type=qt)
+    as_stored = [n for n, m in layers if writes_stored_codes(m, fmt, qt)]
+    needs_merge = sum(1 for n, m in layers if writes_stored_codes(m, fmt, qt) and not is_merged(m))
+    rounded = len(layers) - len(as_stored)
+    if fmt != "hf-bf16" and as_stored and rounded:
+        first = next(n for n, _ in layers if n not in set(as_stored))
+        echo(
+            f"note: {rounded} layers (e.g. {first}) are not stored as {fmt} holds them (another "
+            "format or code, or in_features not a multiple of 64); their R·W0·P is rounded into "
+            f"{fmt} afresh, one more rounding than the run's model"
+        )
+    state = merged_state_dict(model, fmt, quant_type=qt)  # merges `as_stored` layers in memory
     if tie:
         state.pop("lm_head.weight", None)
 
@@ -436,7 +595,9 @@ def export_run(
         (tmp / "poetxq_export.json").write_text(
             json.dumps(
                 {"run_dir": str(Path(run_dir).resolve()), "format": fmt,
-                 "quant_type": qt if fmt == "hf-bnb4" else None, "layers_merged": len(layers)},
+                 "quant_type": qt if fmt == "hf-bnb4" else None, "layers_merged": len(layers),
+                 "layers_stored_codes": len(as_stored), "layers_merged_as_training": needs_merge,
+                 "merge_seed": EXPORT_MERGE_SEED},
                 indent=2,
             ),
             encoding="utf-8",
@@ -449,8 +610,16 @@ def export_run(
         shutil.rmtree(old, ignore_errors=True)
     kind = {"hf-bf16": "bf16", "hf-bnb8": "int8 row-wise (Linear8bitLt)",
             "hf-bnb4": f"{qt.upper()} blocksize 64, double quant (Linear4bit)"}[fmt]  # fmt: skip
+    if as_stored:
+        how = (
+            f"{len(as_stored)} POET layers merged as a training merge does ({needs_merge} had "
+            "R, P != I) and their stored codes written un-permuted"
+            + (f", {rounded} rounded afresh from R·W0·P" if rounded else "")
+        )
+    else:
+        how = f"{len(layers)} POET layers' R·W0·P in original coordinates rounded once"
     echo(
-        f"exported {run_dir} -> {out} ({fmt}): {len(layers)} POET layers merged (R·W0·P in "
-        f"original coordinates) and stored {kind}; other tensors bf16; tokenizer included"
+        f"exported {run_dir} -> {out} ({fmt}): {how}, stored {kind}; other tensors bf16; "
+        f"tokenizer included; {run_dir} not modified"
     )
     return out

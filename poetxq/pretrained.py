@@ -75,15 +75,38 @@ def resolve_pretrained(ref: str) -> str:
         ) from None
 
 
-def check_pretrained_config(path: str) -> Any:
+def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
+    """A pretrained model is trained at most at its own ``max_position_embeddings``.
+
+    poetxq does not extend RoPE (no rope scaling is set up), so a longer ``seq_len`` would feed
+    the checkpoint positions it never saw; that is an error, not a silent change.
+
+    Raises:
+        PretrainedError: ``seq_len`` exceeds ``config.max_position_embeddings``.
+    """
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise PretrainedError(
+            f"--seq-len (train.seq_len) {seq_len} exceeds the max_position_embeddings {max_pos} "
+            f"of '{ref}'; poetxq does not extend a checkpoint's RoPE: use --seq-len {max_pos} "
+            "or less"
+        )
+
+
+def check_pretrained_config(path: str, seq_len: int | None = None) -> Any:
     """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
+
+    Args:
+        path: a local checkpoint directory.
+        seq_len: the run's ``train.seq_len``, checked against the model's
+            ``max_position_embeddings`` (:func:`check_seq_len`); None skips that check.
 
     Returns:
         The ``PretrainedConfig``.
 
     Raises:
-        PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, or an
-            already quantized checkpoint.
+        PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, an
+            already quantized checkpoint, or ``seq_len`` beyond its positions.
     """
     from transformers import AutoConfig
 
@@ -103,6 +126,8 @@ def check_pretrained_config(path: str) -> Any:
             f"'{path}' is already quantized ({config.quantization_config.get('quant_method')}); "
             "pass an unquantized (bf16/fp32) checkpoint"
         )
+    if seq_len is not None:
+        check_seq_len(config, seq_len, path)
     return config
 
 
@@ -157,12 +182,7 @@ def build_model(
             f"the tokenizer's ids reach {vocab_size - 1} but '{ref}' embeds only {n_vocab} tokens; "
             "its tokenizer and weights do not belong together"
         )
-    max_pos = getattr(cfg, "max_position_embeddings", None)
-    if max_pos is not None and recipe.train.seq_len > max_pos:
-        raise PretrainedError(
-            f"train.seq_len {recipe.train.seq_len} exceeds the model's max_position_embeddings "
-            f"{max_pos}; lower --seq-len"
-        )
+    check_seq_len(cfg, recipe.train.seq_len, ref)
     n_params = sum(p.numel() for p in model.parameters())
     echo(
         f"model: {cfg.model_type} from {ref} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "

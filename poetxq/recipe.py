@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from poetxq.data import DataConfig
 
@@ -166,6 +166,14 @@ class Recipe(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
+    # what validation adjusted, one line each, for the run's log (not part of the recipe)
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        """Adjustments validation made that the user should see (e.g. a raised
+        ``model.max_position_embeddings``); :func:`poetxq.train.train` prints them as notes."""
+        return list(self._notes)
 
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:
@@ -181,6 +189,15 @@ class Recipe(_Section):
                 f"{smallest}; choose a block size <= {smallest}"
             )
         if m.max_position_embeddings < self.train.seq_len:
+            if m.pretrained is None:  # a checkpoint's own limit is checked where it is read
+                note = (
+                    f"train.seq_len {self.train.seq_len} exceeds model.max_position_embeddings "
+                    f"{m.max_position_embeddings}; the model is built with "
+                    f"max_position_embeddings {self.train.seq_len} (trained from scratch at "
+                    "that length)"
+                )
+                if note not in self._notes:
+                    self._notes.append(note)
             m.max_position_embeddings = self.train.seq_len
         if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):
             raise ValueError(

@@ -235,6 +235,8 @@ def train(
     main = accelerator.is_main_process
     world = accelerator.num_processes
     say = echo if main else (lambda _s: None)
+    for note in recipe.notes:  # what recipe validation adjusted
+        say(f"note: {note}")
     set_seed(tc.seed)
 
     if data is None:

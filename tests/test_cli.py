@@ -66,6 +66,16 @@ def test_block_size_too_large(tmp_path, capsys):
     assert "block_size" in _one_error_line(capsys)
 
 
+def test_seq_len_above_max_positions_is_a_printed_note(tmp_path, capsys):
+    code = _run(tmp_path, "--set", "model.max_position_embeddings=16", "--max-steps", "1",
+                "--run-name", "long")  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "note: train.seq_len 32 exceeds model.max_position_embeddings 16" in out
+    config = json.loads((tmp_path / "long" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32
+
+
 def test_missing_data_leaves_existing_run_dir_untouched(tmp_path, capsys):
     run = tmp_path / "keep"
     run.mkdir()

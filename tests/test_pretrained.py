@@ -172,3 +172,14 @@ def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     assert {"missing": "not an existing directory", "no-config": "config.json",
             "adamw": "poetxq and poetx", "gpt2": "Llama-family"}[case] in msg  # fmt: skip
     assert not (tmp_path / "o").exists()
+
+
+def test_seq_len_beyond_the_checkpoints_positions_is_one_error(checkpoint, tmp_path, capsys):
+    """RoPE extension is not what --model asks for: an error before any work, not a silent
+    change of the checkpoint's max_position_embeddings (64 here)."""
+    code = main(["quantize-and-train", *RUN, "--model", str(checkpoint), "--seq-len", "128",
+                 "--output-dir", str(tmp_path / "o")])  # fmt: skip
+    assert code == 2
+    msg = _one_error(capsys)
+    assert "128" in msg and "max_position_embeddings 64" in msg and "--seq-len 64" in msg
+    assert not (tmp_path / "o").exists()

@@ -88,3 +88,13 @@ def test_duplicate_yaml_key_is_one_error(tmp_path):
     with pytest.raises(RecipeError, match="key 'max_steps' appears twice") as exc:
         load_recipe(p)
     assert "\n" not in str(exc.value) and str(p) in str(exc.value)
+
+
+def test_seq_len_above_max_positions_raises_them_with_a_note():
+    r = load_recipe(None, {"train.seq_len": 2048, "model.max_position_embeddings": 1024})
+    assert r.model.max_position_embeddings == 2048
+    assert len(r.notes) == 1 and "train.seq_len 2048 exceeds" in r.notes[0]
+    assert "1024" in r.notes[0]
+    assert load_recipe(None, {"train.seq_len": 1024}).notes == []
+    # a checkpoint's own limit is checked where it is read (an error there, no note here)
+    assert load_recipe(None, {"train.seq_len": 2048, "model.pretrained": "some/dir"}).notes == []
