@@ -33,7 +33,6 @@ class _Group:
 
     def __init__(self, sides: list[OrthogonalSide]) -> None:
         self.sides = sides
-        self.index = {id(s): i for i, s in enumerate(sides)}
         self.sizes = [s.nb for s in sides]
         self.block_size = sides[0].block_size
         self.terms = sides[0].neumann_terms
@@ -55,7 +54,7 @@ class _Group:
         """``side``'s blocks ``[nb, b, b]`` in ``dtype``, or None when not cached / stale."""
         if self.g is None:
             return None
-        i = self.index[id(side)]
+        i = side.block_cache_index  # an attribute, not an id() map: survives copy.deepcopy
         if side.Q._version != self.versions[i]:
             return None
         if dtype not in self.pieces:
@@ -87,8 +86,8 @@ class BlockCache:
                 groups.setdefault(key, []).append(mod)
         self.groups = [_Group(sides) for sides in groups.values()]
         for group in self.groups:
-            for side in group.sides:
-                side.block_cache = group
+            for i, side in enumerate(group.sides):
+                side.block_cache, side.block_cache_index = group, i
         self._handles = [
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after),

@@ -74,6 +74,7 @@ class OrthogonalSide(nn.Module):
 
     #: set by :class:`poetxq.blockcache.BlockCache` (batched CNP over all sides of a model)
     block_cache: Any = None
+    block_cache_index: int = -1  # this side's position in its block-cache group
     #: recompute the CNP intermediates in backward instead of saving them; the block cache turns
     #: this off under activation checkpointing, where the layer's recomputation already frees them
     lean_cnp: bool = True

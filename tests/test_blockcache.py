@@ -136,3 +136,26 @@ def test_fused_swiglu_mlp_equals_the_plain_mlp(bits):
     assert len(fused) == len(plain) == 1 + 6  # x and the Q of 3 layers x 2 sides
     for a, b in zip(fused, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_deepcopy_gets_its_own_working_cache():
+    import copy
+
+    model = _model()
+    twin = copy.deepcopy(model)  # e.g. an EMA copy; its hooks must serve the twin's own sides
+    tokens = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(2))
+    loss, grads = _loss_and_grads(model, tokens)
+    loss_twin, grads_twin = _loss_and_grads(twin, tokens)
+    torch.testing.assert_close(loss_twin, loss, rtol=0, atol=0)
+    assert grads_twin.keys() == grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_twin[name], g, rtol=0, atol=0, msg=name)
+    with torch.no_grad():  # the twin's cache reads the twin's Q, not the original's
+        for layer in poet_layers(twin):
+            layer.R.Q.zero_()
+            layer.P.Q.zero_()
+    loss_identity, _ = _loss_and_grads(twin, tokens)
+    twin.poetx_block_cache.remove()
+    loss_plain, _ = _loss_and_grads(twin, tokens)
+    torch.testing.assert_close(loss_identity, loss_plain, rtol=1e-12, atol=0)
+    assert not torch.equal(loss_identity, loss)
