@@ -46,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="recipe override for every run (smoke tests)")  # fmt: skip
     args = ap.parse_args(argv)
     runs, ratios = [], []
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def save():  # after every (model, seq): a run cut short keeps what finished
+        doc = {
+            "what": "training tokens/s, MFU and peak memory per method on random tokens "
+            "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
+            **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
+            "tokens_per_step": args.tokens,
+            "ratios": ratios,
+            "runs": runs,
+        }
+        return write_json_atomic(args.out, doc)
+
     for model in args.models.split(","):
         for seq in (int(s) for s in args.seqs.split(",")):
             tps: dict[str, float] = {}
@@ -80,16 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["meets_adamw_target"] = row["poetxq_over_adamw"] >= 0.9
             ratios.append(row)
             print(json.dumps(row), flush=True)
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    doc = {
-        "what": "training tokens/s, MFU and peak memory per method on random tokens "
-        "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
-        **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
-        "tokens_per_step": args.tokens,
-        "ratios": ratios,
-        "runs": runs,
-    }
-    print(f"wrote {write_json_atomic(args.out, doc)}")
+            save()
+    print(f"wrote {save()}")
     return 0
 
 
