@@ -18,7 +18,8 @@
   ``lm_head``; tied when ``tie_word_embeddings``) are allocated on the device and initialised by
   transformers' own ``_init_weights`` (:func:`~poetxq.surgery.materialize_meta_parameters`).
   Baselines (dense linears are trained) materialize every parameter on the device the same way,
-  then are prepared there. The CPU never holds a weight matrix.
+  one decoder layer at a time, each prepared (int8 for qgalore/qapollo) before the next is
+  allocated. The CPU never holds a weight matrix.
 
 Every rank of a DDP run builds its own model. The meta way draws identically on every rank: ``W0``
 and the permutations come from ``generator`` (seeded from ``train.seed`` on every rank, ``W0`` via
@@ -27,12 +28,15 @@ device's default generator, seeded identically on every rank by accelerate's ``s
 (``torch.manual_seed`` in the bench). DDP also broadcasts rank 0's parameters (not the frozen
 ``W0`` buffers) when it wraps the model.
 
-``meta_init=True`` forces the meta way on the CPU (tests); its ``W0`` and permutations are then the
-classic way's (the CPU draw from ``generator``), only the embeddings/``lm_head`` draws differ.
+``meta_init=True`` (or ``POETXQ_META_INIT=1``) forces the meta way on the CPU (tests); its ``W0``
+and permutations are then the classic way's (the CPU draw from ``generator``); the embeddings,
+``lm_head`` (and a baseline's linears) have the same distribution but other draws.
+``POETXQ_META_INIT=0`` turns it off on CUDA.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +55,8 @@ from poetxq.surgery import (
     summarize,
 )
 
+#: environment switch of :func:`use_meta_init`: ``0`` never, ``1`` always (CPU too), unset: CUDA
+META_INIT_ENV = "POETXQ_META_INIT"
 #: methods whose decoder linears become POET-X(Q) layers
 POET_METHODS: tuple[str, ...] = ("poetxq", "poetx")
 
@@ -85,14 +91,46 @@ class BuiltModel:
 
 
 def use_meta_init(recipe: Recipe, device: torch.device) -> bool:
-    """The default of :func:`build_for_training`: meta init on CUDA for a model built from scratch
-    (a ``--model`` checkpoint is loaded with its weights; CPU runs stay classic)."""
-    return device.type == "cuda" and recipe.model.pretrained is None
+    """The default of :func:`build_for_training`: meta init for a model built from scratch on CUDA
+    (a ``--model`` checkpoint is loaded with its weights; CPU runs stay classic).
+
+    ``POETXQ_META_INIT=0`` turns meta init off (CUDA runs then build on the CPU first, as before),
+    ``POETXQ_META_INIT=1`` turns it on for every device (the CPU too).
+
+    Raises:
+        ValueError: ``POETXQ_META_INIT`` is set to something other than ``0`` or ``1``.
+    """
+    env = os.environ.get(META_INIT_ENV, "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{META_INIT_ENV} must be 0 or 1, got {env!r}")
+    if recipe.model.pretrained is not None or env == "0":
+        return False
+    return env == "1" or device.type == "cuda"
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _prepare_baseline_layerwise(
+    model: nn.Module, recipe: Recipe, device: torch.device
+) -> BaselineReport:
+    """Materialize and prepare (:func:`~poetxq.baselines.prepare_baseline`) one decoder layer of
+    a meta-built Llama at a time, so a quantized baseline (qgalore, qapollo) never holds the dense
+    fp32 decoder on the device: only the layer being quantized.
+
+    Returns:
+        The report :func:`~poetxq.baselines.prepare_baseline` gives for the whole model.
+    """
+    targets: list[str] = []
+    group_size = None
+    for i, layer in enumerate(model.model.layers):
+        materialize_meta_parameters(model, device, within=layer)
+        report = prepare_baseline(layer, recipe.method, recipe.baseline)
+        targets += [f"model.layers.{i}.{name}" for name in report.targets]
+        group_size = report.weight_group_size
+    return BaselineReport(recipe.method, targets, group_size)
 
 
 def build_for_training(
@@ -135,9 +173,9 @@ def build_for_training(
         model: nn.Module = build_empty_llama(recipe.model, vocab_size)
         if is_poet:  # the meta linears are replaced before anything is allocated
             surgery = convert_to_poetx(model, recipe.poet, generator=generator, device=dev)
+        else:  # decoder layer by layer: at most one layer's dense fp32 weights beside the rest
+            baseline = _prepare_baseline_layerwise(model, recipe, dev)
         materialize_meta_parameters(model, dev)
-        if not is_poet:
-            baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise RuntimeError(f"meta init left tensors on the meta device: {left[:5]}")

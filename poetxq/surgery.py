@@ -108,7 +108,9 @@ def _initializable(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def materialize_meta_parameters(model: nn.Module, device: torch.device | str) -> list[str]:
+def materialize_meta_parameters(
+    model: nn.Module, device: torch.device | str, *, within: nn.Module | None = None
+) -> list[str]:
     """Allocate every parameter of ``model`` still on the meta device on ``device`` and initialise
     it as transformers does at construction; then move the buffers to ``device`` too.
 
@@ -122,9 +124,12 @@ def materialize_meta_parameters(model: nn.Module, device: torch.device | str) ->
         model: a transformers ``PreTrainedModel`` (e.g. from :func:`build_empty_llama`, possibly
             after :func:`convert_to_poetx` replaced its linears).
         device: where the parameters are created.
+        within: only this submodule of ``model`` (e.g. one decoder layer, to be quantized before
+            the next is allocated); weights are tied only when the whole model is materialized.
 
     Returns:
-        The names of the materialized parameters, in module order.
+        The names of the materialized parameters (relative to ``within`` if given), in module
+        order.
 
     Raises:
         ValueError: a meta parameter belongs to a module that ``_init_weights`` does not handle.
@@ -134,7 +139,8 @@ def materialize_meta_parameters(model: nn.Module, device: torch.device | str) ->
     fresh: dict[int, nn.Parameter] = {}
     owners: list[nn.Module] = []
     names: list[str] = []
-    for mod_name, mod in model.named_modules():
+    root = model if within is None else within
+    for mod_name, mod in root.named_modules():
         own = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
         if not own:
             continue
@@ -152,7 +158,7 @@ def materialize_meta_parameters(model: nn.Module, device: torch.device | str) ->
             mod._parameters[n] = fresh[id(p)]
             names.append(f"{mod_name}.{n}" if mod_name else n)
         owners.append(mod)
-    if getattr(model.config, "tie_word_embeddings", False):
+    if within is None and getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     done: set[int] = set()
     for mod in owners:
@@ -160,7 +166,7 @@ def materialize_meta_parameters(model: nn.Module, device: torch.device | str) ->
         if params:
             model._init_weights(mod)
             done.update(id(p) for p in params)
-    model.to(dev)  # buffers (rotary inv_freq, ...) computed on the CPU
+    root.to(dev)  # buffers (rotary inv_freq, ...) computed on the CPU
     return names
 
 
