@@ -179,23 +179,17 @@ def build_for_training(
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise RuntimeError(f"meta init left tensors on the meta device: {left[:5]}")
-    elif dev.type == "cuda":  # a --model checkpoint (or meta init turned off): loaded on the CPU
+    else:  # classic: built (or loaded) on the CPU; there, exactly the calls CPU runs always made
         model, keep_weights = build_model(recipe, vocab_size, echo=echo)
-        if is_poet:  # each layer's W0 is moved to the device and quantized there
+        on_gpu = dev.type == "cuda"  # a --model checkpoint, or meta init turned off
+        if is_poet:  # on a GPU each layer's W0 is moved there and quantized there
             surgery = convert_to_poetx(
-                model, recipe.poet, generator=generator, keep_weights=keep_weights, device=dev
-            )
-            model.to(dev)
+                model, recipe.poet, generator=generator, keep_weights=keep_weights,
+                device=dev if on_gpu else None,
+            )  # fmt: skip
         else:
-            model.to(dev)
-            baseline = prepare_baseline(model, recipe.method, recipe.baseline)
-    else:  # CPU (and other devices): exactly the calls these runs always made, then a move
-        model, keep_weights = build_model(recipe, vocab_size, echo=echo)
-        if is_poet:
-            surgery = convert_to_poetx(
-                model, recipe.poet, generator=generator, keep_weights=keep_weights
-            )
-        else:
+            if on_gpu:  # int8 baselines quantize on the GPU
+                model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
     _sync(dev)

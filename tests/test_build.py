@@ -276,3 +276,19 @@ def test_quantized_baseline_is_materialized_one_layer_at_a_time(monkeypatch):
     for i, dense in enumerate(seen):
         assert len(dense) == 7 and all(n.startswith(f"model.layers.{i}.") for n in dense)
     assert len(built.baseline.targets) == 21 and built.baseline.weight_group_size == 256
+
+
+def test_convert_with_an_explicit_device_keeps_the_weights_as_before():
+    """The --model way on a GPU passes ``device=``; on the CPU that is the default, bit for bit."""
+    from poetxq.surgery import build_llama
+
+    torch.manual_seed(0)
+    ref = build_llama(TINY, 50)
+    other = build_llama(TINY, 50)
+    other.load_state_dict(ref.state_dict())
+    cfg = POETConfig(block_size=16, bits=4)
+    convert_to_poetx(ref, cfg, keep_weights=True, generator=torch.Generator().manual_seed(3))
+    convert_to_poetx(other, cfg, keep_weights=True, generator=torch.Generator().manual_seed(3),
+                     device="cpu")  # fmt: skip
+    sr, so = ref.state_dict(), other.state_dict()
+    assert list(sr) == list(so) and all(torch.equal(sr[k], so[k]) for k in sr)
