@@ -2,8 +2,9 @@
 
 One step is what ``poetxq train`` does per optimizer step: ``grad_accum`` forward/backward passes
 of ``batch_size × seq_len`` tokens, gradient clipping, the optimizer step and ``zero_grad``
-(merges are not timed). On a GPU the model is built on the device with fp32 parameters and runs
-under bf16 autocast, as in training; on the CPU it runs in fp32.
+(merges are not timed). On a GPU the model is built on the device with fp32 parameters (meta init,
+as in training: :mod:`poetxq.build`) and runs under bf16 autocast, as in training; on the CPU it
+runs in fp32.
 
 * tokens/s = timed steps × tokens per step / wall seconds (after ``warmup`` untimed steps).
 * MFU = ``6 · N · tokens/s / peak`` with ``N`` the dense model's parameter count (embeddings,
@@ -117,23 +118,33 @@ def git_commit() -> str | None:
 
 
 def build_model_and_optimizer(
-    recipe: Recipe, vocab_size: int, device: torch.device
+    recipe: Recipe,
+    vocab_size: int,
+    device: torch.device,
+    *,
+    meta_init: bool | None = None,
+    echo: Callable[[str], None] = print,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The recipe's Llama on ``device`` (POET methods: converted, W0 drawn from
-    ``train.seed + 1``; baselines: prepared) and its optimizer, as the trainer builds them."""
-    from poetxq.baselines import build_baseline_optimizer, prepare_baseline
+    ``train.seed + 1``; baselines: prepared) and its optimizer, as the trainer builds them
+    (:func:`poetxq.build.build_for_training`: on CUDA with meta init, no CPU copy; ``meta_init``
+    overrides that choice)."""
+    from poetxq.baselines import build_baseline_optimizer
+    from poetxq.build import build_for_training
     from poetxq.optim import build_optimizer
-    from poetxq.surgery import build_llama, convert_to_poetx
 
     gen = torch.Generator().manual_seed(recipe.train.seed + 1)
-    model = build_llama(recipe.model, vocab_size, device=device if device.type != "cpu" else None)
-    if recipe.method in ("poetxq", "poetx"):
-        convert_to_poetx(model, recipe.poet, generator=gen)
-        optimizer = build_optimizer(model, recipe.optim)
+    built = build_for_training(
+        recipe, vocab_size, device, generator=gen, meta_init=meta_init, echo=echo
+    )
+    if built.surgery is not None:
+        optimizer = build_optimizer(built.model, recipe.optim)
     else:
-        report = prepare_baseline(model, recipe.method, recipe.baseline)
-        optimizer = build_baseline_optimizer(model, report, recipe.baseline, recipe.optim)
-    return model.to(device), optimizer
+        assert built.baseline is not None
+        optimizer = build_baseline_optimizer(
+            built.model, built.baseline, recipe.baseline, recipe.optim
+        )
+    return built.model, optimizer
 
 
 def _sync(device: torch.device) -> None:
@@ -163,7 +174,7 @@ def run_bench(
             the CPU).
         device: ``"cuda"``/``"cpu"`` (default: CUDA when available).
         command: the command line, recorded in the result.
-        echo: where the progress line goes.
+        echo: where the progress lines go (model build time, first step done).
 
     Returns:
         :class:`BenchResult`.
@@ -184,7 +195,9 @@ def run_bench(
     tc, oc = recipe.train, recipe.optim
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
-    model, optimizer = build_model_and_optimizer(recipe, V, dev)
+    start = time.perf_counter()
+    model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo)
+    echo(f"model: built in {time.perf_counter() - start:.1f} s on {dev}")
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

@@ -88,6 +88,88 @@ def build_llama(
         torch.set_default_dtype(default)
 
 
+def build_empty_llama(cfg: ModelConfig, vocab_size: int) -> LlamaForCausalLM:
+    """:func:`build_llama` with every parameter on the meta device (no memory, no random init).
+
+    Buffers are real and computed on the CPU as in :func:`build_llama` (the rotary ``inv_freq``
+    is bit-identical). Tied parameters come out untied (accelerate's ``init_empty_weights``
+    re-creates each parameter it registers); :func:`materialize_meta_parameters` ties them again.
+    """
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        return build_llama(cfg, vocab_size)
+
+
+def _initializable(module: nn.Module) -> bool:
+    """Whether transformers' default ``_init_weights`` initialises ``module``'s own parameters."""
+    name = type(module).__name__
+    return isinstance(module, (nn.Linear, nn.Embedding)) or "RMSNorm" in name or "LayerNorm" in name
+
+
+@torch.no_grad()
+def materialize_meta_parameters(
+    model: nn.Module, device: torch.device | str, *, within: nn.Module | None = None
+) -> list[str]:
+    """Allocate every parameter of ``model`` still on the meta device on ``device`` and initialise
+    it as transformers does at construction; then move the buffers to ``device`` too.
+
+    Each module owning a meta parameter gets fresh storage and ``model._init_weights(module)``
+    (embeddings and linears ``N(0, initializer_range)``, RMSNorms 1), drawn from ``device``'s
+    default generator (``torch.manual_seed`` / accelerate's ``set_seed`` seed it identically on
+    every rank). Tied weights (``config.tie_word_embeddings``) are tied again first and initialised
+    once, from the input embedding, as at construction.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (e.g. from :func:`build_empty_llama`, possibly
+            after :func:`convert_to_poetx` replaced its linears).
+        device: where the parameters are created.
+        within: only this submodule of ``model`` (e.g. one decoder layer, to be quantized before
+            the next is allocated); weights are tied only when the whole model is materialized.
+
+    Returns:
+        The names of the materialized parameters (relative to ``within`` if given), in module
+        order.
+
+    Raises:
+        ValueError: a meta parameter belongs to a module that ``_init_weights`` does not handle.
+    """
+    dev = torch.device(device)
+    old_params: list[nn.Parameter] = []  # keeps the meta tensors alive: ids stay unique
+    fresh: dict[int, nn.Parameter] = {}
+    owners: list[nn.Module] = []
+    names: list[str] = []
+    root = model if within is None else within
+    for mod_name, mod in root.named_modules():
+        own = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
+        if not own:
+            continue
+        if not _initializable(mod):
+            raise ValueError(
+                f"{mod_name} ({type(mod).__name__}) has meta parameters that transformers' "
+                "_init_weights does not initialise"
+            )
+        for n, p in own:
+            if id(p) not in fresh:
+                old_params.append(p)
+                fresh[id(p)] = nn.Parameter(
+                    torch.empty_like(p, device=dev), requires_grad=p.requires_grad
+                )
+            mod._parameters[n] = fresh[id(p)]
+            names.append(f"{mod_name}.{n}" if mod_name else n)
+        owners.append(mod)
+    if within is None and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    done: set[int] = set()
+    for mod in owners:
+        params = [p for p in mod.parameters(recurse=False) if id(p) not in done]
+        if params:
+            model._init_weights(mod)
+            done.update(id(p) for p in params)
+    root.to(dev)  # buffers (rotary inv_freq, ...) computed on the CPU
+    return names
+
+
 def _ragged(dim: int, b: int) -> int | None:
     r = dim % b
     return r or None
@@ -99,6 +181,7 @@ def convert_to_poetx(
     *,
     generator: torch.Generator | None = None,
     keep_weights: bool = False,
+    device: torch.device | str | None = None,
 ) -> SurgeryReport:
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
@@ -106,19 +189,25 @@ def convert_to_poetx(
     layer's original initialisation is discarded — unless ``keep_weights``: then ``W0`` is the
     layer's own weight as it is (quantized, no re-initialisation or row normalisation) and its
     bias is copied, for continuing from a pretrained checkpoint.
-    On a GPU a fresh ``W0`` is drawn on the device (seeded from ``generator``).
+    On a GPU a fresh ``W0`` is drawn on the device (one seed per layer from ``generator``, then a
+    ``torch.Generator`` on the device): the same numbers on every GPU and every rank. On the CPU it
+    is drawn from ``generator`` itself in float64 (:func:`~poetxq.layer.normalized_gaussian`).
 
     Args:
-        model: a transformers Llama-family model.
+        model: a transformers Llama-family model. Without ``keep_weights`` its target linears may
+            be on the meta device (never allocated): only their shapes are read.
         cfg: the recipe's ``poet`` section (bits, block size, variant, target modules, ...).
         generator: RNG for ``W0`` and the permutations (reproducible from the run seed).
         keep_weights: use each layer's existing weight (and bias) as ``W0``.
+        device: where the POET-X(Q) layers are created and ``W0`` is drawn and quantized; default
+            each linear's own device. Required when the linears are on the meta device.
 
     Returns:
         A :class:`SurgeryReport` listing the converted layers.
 
     Raises:
-        ValueError: no target module found, or the block size exceeds a layer dimension.
+        ValueError: no target module found, the block size exceeds a layer dimension, or a target
+            is on the meta device with ``keep_weights`` or without ``device``.
     """
     report = SurgeryReport(
         block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant, quant_type=cfg.quant_type
@@ -138,7 +227,12 @@ def convert_to_poetx(
                 f"block size b={b} exceeds a dimension of {name} ({m}x{n}); "
                 f"choose --block-size <= {min(n, m)}"
             )
-        dev = lin.weight.device
+        dev = torch.device(device) if device is not None else lin.weight.device
+        if dev.type == "meta" or (keep_weights and lin.weight.is_meta):
+            raise ValueError(
+                f"{name} is on the meta device: pass device= (and keep_weights only with real "
+                "weights)"
+            )
         weight = lin.weight.detach().float() if keep_weights else None
         if weight is None and dev.type != "cpu":  # draw W0 on the device (a CPU draw is slow at 8B)
             seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
@@ -157,7 +251,7 @@ def convert_to_poetx(
             bias=lin.bias is not None,
             stochastic_requant=cfg.requant == "stochastic",
             generator=generator,
-            device=lin.weight.device,
+            device=dev,
             quant_type=cfg.quant_type,
             double_quant=cfg.double_quant,
         )

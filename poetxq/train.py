@@ -29,13 +29,8 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from poetxq.baselines import (
-    build_baseline_optimizer,
-    clip_grad_norm_all,
-    prepare_baseline,
-    quant_modules,
-    summarize_baseline,
-)
+from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
+from poetxq.build import build_for_training
 from poetxq.checkpoint import (
     CHECKPOINT_DIR,
     load_training_checkpoint,
@@ -57,9 +52,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.pretrained import build_model
 from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
-from poetxq.surgery import convert_to_poetx, summarize
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -97,7 +90,8 @@ class TrainResult:
     merges: int
     device: str
     method: str = ""  # label: poetxq, poetxq4, poetx or the baseline's name
-    peak_memory_bytes: int | None = None  # torch.cuda.max_memory_allocated (None on CPU)
+    # torch.cuda.max_memory_allocated since the model was built (None on CPU): see train()
+    peak_memory_bytes: int | None = None
     peak_rss_bytes: int | None = None  # the process's peak resident set size (ru_maxrss)
     num_processes: int = 1
     interrupted: bool = False  # stopped early by SIGTERM/SIGINT (a checkpoint was saved)
@@ -250,17 +244,20 @@ def train(
     # the unigram baseline scores exactly the tokens the model predicts (labels of each window)
     unigram = unigram_perplexity(data.train.flatten(), data.val[:, 1:], data.vocab_size)
 
-    model, keep_weights = build_model(recipe, data.vocab_size, echo=say)  # --model: pretrained
     poet_gen = torch.Generator().manual_seed(tc.seed + 1)
     is_poet = recipe.method in ("poetxq", "poetx")
+    # CUDA: built on the device (meta init, W0 drawn and quantized there); CPU: as always
+    built = build_for_training(
+        recipe, data.vocab_size, accelerator.device, generator=poet_gen, echo=say
+    )  # --model: pretrained
+    model = built.model
+    say(built.summary(recipe))
+    say(built.build_line())
     if is_poet:
-        report = convert_to_poetx(model, pc, generator=poet_gen, keep_weights=keep_weights)
-        say(summarize(model, report))
         optimizer = build_optimizer(model, oc)
     else:
-        base_report = prepare_baseline(model, recipe.method, recipe.baseline)
-        say(summarize_baseline(model, base_report, recipe.baseline))
-        optimizer = build_baseline_optimizer(model, base_report, recipe.baseline, oc)
+        assert built.baseline is not None
+        optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)
     scheduler = build_scheduler(optimizer, oc, tc.max_steps)
     if tc.gradient_checkpointing:  # whole decoder layers: keep inputs, recompute in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -286,6 +283,11 @@ def train(
         )  # fmt: skip
         resumed = meta["loop"]
         say(f"resumed from {resume_from} (step {meta['step']} of {tc.max_steps})")
+    if device.type == "cuda":
+        # peak_memory_bytes measures training from here on: the built model and optimizer, the
+        # steps' activations and optimizer states, evaluations and checkpoint writes; not the
+        # transients of building (fp32 W0 drawn before quantization) or of loading a checkpoint
+        torch.cuda.reset_peak_memory_stats(device)
 
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -456,7 +458,9 @@ def train(
         merges=merges,
         device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
         method=method_label(recipe),
-        peak_memory_bytes=torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+        peak_memory_bytes=(
+            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        ),
         peak_rss_bytes=peak_rss_bytes(),
         num_processes=world,
         interrupted=interrupted,

@@ -52,7 +52,9 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
     args = ["--steps", "2", "--device", "cpu", "--gradient-checkpointing", "--out", str(out)]
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, *args]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr().out.strip().splitlines()
+    line = printed[-1]
+    assert sum(p.startswith("model: built in ") and p.endswith(" s on cpu") for p in printed) == 1
     data = json.loads(out.read_text())
     assert line.startswith("bench tiny-poetxq: ") and "MFU n/a" in line and "peak RSS" in line
     assert f"{data['tokens_per_s']:,.0f} tok/s" in line

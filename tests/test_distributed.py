@@ -157,3 +157,22 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tmp_path_f
         assert (again / "model.safetensors").read_bytes() == (
             tmp_path / "two" / "model.safetensors"
         ).read_bytes()
+
+
+@pytest.mark.slow
+def test_two_processes_build_the_same_model_with_meta_init(tmp_path, tmp_path_factory, monkeypatch):
+    """The CUDA way of building (meta init), taken on the CPU: each rank builds its own model and
+    DDP does not broadcast the frozen W0 buffers, so they must be drawn identically — the final
+    replica check agrees after merges at steps 3 and 6, and 2 processes match 1."""
+    monkeypatch.setenv("POETXQ_META_INIT", "1")  # _run passes the environment on
+    cache = tmp_path_factory.getbasetemp() / "data-cache"
+    base = [*COMMON, "--output-dir", str(tmp_path)]
+    one = _run([*base, "--run-name", "one", "--batch-size", "8"], 1, cache)
+    _run([*base, "--run-name", "two", "--batch-size", "4"], 2, cache)
+    assert "(meta init: " in one.stdout
+    l1, l2 = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert sorted(l1) == sorted(l2) == list(range(1, 9))
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=RTOL), step
+    s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert s2["num_processes"] == 2 and s2["replicas_identical"] is True and s2["merges"] == 2
