@@ -66,6 +66,7 @@ class BenchResult:
     commit: str | None
     torch: str
     command: str | None = None
+    build_s: float | None = None  # seconds to build the model and optimizer (before warm-up)
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -197,7 +198,8 @@ def run_bench(
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
     model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo)
-    echo(f"model: built in {time.perf_counter() - start:.1f} s on {dev}")
+    build_s = time.perf_counter() - start
+    echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -251,7 +253,7 @@ def run_bench(
         peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
-        torch=torch.__version__, command=command,
+        torch=torch.__version__, command=command, build_s=build_s,
     )  # fmt: skip
 
 
