@@ -40,16 +40,19 @@ def _dense_side(side, dtype=torch.float64) -> torch.Tensor:
     return side.dense(dtype)
 
 
-def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict:
-    dev = "cuda"
+def correctness(
+    n: int, m: int, b: int, bits: int, gen: torch.Generator, dev: str = "cuda", tokens: int = 2048
+) -> dict:
+    """Output and dX of a POET-X(Q) mem layer vs a dense float64 ``x @ (R·W0·P)ᵀ``."""
     layer = POETXLinear(n, m, block_size=b, bits=bits, variant="mem", generator=gen, device=dev)
     with torch.no_grad():
         for side in (layer.P, layer.R):
             side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
-    x = torch.randn(2048, n, device=dev)
-    dy = torch.randn(2048, m, device=dev)
-    # dense float64 reference
-    w0 = layer.frozen.dequantize(torch.float64)[layer.R.inv_perm][:, layer.P.inv_perm]
+    x = torch.randn(tokens, n, device=dev)
+    dy = torch.randn(tokens, m, device=dev)
+    # dense float64 reference; stored_w0 undoes the store's own layout (4-bit stores keep the
+    # columns in input order, int8 permutes both sides)
+    w0 = layer.stored_w0(torch.float64)
     w_dense = _dense_side(layer.R) @ w0 @ _dense_side(layer.P)
     y_ref = x.double() @ w_dense.t()
     dx_ref = dy.double() @ w_dense
@@ -58,7 +61,7 @@ def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict
         xx = x.detach().to(dtype).requires_grad_()
         layer.zero_grad(set_to_none=True)
         if dtype == torch.bfloat16:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(dev, dtype=torch.bfloat16):
                 y = layer(xx)
         else:
             y = layer(xx)
@@ -66,7 +69,8 @@ def correctness(n: int, m: int, b: int, bits: int, gen: torch.Generator) -> dict
         key = "fp32" if dtype == torch.float32 else "bf16_autocast"
         out[key] = {"y_rel_err": _rel(y, y_ref), "dx_rel_err": _rel(xx.grad, dx_ref)}
     del w_dense, w0
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,3 +82,14 @@ def test_bench_cnp_stacks_the_llama_8b_blocks_and_needs_a_gpu(capsys):
         assert bench.main([]) == 1
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("bits", [8, 4, 16])
+def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
+    # the GPU run's correctness check, at a small size: every store layout must pass it (an
+    # oracle that un-permuted the 4-bit store's columns once reported 1.41 for a correct layer)
+    suite = _load("gpu_suite")
+    gen = torch.Generator().manual_seed(0)
+    res = suite.correctness(128, 192, 16, bits, gen, dev="cpu", tokens=64)
+    assert res["fp32"]["y_rel_err"] < 1e-5 and res["fp32"]["dx_rel_err"] < 1e-5, res
+    assert res["bf16_autocast"]["y_rel_err"] < 2e-2, res
