@@ -5,14 +5,19 @@ call, the fastest *measured* correct path; the plain-torch references
 (:mod:`quant_kernels.reference`, :mod:`quant_kernels.reference_4bit`) run on the CPU and remain
 the test oracle.
 
-Dispatch on CUDA (see ``evals/results/dequant_matmul_h200.json``):
+Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h200.json``
+(ratios to bf16 cuBLAS at the Llama-8B/13B MLP shapes):
 
-* all four weight GEMMs (int8 / NF4 / FP4, forward ``x @ Wᵀ`` and dX ``g @ W``) with at least
-  :data:`STREAMED_MIN_M` token rows: the slab-streamed path (:mod:`quant_kernels.streamed`): one
+* int8 GEMMs (forward ``x @ Wᵀ`` and dX ``g @ W``) with at least :data:`STREAMED_MIN_M` token
+  rows, and every 4-bit GEMM: the slab-streamed path (:mod:`quant_kernels.streamed`): one
   memory-bound Triton kernel decodes a bounded band of the weight into a reusable 16-bit slab and
-  cuBLAS multiplies it; the weight never exists in 16 bits beyond one slab;
-* fewer rows (decode-bound GEMMs): the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`),
-  which decode each weight tile in registers.
+  cuBLAS multiplies it; the weight never exists in 16 bits beyond one slab
+  (:func:`slab_bytes_for`). int8 at 8,192 tokens: 1.08–1.29× forward, 1.07–1.18× dX, against
+  1.35–1.56× / 1.87–1.99× for the fused kernel and 1.24–1.36× / 1.14–1.21× for dequantizing the
+  whole weight first. NF4: 1.30–1.59× (bitsandbytes' own dequantize-then-matmul: 1.06–1.17×,
+  holding the whole bf16 weight); the fused NF4 kernels measured 22–66×.
+* int8 with fewer rows: the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`), which read
+  the int8 weight once per M-tile and never decode a slab.
 
 * Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the torch path.
   The fused Triton CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``, fp32/bf16/fp16) is opt-in
@@ -50,6 +55,7 @@ __all__ = [
     "int8_rowwise_matmul_t",
     "quantize_int8_rowwise",
     "skew_from_packed",
+    "slab_bytes_for",
     "triton_enabled",
     "weight_gemm_path",
 ]
@@ -57,8 +63,19 @@ __all__ = [
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-#: token rows from which the weight GEMMs take the slab-streamed path (module docstring)
+#: token rows from which the int8 GEMMs take the slab-streamed path (module docstring)
 STREAMED_MIN_M = 512
+
+
+def slab_bytes_for(rows: int) -> int:
+    """Decoded-slab size for a weight GEMM with ``rows`` token rows (bytes).
+
+    Measured on the H200 at the 8B/13B MLP shapes: 64 MiB slabs win at 2,048 tokens (int8 forward
+    1.33–1.40× vs 1.42–1.55× with 32 MiB), 32 and 64 MiB tie at 8,192 tokens; 32 MiB is taken
+    there to keep the transient smaller. Both stay below the 112–135 MiB bf16 weight.
+    """
+    return (64 if rows <= 4096 else 32) * 2**20
+
 
 _MODES = ("auto", "fused", "streamed", "torch")
 
@@ -80,8 +97,9 @@ def _rows(t: torch.Tensor) -> int:
     return t.numel() // max(t.shape[-1], 1)
 
 
-def weight_gemm_path(act: torch.Tensor) -> str:
-    """Which path serves a weight GEMM whose activation operand is ``act``.
+def weight_gemm_path(act: torch.Tensor, *, bits: int = 8) -> str:
+    """Which path serves a weight GEMM whose activation operand is ``act`` (``bits`` of the
+    stored weight: 8 or 4).
 
     Returns ``"torch"`` (CPU tensors, no Triton, or ``POETXQ_KERNELS=torch``), ``"fused"`` or
     ``"streamed"`` (see the module docstring).
@@ -94,7 +112,7 @@ def weight_gemm_path(act: torch.Tensor) -> str:
         return "torch"
     if mode != "auto":
         return mode
-    return "streamed" if _rows(act) >= STREAMED_MIN_M else "fused"
+    return "streamed" if bits == 4 or _rows(act) >= STREAMED_MIN_M else "fused"
 
 
 def triton_enabled(t: torch.Tensor) -> bool:
@@ -112,7 +130,9 @@ def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) ->
     if path == "streamed":
         from quant_kernels.streamed import int8_decoder, streamed_matmul_nt
 
-        return streamed_matmul_nt(x, int8_decoder(cb, scb), *cb.shape)
+        return streamed_matmul_nt(
+            x, int8_decoder(cb, scb), *cb.shape, slab_bytes=slab_bytes_for(_rows(x))
+        )
     if path == "fused":
         from quant_kernels.dequant_matmul import int8_matmul
 
@@ -126,7 +146,9 @@ def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) 
     if path == "streamed":
         from quant_kernels.streamed import int8_decoder, streamed_matmul_nn
 
-        return streamed_matmul_nn(g, int8_decoder(cb, scb), *cb.shape)
+        return streamed_matmul_nn(
+            g, int8_decoder(cb, scb), *cb.shape, slab_bytes=slab_bytes_for(_rows(g))
+        )
     if path == "fused":
         from quant_kernels.dequant_matmul import int8_matmul_t
 
@@ -149,13 +171,13 @@ def blockwise_4bit_matmul(
     """
     from quant_kernels import reference_4bit
 
-    path = weight_gemm_path(x)
+    path = weight_gemm_path(x, bits=4)
     if path == "streamed":
         from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nt
 
         code = reference_4bit.get_4bit_code(quant_type, x.device)
         dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
-        return streamed_matmul_nt(x, dec, *shape)
+        return streamed_matmul_nt(x, dec, *shape, slab_bytes=slab_bytes_for(_rows(x)))
     if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul as fused
 
@@ -175,13 +197,13 @@ def blockwise_4bit_matmul_t(
     """``g @ W`` for a bitsandbytes NF4/FP4 weight ``W [N, K]`` (``g [..., N]``) → ``[..., K]``."""
     from quant_kernels import reference_4bit
 
-    path = weight_gemm_path(g)
+    path = weight_gemm_path(g, bits=4)
     if path == "streamed":
         from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nn
 
         code = reference_4bit.get_4bit_code(quant_type, g.device)
         dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
-        return streamed_matmul_nn(g, dec, *shape)
+        return streamed_matmul_nn(g, dec, *shape, slab_bytes=slab_bytes_for(_rows(g)))
     if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul_t as fused
 

@@ -29,6 +29,9 @@ def test_auto_policy_and_overrides(monkeypatch):
     small, big = _FakeCuda(limit - 1), _FakeCuda(limit)
     assert quant_kernels.weight_gemm_path(small) == "fused"
     assert quant_kernels.weight_gemm_path(big) == "streamed"
+    assert quant_kernels.weight_gemm_path(small, bits=4) == "streamed"  # 4-bit: always
+    assert quant_kernels.slab_bytes_for(2048) == 64 * 2**20
+    assert quant_kernels.slab_bytes_for(8192) == 32 * 2**20
     assert quant_kernels.triton_enabled(small)
     for mode in ("fused", "streamed", "torch"):
         monkeypatch.setenv("POETXQ_KERNELS", mode)
