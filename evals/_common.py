@@ -36,6 +36,23 @@ def cuda_time_ms(fn: Callable[[], object], warmup: int = 10, iters: int = 50) ->
     return times[len(times) // 2]
 
 
+def cuda_peak_extra_mib(fn: Callable[[], object], *, minus_result: bool = False) -> float:
+    """MiB that one ``fn()`` call allocates on the GPU above what was allocated before it (its
+    transients and its result; ``minus_result``: the returned tensor's bytes are not counted)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    if minus_result and isinstance(out, torch.Tensor):
+        extra -= out.numel() * out.element_size()
+    del out
+    return extra / 2**20
+
+
 def provenance(device_name: str, argv: list[str] | None = None) -> dict[str, Any]:
     """The header every results JSON starts with: date (UTC), GPU or ``cpu``, torch, commit and
     the command line that produced it."""

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from _common import cuda_time_ms, provenance, write_json_atomic
+from _common import cuda_peak_extra_mib, cuda_time_ms, provenance, write_json_atomic
 
 from poetxq.estimate import _projections
 from poetxq.orthogonal import num_blocks
@@ -57,15 +57,6 @@ def model_blocks(recipe_spec: str, block_size: int) -> tuple[int, list[dict]]:
         rows.append({"name": name, "out": m, "in": n, "R_blocks": r_blocks, "P_blocks": p_blocks})
         total += layers * (r_blocks + p_blocks)
     return total, rows
-
-
-def _peak_mib(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def _max_rel(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -130,7 +121,7 @@ def bench_dtype(
         ms[name] = {
             "fwd": cuda_time_ms(fwd(fn), warmup=warmup, iters=reps),
             "fwd_bwd": cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps),
-            "fwd_bwd_peak_extra_mib": _peak_mib(fwd_bwd(fn)),
+            "fwd_bwd_peak_extra_mib": cuda_peak_extra_mib(fwd_bwd(fn)),
         }
         torch.cuda.empty_cache()
     res["ms"] = ms

@@ -18,7 +18,7 @@ import json
 import sys
 
 import torch
-from _common import cuda_time_ms
+from _common import cuda_peak_extra_mib, cuda_time_ms
 
 from quant_kernels import reference
 from quant_kernels.dequant_matmul import (
@@ -56,25 +56,14 @@ def _rotating(make, n: int = 3):
     return nxt
 
 
-def _peak_extra_mib(fn) -> float:
-    """Memory a call allocates beyond its inputs and its output (MiB): its transients."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
-    del out
-    return extra / 2**20
-
-
 def _measure(table: dict, flops: int) -> dict:
     """Time every entry of ``table`` (name → zero-argument call) side by side; ratios vs bf16."""
     res = {}
     for name, fn in table.items():
         slow = "fused" in name and "nf4" in name  # the fused NF4 kernels take tens of ms
         t = cuda_time_ms(fn, warmup=2, iters=5) if slow else cuda_time_ms(fn)
-        res[name] = {"ms": t, "tflops": flops / t / 1e9, "peak_extra_mib": _peak_extra_mib(fn)}
+        peak = cuda_peak_extra_mib(fn, minus_result=True)  # transients only, not the output
+        res[name] = {"ms": t, "tflops": flops / t / 1e9, "peak_extra_mib": peak}
     base = res["bf16_matmul"]["ms"]
     for r in res.values():
         r["ratio_vs_bf16"] = r["ms"] / base

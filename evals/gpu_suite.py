@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import cuda_time_ms, git_commit
+from _common import cuda_peak_extra_mib, cuda_time_ms, git_commit
 
 from poetxq.layer import POETXLinear
 
@@ -88,17 +88,9 @@ def layer_speed(n: int, m: int, b: int) -> dict:
 
         return fn
 
-    def peak(fn) -> float:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
     base_ms = cuda_time_ms(run(lin))
     res["nn_linear_ms"] = base_ms
-    res["nn_linear_peak_extra_mib"] = peak(run(lin))
+    res["nn_linear_peak_extra_mib"] = cuda_peak_extra_mib(run(lin))
     for bits in (8, 4, 16):
         for variant in ("fast", "mem"):
             name = f"poetx{ {8: 'q_int8', 4: 'q_nf4', 16: '_bf16'}[bits] }_{variant}"
@@ -108,7 +100,7 @@ def layer_speed(n: int, m: int, b: int) -> dict:
                 fn = run(layer)
                 ms = cuda_time_ms(fn)
                 res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
-                             "peak_extra_mib": peak(fn)}  # fmt: skip
+                             "peak_extra_mib": cuda_peak_extra_mib(fn)}  # fmt: skip
                 del layer, fn
             except Exception as exc:  # record and go on: one broken variant must not hide the rest
                 res[name] = {"error": f"{type(exc).__name__}: {exc}"}
