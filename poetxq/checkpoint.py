@@ -241,9 +241,26 @@ def _remove_stale(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def distinct_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with a copy of every tensor whose storage an earlier one already uses (tied
+    weights such as ``lm_head.weight`` = ``embed_tokens.weight``): safetensors refuses shared
+    storage. Loading back and re-tying gives the same model."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen:
+            t = t.clone()
+        elif ptr:
+            seen.add(ptr)
+        out[name] = t
+    return out
+
+
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``safetensors.torch.save_file`` (a separate function so tests can interrupt it)."""
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    """``safetensors.torch.save_file`` (a separate function so tests can interrupt it); tied
+    tensors are written as copies (:func:`distinct_storage`)."""
+    save_file(distinct_storage(tensors), str(path), metadata={"format": "pt"})
 
 
 def save_training_checkpoint(

@@ -33,6 +33,7 @@ from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant
 from poetxq.build import build_for_training
 from poetxq.checkpoint import (
     CHECKPOINT_DIR,
+    distinct_storage,
     load_training_checkpoint,
     save_training_checkpoint,
 )
@@ -150,6 +151,7 @@ def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:
 def save_checkpoint(model: torch.nn.Module, path: Path) -> None:
     """Write ``model.state_dict()`` to ``path`` as safetensors, atomically (temp + rename)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = distinct_storage(state)  # tied embeddings / lm_head: safetensors refuses shared storage
     _atomic_write_bytes(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
 
 

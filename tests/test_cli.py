@@ -227,3 +227,13 @@ def test_divergence_stops_with_one_line_and_saves_nothing_after(tmp_path, capsys
     assert bad_step < 30 and not (run / "summary.json").exists()
     saved = sorted(int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("step-*"))
     assert saved and max(saved) < bad_step  # the good ones are kept, none after the divergence
+
+
+def test_tied_embeddings_run_saves_and_resumes(tmp_path):
+    # lm_head.weight is embed_tokens.weight: safetensors refuses shared storage unless copied
+    tied = ("--set", "model.tie_word_embeddings=true", "--save-every", "2")
+    assert _run(tmp_path, "--run-name", "tied", "--max-steps", "3", *tied) == 0
+    state = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"])
+    step2 = sorted((tmp_path / "tied" / "checkpoints" / "step-00000002").glob("*.safetensors"))
+    assert step2 and all(load_file(str(p)) for p in step2)  # the periodic checkpoint too
