@@ -41,6 +41,7 @@ SHAPES = [  # (M tokens, K in, N out)
     (8192, 13824, 5120),  # Llama-13B down
     (2048, 4096, 14336),  # one 8B sequence of 2048 tokens
     (2048, 14336, 4096),
+    (512, 4096, 14336),  # where the int8 dispatch switches from fused to streamed
 ]
 SLABS_MIB = (16, 32, 64)  # slab sizes of the streamed path compared side by side
 
@@ -142,15 +143,25 @@ def _bench_nf4(res: dict, w: torch.Tensor, xs, gs, flops: int) -> None:
         return streamed_matmul_nn(gs(), fourbit_decoder(packed, absmax(), code, 64, k), n, k,
                                   slab_bytes=sb)  # fmt: skip
 
+    def select_nt():  # code values by a select tree instead of a gather load
+        dec = fourbit_decoder(packed, absmax(), code, 64, k, lut="select")
+        return streamed_matmul_nt(xs(), dec, n, k, slab_bytes=sb)
+
+    def select_nn():
+        dec = fourbit_decoder(packed, absmax(), code, 64, k, lut="select")
+        return streamed_matmul_nn(gs(), dec, n, k, slab_bytes=sb)
+
     fwd = {
         "bf16_matmul": lambda: xs() @ w_deq.t(),
         "nf4_streamed_32MiB": streamed_nt,
+        "nf4_streamed_select_32MiB": select_nt,
         "bnb_matmul_4bit": lambda: bnb.matmul_4bit(xs(), packed.t(), quant_state=state),
         "nf4_fused": lambda: blockwise_4bit_matmul(xs(), packed, absmax(), code, 64, (n, k)),
     }
     bwd = {
         "bf16_matmul": lambda: gs() @ w_deq,
         "nf4_streamed_32MiB": streamed_nn,
+        "nf4_streamed_select_32MiB": select_nn,
         "nf4_fused": lambda: blockwise_4bit_matmul_t(gs(), packed, absmax(), code, 64, (n, k)),
     }
     res["nf4_forward"] = _measure(fwd, flops)
@@ -162,6 +173,11 @@ def _bench_nf4(res: dict, w: torch.Tensor, xs, gs, flops: int) -> None:
     y = streamed_matmul_nt(x, dec, n, k).float()
     dx = streamed_matmul_nn(g, dec, n, k).float()
     res["nf4_forward"]["rel_err_vs_fp32_streamed"] = ((y - y_ref).norm() / y_ref.norm()).item()
+    dec_sel = fourbit_decoder(packed, absmax(), code, 64, k, lut="select")
+    y_sel = streamed_matmul_nt(x, dec_sel, n, k).float()
+    res["nf4_forward"]["rel_err_vs_fp32_streamed_select"] = (
+        (y_sel - y_ref).norm() / y_ref.norm()
+    ).item()
     res["nf4_backward_input"]["rel_err_vs_fp32_streamed"] = (
         (dx - dx_ref).norm() / dx_ref.norm()
     ).item()

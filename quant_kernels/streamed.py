@@ -56,19 +56,64 @@ def _int8_slab_kernel(
 
 
 @triton.jit
+def _select16(code, qmap_ptr):
+    """``quant_map[code]`` for a tile of 4-bit codes by a 4-level tree of selects over the 16
+    values held as scalars (no per-element memory gather)."""
+    b0, b1 = (code & 1) != 0, (code & 2) != 0
+    b2, b3 = (code & 4) != 0, (code & 8) != 0
+    q0 = tl.load(qmap_ptr + 0)
+    q1 = tl.load(qmap_ptr + 1)
+    q2 = tl.load(qmap_ptr + 2)
+    q3 = tl.load(qmap_ptr + 3)
+    q4 = tl.load(qmap_ptr + 4)
+    q5 = tl.load(qmap_ptr + 5)
+    q6 = tl.load(qmap_ptr + 6)
+    q7 = tl.load(qmap_ptr + 7)
+    q8 = tl.load(qmap_ptr + 8)
+    q9 = tl.load(qmap_ptr + 9)
+    q10 = tl.load(qmap_ptr + 10)
+    q11 = tl.load(qmap_ptr + 11)
+    q12 = tl.load(qmap_ptr + 12)
+    q13 = tl.load(qmap_ptr + 13)
+    q14 = tl.load(qmap_ptr + 14)
+    q15 = tl.load(qmap_ptr + 15)
+    a0 = tl.where(b0, q1, q0)
+    a1 = tl.where(b0, q3, q2)
+    a2 = tl.where(b0, q5, q4)
+    a3 = tl.where(b0, q7, q6)
+    a4 = tl.where(b0, q9, q8)
+    a5 = tl.where(b0, q11, q10)
+    a6 = tl.where(b0, q13, q12)
+    a7 = tl.where(b0, q15, q14)
+    c0 = tl.where(b1, a1, a0)
+    c1 = tl.where(b1, a3, a2)
+    c2 = tl.where(b1, a5, a4)
+    c3 = tl.where(b1, a7, a6)
+    d0 = tl.where(b2, c1, c0)
+    d1 = tl.where(b2, c3, c2)
+    return tl.where(b3, d1, d0)
+
+
+@triton.jit
 def _4bit_slab_kernel(
     packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     row0, col0, rows, cols, n_cols,
     BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    SELECT_LUT: tl.constexpr,
 ):  # fmt: skip
-    """out[r, c] = quant_map[code(e)] · absmax[e // BLOCKSIZE] with e = (row0+r)·n_cols + col0+c."""
+    """out[r, c] = quant_map[code(e)] · absmax[e // BLOCKSIZE] with e = (row0+r)·n_cols + col0+c.
+
+    ``SELECT_LUT``: look the code values up by :func:`_select16` instead of a gather load."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     e = (row0 + r).to(tl.int64)[:, None] * n_cols + (col0 + c)[None, :]
     byte = tl.load(packed_ptr + (e >> 1), mask=mask, other=0).to(tl.int32)
     code = tl.where((e & 1) == 0, byte >> 4, byte & 15)
-    val = tl.load(qmap_ptr + code, mask=mask, other=0.0)
+    if SELECT_LUT:
+        val = _select16(code, qmap_ptr)
+    else:
+        val = tl.load(qmap_ptr + code, mask=mask, other=0.0)
     scale = tl.load(absmax_ptr + e // BLOCKSIZE, mask=mask, other=0.0)
     dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
     tl.store(dst, (val * scale).to(out_ptr.dtype.element_ty), mask=mask)
@@ -100,16 +145,32 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor) -> _Decoder:
 
 
 def fourbit_decoder(
-    packed: torch.Tensor, absmax: torch.Tensor, quant_map: torch.Tensor, blocksize: int, k: int
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_map: torch.Tensor,
+    blocksize: int,
+    k: int,
+    *,
+    lut: str = "gather",
 ) -> _Decoder:
-    """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32)."""
+    """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32).
+
+    ``lut``: how code values are looked up, ``"gather"`` (a load from ``quant_map`` per element;
+    the H200 measured this) or ``"select"`` (a tree of selects over 16 scalars; same values,
+    not yet timed on a GPU — ``evals/bench_dequant_matmul.py`` compares the two).
+
+    Raises:
+        ValueError: unknown ``lut``.
+    """
+    if lut not in ("gather", "select"):
+        raise ValueError(f"lut must be 'gather' or 'select', got {lut!r}")
     packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
         _4bit_slab_kernel[_launch_grid(rows, cols)](
             packed, absmax, qmap, out, row0, col0, rows, cols, k,
-            BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+            BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, SELECT_LUT=lut == "select",
         )  # fmt: skip
         return out.view(rows, cols)
 

@@ -41,7 +41,9 @@ def _int8(n: int, k: int, gen: torch.Generator):
     return int8_decoder(cb.to(DEVICE), scb.to(DEVICE)), deq
 
 
-def _4bit(n: int, k: int, quant_type: str, double_quant: bool, gen: torch.Generator):
+def _4bit(
+    n: int, k: int, quant_type: str, double_quant: bool, gen: torch.Generator, lut: str = "gather"
+):
     w = torch.randn(n, k, generator=gen)
     packed, st = F.quantize_4bit(
         w.clone(), blocksize=64, quant_type=quant_type, compress_statistics=double_quant
@@ -50,7 +52,8 @@ def _4bit(n: int, k: int, quant_type: str, double_quant: bool, gen: torch.Genera
     absmax = st.absmax.float()
     if double_quant:
         absmax = (F.dequantize_blockwise(st.absmax, st.state2) + st.offset).float()
-    dec = fourbit_decoder(packed.to(DEVICE), absmax.to(DEVICE), st.code.float().to(DEVICE), 64, k)
+    code = st.code.float().to(DEVICE)
+    dec = fourbit_decoder(packed.to(DEVICE), absmax.to(DEVICE), code, 64, k, lut=lut)
     return dec, deq
 
 
@@ -66,8 +69,9 @@ def test_int8_slab_equals_reference_dequant_exactly(rect, gen):
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, gen):
-    dec, deq = _4bit(9, 192, quant_type, double_quant, gen)
+@pytest.mark.parametrize("lut", ["gather", "select"])
+def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, lut, gen):
+    dec, deq = _4bit(9, 192, quant_type, double_quant, gen, lut)
     buf = torch.empty(9 * 192, device=DEVICE)
     for r0, rows, c0, cols in ((0, 9, 0, 192), (2, 5, 63, 66), (8, 1, 191, 1), (1, 3, 1, 130)):
         slab = dec(buf, r0, rows, c0, cols)  # odd offsets: nibble order and block boundaries
@@ -109,6 +113,9 @@ def test_errors(gen):
         streamed_matmul_nt(torch.randn(2, 8, device=DEVICE), dec, 8, 16)
     with pytest.raises(ValueError, match="last dim 16; the weight \\[8, 16\\] needs 8"):
         streamed_matmul_nn(torch.randn(2, 16, device=DEVICE), dec, 8, 16)
+    with pytest.raises(ValueError, match="lut must be 'gather' or 'select'"):
+        fourbit_decoder(torch.zeros(8, dtype=torch.uint8), torch.ones(1), torch.ones(16), 64, 16,
+                        lut="table")  # fmt: skip
     with pytest.raises(ValueError, match="slab_bytes must be positive"):
         streamed_matmul_nt(torch.randn(2, 16, device=DEVICE), dec, 8, 16, slab_bytes=0)
     assert streamed_matmul_nt(torch.randn(0, 16, device=DEVICE), dec, 8, 16).shape == (0, 8)
