@@ -314,7 +314,7 @@ def train(
 
     def log(record: dict) -> None:
         if metrics_file is not None:
-            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.write(json.dumps(_finite(record)) + "\n")  # NaN/inf as null: valid JSON
             metrics_file.flush()
         if log_with:
             accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -367,6 +367,19 @@ def train(
     model.train()
     step = start_step
     stop = StopSignals()  # SIGTERM/SIGINT: finish the step, save, stop
+    # a non-finite loss on any step since the last check (on the device: no sync per step)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
+    def check_finite(step: int) -> float:
+        """The step's loss (mean over ranks); raises DivergedError if it or any loss since the
+        last check was NaN/inf. Called before merges, logs, evaluations and every checkpoint."""
+        value = accelerator.reduce(loss_sum, "mean").item() / tc.grad_accum
+        if not math.isfinite(value) or any_rank(bool(nonfinite.item()), device):
+            log({"step": step, "event": "diverged", "loss": value})
+            bar.close()
+            raise _diverged(value, step, run_dir)
+        return value
+
     for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
         for _ in range(tc.grad_accum):
@@ -376,6 +389,7 @@ def train(
                 loss = causal_lm_loss(model, batch)
                 accelerator.backward(loss / tc.grad_accum)
             loss_sum += loss.detach()
+        nonfinite |= ~torch.isfinite(loss_sum)
         if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
             all_reduce_float_grads([q.float_grad for q in qmods if q.float_grad is not None])
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
@@ -388,12 +402,18 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1
-        if (
+        merging = (
             is_poet
             and step % pc.merge_interval == 0
             and step < tc.max_steps
             and not pc.freeze_orthogonal
-        ):
+        )
+        saving = bool(tc.save_every) and step % tc.save_every == 0 and step < tc.max_steps
+        evaluating = step % tc.eval_every == 0 and step < tc.max_steps
+        logging = step % tc.log_every == 0 or step == tc.max_steps
+        if merging or saving or evaluating or logging:
+            loss_value = check_finite(step)  # a NaN model is never merged, evaluated or saved
+        if merging:
             merge_and_reset(raw_model, raw_optimizer, poet_gen)
             merges += 1
             steps_since_merge = 0
@@ -402,13 +422,7 @@ def train(
 
         window_tokens += tokens_per_step
         bar.update(1)
-        saving = bool(tc.save_every) and step % tc.save_every == 0 and step < tc.max_steps
-        if step % tc.log_every == 0 or step == tc.max_steps or saving:
-            loss_value = accelerator.reduce(loss_sum, "mean").item() / tc.grad_accum
-            if not math.isfinite(loss_value):  # every rank sees the same reduced value
-                log({"step": step, "event": "diverged", "loss": loss_value})
-                bar.close()
-                raise _diverged(loss_value, step, run_dir)
+        if logging:
             now = time.perf_counter()
             tps = window_tokens / max(now - window_start, 1e-9)
             window_tokens, window_start = 0, now
@@ -420,12 +434,13 @@ def train(
             })  # fmt: skip
             bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                             tok_s=f"{tps:,.0f}")  # fmt: skip
-        if step % tc.eval_every == 0 and step < tc.max_steps:
+        if evaluating:
             val_loss, val_ppl = evaluate()
             log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
             if main:
                 bar.write(f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}")
         if any_rank(stop.received is not None, device):  # every rank stops at the same step
+            loss_value = check_finite(step)  # the interrupt checkpoint must not hold NaNs
             break
         if saving:
             checkpoint(step)

@@ -237,3 +237,34 @@ def test_tied_embeddings_run_saves_and_resumes(tmp_path):
     assert torch.equal(state["model.embed_tokens.weight"], state["lm_head.weight"])
     step2 = sorted((tmp_path / "tied" / "checkpoints" / "step-00000002").glob("*.safetensors"))
     assert step2 and all(load_file(str(p)) for p in step2)  # the periodic checkpoint too
+
+
+def test_eval_lines_carry_the_current_loss_and_metrics_are_strict_json(tmp_path):
+    # eval_every 3 is not a multiple of log_every 5: the eval record must still hold a real loss
+    assert _run(tmp_path, "--run-name", "ev", "--max-steps", "7", "--eval-every", "3") == 0
+    lines = (tmp_path / "ev" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x, parse_constant=lambda c: pytest.fail(f"non-JSON {c}")) for x in lines]
+    evals = [r for r in records if "val_ppl" in r and r["step"] == 3]
+    assert evals and math.isfinite(evals[0]["loss"]) and evals[0]["loss"] > 0
+
+
+def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, monkeypatch):
+    # log_every 1000: the NaN of step 3 is caught before the merge of step 4, not at the end
+    import poetxq.train as train_mod
+
+    calls = {"n": 0}
+    real = train_mod.causal_lm_loss
+
+    def poisoned(model, batch):  # the 3rd micro-batch's loss is NaN, later ones are finite
+        calls["n"] += 1
+        loss = real(model, batch)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(train_mod, "causal_lm_loss", poisoned)
+    code = _run(tmp_path, "--run-name", "p", "--max-steps", "12", "--merge-interval", "4",
+                "--set", "train.log_every=1000")  # fmt: skip
+    assert code == 2 and "diverged" in capsys.readouterr().err
+    run = tmp_path / "p"
+    assert not list((run / "checkpoints").glob("step-*"))
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e.get("event") == "diverged"] == [4]
