@@ -130,7 +130,10 @@ def parse_bytes(text: str) -> int:
             f"memory size '{text}' has no unit; write e.g. {m.group(1)}GB (bare numbers are bytes)"
         )
     scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
-    return int(float(m.group(1)) * scale)
+    size = int(float(m.group(1)) * scale)
+    if size <= 0:
+        raise EstimateError(f"memory size '{text}' must be positive; write e.g. 80GB")
+    return size
 
 
 def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:

@@ -371,6 +371,12 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
         state = load_file(str(ckpt))
     except (SafetensorError, OSError) as exc:
         raise ExportError(f"cannot read {ckpt}: {_one_line(exc)}") from None
+    bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:  # a damaged file, or a run saved after diverging: never export it silently
+        raise ExportError(
+            f"{ckpt} holds NaN/inf values in {len(bad)} tensors (e.g. {bad[0]}); the file is "
+            "damaged or the run diverged — export an earlier checkpoint's run instead"
+        )
     if (run / CONFIG_FILE).is_file():
         config = AutoConfig.from_pretrained(str(run))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -548,7 +554,7 @@ def export_run(
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # "." must name the directory, not build ".tmp" inside it
     _check_out_dir(out, overwrite, Path(run_dir))
     run = load_run(run_dir, echo=echo)
     model, config = run.model, run.config

@@ -176,6 +176,8 @@ def test_parse_bytes():
     assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
     with pytest.raises(EstimateError, match="80GB"):
         parse_bytes("lots")
+    with pytest.raises(EstimateError, match="must be positive"):
+        parse_bytes("0GB")
 
 
 def test_estimate_memory_cli(tmp_path, capsys):

@@ -404,3 +404,23 @@ def test_export_of_a_non_run_is_one_error(tmp_path, capsys):
     assert main(["export", str(tmp_path / "r"), "--format", "hf-bf16", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a finished run directory" in err[0]
+
+
+def test_export_refuses_non_finite_weights_and_writes_into_cwd(runs, tmp_path, capsys,
+                                                               monkeypatch):  # fmt: skip
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "b8", run)
+    sd = load_file(str(run / "model.safetensors"))
+    sd["model.embed_tokens.weight"][3, 5] = float("nan")  # damaged bytes that still parse
+    save_file(sd, str(run / "model.safetensors"))
+    assert main(["export", str(run), "--format", "hf-bnb8", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "NaN/inf" in err[0] and "embed_tokens" in err[0]
+    assert not (tmp_path / "out").exists()
+    here = tmp_path / "here"  # OUT_DIR "." is the current (empty) directory itself
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", "."]) == 0
+    assert (here / "model.safetensors").is_file()
