@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from poetxq.recipe import RecipeError, load_recipe, parse_override
@@ -341,6 +342,20 @@ def _absolute_paths(recipe: Any) -> None:
             recipe.data.tokenizer = recipe.model.pretrained
 
 
+#: what a run writes before its first checkpoint (train.py); nothing there is worth keeping
+_STARTUP_FILES = {"recipe.yaml", "config.json", "metrics.jsonl", "tokenizer", "checkpoints"}
+
+
+def _only_startup_files(run_dir: Path) -> bool:
+    """Whether ``run_dir`` exists and holds nothing but an aborted start's files (and no
+    checkpoint: ``checkpoints/`` is empty or absent)."""
+    if not run_dir.is_dir():
+        return False
+    names = {p.name for p in run_dir.iterdir()}
+    ckpts = run_dir / "checkpoints"
+    return names <= _STARTUP_FILES and not (ckpts.is_dir() and any(ckpts.iterdir()))
+
+
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
@@ -374,7 +389,12 @@ def _run_train(args: argparse.Namespace) -> int:
         if recipe.data.tokenizer == recipe.model.pretrained:
             recipe.data.tokenizer = local
     if run_dir is None:
-        run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite)
+        # --resume auto with no checkpoint yet: a start stopped before its first checkpoint left
+        # only what every run writes first; starting over loses nothing
+        restart = args.resume == "auto" and _only_startup_files(
+            Path(recipe.train.output_dir) / args.run_name
+        )
+        run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite or restart)
     result = train(
         recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
     )

@@ -268,3 +268,20 @@ def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, 
     assert not list((run / "checkpoints").glob("step-*"))
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "diverged"] == [4]
+
+
+def test_resume_auto_restarts_a_start_stopped_before_its_first_checkpoint(tmp_path, capsys):
+    run = tmp_path / "early"
+    (run / "tokenizer").mkdir(parents=True)  # what a start leaves when stopped before step 1
+    for name in ("recipe.yaml", "config.json", "metrics.jsonl"):
+        (run / name).write_text("{}")
+    assert _run(tmp_path, "--run-name", "early", "--resume", "auto", "--max-steps", "2") == 0
+    assert (run / "summary.json").is_file()
+    # anything beyond those files is kept: a finished run without checkpoints is not restarted
+    import shutil
+
+    (run / "checkpoints").mkdir(exist_ok=True)
+    for p in (run / "checkpoints").iterdir():
+        shutil.rmtree(p)
+    assert _run(tmp_path, "--run-name", "early", "--resume", "auto", "--max-steps", "2") == 2
+    assert "already exists" in capsys.readouterr().err
