@@ -445,58 +445,64 @@ def train(
         if saving:
             checkpoint(step)
     bar.close()
-    interrupted = step < tc.max_steps
-    train_seconds = seconds_before + time.perf_counter() - train_start
-    if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
-        checkpoint(step)
-    same = replicas_identical(raw_model) if world > 1 else None
-    this_session = max(train_seconds - seconds_before, 1e-9)
-    tokens_per_s = (step - start_step) * tokens_per_step / this_session
 
-    if interrupted:
-        sig = stop.received.name if stop.received is not None else "signal"
-        log({"step": step, "event": "interrupted", "signal": sig})
-        val_loss = val_ppl = None
-        say(f"interrupted by {sig} after step {step}; continue with --resume {run_dir}")
-    else:
-        sig = None
-        val_loss, val_ppl = evaluate()
-        log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
-    result = TrainResult(
-        run_dir=str(run_dir),
-        steps=step,
-        tokens=step * tokens_per_step,
-        initial_val_ppl=val_ppl0,
-        final_val_ppl=val_ppl,  # type: ignore[arg-type]  # None when interrupted
-        unigram_val_ppl=unigram,
-        final_train_loss=loss_value,
-        tokens_per_s=tokens_per_s,
-        train_seconds=train_seconds,
-        merges=merges,
-        device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
-        method=method_label(recipe),
-        peak_memory_bytes=(
-            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        ),
-        peak_rss_bytes=peak_rss_bytes(),
-        num_processes=world,
-        interrupted=interrupted,
-        stop_signal=sig,
-        resumed_from=resumed_from,
-        replicas_identical=same,
-    )
-    if main:
-        if tc.save_checkpoint and not interrupted:
-            save_checkpoint(raw_model, run_dir / "model.safetensors")
-        (run_dir / "summary.json").write_text(
-            json.dumps(_finite(asdict(result)), indent=2), encoding="utf-8"
+    def finish() -> TrainResult:
+        """Final checkpoint, evaluation, model file and summary."""
+        interrupted = step < tc.max_steps
+        train_seconds = seconds_before + time.perf_counter() - train_start
+        if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
+            checkpoint(step)
+        same = replicas_identical(raw_model) if world > 1 else None
+        this_session = max(train_seconds - seconds_before, 1e-9)
+        tokens_per_s = (step - start_step) * tokens_per_step / this_session
+
+        if interrupted:
+            sig = stop.received.name if stop.received is not None else "signal"
+            log({"step": step, "event": "interrupted", "signal": sig})
+            val_loss = val_ppl = None
+            say(f"interrupted by {sig} after step {step}; continue with --resume {run_dir}")
+        else:
+            sig = None
+            val_loss, val_ppl = evaluate()
+            log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
+        result = TrainResult(
+            run_dir=str(run_dir),
+            steps=step,
+            tokens=step * tokens_per_step,
+            initial_val_ppl=val_ppl0,
+            final_val_ppl=val_ppl,  # type: ignore[arg-type]  # None when interrupted
+            unigram_val_ppl=unigram,
+            final_train_loss=loss_value,
+            tokens_per_s=tokens_per_s,
+            train_seconds=train_seconds,
+            merges=merges,
+            device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
+            method=method_label(recipe),
+            peak_memory_bytes=(
+                torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            ),
+            peak_rss_bytes=peak_rss_bytes(),
+            num_processes=world,
+            interrupted=interrupted,
+            stop_signal=sig,
+            resumed_from=resumed_from,
+            replicas_identical=same,
         )
-        metrics_file.close()
-    accelerator.end_training()
-    if not interrupted:
-        say(
-            f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
-            f"({result.tokens_per_s:,.0f} tok/s), {merges} merges; val ppl {val_ppl0:.1f} -> "
-            f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
-        )
-    return result
+        if main:
+            if tc.save_checkpoint and not interrupted:
+                save_checkpoint(raw_model, run_dir / "model.safetensors")
+            (run_dir / "summary.json").write_text(
+                json.dumps(_finite(asdict(result)), indent=2), encoding="utf-8"
+            )
+            metrics_file.close()
+        accelerator.end_training()
+        if not interrupted:
+            say(
+                f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
+                f"({result.tokens_per_s:,.0f} tok/s), {merges} merges; val ppl {val_ppl0:.1f} -> "
+                f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
+            )
+        return result
+
+    with stop:  # a SIGTERM/SIGINT from here on waits until the outputs are written
+        return finish()

@@ -285,3 +285,24 @@ def test_resume_auto_restarts_a_start_stopped_before_its_first_checkpoint(tmp_pa
         shutil.rmtree(p)
     assert _run(tmp_path, "--run-name", "early", "--resume", "auto", "--max-steps", "2") == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_signal_during_the_final_evaluation_waits_for_the_outputs(tmp_path, monkeypatch):
+    import os
+    import signal
+
+    import poetxq.train as train_mod
+
+    real, calls = train_mod.evaluate_perplexity, {"n": 0}
+
+    def eval_then_sigterm(*a, **k):  # the 2nd call is the final evaluation (eval_every 20 > 3)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled: must not kill the process here
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "evaluate_perplexity", eval_then_sigterm)
+    assert _run(tmp_path, "--run-name", "fin", "--max-steps", "3") == 0
+    run = tmp_path / "fin"
+    assert (run / "summary.json").is_file() and (run / "model.safetensors").is_file()
+    assert json.loads((run / "summary.json").read_text())["final_val_ppl"] > 0
