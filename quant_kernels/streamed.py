@@ -183,9 +183,17 @@ def _band(total: int, other: int, elem: int, slab_bytes: int, align: int) -> int
     return min(per, total)
 
 
-def _check_slab_bytes(slab_bytes: int) -> None:
+def _prepare(
+    act: torch.Tensor, name: str, inner: int, outer: int, n: int, k: int, slab_bytes: int
+) -> tuple[torch.Size, torch.Tensor, torch.Tensor]:
+    """Checks, then ``(leading shape, act as [rows, inner], empty output [rows, outer])``."""
     if slab_bytes <= 0:
         raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    if act.shape[-1] != inner:
+        have = act.shape[-1]
+        raise ValueError(f"{name} has last dim {have}; the weight [{n}, {k}] needs {inner}")
+    act2 = act.reshape(-1, inner)
+    return act.shape[:-1], act2, act.new_empty(act2.shape[0], outer)
 
 
 def streamed_matmul_nt(
@@ -210,12 +218,7 @@ def streamed_matmul_nt(
     Raises:
         ValueError: ``x``'s last dim is not ``k`` or ``slab_bytes ≤ 0``.
     """
-    _check_slab_bytes(slab_bytes)
-    if x.shape[-1] != k:
-        raise ValueError(f"x has last dim {x.shape[-1]}; the weight [{n}, {k}] needs {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    y = torch.empty(x2.shape[0], n, device=x.device, dtype=x.dtype)
+    lead, x2, y = _prepare(x, "x", k, n, n, k, slab_bytes)
     if y.numel() == 0:
         return y.view(*lead, n)
     band = _band(n, k, x.element_size(), slab_bytes, 128)
@@ -246,12 +249,7 @@ def streamed_matmul_nn(
     Raises:
         ValueError: ``g``'s last dim is not ``n`` or ``slab_bytes ≤ 0``.
     """
-    _check_slab_bytes(slab_bytes)
-    if g.shape[-1] != n:
-        raise ValueError(f"g has last dim {g.shape[-1]}; the weight [{n}, {k}] needs {n}")
-    lead = g.shape[:-1]
-    g2 = g.reshape(-1, n)
-    out = torch.empty(g2.shape[0], k, device=g.device, dtype=g.dtype)
+    lead, g2, out = _prepare(g, "g", n, k, n, k, slab_bytes)
     if out.numel() == 0:
         return out.view(*lead, k)
     band = _band(k, n, g.element_size(), slab_bytes, 64)
