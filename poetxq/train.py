@@ -26,16 +26,15 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
 from poetxq.build import build_for_training
 from poetxq.checkpoint import (
     CHECKPOINT_DIR,
-    distinct_storage,
     load_training_checkpoint,
     save_training_checkpoint,
+    write_tensors,
 )
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
@@ -151,8 +150,7 @@ def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:
 def save_checkpoint(model: torch.nn.Module, path: Path) -> None:
     """Write ``model.state_dict()`` to ``path`` as safetensors, atomically (temp + rename)."""
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    state = distinct_storage(state)  # tied embeddings / lm_head: safetensors refuses shared storage
-    _atomic_write_bytes(path, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    _atomic_write_bytes(path, lambda tmp: write_tensors(state, tmp))  # tied tensors as copies
 
 
 def peak_rss_bytes() -> int | None:
