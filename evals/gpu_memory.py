@@ -26,6 +26,7 @@ import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from _common import provenance, write_json_atomic
@@ -51,6 +52,25 @@ TARGET_GIB = {"llama-8b": {"no_ckpt": 25, "ckpt": 11}, "llama-13b": {"no_ckpt": 
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def _profile(step, dev: torch.device, path: Path) -> None:
+    """One more step under torch.profiler; the top operators by self device and CPU time."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        _sync(dev)
+    ka = prof.key_averages()
+    sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        ka.table(sort_by=sort, row_limit=30)
+        + "\n"
+        + ka.table(sort_by="self_cpu_time_total", row_limit=20)
+        + "\n"
+    )
 
 
 def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
@@ -101,6 +121,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         key = "ckpt" if ckpt else "no_ckpt"
+        if args.profile_dir:
+            _profile(step, dev, Path(args.profile_dir) / f"profile_{name}_{key}.txt")
         official = OFFICIAL.get(name, {}).get(key)
         row = {
             "model": name,
@@ -156,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override (smoke tests)")  # fmt: skip
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

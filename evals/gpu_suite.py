@@ -8,7 +8,9 @@
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
 4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
-5. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
+5. The kernel unit tests (``tests/quant_kernels``) on CUDA at their own sizes, compiled for the
+   GPU instead of the CPU interpreter: pytest's summary line goes into the JSON.
+6. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
    the GPU in bf16 with no flags (``evals/vertical_slice.py``; ``--skip-train`` leaves it out).
 
 Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT [--parts dequant,layer]
@@ -129,7 +131,7 @@ def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -
     )
 
 
-PARTS = ("correctness", "dequant", "layer", "profile", "train")
+PARTS = ("correctness", "kernel_tests", "dequant", "layer", "profile", "train")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
                 report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
                                               "error": repr(exc)})  # fmt: skip
         print(json.dumps(report["correctness"], indent=1), flush=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "kernel_tests" in parts:
+        repo = Path(__file__).resolve().parents[1]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+               str(repo / "tests" / "quant_kernels")]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=repo)
+        lines = (res.stdout + res.stderr).strip().splitlines()
+        failed = [ln for ln in lines if ln.startswith("FAILED")]
+        report["kernel_tests"] = {"returncode": res.returncode, "summary": lines[-1:],
+                                  "failures": failed}  # fmt: skip
+        print(json.dumps(report["kernel_tests"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "dequant" in parts:
         import bench_dequant_matmul

@@ -30,18 +30,15 @@ the plain references, which dequantize the whole weight at once). This package i
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from quant_kernels import cnp, reference
+from quant_kernels._policy import HAS_TRITON as _HAS_TRITON
+from quant_kernels._policy import policy as _policy
+from quant_kernels._policy import triton_enabled
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
-from quant_kernels.reference import (
-    dequant_int8_rowwise,
-    quantize_int8_rowwise,
-    skew_from_packed,
-)
+from quant_kernels.cnp import skew_from_packed
+from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise
 
 __all__ = [
     "block_diag_grad",
@@ -60,9 +57,6 @@ __all__ = [
     "weight_gemm_path",
 ]
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
 #: token rows from which the int8 GEMMs take the slab-streamed path (module docstring)
 STREAMED_MIN_M = 512
 
@@ -77,20 +71,11 @@ def slab_bytes_for(rows: int) -> int:
     return (64 if rows <= 4096 else 32) * 2**20
 
 
-_MODES = ("auto", "fused", "streamed", "torch")
-
 #: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA. False until the GPU
 #: benchmark (``python evals/bench_cnp.py``, Llama-8B blocks at b = 256) measures it faster than
 #: the torch path; ``POETXQ_KERNELS=fused`` uses it regardless.
 FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _policy() -> str:
-    mode = os.environ.get("POETXQ_KERNELS", "auto")
-    if mode not in _MODES:
-        raise ValueError(f"POETXQ_KERNELS={mode!r}; use one of {', '.join(_MODES)}")
-    return mode
 
 
 def _rows(t: torch.Tensor) -> int:
@@ -113,12 +98,6 @@ def weight_gemm_path(act: torch.Tensor, *, bits: int = 8) -> str:
     if mode != "auto":
         return mode
     return "streamed" if bits == 4 or _rows(act) >= STREAMED_MIN_M else "fused"
-
-
-def triton_enabled(t: torch.Tensor) -> bool:
-    """Whether Triton kernels may serve ``t``: a CUDA tensor, Triton installed, and
-    ``POETXQ_KERNELS`` not ``torch``."""
-    return t.is_cuda and _HAS_TRITON and _policy() != "torch"
 
 
 def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
@@ -234,7 +213,7 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
         from quant_kernels.cnp_triton import cayley_neumann_fused
 
         return cayley_neumann_fused(packed, block_size, terms)
-    return reference.cayley_neumann(packed, block_size, terms)
+    return cnp.cayley_neumann(packed, block_size, terms)
 
 
 def cayley_neumann_lean(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:

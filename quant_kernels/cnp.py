@@ -6,13 +6,38 @@ fifth of all activation memory of a Llama-8B POET-XQ step. :func:`cayley_neumann
 its packed input (usually a parameter, which is alive anyway) and recomputes the forward under
 autograd in backward: two extra batched ``b×b`` matmuls per block per step, no saved
 intermediates. Values and gradients equal the reference exactly (same ops, same order).
+
+On CUDA the skew blocks ``Q = U − Uᵀ`` are built by the Triton kernels of
+:mod:`quant_kernels.skew` (bit-identical to the reference's ``index_copy``, without its
+scatter/gather kernels); :func:`cayley_neumann` here is the reference with that one step swapped.
 """
 
 from __future__ import annotations
 
 import torch
 
-from quant_kernels.reference import cayley_neumann
+from quant_kernels import reference
+from quant_kernels._policy import triton_enabled
+
+_SKEW_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def skew_from_packed(packed: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`quant_kernels.reference.skew_from_packed` (same arguments, result, gradient and
+    errors), by the Triton kernels of :mod:`quant_kernels.skew` on CUDA for fp32/bf16/fp16."""
+    if triton_enabled(packed) and packed.dtype in _SKEW_TRITON_DTYPES:
+        from quant_kernels.skew import skew_from_packed_triton
+
+        return skew_from_packed_triton(packed, block_size)
+    return reference.skew_from_packed(packed, block_size)
+
+
+def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:
+    """:func:`quant_kernels.reference.cayley_neumann` (same arguments, result and errors) with
+    the skew blocks from :func:`skew_from_packed`."""
+    if terms < 1:
+        raise ValueError(f"Neumann terms k must be >= 1, got {terms}")
+    return reference.cnp_from_skew(skew_from_packed(packed, block_size), terms)
 
 
 class _CayleyNeumannLean(torch.autograd.Function):

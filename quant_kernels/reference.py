@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "block_diag_matmul",
     "cayley_neumann",
+    "cnp_from_skew",
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",
@@ -140,11 +141,19 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
     """
     if terms < 1:
         raise ValueError(f"Neumann terms k must be >= 1, got {terms}")
-    q = skew_from_packed(packed, block_size)
+    return cnp_from_skew(skew_from_packed(packed, block_size), terms)
+
+
+def cnp_from_skew(q: torch.Tensor, terms: int = 3) -> torch.Tensor:
+    """The Cayley–Neumann polynomial of dense skew blocks ``q [nb, b, b]`` (``terms = k ≥ 1``):
+    ``I + 2(Q + … + Q^k) + Q^{k+1}`` → ``[nb, b, b]`` in ``q.dtype`` (see :func:`cayley_neumann`).
+    """
+    block_size = q.shape[-1]
     eye = torch.eye(block_size, dtype=q.dtype, device=q.device)
     if terms == 3:  # I + 2Q + Q²(2I + 2Q + Q²): two batched matmuls instead of three
         q2 = q @ q
-        return eye + 2.0 * q + q2 @ (2.0 * (eye + q) + q2)
+        a = torch.add(eye, q, alpha=2.0)  # I + 2Q
+        return torch.baddbmm(a, q2, (a + eye).add_(q2))  # a + Q²·(2I + 2Q + Q²)
     acc = q
     power = q
     for _ in range(terms - 1):

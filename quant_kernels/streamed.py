@@ -119,6 +119,37 @@ def _4bit_slab_kernel(
     tl.store(dst, (val * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _4bit_pair_slab_kernel(
+    packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
+    row0, col0_half, rows, cols, half_cols,
+    BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    SELECT_LUT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_4bit_slab_kernel` a byte at a time, for an even column offset, width and row
+    length: each packed byte is loaded once (contiguous along the row), both nibbles are decoded,
+    and the two values are interleaved in registers (high nibble first) into one contiguous
+    store of ``2·BLOCK_P`` columns."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask = (r[:, None] < rows) & (p[None, :] < cols // 2)
+    byte_idx = (row0 + r).to(tl.int64)[:, None] * half_cols + (col0_half + p)[None, :]
+    byte = tl.load(packed_ptr + byte_idx, mask=mask, other=0).to(tl.int32)
+    hi, lo = byte >> 4, byte & 15
+    if SELECT_LUT:
+        v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
+    else:
+        v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
+        v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    # both nibbles of a byte share one absmax block (BLOCKSIZE is even): element 2·byte_idx
+    scale = tl.load(absmax_ptr + (2 * byte_idx) // BLOCKSIZE, mask=mask, other=0.0)
+    val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
+    c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
+    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+    omask = (r[:, None] < rows) & (c[None, :] < cols)
+    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
+
+
 # A slab decoder fills ``buf`` (contiguous, ``rows·cols`` elements) with W[row0:row0+rows,
 # col0:col0+cols] and returns it as a ``[rows, cols]`` view.
 _Decoder = Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
@@ -166,12 +197,21 @@ def fourbit_decoder(
         raise ValueError(f"lut must be 'gather' or 'select', got {lut!r}")
     packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
 
+    select = lut == "select"
+
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
-        _4bit_slab_kernel[_launch_grid(rows, cols)](
-            packed, absmax, qmap, out, row0, col0, rows, cols, k,
-            BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, SELECT_LUT=lut == "select",
-        )  # fmt: skip
+        if k % 2 == 0 and col0 % 2 == 0 and cols % 2 == 0 and blocksize % 2 == 0:
+            grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+            _4bit_pair_slab_kernel[grid](
+                packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
+                BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_P=_BLOCK_C // 2, SELECT_LUT=select,
+            )  # fmt: skip
+        else:  # odd offsets / widths: one element at a time
+            _4bit_slab_kernel[_launch_grid(rows, cols)](
+                packed, absmax, qmap, out, row0, col0, rows, cols, k,
+                BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, SELECT_LUT=select,
+            )  # fmt: skip
         return out.view(rows, cols)
 
     return decode

@@ -73,8 +73,11 @@ def test_int8_slab_equals_reference_dequant_exactly(rect, gen):
 def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, lut, gen):
     dec, deq = _4bit(9, 192, quant_type, double_quant, gen, lut)
     buf = torch.empty(9 * 192, device=DEVICE)
-    for r0, rows, c0, cols in ((0, 9, 0, 192), (2, 5, 63, 66), (8, 1, 191, 1), (1, 3, 1, 130)):
-        slab = dec(buf, r0, rows, c0, cols)  # odd offsets: nibble order and block boundaries
+    # even offsets and widths take the byte-pair kernel; odd ones the per-element kernel
+    rects = ((0, 9, 0, 192), (1, 3, 64, 128), (3, 6, 2, 62), (2, 5, 63, 66), (8, 1, 191, 1),
+             (1, 3, 1, 130))  # fmt: skip
+    for r0, rows, c0, cols in rects:
+        slab = dec(buf, r0, rows, c0, cols)  # nibble order and block boundaries
         assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols])
 
 
