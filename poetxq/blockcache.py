@@ -11,10 +11,17 @@ node). The result equals the per-layer computation exactly: the CNP is a per-blo
 
 The cache lives for one model forward: a forward hook clears it, and each entry also checks the
 ``Q`` version counter, so a direct layer call (tests, merges) or an optimizer step in between
-never sees stale blocks — such calls compute their blocks themselves. Under activation
-checkpointing the cache stays empty: each checkpointed layer computes its own blocks, so only one
-layer's blocks are alive at a time (holding every layer's blocks from forward to backward would
-cost more memory than checkpointing saves there).
+never sees stale blocks — such calls compute their blocks themselves.
+
+Under activation checkpointing, holding every layer's blocks from forward to backward would cost
+more memory than checkpointing saves (1.4 GiB of bf16 blocks at Llama-8B, b = 256). There the
+sides are grouped per checkpointed layer (transformers' ``GradientCheckpointingLayer``) instead,
+and each group is *lazy*: the first side of a layer that asks computes the blocks of all the
+layer's sides in one CNP, inside the checkpointed forward (so the checkpoint frees and recomputes
+them with the rest of the layer), and the group forgets them once every side has been served.
+That is one CNP per decoder layer instead of one per side (14 in a Llama layer); on the H200 the
+per-side CNPs' kernel launches were most of the CPU time of a checkpointed Llama-8B step
+(``evals/results/profiles/``).
 """
 
 from __future__ import annotations
@@ -29,37 +36,81 @@ from poetxq.orthogonal import OrthogonalSide
 
 
 class _Group:
-    """Sides sharing ``(b, k, dtype, device)``; their blocks are computed as one stack."""
+    """Sides sharing ``(b, k, dtype, device)``; their blocks are computed as one stack.
 
-    def __init__(self, sides: list[OrthogonalSide]) -> None:
+    ``lazy``: computed on the first :meth:`blocks` request (not by :meth:`refresh` from a hook)
+    and forgotten once every side has been served (the per-layer groups under checkpointing).
+    """
+
+    def __init__(self, sides: list[OrthogonalSide], *, lazy: bool = False) -> None:
         self.sides = sides
+        #: lazy groups of *other* layers, forgotten when this one computes (at most one layer's
+        #: blocks are held even if a checkpoint's recomputation stopped before the last side)
+        self.peers: list[_Group] = []
         self.sizes = [s.nb for s in sides]
         self.block_size = sides[0].block_size
         self.terms = sides[0].neumann_terms
+        self.lazy = lazy
         self.g: torch.Tensor | None = None
         self.versions: list[int] = []
         self.pieces: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+        self.unserved: set[int] = set()
 
     def refresh(self) -> None:
+        for other in self.peers:
+            other.clear()
         qs = [s.Q if s.mask is None else s.Q * s.mask for s in self.sides]
         q = qs[0] if len(qs) == 1 else torch.cat(qs)
-        self.g = quant_kernels.cayley_neumann_lean(q, self.block_size, self.terms)
+        lean = self.sides[0].lean_cnp
+        cnp = quant_kernels.cayley_neumann_lean if lean else quant_kernels.cayley_neumann
+        self.g = cnp(q, self.block_size, self.terms)
         self.versions = [s.Q._version for s in self.sides]
         self.pieces = {}
+        self.unserved = set(range(len(self.sides)))
 
     def clear(self) -> None:
-        self.g, self.versions, self.pieces = None, [], {}
+        self.g, self.versions, self.pieces, self.unserved = None, [], {}, set()
 
     def blocks(self, side: OrthogonalSide, dtype: torch.dtype) -> torch.Tensor | None:
         """``side``'s blocks ``[nb, b, b]`` in ``dtype``, or None when not cached / stale."""
-        if self.g is None:
-            return None
         i = side.block_cache_index  # an attribute, not an id() map: survives copy.deepcopy
-        if side.Q._version != self.versions[i]:
-            return None
+        fresh = self.g is not None and side.Q._version == self.versions[i]
+        if not fresh:
+            if not self.lazy:
+                return None
+            self.refresh()
         if dtype not in self.pieces:
             self.pieces[dtype] = torch.split(self.g.to(dtype), self.sizes)
-        return self.pieces[dtype][i]
+        piece = self.pieces[dtype][i]
+        if self.lazy:
+            self.unserved.discard(i)
+            if not self.unserved:  # the layer's last side: its checkpoint owns the blocks now
+                self.clear()
+        return piece
+
+
+def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
+    """The modules transformers checkpoints as a whole (decoder layers), outermost first."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover - transformers without it: no per-layer groups
+        return []
+    units: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, GradientCheckpointingLayer) and not any(
+            mod in set(u.modules()) for u in units
+        ):
+            units.append(mod)
+    return units
+
+
+def _by_key(sides: list[OrthogonalSide]) -> list[list[OrthogonalSide]]:
+    """``sides`` split by ``(b, k, dtype, device)``, the sides one CNP call can serve."""
+    by_key: dict[tuple[Any, ...], list[OrthogonalSide]] = {}
+    for side in sides:
+        key = (side.block_size, side.neumann_terms, side.Q.dtype, side.Q.device)
+        by_key.setdefault(key, []).append(side)
+    return list(by_key.values())
 
 
 def _checkpointing(model: nn.Module) -> bool:
@@ -79,27 +130,52 @@ class BlockCache:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        groups: dict[tuple[Any, ...], list[OrthogonalSide]] = {}
-        for mod in model.modules():
-            if isinstance(mod, OrthogonalSide):
-                key = (mod.block_size, mod.neumann_terms, mod.Q.dtype, mod.Q.device)
-                groups.setdefault(key, []).append(mod)
-        self.groups = [_Group(sides) for sides in groups.values()]
-        for group in self.groups:
-            for i, side in enumerate(group.sides):
-                side.block_cache, side.block_cache_index = group, i
+        sides = [m for m in model.modules() if isinstance(m, OrthogonalSide)]
+        #: one eager group per key over the whole model (no checkpointing)
+        self.groups = [_Group(g) for g in _by_key(sides)]
+        #: lazy groups per checkpointed layer (checkpointing); sides outside any such layer
+        #: compute their own blocks then
+        per_unit = [
+            [_Group(g, lazy=True) for g in _by_key(inside)]
+            for unit in _checkpoint_units(model)
+            if (inside := [m for m in unit.modules() if isinstance(m, OrthogonalSide)])
+        ]
+        self.layer_groups: list[_Group] = [g for mine in per_unit for g in mine]
+        for mine in per_unit:  # a layer's own groups never clear each other
+            others = [g for g in self.layer_groups if g not in mine]
+            for group in mine:
+                group.peers = others
+        self._checkpointing: bool | None = None
+        self._assign(checkpointing=False)
         self._handles = [
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after),
         ]
 
+    def _assign(self, *, checkpointing: bool) -> None:
+        """Point every side at its group for this mode (and set its ``lean_cnp``)."""
+        if checkpointing == self._checkpointing:
+            return
+        self._checkpointing = checkpointing
+        for group in self.groups:
+            for i, side in enumerate(group.sides):
+                # a checkpointed layer frees its CNP intermediates itself
+                side.lean_cnp = not checkpointing
+                side.block_cache = None if checkpointing else group
+                side.block_cache_index = -1 if checkpointing else i
+        if checkpointing:
+            for group in self.layer_groups:
+                for i, side in enumerate(group.sides):
+                    side.block_cache, side.block_cache_index = group, i
+
     def _before(self, module: nn.Module, _args: Any) -> None:
         ckpt = _checkpointing(module)
+        self._assign(checkpointing=ckpt)
+        for group in self.layer_groups:
+            group.clear()
         for group in self.groups:
-            for side in group.sides:  # a checkpointed layer frees its CNP intermediates itself
-                side.lean_cnp = not ckpt
             if ckpt:
-                group.clear()  # each checkpointed layer computes (and recomputes) its own
+                group.clear()
             else:
                 group.refresh()
 
@@ -111,7 +187,7 @@ class BlockCache:
         """Detach the hooks and forget the cached blocks."""
         for h in self._handles:
             h.remove()
-        for group in self.groups:
+        for group in self.groups + self.layer_groups:
             group.clear()
             for side in group.sides:
                 side.block_cache = None

@@ -69,14 +69,24 @@ def test_one_cnp_call_per_forward(monkeypatch):
     calls.clear()
     model(input_ids=tokens)
     assert len(calls) == len(sides)
-    # under activation checkpointing each layer computes its own blocks, with the plain CNP
+    # under activation checkpointing: one plain CNP per decoder layer, over that layer's blocks
     monkeypatch.setattr(quant_kernels, "cayley_neumann", counting)
     calls.clear()
     model = _model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     model(input_ids=tokens)
-    assert len(calls) == len(sides)
+    per_layer = [
+        sum(s.nb for m in layer.modules() for s in (getattr(m, "P", None), getattr(m, "R", None))
+            if s is not None)
+        for layer in model.model.layers
+    ]  # fmt: skip
+    assert calls == per_layer and len(calls) == CFG.num_hidden_layers
+    assert all(g.g is None for g in model.poetx_block_cache.layer_groups)  # nothing held after
+    # backward recomputes each layer (and its one CNP) once more
+    calls.clear()
+    model(input_ids=tokens).logits.sum().backward()
+    assert calls == per_layer + per_layer[::-1]
 
 
 def test_stale_blocks_are_never_used():
