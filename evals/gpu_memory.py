@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from _common import provenance, write_json_atomic
 
+from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
 from poetxq.evaluate import causal_lm_loss
 from poetxq.optim import build_optimizer
@@ -91,13 +92,25 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     gen = torch.Generator(device=dev).manual_seed(1)
     B, S = args.batch_size, args.seq_len
 
+    graphed: GraphedMicroStep | None = None
+
     def step() -> None:
+        nonlocal graphed
         batch = torch.randint(0, VOCAB, (B, S + 1), device=dev, generator=gen)
-        loss = causal_lm_loss(model, batch)
-        loss.backward()
+        if args.cuda_graph:
+            if graphed is None:
+                graphed = GraphedMicroStep(
+                    lambda b: causal_lm_loss(model, b), batch, list(model.parameters())
+                )
+            graphed(batch)
+        else:
+            causal_lm_loss(model, batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is not None:
+            graphed.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     out = []
     for ckpt in (False, True):
@@ -105,6 +118,12 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+            graphed = None  # capture again: checkpointing changes the graph
+            if args.cuda_graph:
+                for p in model.parameters():  # and frees the first graph's gradient tensors
+                    p.grad = None
+                gc.collect()
+                torch.cuda.empty_cache()
         r = recipe.model_copy(deep=True)
         r.train.gradient_checkpointing = ckpt
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
@@ -120,6 +139,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             _sync(dev)
             times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
         key = "ckpt" if ckpt else "no_ckpt"
         if args.profile_dir:
             _profile(step, dev, Path(args.profile_dir) / f"profile_{name}_{key}.txt")
@@ -136,12 +156,16 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "step_time_s": statistics.median(times),
             "step_times_s": times,
             "peak_memory_bytes": peak,
+            # a CUDA graph's activations live in its private pool, freed at capture: with
+            # --cuda-graph the allocated peak misses them; the reserved peak holds them
+            "peak_reserved_bytes": reserved,
             "peak_memory_gib": None if peak is None else peak / GIB,
             "estimated_peak_bytes": est.peak,
             "estimated_peak_gib": est.peak / GIB,
             "measured_over_estimate": None if peak is None else peak / est.peak,
             "estimate_breakdown_bytes": est.to_dict(),
             "build_s": build_s,
+            "cuda_graph": bool(args.cuda_graph),
         }
         if official:
             row["official_peak_gib"], row["official_step_s"] = official
@@ -178,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override (smoke tests)")  # fmt: skip
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="replay forward+backward from one CUDA graph")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)

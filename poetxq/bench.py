@@ -67,6 +67,10 @@ class BenchResult:
     torch: str
     command: str | None = None
     build_s: float | None = None  # seconds to build the model and optimizer (before warm-up)
+    cuda_graph: bool = False  # forward+backward replayed from a CUDA graph (train.cuda_graph)
+    #: CUDA reserved-memory peak; with a CUDA graph the activations live in its private pool,
+    #: which ``peak_memory_bytes`` (allocated) does not count
+    peak_reserved_bytes: int | None = None
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -184,6 +188,7 @@ def run_bench(
         BenchError: ``steps < 1``, ``warmup < 0`` or CUDA asked for but absent.
     """
     from poetxq.baselines import clip_grad_norm_all, quant_modules
+    from poetxq.cudagraph import GraphedMicroStep
     from poetxq.estimate import estimate_memory
     from poetxq.evaluate import causal_lm_loss
     from poetxq.train import peak_rss_bytes
@@ -208,20 +213,35 @@ def run_bench(
     data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
 
+    if tc.cuda_graph and dev.type != "cuda":
+        raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
+    graphed: GraphedMicroStep | None = None
+
+    def micro_loss(batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            return causal_lm_loss(model, batch) / tc.grad_accum
+
     def step() -> None:
+        nonlocal graphed
         for _ in range(tc.grad_accum):
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-                loss = causal_lm_loss(model, batch)
-            (loss / tc.grad_accum).backward()
+            if tc.cuda_graph:
+                if graphed is None:
+                    graphed = GraphedMicroStep(micro_loss, batch, list(model.parameters()))
+                graphed(batch)
+            else:
+                micro_loss(batch).backward()
         clip = oc.grad_clip or float("inf")
         if qmods:
             clip_grad_norm_all(model.parameters(), qmods, clip)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is not None:
+            graphed.zero_grad()
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     for _ in range(warmup):
         step()
@@ -253,7 +273,8 @@ def run_bench(
         peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
         peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
-        torch=torch.__version__, command=command, build_s=build_s,
+        torch=torch.__version__, command=command, build_s=build_s, cuda_graph=tc.cuda_graph,
+        peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
     )  # fmt: skip
 
 

@@ -153,6 +153,9 @@ class TrainConfig(_Section):
     save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
     keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
+    # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
+    # one process, fixed shapes; `poetxq bench` only for now
+    cuda_graph: bool = False
 
 
 class Recipe(_Section):

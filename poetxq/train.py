@@ -209,8 +209,14 @@ def train(
 
     Raises:
         poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
+        RunDirError: ``train.cuda_graph`` is set (a `poetxq bench` setting for now).
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
+    if tc.cuda_graph:
+        raise RunDirError(
+            "train.cuda_graph is measured by `poetxq bench` only so far, not used by training; "
+            "set train.cuda_graph: false"
+        )
     cuda = torch.cuda.is_available()
     if tc.precision == "auto":
         mixed = "bf16" if cuda else "no"

@@ -1,0 +1,58 @@
+"""CUDA-graph micro-steps: refused without CUDA; on a GPU, replays equal eager steps."""
+
+import pytest
+import torch
+
+from poetxq.bench import BenchError, run_bench
+from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep
+from poetxq.recipe import load_recipe
+
+
+def test_refused_without_cuda():
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(CUDAGraphError, match="CUDA graphs need a CUDA device"):
+        GraphedMicroStep(lambda b: (p * b).sum(), torch.ones(3), [p])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_bench_refuses_cuda_graph_on_cpu():
+    recipe = load_recipe(None, {"train.cuda_graph": True, "model.num_hidden_layers": 1})
+    with pytest.raises(BenchError, match=r"train\.cuda_graph needs a CUDA device"):
+        run_bench(recipe, 1, device="cpu", echo=lambda _s: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_replays_accumulate_the_eager_gradients():
+    from poetxq.layer import POETXLinear
+
+    gen = torch.Generator().manual_seed(0)
+    layer = POETXLinear(256, 384, block_size=64, bits=8, generator=gen, device="cuda")
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(0.02 * torch.randn(side.Q.shape, generator=gen).cuda())
+    params = list(layer.parameters())
+    batches = [torch.randn(4, 96, 256, generator=gen).cuda() for _ in range(3)]
+
+    def loss_fn(x):
+        return (layer(x).float() ** 2).mean()
+
+    for x in batches:
+        loss_fn(x).backward()
+    eager = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    step = GraphedMicroStep(loss_fn, batches[0], params)
+    losses = [step(x).item() for x in batches]  # accumulates, as the eager loop did
+    for p, g in zip(params, eager, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    assert losses[-1] == pytest.approx(loss_fn(batches[-1]).item(), rel=1e-6)
+    step.zero_grad()
+    assert all(float(p.grad.abs().max()) == 0.0 for p in params)
+    # a merge writes W0, the permutations and Q = 0 in place: the graph sees the merged layer
+    with torch.no_grad():
+        layer.P.Q.add_(0.01)
+    layer.merge_then_reinitialize(torch.Generator().manual_seed(1))
+    replayed = step(batches[1]).item()
+    assert replayed == pytest.approx(loss_fn(batches[1]).item(), rel=1e-6)
+    with pytest.raises(CUDAGraphError, match="fixed batch shape"):
+        step(torch.zeros(2, 96, 256, device="cuda"))
