@@ -253,7 +253,14 @@ def main() -> None:
     ap.add_argument("--equiv-steps", type=int, default=10)
     ap.add_argument("--tput-steps", type=int, default=25)
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU (checks the script)")
+    ap.add_argument("--parts", default="equivalence,throughput,merge",
+                    help="comma-separated subset of equivalence,throughput,merge")  # fmt: skip
+    ap.add_argument("--tput-methods", default="poetxq,adamw",
+                    help="methods timed at 1 and 2 GPUs")  # fmt: skip
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"equivalence", "throughput", "merge"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'equivalence', 'throughput', 'merge'})}")
     if args.worker:
         worker(args.worker)
         return
@@ -295,6 +302,8 @@ def main() -> None:
 
     # 1 + 2: equivalence in fp32 at the 1B width, then resume under DDP
     for method, merge in (("poetxq", 4), ("qapollo", 10**6)):
+        if "equivalence" not in parts:
+            break
         if n_dev < 2 or left() < 120:
             report["skipped"].append(f"equivalence {method}")
             continue
@@ -331,7 +340,7 @@ def main() -> None:
             save()
 
     # 3: throughput at Llama-1B, bf16
-    for method in ("poetxq", "adamw"):
+    for method in args.tput_methods.split(",") if "throughput" in parts else []:
         res = {}
         for nproc in (1, 2):
             if nproc > max(n_dev, 1) or left() < 100:
@@ -355,7 +364,7 @@ def main() -> None:
         if tp and ta:
             report["throughput"][f"poetxq_over_adamw_{n}"] = tp / ta
     # 4: merge on every rank (what the loop does) vs rank-0 merge + broadcast, 4 layers at 1B
-    if n_dev >= 2 and left() > 60:
+    if "merge" in parts and n_dev >= 2 and left() > 60:
         four = {**size["model"], "num_hidden_layers": 4}
         o = _overrides("poetxq", size=size, model=four, steps=1, batch=1, precision="fp32",
                        log_every=1, merge_interval=1)  # fmt: skip
