@@ -306,3 +306,21 @@ def test_signal_during_the_final_evaluation_waits_for_the_outputs(tmp_path, monk
     run = tmp_path / "fin"
     assert (run / "summary.json").is_file() and (run / "model.safetensors").is_file()
     assert json.loads((run / "summary.json").read_text())["final_val_ppl"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--lr", "inf"], "key 'optim.lr': Input should be a finite number (got inf)"),
+        (["--lr", "nan"], "key 'optim.lr': Input should be a finite number (got nan)"),
+        (["--poet-lr", "inf"], "key 'optim.poet_lr': Input should be a finite number"),
+        (["--lr", "-0.1"], "key 'optim.lr': Input should be greater than 0 (got -0.1)"),
+        (["--set", "optim.weight_decay=.inf"], "key 'optim.weight_decay': Input should be a fin"),
+        (["--set", "train.max_steps=true"], "key 'train.max_steps': Input should be an integer, "
+         "not a boolean"),
+    ],
+)  # fmt: skip
+def test_non_finite_or_boolean_numbers_are_one_line(tmp_path, capsys, flags, needle):
+    assert _run(tmp_path, "--run-name", "x", *flags) == 2
+    assert needle in _one_error_line(capsys)
+    assert not (tmp_path / "x").exists()
