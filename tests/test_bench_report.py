@@ -64,6 +64,26 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
     assert len(err) == 1 and "--steps >= 1" in err[0]
 
 
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--vocab-size", "-5"], "--vocab-size must be a positive integer, got -5"),
+        (["--vocab-size", "0"], "--vocab-size must be a positive integer, got 0"),
+        (["--peak-tflops", "inf"], "--peak-tflops must be a positive finite number"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be a positive finite number"),
+        (["--peak-tflops", "-1"], "--peak-tflops must be a positive finite number"),
+        (["--batch-size", "0"], "key 'train.batch_size': Input should be greater than 0"),
+    ],
+)
+def test_bench_bad_sizes_are_one_line_before_any_work(capsys, flags, needle):
+    args = ["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu", *flags]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert "model: built" not in out  # refused before the model is built
+    err_lines = err.strip().splitlines()
+    assert len(err_lines) == 1 and needle in err_lines[0]
+
+
 @pytest.mark.parametrize("variant", ["mem", "fast"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(variant):
     r = load_recipe(None, {**SMALL, "poet.variant": variant})
