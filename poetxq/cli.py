@@ -281,6 +281,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_kernels_env() -> None:
+    """Refuse a bad ``POETXQ_KERNELS`` at startup, not at the first kernel call (after the data
+    was prepared and the model built).
+
+    Raises:
+        RecipeError: the variable is set to an unknown mode; the message names the allowed ones.
+    """
+    from quant_kernels import kernel_mode
+
+    try:
+        kernel_mode()
+    except ValueError as exc:
+        raise RecipeError(f"environment variable {exc}") from None
+
+
 def _check_tracker(name: str | None) -> None:
     """Fail early (before any work) when the asked-for tracker's package is missing."""
     packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
@@ -359,6 +374,7 @@ def _only_startup_files(run_dir: Path) -> bool:
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
+    check_kernels_env()
     _check_tracker(args.log_with)
     if args.resume and args.overwrite:
         raise RecipeError("--resume continues a run and --overwrite would erase it; drop one")
@@ -413,6 +429,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     if args.quant_type is not None and args.format != "hf-bnb4":
         raise ExportError(f"--quant-type applies to --format hf-bnb4 only, not {args.format}")
+    check_kernels_env()  # folding R, P into W0 runs the POET layers (kernel dispatch)
     export_run(args.run_dir, args.format, args.out_dir, overwrite=args.overwrite,
                quant_type=args.quant_type)  # fmt: skip
     return 0

@@ -113,6 +113,9 @@ def run_tool(args: argparse.Namespace) -> int:
             write_json(est.to_dict(), Path(args.json))
         return 0
     from poetxq.bench import bench_to_dict, run_bench
+    from poetxq.cli import check_kernels_env
+
+    check_kernels_env()
 
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,

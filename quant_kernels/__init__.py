@@ -53,6 +53,7 @@ __all__ = [
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",
+    "kernel_mode",
     "quantize_int8_rowwise",
     "skew_from_packed",
     "slab_bytes_for",
@@ -77,7 +78,8 @@ def slab_bytes_for(rows: int) -> int:
     return (64 if rows <= 4096 else 32) * 2**20
 
 
-_MODES = ("auto", "fused", "streamed", "torch")
+#: the values ``POETXQ_KERNELS`` may take (unset: ``auto``)
+KERNEL_MODES = ("auto", "fused", "streamed", "torch")
 
 #: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA. False until the GPU
 #: benchmark (``python evals/bench_cnp.py``, Llama-8B blocks at b = 256) measures it faster than
@@ -86,11 +88,22 @@ FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _policy() -> str:
+def kernel_mode() -> str:
+    """The ``POETXQ_KERNELS`` mode (``auto`` when unset); the CLI calls it at startup so a bad
+    value is refused before any work.
+
+    Raises:
+        ValueError: ``POETXQ_KERNELS`` is not one of :data:`KERNEL_MODES` (the message names them).
+    """
     mode = os.environ.get("POETXQ_KERNELS", "auto")
-    if mode not in _MODES:
-        raise ValueError(f"POETXQ_KERNELS={mode!r}; use one of {', '.join(_MODES)}")
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"POETXQ_KERNELS={mode!r}; use one of {', '.join(KERNEL_MODES)} (or unset it for auto)"
+        )
     return mode
+
+
+_policy = kernel_mode
 
 
 def _rows(t: torch.Tensor) -> int:

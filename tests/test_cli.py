@@ -324,3 +324,27 @@ def test_non_finite_or_boolean_numbers_are_one_line(tmp_path, capsys, flags, nee
     assert _run(tmp_path, "--run-name", "x", *flags) == 2
     assert needle in _one_error_line(capsys)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["quantize-and-train", "train", "bench", "export"])
+def test_bad_kernels_env_is_refused_at_startup(tmp_path, capsys, monkeypatch, command):
+    import poetxq.train as train_mod
+
+    def no_data(*a, **k):
+        raise AssertionError("data prepared before POETXQ_KERNELS was checked")
+
+    monkeypatch.setattr(train_mod, "prepare_data", no_data)
+    monkeypatch.setenv("POETXQ_KERNELS", "bogus")
+    args = {
+        "quantize-and-train": [command, *TINY, "--output-dir", str(tmp_path)],
+        "train": [command, *TINY, "--output-dir", str(tmp_path)],
+        "bench": [command, "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu"],
+        "export": [command, str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf-bf16"],
+    }[command]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert line == (
+        "poetxq: error: environment variable POETXQ_KERNELS='bogus'; use one of auto, fused, "
+        "streamed, torch (or unset it for auto)"
+    )
+    assert not any(tmp_path.iterdir())
