@@ -68,9 +68,10 @@ def add_tool_parsers(sub: Any) -> None:
     p.add_argument("--out", metavar="JSON", help="write the result here")
 
     p = sub.add_parser(
-        "report", help="Markdown + PNG comparison of finished runs",
+        "report", help="Markdown + PNG comparison of runs",
         description="Build report.md (results table) and loss / val-ppl / throughput / "
-        "peak-memory plots from run directories; runs of the same model side by side.",
+        "peak-memory plots from run directories; runs of the same model side by side. A run "
+        "without summary.json (interrupted) is read from its metrics.jsonl and marked so.",
     )  # fmt: skip
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")

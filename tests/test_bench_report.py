@@ -173,3 +173,35 @@ def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "summary.json" in err[0]
     assert not out.exists()
+
+
+def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(tmp_path, capsys):
+    from poetxq.recipe import dump_recipe
+
+    run = tmp_path / "tiny-poetxq-killed"
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(None, SMALL)))
+    records = [
+        {"step": 0, "val_loss": 6.0, "val_ppl": 403.4, "unigram_val_ppl": 200.0},
+        {"step": 2, "loss": 5.5, "lr": 1e-3, "tokens": 64, "tokens_per_s": 100.0},
+        {"step": 4, "loss": 5.0, "lr": 1e-3, "tokens": 128, "tokens_per_s": 300.0},
+    ]
+    lines = [json.dumps(r) for r in records] + ['{"step": 5, "lo']  # torn by the kill
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    out = tmp_path / "rep"
+    assert main(["report", str(run), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    row = next(r for r in md.splitlines() if r.startswith(f"| {run.name} "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == f"{run.name} — interrupted (no summary.json)"
+    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a"]  # ppl, tok/s, memory, tokens, wall
+    assert "4 steps on ?, ? merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
+    # neither summary.json nor metrics.jsonl: refused, nothing written
+    (run / "metrics.jsonl").unlink()
+    assert main(["report", str(run), "-o", str(tmp_path / "rep2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"poetxq: error: run directory '{run}' has neither summary.json nor metrics.jsonl (it "
+        "never logged a step); pass run directories that trained"
+    )
+    assert not (tmp_path / "rep2").exists()
