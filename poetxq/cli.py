@@ -448,7 +448,18 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``poetxq`` console script; returns the exit status."""
+    """Entry point of the ``poetxq`` console script; returns the exit status.
+
+    Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # DataPrepInterrupted carries its own line
+        print(f"poetxq: {str(exc) or 'interrupted'}", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from poetxq.checkpoint import CheckpointError
@@ -475,9 +486,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
         print(f"poetxq: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("poetxq: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -348,3 +348,28 @@ def test_bad_kernels_env_is_refused_at_startup(tmp_path, capsys, monkeypatch, co
         "streamed, torch (or unset it for auto)"
     )
     assert not any(tmp_path.iterdir())
+
+
+def test_ctrl_c_during_data_preparation_is_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    import poetxq.train as train_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "prepare_data", interrupted)
+    assert _run(tmp_path, "--run-name", "x") == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: interrupted during data preparation; nothing was written"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
+    import poetxq.cli as cli
+
+    def interrupted():  # e.g. while torch and transformers are being imported
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
