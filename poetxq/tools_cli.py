@@ -45,7 +45,12 @@ def add_tool_parsers(sub: Any) -> None:
         "and whether it fits.",
     )  # fmt: skip
     _recipe_args(p, required=True)
-    p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory to check against, e.g. 80GB")
+    p.add_argument(
+        "--gpu-mem", metavar="SIZE",
+        help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
+        "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
+        "number is bytes",
+    )  # fmt: skip
     p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default="autocast",
                    help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU, "
                    "default); bf16: everything bf16; fp32: CPU")  # fmt: skip

@@ -224,3 +224,14 @@ def test_non_positive_sizes_are_one_line(capsys, flags, needle):
     err_lines = err.strip().splitlines()
     assert out == "" and len(err_lines) == 1 and needle in err_lines[0]
     assert err_lines[0].startswith("poetxq: error: ")
+
+
+def test_gpu_mem_help_says_gb_is_gib(capsys):
+    from poetxq.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate-memory", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "GB and GiB are both read as GiB (2^30 bytes)" in text
+    assert parse_bytes("80GB") == parse_bytes("80GiB") == 80 * 2**30
