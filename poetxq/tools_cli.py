@@ -8,6 +8,7 @@ runner. Errors are raised as the tools' own ``ValueError`` subclasses (:data:`TO
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -98,6 +99,31 @@ def _load(args: argparse.Namespace):  # -> Recipe
     return load_recipe(args.recipe, over)
 
 
+def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
+    """Refuse an output file that could not be written, before any work: ``path`` is a
+    directory, or its nearest existing ancestor is a file or a read-only directory (the
+    missing folders between are created when the file is written).
+
+    Raises:
+        error: one line naming the flag, the path and what is wrong with it.
+    """
+    if path.is_dir():
+        raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(
+            f"{flag} '{path}' cannot be written: '{parent}' is a file, not a directory; "
+            "choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(
+            f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
+            "choose another path"
+        )
+
+
 def run_tool(args: argparse.Namespace) -> int:
     """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
     if args.command == "report":
@@ -113,6 +139,8 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.estimate import estimate_memory, format_estimate, parse_bytes
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        if args.json:
+            check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
         print(format_estimate(est, gpu))
         if args.json:
@@ -122,6 +150,8 @@ def run_tool(args: argparse.Namespace) -> int:
     from poetxq.cli import check_kernels_env
 
     check_kernels_env()
+    if args.out:  # the benchmark can take minutes: do not find out only when writing
+        check_output_file(Path(args.out), "--out", BenchError)
 
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,

@@ -205,3 +205,23 @@ def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(t
         "never logged a step); pass run directories that trained"
     )
     assert not (tmp_path / "rep2").exists()
+
+
+def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file, not a folder")
+    args = ["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu", "--steps", "1"]
+    assert main([*args, "--out", str(blocker / "sub" / "b.json")]) == 2
+    out, err = capsys.readouterr()
+    assert "model: built" not in out and "bench " not in out  # nothing ran
+    assert err.strip().splitlines() == [
+        f"poetxq: error: --out '{blocker}/sub/b.json' cannot be written: '{blocker}' is a file, "
+        "not a directory; choose another path"
+    ]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert "is a directory; pass a file path" in capsys.readouterr().err
+    # estimate-memory --json: the same check
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json",
+                 str(blocker / "e.json")]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == "" and f"--json '{blocker}/e.json' cannot be written" in err
