@@ -415,11 +415,12 @@ def _run_train(args: argparse.Namespace) -> int:
         recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
     )
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
-        print(
-            f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue with: "
-            f"poetxq train --resume {run_dir.resolve()}",
-            file=sys.stderr,
-        )
+        if os.environ.get("RANK", "0") == "0":  # once, not once per DDP process
+            print(
+                f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue "
+                f"with: poetxq train --resume {run_dir.resolve()}",
+                file=sys.stderr,
+            )
         return 130 if result.stop_signal == "SIGINT" else 143
     return 0
 

@@ -468,8 +468,7 @@ def train(
         if interrupted:
             sig = stop.received.name if stop.received is not None else "signal"
             log({"step": step, "event": "interrupted", "signal": sig})
-            val_loss = val_ppl = None
-            say(f"interrupted by {sig} after step {step}; continue with --resume {run_dir}")
+            val_loss = val_ppl = None  # the caller says how to continue (poetxq.cli: one line)
         else:
             sig = None
             val_loss, val_ppl = evaluate()

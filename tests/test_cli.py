@@ -373,3 +373,28 @@ def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert main(["train"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
+
+
+def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import poetxq.train as train_mod
+
+    real, calls = train_mod.causal_lm_loss, {"n": 0}
+
+    def loss_then_sigint(*a, **k):  # the training loop's 2nd micro-batch: during step 2
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # handled: finish the step, save, stop
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "causal_lm_loss", loss_then_sigint)
+    assert _run(tmp_path, "--run-name", "int", "--max-steps", "5") == 130
+    out, err = capsys.readouterr()
+    said = [line for line in (out + err).splitlines() if "after step" in line]
+    run = (tmp_path / "int").resolve()
+    assert said == [
+        f"poetxq: stopped by SIGINT after step 2; continue with: poetxq train --resume {run}"
+    ]
+    assert json.loads((run / "summary.json").read_text())["interrupted"]
