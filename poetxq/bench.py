@@ -17,6 +17,7 @@ runs in fp32.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -185,7 +186,8 @@ def run_bench(
         :class:`BenchResult`.
 
     Raises:
-        BenchError: ``steps < 1``, ``warmup < 0`` or CUDA asked for but absent.
+        BenchError: ``steps < 1``, ``warmup < 0``, ``vocab_size < 1``, a non-finite or
+            non-positive ``peak_tflops``, or CUDA asked for but absent.
     """
     from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.cudagraph import GraphedMicroStep
@@ -195,6 +197,13 @@ def run_bench(
 
     if steps < 1 or warmup < 0:
         raise BenchError(f"need --steps >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if vocab_size is not None and vocab_size < 1:  # 0 would fall back to the recipe's silently
+        raise BenchError(f"--vocab-size must be a positive integer, got {vocab_size}")
+    if peak_tflops is not None and not (math.isfinite(peak_tflops) and peak_tflops > 0):
+        raise BenchError(
+            f"--peak-tflops must be a positive finite number (the accelerator's dense bf16 "
+            f"TFLOP/s, e.g. 989.4), got {peak_tflops}"
+        )
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")

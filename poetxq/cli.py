@@ -281,6 +281,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_kernels_env() -> None:
+    """Refuse a bad ``POETXQ_KERNELS`` at startup, not at the first kernel call (after the data
+    was prepared and the model built).
+
+    Raises:
+        RecipeError: the variable is set to an unknown mode; the message names the allowed ones.
+    """
+    from quant_kernels import kernel_mode
+
+    try:
+        kernel_mode()
+    except ValueError as exc:
+        raise RecipeError(f"environment variable {exc}") from None
+
+
 def _check_tracker(name: str | None) -> None:
     """Fail early (before any work) when the asked-for tracker's package is missing."""
     packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
@@ -359,6 +374,7 @@ def _only_startup_files(run_dir: Path) -> bool:
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import resolve_run_dir, train  # heavy imports only when training
 
+    check_kernels_env()
     _check_tracker(args.log_with)
     if args.resume and args.overwrite:
         raise RecipeError("--resume continues a run and --overwrite would erase it; drop one")
@@ -399,11 +415,12 @@ def _run_train(args: argparse.Namespace) -> int:
         recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
     )
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
-        print(
-            f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue with: "
-            f"poetxq train --resume {run_dir.resolve()}",
-            file=sys.stderr,
-        )
+        if os.environ.get("RANK", "0") == "0":  # once, not once per DDP process
+            print(
+                f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue "
+                f"with: poetxq train --resume {run_dir.resolve()}",
+                file=sys.stderr,
+            )
         return 130 if result.stop_signal == "SIGINT" else 143
     return 0
 
@@ -413,6 +430,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     if args.quant_type is not None and args.format != "hf-bnb4":
         raise ExportError(f"--quant-type applies to --format hf-bnb4 only, not {args.format}")
+    check_kernels_env()  # folding R, P into W0 runs the POET layers (kernel dispatch)
     export_run(args.run_dir, args.format, args.out_dir, overwrite=args.overwrite,
                quant_type=args.quant_type)  # fmt: skip
     return 0
@@ -431,7 +449,18 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``poetxq`` console script; returns the exit status."""
+    """Entry point of the ``poetxq`` console script; returns the exit status.
+
+    Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as exc:  # DataPrepInterrupted carries its own line
+        print(f"poetxq: {str(exc) or 'interrupted'}", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from poetxq.checkpoint import CheckpointError
@@ -458,9 +487,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
         print(f"poetxq: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("poetxq: interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -57,7 +57,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from poetxq.schema import StrictSection
 
 if TYPE_CHECKING:
     import tokenizers
@@ -98,10 +100,8 @@ class DataError(ValueError):
     """A bad data input; the message is one line naming the problem and the fix."""
 
 
-class DataConfig(BaseModel):
+class DataConfig(StrictSection):
     """Where the text comes from, how it is split and tokenized, and where it is cached."""
-
-    model_config = ConfigDict(extra="forbid")
 
     source: str = Field("embedded", min_length=1)
     hf_config: str | None = None

@@ -223,10 +223,14 @@ def estimate_memory(
         :class:`MemoryEstimate` with every component in bytes.
 
     Raises:
-        EstimateError: unknown ``precision``.
+        EstimateError: unknown ``precision``, or a size below 1.
     """
     if precision not in PRECISIONS:
         raise EstimateError(f"unknown precision '{precision}'; choose one of {PRECISIONS}")
+    for flag, size in (("vocab-size", vocab_size), ("batch-size", batch_size),
+                       ("seq-len", seq_len)):  # fmt: skip
+        if size is not None and size < 1:  # 0 would fall back to the recipe's value silently
+            raise EstimateError(f"--{flag} must be a positive integer, got {size}")
     mc, pc, tc, oc = recipe.model, recipe.poet, recipe.train, recipe.optim
     V = vocab_size or recipe.data.vocab_size
     B = batch_size or tc.batch_size

@@ -2,7 +2,9 @@
 
 A run directory (written by :func:`poetxq.train.train`) holds ``recipe.yaml`` (the resolved
 recipe), ``metrics.jsonl`` (one JSON object per line: ``step`` and ``loss`` / ``val_ppl`` /
-``tokens_per_s`` ...) and ``summary.json`` (:class:`poetxq.train.TrainResult`). The report puts
+``tokens_per_s`` ...) and ``summary.json`` (:class:`poetxq.train.TrainResult`). A run without
+``summary.json`` (killed or still running: it has ``metrics.jsonl`` and maybe checkpoints) is
+reported from ``metrics.jsonl`` and marked ``interrupted (no summary.json)``. The report puts
 runs of the same model (recipe name without its method suffix) side by side, in a fixed method
 order, and writes into ``out_dir``:
 
@@ -30,6 +32,8 @@ from poetxq.recipe import METHOD_LABELS, Recipe, method_label, run_label
 
 METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
 PLOTS = ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png")
+#: how a run without summary.json is marked in the table
+NO_SUMMARY = "interrupted (no summary.json)"
 
 
 class ReportError(ValueError):
@@ -44,6 +48,7 @@ class Run:
     recipe: Recipe
     summary: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    has_summary: bool = True  # False: summary derived from metrics.jsonl (an interrupted run)
 
     @property
     def method(self) -> str:
@@ -85,23 +90,61 @@ class Run:
         return (int(rss), "RSS") if rss is not None else (None, "")
 
 
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``; a torn last line (a killed writer) is skipped."""
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise
+    return records
+
+
+def summary_from_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``summary.json`` would say, as far as ``metrics.jsonl`` tells it (a run stopped
+    without writing its summary): steps, tokens, mean logged tokens/s and the step-0 val ppl;
+    no final evaluation, wall time, memory or device."""
+    logged = [m for m in metrics if isinstance(m.get("step"), int)]
+    steps = max((m["step"] for m in logged), default=0)
+    tokens = [m["tokens"] for m in logged if isinstance(m.get("tokens"), (int, float))]
+    rates = [m["tokens_per_s"] for m in logged if isinstance(m.get("tokens_per_s"), (int, float))]
+    first = next((m for m in logged if m["step"] == 0 and "val_ppl" in m), {})
+    summary: dict[str, Any] = {"steps": steps, "final_val_ppl": None, "interrupted": True}
+    if tokens:
+        summary["tokens"] = int(max(tokens))
+    if rates:
+        summary["tokens_per_s"] = sum(rates) / len(rates)
+    if first.get("val_ppl") is not None:
+        summary["initial_val_ppl"] = first["val_ppl"]
+    return summary
+
+
 def read_run(path: str | Path) -> Run:
-    """Read one run directory.
+    """Read one run directory. Without ``summary.json`` (an interrupted run) the summary is
+    derived from ``metrics.jsonl`` (:func:`summary_from_metrics`) and ``has_summary`` is False.
 
     Raises:
-        ReportError: the directory, ``recipe.yaml``, ``summary.json`` or ``metrics.jsonl`` is
-            missing or unreadable.
+        ReportError: the directory or ``recipe.yaml`` is missing, it has neither
+            ``summary.json`` nor ``metrics.jsonl``, or a file is unreadable.
     """
     p = Path(path)
     if not p.is_dir():
         raise ReportError(f"run directory '{p}' does not exist; pass directories made by train")
     files = {name: p / name for name in ("recipe.yaml", "summary.json", "metrics.jsonl")}
-    for name, f in files.items():
-        if not f.is_file():
-            raise ReportError(
-                f"run directory '{p}' has no {name} (unfinished or not a poetxq run); "
-                "pass finished run directories"
-            )
+    if not files["recipe.yaml"].is_file():
+        raise ReportError(
+            f"run directory '{p}' has no recipe.yaml (not a poetxq run); pass run directories "
+            "made by poetxq train"
+        )
+    has_summary = files["summary.json"].is_file()
+    if not has_summary and not files["metrics.jsonl"].is_file():
+        raise ReportError(
+            f"run directory '{p}' has neither summary.json nor metrics.jsonl (it never logged a "
+            "step); pass run directories that trained"
+        )
     try:
         tree = yaml.safe_load(files["recipe.yaml"].read_text(encoding="utf-8"))
         recipe = Recipe.model_validate(tree)
@@ -109,15 +152,14 @@ def read_run(path: str | Path) -> Run:
         msg = f"{files['recipe.yaml']}: unreadable recipe ({exc})".splitlines()[0]
         raise ReportError(msg) from None
     try:
-        summary = json.loads(files["summary.json"].read_text(encoding="utf-8"))
-        metrics = [
-            json.loads(line)
-            for line in files["metrics.jsonl"].read_text(encoding="utf-8").splitlines()
-            if line.strip()
-        ]
+        metrics = _read_metrics(files["metrics.jsonl"]) if files["metrics.jsonl"].is_file() else []
+        if has_summary:
+            summary = json.loads(files["summary.json"].read_text(encoding="utf-8"))
+        else:
+            summary = summary_from_metrics(metrics)
     except json.JSONDecodeError as exc:
         raise ReportError(f"run directory '{p}': bad JSON ({exc})") from None
-    return Run(p, recipe, summary, metrics)
+    return Run(p, recipe, summary, metrics, has_summary=has_summary)
 
 
 def _order(run: Run) -> tuple[str, int, str]:
@@ -147,8 +189,9 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         s = run.summary
         mem, kind = run.peak_memory
         ppl = s.get("final_val_ppl")
+        name = run.name if run.has_summary else f"{run.name} — {NO_SUMMARY}"
         rows.append({
-            "model": run.model, "run": run.name, "method": run.method, "bits": run.bits,
+            "model": run.model, "run": name, "method": run.method, "bits": run.bits,
             "final val ppl": _fmt_number(ppl),
             "tokens/s": f"{s['tokens_per_s']:,.0f}" if "tokens_per_s" in s else "n/a",
             "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
@@ -260,12 +303,15 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     for run in sorted(runs, key=_order):
         s = run.summary
         ppl0, ppl = (_fmt_number(s.get(k)) for k in ("initial_val_ppl", "final_val_ppl"))
-        stopped = (
-            f" (stopped by {s.get('stop_signal') or 'a signal'})" if s.get("interrupted") else ""
-        )
+        if not run.has_summary:
+            stopped = f" ({NO_SUMMARY}; read from metrics.jsonl)"
+        elif s.get("interrupted"):
+            stopped = f" (stopped by {s.get('stop_signal') or 'a signal'})"
+        else:
+            stopped = ""
         lines.append(
             f"- `{run.path}`: {s.get('steps', '?')} steps on {s.get('device', '?')}, "
-            f"{s.get('merges', 0)} merges, val ppl {ppl0} -> {ppl}{stopped}"
+            f"{s.get('merges', '?')} merges, val ppl {ppl0} -> {ppl}{stopped}"
         )
     text = "\n".join(lines) + "\n"
     path = out / "report.md"
@@ -273,5 +319,5 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     return path
 
 
-__all__ = ["METHOD_LABELS", "PLOTS", "ReportError", "Run", "build_report", "read_run",
-           "results_rows"]  # fmt: skip
+__all__ = ["METHOD_LABELS", "NO_SUMMARY", "PLOTS", "ReportError", "Run", "build_report",
+           "read_run", "results_rows", "summary_from_metrics"]  # fmt: skip

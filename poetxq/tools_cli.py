@@ -8,6 +8,7 @@ runner. Errors are raised as the tools' own ``ValueError`` subclasses (:data:`TO
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -45,7 +46,12 @@ def add_tool_parsers(sub: Any) -> None:
         "and whether it fits.",
     )  # fmt: skip
     _recipe_args(p, required=True)
-    p.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory to check against, e.g. 80GB")
+    p.add_argument(
+        "--gpu-mem", metavar="SIZE",
+        help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
+        "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
+        "number is bytes",
+    )  # fmt: skip
     p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default="autocast",
                    help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU, "
                    "default); bf16: everything bf16; fp32: CPU")  # fmt: skip
@@ -68,9 +74,10 @@ def add_tool_parsers(sub: Any) -> None:
     p.add_argument("--out", metavar="JSON", help="write the result here")
 
     p = sub.add_parser(
-        "report", help="Markdown + PNG comparison of finished runs",
+        "report", help="Markdown + PNG comparison of runs",
         description="Build report.md (results table) and loss / val-ppl / throughput / "
-        "peak-memory plots from run directories; runs of the same model side by side.",
+        "peak-memory plots from run directories; runs of the same model side by side. A run "
+        "without summary.json (interrupted) is read from its metrics.jsonl and marked so.",
     )  # fmt: skip
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
@@ -92,6 +99,31 @@ def _load(args: argparse.Namespace):  # -> Recipe
     return load_recipe(args.recipe, over)
 
 
+def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
+    """Refuse an output file that could not be written, before any work: ``path`` is a
+    directory, or its nearest existing ancestor is a file or a read-only directory (the
+    missing folders between are created when the file is written).
+
+    Raises:
+        error: one line naming the flag, the path and what is wrong with it.
+    """
+    if path.is_dir():
+        raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(
+            f"{flag} '{path}' cannot be written: '{parent}' is a file, not a directory; "
+            "choose another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(
+            f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
+            "choose another path"
+        )
+
+
 def run_tool(args: argparse.Namespace) -> int:
     """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
     if args.command == "report":
@@ -107,12 +139,19 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.estimate import estimate_memory, format_estimate, parse_bytes
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        if args.json:
+            check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
         print(format_estimate(est, gpu))
         if args.json:
             write_json(est.to_dict(), Path(args.json))
         return 0
     from poetxq.bench import bench_to_dict, run_bench
+    from poetxq.cli import check_kernels_env
+
+    check_kernels_env()
+    if args.out:  # the benchmark can take minutes: do not find out only when writing
+        check_output_file(Path(args.out), "--out", BenchError)
 
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,

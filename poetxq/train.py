@@ -62,6 +62,11 @@ class RunDirError(ValueError):
     """The run directory cannot be used (exists and is not empty)."""
 
 
+class DataPrepInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) while the data was read and tokenized, before the run directory was
+    touched; the message is the one line the CLI prints."""
+
+
 class DivergedError(RuntimeError):
     """The training loss became NaN or infinite; nothing was saved after that point."""
 
@@ -210,6 +215,7 @@ def train(
     Raises:
         poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
         RunDirError: ``train.cuda_graph`` is set (a `poetxq bench` setting for now).
+        DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
     if tc.cuda_graph:
@@ -240,8 +246,13 @@ def train(
     set_seed(tc.seed)
 
     if data is None:
-        with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache first
-            data = prepare_data(recipe.data, tc.seq_len, progress=progress and main)
+        try:
+            with accelerator.main_process_first():  # rank 0 tokenizes and fills the cache first
+                data = prepare_data(recipe.data, tc.seq_len, progress=progress and main)
+        except KeyboardInterrupt:  # the cache entry is written whole or not at all
+            raise DataPrepInterrupted(
+                "interrupted during data preparation; nothing was written"
+            ) from None
     say(f"data: {data.source_description}")
     say(
         f"  train {data.train.shape[0]:,} x {tc.seq_len + 1} tokens, "
@@ -463,8 +474,7 @@ def train(
         if interrupted:
             sig = stop.received.name if stop.received is not None else "signal"
             log({"step": step, "event": "interrupted", "signal": sig})
-            val_loss = val_ppl = None
-            say(f"interrupted by {sig} after step {step}; continue with --resume {run_dir}")
+            val_loss = val_ppl = None  # the caller says how to continue (poetxq.cli: one line)
         else:
             sig = None
             val_loss, val_ppl = evaluate()

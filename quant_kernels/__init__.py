@@ -34,13 +34,13 @@ import torch
 
 from quant_kernels import cnp, reference
 from quant_kernels._policy import HAS_TRITON as _HAS_TRITON
-from quant_kernels._policy import policy as _policy
-from quant_kernels._policy import triton_enabled
+from quant_kernels._policy import KERNEL_MODES, kernel_mode, triton_enabled
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
 from quant_kernels.cnp import skew_from_packed
 from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise
 
 __all__ = [
+    "KERNEL_MODES",
     "block_diag_grad",
     "block_diag_matmul",
     "blockwise_4bit_matmul",
@@ -50,6 +50,7 @@ __all__ = [
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",
+    "kernel_mode",
     "quantize_int8_rowwise",
     "skew_from_packed",
     "slab_bytes_for",
@@ -92,7 +93,7 @@ def weight_gemm_path(act: torch.Tensor, *, bits: int = 8) -> str:
     Raises:
         ValueError: ``POETXQ_KERNELS`` holds an unknown mode.
     """
-    mode = _policy()
+    mode = kernel_mode()
     if not (act.is_cuda and _HAS_TRITON) or mode == "torch":
         return "torch"
     if mode != "auto":
@@ -198,7 +199,7 @@ def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
         terms == 3
         and packed.dtype in _FUSED_CNP_DTYPES
         and triton_enabled(packed)
-        and (FUSED_CNP_MEASURED_FASTER or _policy() == "fused")
+        and (FUSED_CNP_MEASURED_FASTER or kernel_mode() == "fused")
     )
 
 

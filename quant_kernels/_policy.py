@@ -12,23 +12,26 @@ import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-#: values of ``POETXQ_KERNELS``
-MODES = ("auto", "fused", "streamed", "torch")
+#: the values ``POETXQ_KERNELS`` may take (unset: ``auto``)
+KERNEL_MODES = ("auto", "fused", "streamed", "torch")
 
 
-def policy() -> str:
-    """``POETXQ_KERNELS`` (default ``auto``).
+def kernel_mode() -> str:
+    """The ``POETXQ_KERNELS`` mode (``auto`` when unset); the CLI calls it at startup so a bad
+    value is refused before any work.
 
     Raises:
-        ValueError: it holds an unknown mode.
+        ValueError: ``POETXQ_KERNELS`` is not one of :data:`KERNEL_MODES` (the message names them).
     """
     mode = os.environ.get("POETXQ_KERNELS", "auto")
-    if mode not in MODES:
-        raise ValueError(f"POETXQ_KERNELS={mode!r}; use one of {', '.join(MODES)}")
+    if mode not in KERNEL_MODES:
+        raise ValueError(
+            f"POETXQ_KERNELS={mode!r}; use one of {', '.join(KERNEL_MODES)} (or unset it for auto)"
+        )
     return mode
 
 
 def triton_enabled(t: torch.Tensor) -> bool:
     """Whether Triton kernels may serve ``t``: a CUDA tensor, Triton installed, and
     ``POETXQ_KERNELS`` not ``torch``."""
-    return t.is_cuda and HAS_TRITON and policy() != "torch"
+    return t.is_cuda and HAS_TRITON and kernel_mode() != "torch"

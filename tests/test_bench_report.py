@@ -64,6 +64,26 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
     assert len(err) == 1 and "--steps >= 1" in err[0]
 
 
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--vocab-size", "-5"], "--vocab-size must be a positive integer, got -5"),
+        (["--vocab-size", "0"], "--vocab-size must be a positive integer, got 0"),
+        (["--peak-tflops", "inf"], "--peak-tflops must be a positive finite number"),
+        (["--peak-tflops", "nan"], "--peak-tflops must be a positive finite number"),
+        (["--peak-tflops", "-1"], "--peak-tflops must be a positive finite number"),
+        (["--batch-size", "0"], "key 'train.batch_size': Input should be greater than 0"),
+    ],
+)
+def test_bench_bad_sizes_are_one_line_before_any_work(capsys, flags, needle):
+    args = ["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu", *flags]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert "model: built" not in out  # refused before the model is built
+    err_lines = err.strip().splitlines()
+    assert len(err_lines) == 1 and needle in err_lines[0]
+
+
 @pytest.mark.parametrize("variant", ["mem", "fast"])
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients(variant):
     r = load_recipe(None, {**SMALL, "poet.variant": variant})
@@ -153,3 +173,55 @@ def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "summary.json" in err[0]
     assert not out.exists()
+
+
+def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(tmp_path, capsys):
+    from poetxq.recipe import dump_recipe
+
+    run = tmp_path / "tiny-poetxq-killed"
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(None, SMALL)))
+    records = [
+        {"step": 0, "val_loss": 6.0, "val_ppl": 403.4, "unigram_val_ppl": 200.0},
+        {"step": 2, "loss": 5.5, "lr": 1e-3, "tokens": 64, "tokens_per_s": 100.0},
+        {"step": 4, "loss": 5.0, "lr": 1e-3, "tokens": 128, "tokens_per_s": 300.0},
+    ]
+    lines = [json.dumps(r) for r in records] + ['{"step": 5, "lo']  # torn by the kill
+    (run / "metrics.jsonl").write_text("\n".join(lines))
+    out = tmp_path / "rep"
+    assert main(["report", str(run), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    row = next(r for r in md.splitlines() if r.startswith(f"| {run.name} "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[0] == f"{run.name} — interrupted (no summary.json)"
+    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a"]  # ppl, tok/s, memory, tokens, wall
+    assert "4 steps on ?, ? merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
+    # neither summary.json nor metrics.jsonl: refused, nothing written
+    (run / "metrics.jsonl").unlink()
+    assert main(["report", str(run), "-o", str(tmp_path / "rep2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"poetxq: error: run directory '{run}' has neither summary.json nor metrics.jsonl (it "
+        "never logged a step); pass run directories that trained"
+    )
+    assert not (tmp_path / "rep2").exists()
+
+
+def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys):
+    blocker = tmp_path / "results"
+    blocker.write_text("a file, not a folder")
+    args = ["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu", "--steps", "1"]
+    assert main([*args, "--out", str(blocker / "sub" / "b.json")]) == 2
+    out, err = capsys.readouterr()
+    assert "model: built" not in out and "bench " not in out  # nothing ran
+    assert err.strip().splitlines() == [
+        f"poetxq: error: --out '{blocker}/sub/b.json' cannot be written: '{blocker}' is a file, "
+        "not a directory; choose another path"
+    ]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert "is a directory; pass a file path" in capsys.readouterr().err
+    # estimate-memory --json: the same check
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json",
+                 str(blocker / "e.json")]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == "" and f"--json '{blocker}/e.json' cannot be written" in err

@@ -306,3 +306,95 @@ def test_signal_during_the_final_evaluation_waits_for_the_outputs(tmp_path, monk
     run = tmp_path / "fin"
     assert (run / "summary.json").is_file() and (run / "model.safetensors").is_file()
     assert json.loads((run / "summary.json").read_text())["final_val_ppl"] > 0
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--lr", "inf"], "key 'optim.lr': Input should be a finite number (got inf)"),
+        (["--lr", "nan"], "key 'optim.lr': Input should be a finite number (got nan)"),
+        (["--poet-lr", "inf"], "key 'optim.poet_lr': Input should be a finite number"),
+        (["--lr", "-0.1"], "key 'optim.lr': Input should be greater than 0 (got -0.1)"),
+        (["--set", "optim.weight_decay=.inf"], "key 'optim.weight_decay': Input should be a fin"),
+        (["--set", "train.max_steps=true"], "key 'train.max_steps': Input should be an integer, "
+         "not a boolean"),
+    ],
+)  # fmt: skip
+def test_non_finite_or_boolean_numbers_are_one_line(tmp_path, capsys, flags, needle):
+    assert _run(tmp_path, "--run-name", "x", *flags) == 2
+    assert needle in _one_error_line(capsys)
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["quantize-and-train", "train", "bench", "export"])
+def test_bad_kernels_env_is_refused_at_startup(tmp_path, capsys, monkeypatch, command):
+    import poetxq.train as train_mod
+
+    def no_data(*a, **k):
+        raise AssertionError("data prepared before POETXQ_KERNELS was checked")
+
+    monkeypatch.setattr(train_mod, "prepare_data", no_data)
+    monkeypatch.setenv("POETXQ_KERNELS", "bogus")
+    args = {
+        "quantize-and-train": [command, *TINY, "--output-dir", str(tmp_path)],
+        "train": [command, *TINY, "--output-dir", str(tmp_path)],
+        "bench": [command, "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu"],
+        "export": [command, str(tmp_path / "run"), str(tmp_path / "hf"), "--format", "hf-bf16"],
+    }[command]
+    assert main(args) == 2
+    line = _one_error_line(capsys)
+    assert line == (
+        "poetxq: error: environment variable POETXQ_KERNELS='bogus'; use one of auto, fused, "
+        "streamed, torch (or unset it for auto)"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+def test_ctrl_c_during_data_preparation_is_one_line_and_writes_nothing(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    import poetxq.train as train_mod
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod, "prepare_data", interrupted)
+    assert _run(tmp_path, "--run-name", "x") == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: interrupted during data preparation; nothing was written"]
+    assert not any(tmp_path.iterdir())
+
+
+def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
+    import poetxq.cli as cli
+
+    def interrupted():  # e.g. while torch and transformers are being imported
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
+
+
+def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
+    import os
+    import signal
+
+    import poetxq.train as train_mod
+
+    real, calls = train_mod.causal_lm_loss, {"n": 0}
+
+    def loss_then_sigint(*a, **k):  # the training loop's 2nd micro-batch: during step 2
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # handled: finish the step, save, stop
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "causal_lm_loss", loss_then_sigint)
+    assert _run(tmp_path, "--run-name", "int", "--max-steps", "5") == 130
+    out, err = capsys.readouterr()
+    said = [line for line in (out + err).splitlines() if "after step" in line]
+    run = (tmp_path / "int").resolve()
+    assert said == [
+        f"poetxq: stopped by SIGINT after step 2; continue with: poetxq train --resume {run}"
+    ]
+    assert json.loads((run / "summary.json").read_text())["interrupted"]

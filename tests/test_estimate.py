@@ -205,3 +205,33 @@ def test_memory_sizes_need_a_unit():
         parse_bytes("80")
     with pytest.raises(EstimateError, match="cannot read memory size"):
         parse_bytes("eighty")
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--vocab-size", "-5"], "--vocab-size must be a positive integer, got -5"),
+        (["--vocab-size", "0"], "--vocab-size must be a positive integer, got 0"),
+        (["--batch-size", "0"], "key 'train.batch_size': Input should be greater than 0"),
+        (["--seq-len", "-3"], "key 'train.seq_len': Input should be greater than 1"),
+    ],
+)
+def test_non_positive_sizes_are_one_line(capsys, flags, needle):
+    from poetxq.cli import main
+
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", *flags]) == 2
+    out, err = capsys.readouterr()
+    err_lines = err.strip().splitlines()
+    assert out == "" and len(err_lines) == 1 and needle in err_lines[0]
+    assert err_lines[0].startswith("poetxq: error: ")
+
+
+def test_gpu_mem_help_says_gb_is_gib(capsys):
+    from poetxq.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate-memory", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "GB and GiB are both read as GiB (2^30 bytes)" in text
+    assert parse_bytes("80GB") == parse_bytes("80GiB") == 80 * 2**30

@@ -98,3 +98,38 @@ def test_seq_len_above_max_positions_raises_them_with_a_note():
     assert load_recipe(None, {"train.seq_len": 1024}).notes == []
     # a checkpoint's own limit is checked where it is read (an error there, no note here)
     assert load_recipe(None, {"train.seq_len": 2048, "model.pretrained": "some/dir"}).notes == []
+
+
+@pytest.mark.parametrize(
+    "text,key,kind",
+    [
+        ("train:\n  max_steps: true\n", "train.max_steps", "an integer"),
+        ("optim:\n  lr: false\n", "optim.lr", "a number"),
+        ("data:\n  split_seed: yes\n", "data.split_seed", "an integer"),
+        ("model:\n  num_key_value_heads: true\n", "model.num_key_value_heads", "an integer"),
+        ("optim:\n  betas: [true, 0.9]\n", "optim.betas", "a number"),
+    ],
+)
+def test_booleans_are_not_numbers(tmp_path, text, key, kind):
+    f = tmp_path / "bool.yaml"
+    f.write_text(text)
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(f)
+    msg = str(exc.value)
+    assert msg.startswith(f"{f}: key '{key}': Input should be {kind}, not a boolean")
+    assert "\n" not in msg
+    # booleans stay booleans; integers still fill float fields
+    r = load_recipe(None, {"model.tie_word_embeddings": True, "optim.lr": 1})
+    assert r.model.tie_word_embeddings is True and r.optim.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("optim.lr", "inf"), ("optim.lr", "nan"), ("optim.poet_lr", "-inf"),
+     ("optim.weight_decay", "inf"), ("optim.grad_clip", "inf"), ("optim.betas", [0.9, "nan"]),
+     ("model.initializer_range", "inf"), ("baseline.scale", "inf")],
+)  # fmt: skip
+def test_non_finite_floats_are_rejected(key, value):
+    value = [float(v) for v in value] if isinstance(value, list) else float(value)
+    with pytest.raises(RecipeError, match=rf"key '{key}(\.1)?': Input should be a finite number"):
+        load_recipe(None, {key: value})

@@ -1,0 +1,50 @@
+"""The pydantic base of the recipe sections (:mod:`poetxq.recipe`, ``data.DataConfig``).
+
+On top of pydantic's checks it refuses two inputs that pydantic's lax mode lets through: a boolean
+for an integer or float field (``max_steps: true`` would become 1, since ``bool`` subclasses
+``int``) and a non-finite float (``inf`` / ``nan``: no learning rate, decay or epsilon means
+anything infinite). The error names the key like every other schema error.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+def _number_kind(annotation: Any) -> str | None:
+    """``"integer"`` / ``"number"`` when ``annotation`` holds int / float (and not bool), else
+    None; looks inside ``X | None``, ``tuple[...]`` and ``list[...]``."""
+    if annotation is bool or annotation is Any:
+        return None
+    if annotation is int:
+        return "integer"
+    if annotation is float:
+        return "number"
+    if typing.get_origin(annotation) is typing.Literal:
+        return None
+    args = typing.get_args(annotation)
+    if bool in args:
+        return None
+    kinds = {_number_kind(a) for a in args} - {None}
+    return "number" if "number" in kinds else kinds.pop() if kinds else None
+
+
+class StrictSection(BaseModel):
+    """Unknown keys, booleans given for numbers, and ``inf`` / ``nan`` are errors."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, bool) for v in items) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            kind = _number_kind(field.annotation) if field is not None else None
+            if kind is not None:
+                what = "an integer" if kind == "integer" else "a number"
+                raise ValueError(f"Input should be {what}, not a boolean (true/false)")
+        return value
