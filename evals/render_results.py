@@ -290,24 +290,60 @@ def _throughput_now() -> list[str]:
 
 
 def _memory_state8() -> list[str]:
-    name = "gpu_memory_8b_state8_h200.json"
+    name = "gpu_memory_state8_h200.json"
     d = _load(name)
     if d is None:
         return []
     lines = [
-        "### Llama-8B with 8-bit optimizer states (`optim.state_bits=8`)",
+        "### Llama-8B / 13B with 8-bit optimizer states (`optim.state_bits=8`), eager and "
+        "CUDA graph",
         "",
-        "| checkpointing | peak (GiB) | estimate (GiB) | official code (GiB) | target (GiB) | "
-        "step (s) | official step (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "Batch 1 × 2,048 tokens, POET-XQ int8, b = 256, mem variant, bf16. *CUDA graph*: the "
+        "forward+backward replayed from one graph (`evals/gpu_memory.py --cuda-graph`, "
+        "`poetxq.cudagraph`); its activations live in the graph's pool, so its memory is the "
+        "reserved peak (an upper bound), not the allocated one.",
+        "",
+        "| model | checkpointing | CUDA graph | peak (GiB) | estimate (GiB) | official (GiB) | "
+        "target (GiB) | step (s) | official step (s) | speed-up (target ≥ 1.5) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["results"]:
+        graph = r.get("cuda_graph", False)
+        peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
         lines.append(
-            f"| {'yes' if r['gradient_checkpointing'] else 'no'} | {r['peak_memory_gib']:.2f} | "
+            f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
+            f"{'yes' if graph else 'no'} | {peak:.2f}{' (reserved)' if graph else ''} | "
             f"{r['estimated_peak_gib']:.2f} | {r['official_peak_gib']:.2f} | "
-            f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} |"
+            f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
+            f"{r['speedup_vs_official']:.2f} |"
         )
-    return [*lines, "", _provenance(name, d), ""]
+    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+
+
+def _throughput_3b() -> list[str]:
+    name = "throughput_3b_h200_c1669ad.json"
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        "### Llama-3B tokens/s",
+        "",
+        "| seq | method | tokens/s | peak memory (GiB) |",
+        "|---:|---|---:|---:|",
+    ]
+    for r in d["runs"]:
+        if "tokens_per_s" in r:
+            lines.append(
+                f"| {r['seq_len']} | {LABELS.get(r['method'], r['method'])} | "
+                f"{r['tokens_per_s']:,.0f} | {r['peak_memory_bytes'] / 2**30:.1f} |"
+            )
+    lines.append("")
+    for row in d["ratios"]:
+        lines.append(
+            f"- seq {row['seq_len']}: POET-XQ / Q-GaLore = {row['poetxq_over_qgalore']:.2f} "
+            f"(target ≥ 1.3), POET-XQ / AdamW = {row['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
+        )
+    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
 def _cnp() -> list[str]:
@@ -355,7 +391,26 @@ def _multi_gpu() -> list[str]:
         )
     if d.get("skipped"):
         lines.append(f"- Not run (time budget): {', '.join(d['skipped'])}")
-    return [*lines, "", _provenance(name, d), ""]
+    lines += ["", _provenance(name, d), ""]
+    name = "multi_gpu_tput_h200x2.json"
+    t = _load(name)
+    if t is not None:
+        lines += ["Tokens/s at 1 and 2 GPUs, measured in one later run, side by side:", ""]
+        for m in ("poetxq", "adamw"):
+            r = t["throughput"].get(m, {})
+            if "scaling_2_over_1" in r:
+                lines.append(
+                    f"- {LABELS.get(m, m)} Llama-1B, seq 256, 16 sequences per GPU: "
+                    f"{r['1gpu']['tokens_per_s_median']:,.0f} → "
+                    f"{r['2gpu']['tokens_per_s_median']:,.0f} tokens/s "
+                    f"({r['scaling_2_over_1']:.2f}×)"
+                )
+        for n in ("1gpu", "2gpu"):
+            ratio = t["throughput"].get(f"poetxq_over_adamw_{n}")
+            if ratio:
+                lines.append(f"- POET-XQ / AdamW at {n[0]} GPU(s): {ratio:.2f}")
+        lines += ["", _provenance(name, t), ""]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         "one run.",
         "",
     ]
-    lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _memory()
+    lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
+    lines += _memory()
     lines += _memory_state8() + _kernels() + _cnp() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")

@@ -47,12 +47,6 @@ def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
     return t if d == size else F.pad(t, (0, size - d))
 
 
-def _gather_last(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[..., index]`` via a 2-D ``index_select`` (several times faster than N-D on CPU)."""
-    flat = t.reshape(-1, t.shape[-1]).index_select(1, index)
-    return flat.view(*t.shape[:-1], index.numel())
-
-
 class _InputOrderStore:
     """A frozen store kept with its columns in the *original* input order, ``W'' = Ψ_m W0``.
 
@@ -68,10 +62,10 @@ class _InputOrderStore:
         self.frozen, self.side_p = frozen, side_p
 
     def matmul(self, z: torch.Tensor) -> torch.Tensor:
-        return self.frozen.matmul(_gather_last(z, self.side_p.inv_perm))
+        return self.frozen.matmul(quant_kernels.permute_last(z, self.side_p.inv_perm))
 
     def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
-        return _gather_last(self.frozen.matmul_t(dh), self.side_p.perm)
+        return quant_kernels.permute_last(self.frozen.matmul_t(dh), self.side_p.perm)
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -97,11 +91,11 @@ def _forward_autograd(
 ) -> torch.Tensor:
     """Forward built from autograd ops (the ``fast`` variant; also used without grad)."""
     n, m = side_p.dim, side_r.dim
-    xp = _pad_to(_gather_last(x, side_p.perm), side_p.padded_dim)
+    xp = _pad_to(quant_kernels.permute_last(x, side_p.perm, side_p.inv_perm), side_p.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)[..., :n]
     h = _FrozenMatmul.apply(z, frozen)
     u = quant_kernels.block_diag_matmul(_pad_to(h, side_r.padded_dim), g_r)[..., :m]
-    return _gather_last(u, side_r.inv_perm)
+    return quant_kernels.permute_last(u, side_r.inv_perm, side_r.perm)
 
 
 class _POETXMemFn(torch.autograd.Function):
@@ -144,11 +138,11 @@ def _mem_backward(
     ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
     n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
     dy = dy.to(x.dtype)
-    xp = _pad_to(_gather_last(x, sp.perm), sp.padded_dim)
+    xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)
     h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
     # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
-    du = _pad_to(_gather_last(dy, sr.perm), sr.padded_dim)
+    du = _pad_to(quant_kernels.permute_last(dy, sr.perm), sr.padded_dim)
     grad = quant_kernels.block_diag_grad
     dg_r = grad(du, h, sr.nb, b_r) if needs[2] else None
     del h
@@ -158,7 +152,7 @@ def _mem_backward(
     dx = None
     if needs[0]:
         dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
-        dx = _gather_last(dxp, sp.inv_perm)
+        dx = quant_kernels.permute_last(dxp, sp.inv_perm)
     return dx, dg_p, dg_r
 
 

@@ -192,6 +192,24 @@ def blockwise_4bit_matmul_t(
     return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)
 
 
+def permute_last(
+    x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x[..., perm]`` for ``x [..., d]`` and a permutation ``perm [d]`` (int64, ``x``'s device).
+
+    On CUDA the Triton kernel of :mod:`quant_kernels.permute` (exact copy; its backward is the
+    inverse permutation ``inv_perm``, computed by ``argsort`` when not given); elsewhere
+    :func:`quant_kernels.reference.permute_last`. Differentiable w.r.t. ``x``.
+    """
+    if triton_enabled(x):
+        from quant_kernels.permute import permute_last_triton
+
+        if inv_perm is None and torch.is_grad_enabled() and x.requires_grad:
+            inv_perm = torch.argsort(perm)
+        return permute_last_triton(x, perm, inv_perm)
+    return reference.permute_last(x, perm)
+
+
 def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
     """Whether the fused Triton CNP serves this call: CUDA, Triton, ``k = 3``, fp32/bf16/fp16, and
     either :data:`FUSED_CNP_MEASURED_FASTER` or ``POETXQ_KERNELS=fused`` (never with ``torch``)."""

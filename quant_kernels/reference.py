@@ -27,6 +27,7 @@ __all__ = [
     "dequant_int8_rowwise",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",
+    "permute_last",
     "quantize_int8_rowwise",
     "skew_from_packed",
 ]
@@ -161,6 +162,13 @@ def cnp_from_skew(q: torch.Tensor, terms: int = 3) -> torch.Tensor:
         acc = acc + power
     power = power @ q  # Q^{k+1}
     return eye + 2.0 * acc + power
+
+
+def permute_last(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x[..., perm]`` (``x [..., d]``, ``perm [d]`` int64) via a 2-D ``index_select``, which is
+    several times faster than N-D indexing on the CPU; differentiable."""
+    flat = x.reshape(-1, x.shape[-1]).index_select(1, perm)
+    return flat.view(*x.shape[:-1], perm.numel())
 
 
 def block_diag_matmul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
