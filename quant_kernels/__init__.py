@@ -78,6 +78,11 @@ def slab_bytes_for(rows: int) -> int:
 FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+#: whether :func:`permute_last` uses the Triton permutation on CUDA under ``auto``. False: the
+#: first variant measured 115.6 µs against torch's 84 µs (``gpu_suite_permute_h200.json``); the
+#: on-chip variant awaits ``evals/bench_permute.py``. ``POETXQ_KERNELS=fused`` uses it regardless.
+TRITON_PERMUTE_MEASURED_FASTER = False
+
 
 def _rows(t: torch.Tensor) -> int:
     return t.numel() // max(t.shape[-1], 1)
@@ -197,11 +202,13 @@ def permute_last(
 ) -> torch.Tensor:
     """``x[..., perm]`` for ``x [..., d]`` and a permutation ``perm [d]`` (int64, ``x``'s device).
 
-    On CUDA the Triton kernel of :mod:`quant_kernels.permute` (exact copy; its backward is the
-    inverse permutation ``inv_perm``, computed by ``argsort`` when not given); elsewhere
-    :func:`quant_kernels.reference.permute_last`. Differentiable w.r.t. ``x``.
+    On CUDA with :data:`TRITON_PERMUTE_MEASURED_FASTER` (or ``POETXQ_KERNELS=fused``) the Triton
+    kernels of :mod:`quant_kernels.permute` (exact copies; the backward is the inverse permutation
+    ``inv_perm``, computed by ``argsort`` when not given); otherwise
+    :func:`quant_kernels.reference.permute_last` (torch ``index_select``). Differentiable w.r.t.
+    ``x``.
     """
-    if triton_enabled(x):
+    if triton_enabled(x) and (TRITON_PERMUTE_MEASURED_FASTER or kernel_mode() == "fused"):
         from quant_kernels.permute import permute_last_triton
 
         if inv_perm is None and torch.is_grad_enabled() and x.requires_grad:
