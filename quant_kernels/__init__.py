@@ -78,9 +78,9 @@ def slab_bytes_for(rows: int) -> int:
 FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-#: whether :func:`permute_last` uses the Triton permutation on CUDA under ``auto``. False: the
-#: first variant measured 115.6 µs against torch's 84 µs (``gpu_suite_permute_h200.json``); the
-#: on-chip variant awaits ``evals/bench_permute.py``. ``POETXQ_KERNELS=fused`` uses it regardless.
+#: whether :func:`permute_last` uses the Triton permutation on CUDA under ``auto``. False: it
+#: measured 115.6 µs against torch's 84 µs (``gpu_suite_permute_h200.json``);
+#: ``POETXQ_KERNELS=fused`` uses it regardless.
 TRITON_PERMUTE_MEASURED_FASTER = False
 
 

@@ -6,18 +6,15 @@ A POET-X(Q) layer permutes its activations five times per training step (``Ψ_n`
 kernel: on the H200 a fifth of a POET-XQ layer's GPU time and about 17 % of a Llama-1B/8B
 training step (``evals/results/profiles/profile_1b_poetxq_h200_b3977d8.txt``), at roughly 0.7 TB/s.
 
-Two Triton variants, both exact copies (the result equals ``index_select``; the backward of a
-permutation is the inverse permutation, no scatter-add):
-
-* ``"rows"``: one program owns ``BLOCK_T`` whole rows and walks their columns in chunks with
-  gathered global loads and contiguous stores. Measured *slower* than torch on the H200
-  (115.6 µs against 84 µs per 2,048 × 14,336 bf16 permutation, ``gpu_suite_permute_h200.json``).
-* ``"smem"``: the program loads its rows contiguously (coalesced) into one register tile padded to
-  a power of two (≤ 16,384 columns) and permutes them on chip with ``tl.gather``, then stores
-  contiguously: DRAM sees one coalesced read and one coalesced write.
-
-:func:`quant_kernels.permute_last` uses them only where ``evals/bench_permute.py`` measured them
-faster (:data:`quant_kernels.TRITON_PERMUTE_MEASURED_FASTER`) or under ``POETXQ_KERNELS=fused``.
+One program owns ``BLOCK_T`` whole rows and walks their columns in chunks with gathered loads
+and contiguous stores; the result is an exact copy (equal to ``index_select``), and the backward of
+a permutation is the inverse permutation (no scatter-add). Measured *slower* than torch on the
+H200: 115.6 µs against 84 µs per 2,048 × 14,336 bf16 permutation
+(``evals/results/gpu_suite_permute_h200.json``), so :func:`quant_kernels.permute_last` uses it
+only under ``POETXQ_KERNELS=fused`` (:data:`quant_kernels.TRITON_PERMUTE_MEASURED_FASTER` is
+False). A variant that permuted whole rows on chip with ``tl.gather`` did not finish compiling and
+running its first shape within 150 s on the H200 and was dropped. The way forward is to fuse the
+permutation into the block-diagonal multiply's loads and stores (issue 3).
 """
 
 from __future__ import annotations
@@ -30,9 +27,6 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_T, _BLOCK_J = (2, 32) if _INTERPRET else (4, 1024)
-#: widest row the on-chip ("smem") variant holds (padded to a power of two)
-SMEM_MAX_COLS = 16384
-VARIANTS = ("rows", "smem")
 
 
 @triton.jit
@@ -53,28 +47,8 @@ def _permute_last_kernel(
         tl.store(dst_rows + j[None, :], v, mask=mask)
 
 
-@triton.jit
-def _permute_last_smem_kernel(
-    x_ptr, perm_ptr, out_ptr, rows, cols, stride_x,
-    BLOCK_T: tl.constexpr, D: tl.constexpr, BLOCK_J: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = t < rows
-    c = tl.arange(0, D)
-    src_ptr = x_ptr + t.to(tl.int64)[:, None] * stride_x + c[None, :]
-    src = tl.load(src_ptr, mask=row_ok[:, None] & (c[None, :] < cols), other=0)
-    dst_rows = out_ptr + t.to(tl.int64)[:, None] * cols
-    for j0 in range(0, cols, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        col_ok = j < cols
-        p = tl.load(perm_ptr + j, mask=col_ok, other=0).to(tl.int32)
-        v = tl.gather(src, tl.broadcast_to(p[None, :], (BLOCK_T, BLOCK_J)), axis=1)
-        tl.store(dst_rows + j[None, :], v, mask=row_ok[:, None] & col_ok[None, :])
-
-
-def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor, variant: str = "smem") -> torch.Tensor:
-    """``x[..., perm]`` by a Triton kernel (no autograd); ``variant`` ``"smem"`` (rows up to
-    :data:`SMEM_MAX_COLS`, else ``"rows"``) or ``"rows"`` (module docstring).
+def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """``x[..., perm]`` by the Triton kernel (no autograd).
 
     Args:
         x: ``[..., d]`` on CUDA (or the CPU under ``TRITON_INTERPRET=1``); rows may be strided,
@@ -85,10 +59,8 @@ def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor, variant: str = "sme
         ``[..., d]`` contiguous, same dtype.
 
     Raises:
-        ValueError: ``perm`` is not 1-D of length ``x.shape[-1]``, or an unknown ``variant``.
+        ValueError: ``perm`` is not 1-D of length ``x.shape[-1]``.
     """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     d = x.shape[-1]
     if perm.dim() != 1 or perm.numel() != d:
         raise ValueError(f"perm must be 1-D of length {d} (x's last dim), got {tuple(perm.shape)}")
@@ -98,18 +70,9 @@ def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor, variant: str = "sme
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows and d:
-        width = triton.next_power_of_2(d)
-        if variant == "smem" and width <= SMEM_MAX_COLS:
-            block_t = 1 if width > 4096 else 2
-            block_j = min(width, 32 if _INTERPRET else 2048)
-            _permute_last_smem_kernel[(triton.cdiv(rows, block_t),)](
-                x2, perm, out, rows, d, x2.stride(0), BLOCK_T=block_t, D=width, BLOCK_J=block_j,
-                num_warps=8,
-            )  # fmt: skip
-        else:
-            _permute_last_kernel[(triton.cdiv(rows, _BLOCK_T),)](
-                x2, perm, out, rows, d, x2.stride(0), BLOCK_T=_BLOCK_T, BLOCK_J=_BLOCK_J
-            )
+        _permute_last_kernel[(triton.cdiv(rows, _BLOCK_T),)](
+            x2, perm, out, rows, d, x2.stride(0), BLOCK_T=_BLOCK_T, BLOCK_J=_BLOCK_J
+        )
     return out.view(x.shape)
 
 

@@ -11,7 +11,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
-from quant_kernels.permute import VARIANTS, permute_last_nograd, permute_last_triton
+from quant_kernels.permute import permute_last_nograd, permute_last_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -19,11 +19,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # rows not a multiple of the row tile, columns not a multiple of the column chunk, 3-D input
 @pytest.mark.parametrize("shape", [(5, 37), (2, 3, 70), (1, 1), (0, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_equals_indexing_exactly(shape, dtype, variant, gen):
+def test_equals_indexing_exactly(shape, dtype, gen):
     x = torch.randn(shape, generator=gen).to(dtype)
     perm = torch.randperm(shape[-1], generator=gen)
-    out = permute_last_nograd(x.to(DEVICE), perm.to(DEVICE), variant)
+    out = permute_last_nograd(x.to(DEVICE), perm.to(DEVICE))
     assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
     assert torch.equal(out.cpu(), x[..., perm])
 
@@ -47,8 +46,6 @@ def test_transposed_input_is_copied_first(gen):
     assert torch.equal(permute_last_nograd(x.to(DEVICE), perm.to(DEVICE)).cpu(), x[:, perm])
 
 
-def test_bad_perm_or_variant_is_an_error():
+def test_bad_perm_is_an_error():
     with pytest.raises(ValueError, match=r"perm must be 1-D of length 8 \(x's last dim\)"):
         permute_last_nograd(torch.zeros(2, 8, device=DEVICE), torch.arange(7, device=DEVICE))
-    with pytest.raises(ValueError, match="variant must be one of"):
-        permute_last_nograd(torch.zeros(2, 8, device=DEVICE), torch.arange(8, device=DEVICE), "x")
