@@ -36,6 +36,7 @@ from poetxq.checkpoint import (
     save_training_checkpoint,
     write_tensors,
 )
+from poetxq.cudagraph import GraphedMicroStep
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
     ShardedBatches,
@@ -214,15 +215,10 @@ def train(
 
     Raises:
         poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
-        RunDirError: ``train.cuda_graph`` is set (a `poetxq bench` setting for now).
+        RunDirError: ``train.cuda_graph`` without CUDA, under DDP or for a baseline method.
         DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
-    if tc.cuda_graph:
-        raise RunDirError(
-            "train.cuda_graph is measured by `poetxq bench` only so far, not used by training; "
-            "set train.cuda_graph: false"
-        )
     cuda = torch.cuda.is_available()
     if tc.precision == "auto":
         mixed = "bf16" if cuda else "no"
@@ -240,6 +236,16 @@ def train(
     )
     main = accelerator.is_main_process
     world = accelerator.num_processes
+    if tc.cuda_graph:
+        why = (
+            "needs a CUDA device" if not cuda
+            else "runs in one process only (DDP all-reduces outside the graph)" if world > 1
+            else f"supports poetxq and poetx only, not {recipe.method}"
+            if recipe.method not in ("poetxq", "poetx")
+            else None
+        )  # fmt: skip
+        if why:
+            raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
     say = echo if main else (lambda _s: None)
     for note in recipe.notes:  # what recipe validation adjusted
         say(f"note: {note}")
@@ -395,14 +401,27 @@ def train(
             raise _diverged(value, step, run_dir)
         return value
 
+    # train.cuda_graph: each micro-batch's forward+backward replayed from one CUDA graph,
+    # captured on the first micro-batch (poetxq.cudagraph); gradients are zeroed in place
+    graphed: GraphedMicroStep | None = None
+
+    def micro_loss(batch: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(model, batch) / tc.grad_accum
+
     for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
         for _ in range(tc.grad_accum):
             batch = next(batches).to(device)
             position += 1
             with accelerator.accumulate(model):
-                loss = causal_lm_loss(model, batch)
-                accelerator.backward(loss / tc.grad_accum)
+                if tc.cuda_graph:
+                    if graphed is None:
+                        trainable = [p for p in model.parameters() if p.requires_grad]
+                        graphed = GraphedMicroStep(micro_loss, batch, trainable)
+                    loss = graphed(batch) * tc.grad_accum
+                else:
+                    loss = causal_lm_loss(model, batch)
+                    accelerator.backward(loss / tc.grad_accum)
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
         if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
@@ -414,7 +433,10 @@ def train(
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
         optimizer.step()
         scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if graphed is not None:
+            graphed.zero_grad()  # the graph keeps writing to these gradient tensors
+        else:
+            optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1
         merging = (

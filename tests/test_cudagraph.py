@@ -56,3 +56,47 @@ def test_replays_accumulate_the_eager_gradients():
     assert replayed == pytest.approx(loss_fn(batches[1]).item(), rel=1e-6)
     with pytest.raises(CUDAGraphError, match="fixed batch shape"):
         step(torch.zeros(2, 96, 256, device="cuda"))
+
+
+TINY = [
+    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+    "--set", "poet.block_size=16", "--eval-every", "20", "--no-progress",
+    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=1",
+    "--set", "train.log_every=1", "--set", "optim.warmup_steps=2",
+]  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_train_refuses_cuda_graph_without_cuda(tmp_path, capsys, monkeypatch):
+    from poetxq.cli import main
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    code = main(["train", *TINY, "--output-dir", str(tmp_path), "--run-name", "g",
+                 "--set", "train.cuda_graph=true"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0
+    assert err[-1].endswith("train.cuda_graph needs a CUDA device; set train.cuda_graph: false")
+    assert not (tmp_path / "g" / "model.safetensors").exists()
+
+
+def _losses(run) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "lr" in r]  # the per-step training log lines
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkeypatch):
+    from poetxq.cli import main
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    common = [*TINY, "--output-dir", str(tmp_path), "--max-steps", "7",
+              "--set", "poet.merge_interval=2", "--set", "train.precision=fp32",
+              "--set", "train.grad_accum=2"]  # fmt: skip
+    assert main(["train", *common, "--run-name", "eager"]) == 0
+    assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
+    eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
+    assert len(eager) == len(graph) == 7
+    assert graph == pytest.approx(eager, rel=1e-5)
