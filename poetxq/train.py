@@ -421,7 +421,7 @@ def train(
                     loss = graphed(batch) * tc.grad_accum
                 else:
                     loss = causal_lm_loss(model, batch)
-                    accelerator.backward(loss / tc.grad_accum)
+                    accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
         if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step

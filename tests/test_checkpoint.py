@@ -304,3 +304,22 @@ def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, 
     assert "already finished (step 4 of 4)" in _one_error_line(capsys)
     assert main([*args, "--run-name", "fresh"]) == 0  # no checkpoint yet: a new run
     assert [s for s, _ in list_checkpoints(saved_run.parent / "fresh")] == [2, 4]
+
+
+def _step1(run: Path) -> dict:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in rows if r.get("step") == 1 and "grad_norm" in r)
+
+
+def test_gradient_accumulation_averages_like_one_big_batch(tmp_path, monkeypatch):
+    # batch 8 in one micro-batch and 2 micro-batches of 4 see the same 8 windows in step 1: the
+    # mean loss and the gradient (its norm) agree; the gradient was once divided twice by 2
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+    base = [a for a in TINY if a not in ("--batch-size", "8")]
+    common = [*base, "--output-dir", str(tmp_path), "--max-steps", "1"]
+    assert main(["train", *common, "--run-name", "one", "--batch-size", "8"]) == 0
+    assert main(["train", *common, "--run-name", "two", "--batch-size", "4",
+                 "--set", "train.grad_accum=2"]) == 0  # fmt: skip
+    one, two = _step1(tmp_path / "one"), _step1(tmp_path / "two")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
