@@ -261,13 +261,13 @@ def _kernels() -> list[str]:
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
-def _throughput_now() -> list[str]:
-    name = "throughput_1b_h200_da2e9d8.json"
+def _tokens_table(name: str, heading: str) -> list[str]:
+    """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines."""
     d = _load(name)
     if d is None:
         return []
     lines = [
-        "### Llama-1B tokens/s with the streamed GEMMs and on-device model build",
+        heading,
         "",
         "| seq | method | tokens/s | peak memory (GiB) | build (s) |",
         "|---:|---|---:|---:|---:|",
@@ -287,6 +287,17 @@ def _throughput_now() -> list[str]:
             f"(target ≥ 1.3), POET-XQ / AdamW = {row['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
         )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+
+
+def _throughput_now() -> list[str]:
+    return _tokens_table(
+        "throughput_1b_h200_da2e9d8.json",
+        "### Llama-1B tokens/s with the streamed GEMMs and on-device model build",
+    )
+
+
+def _throughput_3b() -> list[str]:
+    return _tokens_table("throughput_3b_h200_c1669ad.json", "### Llama-3B tokens/s")
 
 
 def _memory_state8() -> list[str]:
@@ -316,32 +327,6 @@ def _memory_state8() -> list[str]:
             f"{r['estimated_peak_gib']:.2f} | {r['official_peak_gib']:.2f} | "
             f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
             f"{r['speedup_vs_official']:.2f} |"
-        )
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
-
-
-def _throughput_3b() -> list[str]:
-    name = "throughput_3b_h200_c1669ad.json"
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "### Llama-3B tokens/s",
-        "",
-        "| seq | method | tokens/s | peak memory (GiB) |",
-        "|---:|---|---:|---:|",
-    ]
-    for r in d["runs"]:
-        if "tokens_per_s" in r:
-            lines.append(
-                f"| {r['seq_len']} | {LABELS.get(r['method'], r['method'])} | "
-                f"{r['tokens_per_s']:,.0f} | {r['peak_memory_bytes'] / 2**30:.1f} |"
-            )
-    lines.append("")
-    for row in d["ratios"]:
-        lines.append(
-            f"- seq {row['seq_len']}: POET-XQ / Q-GaLore = {row['poetxq_over_qgalore']:.2f} "
-            f"(target ≥ 1.3), POET-XQ / AdamW = {row['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
         )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 

@@ -30,17 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels.dequant_matmul import _dot  # fp32 accumulation; interpreter-safe 16-bit
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    # the CPU interpreter mis-multiplies 16-bit tiles: widen the (already rounded) operands there
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit

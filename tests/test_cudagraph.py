@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from test_checkpoint import TINY  # the tiny real run the resume tests use
 
 from poetxq.bench import BenchError, run_bench
 from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep
@@ -56,15 +57,6 @@ def test_replays_accumulate_the_eager_gradients():
     assert replayed == pytest.approx(loss_fn(batches[1]).item(), rel=1e-6)
     with pytest.raises(CUDAGraphError, match="fixed batch shape"):
         step(torch.zeros(2, 96, 256, device="cuda"))
-
-
-TINY = [
-    "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
-    "--set", "poet.block_size=16", "--eval-every", "20", "--no-progress",
-    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
-    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=1",
-    "--set", "train.log_every=1", "--set", "optim.warmup_steps=2",
-]  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
