@@ -43,11 +43,14 @@ __all__ = [
     "KERNEL_MODES",
     "block_diag_grad",
     "block_diag_matmul",
+    "block_diag_perm_grad",
+    "block_diag_perm_matmul",
     "blockwise_4bit_matmul",
     "blockwise_4bit_matmul_t",
     "cayley_neumann",
     "cayley_neumann_lean",
     "dequant_int8_rowwise",
+    "fused_perm_block_diag",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_t",
     "kernel_mode",
@@ -77,6 +80,39 @@ def slab_bytes_for(rows: int) -> int:
 #: the torch path; ``POETXQ_KERNELS=fused`` uses it regardless.
 FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: whether the POET-X(Q) layers use the permutation-fused block-diagonal kernels
+#: (:mod:`quant_kernels.block_diag_perm`) on CUDA under ``auto``. False until
+#: ``evals/bench_block_diag_perm.py`` has timed them on a GPU; ``POETXQ_KERNELS=fused`` uses them.
+FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
+
+
+def fused_perm_block_diag(x: torch.Tensor) -> bool:
+    """Whether the layers' block multiplies take the permutation-fused Triton kernels for the
+    activation ``x``: CUDA, Triton, fp32/bf16/fp16, and either
+    :data:`FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""
+    return (
+        x.dtype in _FUSED_CNP_DTYPES
+        and triton_enabled(x)
+        and (FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER or kernel_mode() == "fused")
+    )
+
+
+def block_diag_perm_matmul(x: torch.Tensor, g: torch.Tensor, **kw: object) -> torch.Tensor:
+    """:func:`quant_kernels.block_diag_perm.block_diag_perm_matmul` (imported on first use)."""
+    from quant_kernels import block_diag_perm
+
+    return block_diag_perm.block_diag_perm_matmul(x, g, **kw)  # type: ignore[arg-type]
+
+
+def block_diag_perm_grad(
+    a: torch.Tensor, v: torch.Tensor, nb: int, b: int, **kw: object
+) -> torch.Tensor:
+    """:func:`quant_kernels.block_diag_perm.block_diag_perm_grad` (imported on first use)."""
+    from quant_kernels import block_diag_perm
+
+    return block_diag_perm.block_diag_perm_grad(a, v, nb, b, **kw)  # type: ignore[arg-type]
+
 
 #: whether :func:`permute_last` uses the Triton permutation on CUDA under ``auto``. False: it
 #: measured 115.6 µs against torch's 84 µs (``gpu_suite_permute_h200.json``);
