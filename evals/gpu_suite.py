@@ -189,6 +189,16 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
                                               "error": repr(exc)})  # fmt: skip
+        import quant_kernels
+
+        quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = True  # the fused-permutation layer
+        for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8)):
+            try:
+                row = correctness(n, m, 256, bits, gen)
+            except Exception as exc:
+                row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
+            report["correctness"].append({**row, "fused_perm_block_diag": True})
+        quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
         print(json.dumps(report["correctness"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "kernel_tests" in parts:
