@@ -416,9 +416,16 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
         if os.environ.get("RANK", "0") == "0":  # once, not once per DDP process
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            how = (
+                f"the same launcher with {world} processes, e.g. torchrun --nproc_per_node "
+                f"{world} -m poetxq.cli train --resume {run_dir.resolve()}"
+                if world > 1
+                else f"poetxq train --resume {run_dir.resolve()}"
+            )
             print(
                 f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue "
-                f"with: poetxq train --resume {run_dir.resolve()}",
+                f"with: {how}",
                 file=sys.stderr,
             )
         return 130 if result.stop_signal == "SIGINT" else 143

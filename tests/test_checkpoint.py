@@ -281,6 +281,23 @@ def test_resume_recipe_mismatch(saved_run, capsys):
     assert _snapshot(saved_run) == before
 
 
+def test_resume_with_another_process_count_is_refused(saved_run, tmp_path, capsys):
+    run = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(saved_run), str(run)], check=True)
+    # make it an unfinished run stopped after its step-2 checkpoint
+    subprocess.run(["rm", "-r", str(run / "checkpoints" / "step-00000004")], check=True)
+    (run / "summary.json").unlink()
+    meta_path = run / "checkpoints" / "step-00000002" / "state.json"
+    meta = json.loads(meta_path.read_text())
+    meta["loop"]["num_processes"] = 2  # as if written under torchrun --nproc_per_node 2
+    meta_path.write_text(json.dumps(meta))
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run)]) == 2
+    line = _one_error_line(capsys)
+    assert "was written by 2 process(es) and this run has 1; resume with 2" in line
+    assert _snapshot(run) == before
+
+
 @pytest.mark.parametrize("victim", ["model.safetensors", "state.safetensors", "state.json"])
 def test_resume_corrupted_checkpoint(saved_run, tmp_path, capsys, victim):
     run = tmp_path / "copy"
