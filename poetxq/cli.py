@@ -180,7 +180,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--run-name", help="run directory name (default: <recipe name>-<method>-<timestamp>)"
     )
-    g.add_argument("--overwrite", action="store_true", help="reuse a non-empty run directory")
+    g.add_argument("--overwrite", action="store_true",
+                   help="reuse a non-empty run directory: its previous results and checkpoints "
+                   "are deleted when the new run starts")  # fmt: skip
     g.add_argument("--eval-every", type=int, help="steps between validation [train.eval_every]")
     g.add_argument(
         "--log-with", metavar="TRACKER", help="also log to an accelerate tracker, e.g. tensorboard"
@@ -253,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(quantization_config in config.json); the bnb formats merge R,P first (see above)",
     )
     p.add_argument("--quant-type", choices=("nf4", "fp4"), help="4-bit code (default: the run's)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR when it holds a previous export (poetxq_export.json); "
+                   "any other non-empty directory is refused")  # fmt: skip
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
     p.add_argument("recipes", nargs="+", metavar="RECIPE")

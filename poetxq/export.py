@@ -509,10 +509,17 @@ def _check_out_dir(out: Path, overwrite: bool, run_dir: Path | None = None) -> N
             )
     if out.exists() and not out.is_dir():
         raise ExportError(f"'{out}' exists and is not a directory; choose another output directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(
-            f"output directory '{out}' exists and is not empty; choose another or pass --overwrite"
-        )
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(
+                f"output directory '{out}' exists and is not empty; choose another or pass "
+                "--overwrite"
+            )
+        if not (out / "poetxq_export.json").is_file():  # --overwrite replaces exports only
+            raise ExportError(
+                f"--overwrite replaces a previous export only, and '{out}' holds no "
+                "poetxq_export.json; choose an empty or new output directory"
+            )
     if not out.parent.exists():
         raise ExportError(f"parent directory '{out.parent}' does not exist; create it first")
 
@@ -540,7 +547,8 @@ def export_run(
         run_dir: a finished run directory.
         fmt: ``"hf-bf16"``, ``"hf-bnb8"`` or ``"hf-bnb4"``.
         out_dir: output directory; must be absent or empty unless ``overwrite``.
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a non-empty ``out_dir`` that holds a previous export
+            (``poetxq_export.json``); any other non-empty directory is refused.
         quant_type: 4-bit code for ``hf-bnb4`` (default: the run's ``poet.quant_type``).
         echo: where the summary line goes.
 

@@ -346,9 +346,16 @@ def test_export_refuses_non_empty_out_dir(runs, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--overwrite" in err[0]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    # --overwrite replaces it whole
-    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out), "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    # --overwrite replaces a previous export only, never another directory
+    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no poetxq_export.json" in err[0]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out)]) == 0
+    (out / "stale.txt").write_text("from the previous export")
+    assert main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out), "--overwrite"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp left
 
 
@@ -368,6 +375,7 @@ def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, cap
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
+    (out / "poetxq_export.json").write_text("{}")  # a previous export: --overwrite may replace it
 
     def boom(*_a, **_k):
         raise OSError("disk full")
@@ -375,7 +383,7 @@ def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, cap
     monkeypatch.setattr("safetensors.torch.save_file", boom)
     code = main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out), "--overwrite"])
     assert code == 2 and "disk full" in capsys.readouterr().err
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "poetxq_export.json"]
     assert not [p for p in tmp_path.iterdir() if p.name != "out"]
 
 
