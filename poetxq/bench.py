@@ -208,6 +208,8 @@ def run_bench(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")
     tc, oc = recipe.train, recipe.optim
+    if tc.cuda_graph and dev.type != "cuda":  # before the model is built
+        raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
@@ -222,8 +224,6 @@ def run_bench(
     data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
 
-    if tc.cuda_graph and dev.type != "cuda":
-        raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
     graphed: GraphedMicroStep | None = None
 
     def micro_loss(batch: torch.Tensor) -> torch.Tensor:

@@ -203,6 +203,11 @@ class Recipe(_Section):
                 if note not in self._notes:
                     self._notes.append(note)
             m.max_position_embeddings = self.train.seq_len
+        if self.train.cuda_graph and self.method not in ("poetxq", "poetx"):
+            raise ValueError(
+                f"train.cuda_graph applies to the POET methods, not {self.method}; set "
+                "train.cuda_graph: false"
+            )
         if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):
             raise ValueError(
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "

@@ -233,7 +233,7 @@ def train(
 
     Raises:
         poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
-        RunDirError: ``train.cuda_graph`` without CUDA, under DDP or for a baseline method.
+        RunDirError: ``train.cuda_graph`` without CUDA or under DDP.
         DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
@@ -255,11 +255,9 @@ def train(
     main = accelerator.is_main_process
     world = accelerator.num_processes
     if tc.cuda_graph:
-        why = (
+        why = (  # the method is checked by the recipe schema
             "needs a CUDA device" if not cuda
             else "runs in one process only (DDP all-reduces outside the graph)" if world > 1
-            else f"supports poetxq and poetx only, not {recipe.method}"
-            if recipe.method not in ("poetxq", "poetx")
             else None
         )  # fmt: skip
         if why:

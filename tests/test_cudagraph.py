@@ -92,3 +92,10 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
     eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
     assert len(eager) == len(graph) == 7
     assert graph == pytest.approx(eager, rel=1e-5)
+
+
+def test_recipe_refuses_cuda_graph_for_a_baseline():
+    from poetxq.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"train\.cuda_graph applies to the POET methods"):
+        load_recipe(None, {"method": "adamw", "train.cuda_graph": True})
