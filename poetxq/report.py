@@ -148,17 +148,24 @@ def read_run(path: str | Path) -> Run:
     try:
         tree = yaml.safe_load(files["recipe.yaml"].read_text(encoding="utf-8"))
         recipe = Recipe.model_validate(tree)
-    except Exception as exc:  # yaml or schema error: one line
-        msg = f"{files['recipe.yaml']}: unreadable recipe ({exc})".splitlines()[0]
-        raise ReportError(msg) from None
+    except Exception as exc:  # yaml or schema error: one line naming the file and the first key
+        first = " ".join(str(exc).split())[:200]
+        raise ReportError(f"{files['recipe.yaml']}: unreadable recipe: {first}") from None
+    name = "metrics.jsonl"
     try:
-        metrics = _read_metrics(files["metrics.jsonl"]) if files["metrics.jsonl"].is_file() else []
+        metrics = _read_metrics(files[name]) if files[name].is_file() else []
         if has_summary:
-            summary = json.loads(files["summary.json"].read_text(encoding="utf-8"))
+            name = "summary.json"
+            summary = json.loads(files[name].read_text(encoding="utf-8"))
+            if not isinstance(summary, dict):
+                raise ReportError(
+                    f"{files[name]} holds a JSON {type(summary).__name__}, not the object train "
+                    "writes; remove it to report the run from metrics.jsonl"
+                )
         else:
             summary = summary_from_metrics(metrics)
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"run directory '{p}': bad JSON ({exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{files[name]}: bad JSON ({exc})") from None
     return Run(p, recipe, summary, metrics, has_summary=has_summary)
 
 

@@ -175,6 +175,19 @@ def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("text,why", [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON")])
+def test_report_bad_summary_is_one_line_naming_the_file(tmp_path, capsys, text, why):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("name: x\n")
+    (run / "summary.json").write_text(text)
+    out = tmp_path / "rep"
+    assert main(["report", str(run), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "summary.json" in err[0] and why in err[0]
+    assert not out.exists()
+
+
 def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(tmp_path, capsys):
     from poetxq.recipe import dump_recipe
 
