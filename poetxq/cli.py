@@ -178,7 +178,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--output-dir", help="parent of run directories [train.output_dir, default runs]"
     )
     g.add_argument(
-        "--run-name", help="run directory name (default: <recipe name>-<method>-<timestamp>)"
+        "--run-name",
+        help="run directory name (default: <model>-<method>-<timestamp>, e.g. tiny-poetxq-...)",
     )
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty run directory: its previous results and checkpoints "

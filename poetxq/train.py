@@ -551,9 +551,11 @@ def train(
             metrics_file.close()
         accelerator.end_training()
         if not interrupted:
+            since = " since the resume" if resumed_from else ""  # tokens/s of this session
             say(
                 f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
-                f"({result.tokens_per_s:,.0f} tok/s), {merges} merges; val ppl {val_ppl0:.1f} -> "
+                f"({result.tokens_per_s:,.0f} tok/s{since}), {merges} "
+                f"merge{'' if merges == 1 else 's'}; val ppl {val_ppl0:.1f} -> "
                 f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
             )
         return result
