@@ -449,15 +449,23 @@ def _run_export(args: argparse.Namespace) -> int:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
+    """One line per file: ``ok (...)`` on stdout, or ``poetxq: error: ...`` on stderr; exit 2
+    when any file is bad."""
+    bad = 0
     for path in args.recipes:
-        recipe = load_recipe(path)
+        try:
+            recipe = load_recipe(path)
+        except RecipeError as exc:
+            print(f"poetxq: error: {exc}", file=sys.stderr)
+            bad += 1
+            continue
         detail = (
             f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
             if recipe.method in ("poetxq", "poetx")
             else f"rank={recipe.baseline.rank}"
         )
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
-    return 0
+    return 2 if bad else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

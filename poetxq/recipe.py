@@ -423,13 +423,19 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 def _read_mapping(path: Path, included_from: str | None) -> dict[str, Any]:
     where = f" (base of {included_from})" if included_from else ""
-    if not path.is_file():
+    if path.is_dir():
+        raise RecipeError(f"recipe path '{path}'{where} is a directory; pass a YAML file")
+    if not path.exists():
         raise RecipeError(f"recipe file '{path}'{where} does not exist; pass an existing YAML file")
     try:
         loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         msg = f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})"
         raise RecipeError(" ".join(msg.split())) from exc
+    except UnicodeDecodeError:
+        raise RecipeError(f"{path}: not UTF-8 text; a recipe is a UTF-8 YAML file") from None
+    except OSError as exc:
+        raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):

@@ -133,3 +133,24 @@ def test_non_finite_floats_are_rejected(key, value):
     value = [float(v) for v in value] if isinstance(value, list) else float(value)
     with pytest.raises(RecipeError, match=rf"key '{key}(\.1)?': Input should be a finite number"):
         load_recipe(None, {key: value})
+
+
+def test_validate_command_reports_every_file(tmp_path, capsys):
+    from poetxq.cli import main
+
+    good = ROOT / "recipes/tiny/poetxq.yaml"
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("train:\n  max_stepz: 3\n")
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes(b"name: caf\xe9\n")
+    args = [str(typo), str(good), str(tmp_path), str(latin1), str(tmp_path / "absent.yaml")]
+    assert main(["validate", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out.strip().splitlines() == [f"{good}: ok (tiny-poetxq: method=poetxq, bits=8, b=64)"]
+    err = err.strip().splitlines()
+    assert len(err) == 4 and all(line.startswith("poetxq: error: ") for line in err)
+    assert "max_stepz" in err[0]
+    assert f"recipe path '{tmp_path}' is a directory" in err[1]
+    assert f"{latin1}: not UTF-8 text" in err[2]
+    assert "absent.yaml' does not exist" in err[3]
+    assert main(["validate", str(good)]) == 0
