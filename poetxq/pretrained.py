@@ -44,11 +44,17 @@ def resolve_pretrained(ref: str) -> str:
         The local directory (resolved, as a string) or the hub id.
 
     Raises:
-        PretrainedError: a local path that is missing or holds no ``config.json``, or a hub id
-            that cannot be fetched (no network, unknown repository).
+        PretrainedError: a local path that is missing, a poetxq run directory (export it first),
+            a directory without ``config.json``, or a hub id that cannot be fetched (no network,
+            unknown repository).
     """
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
+        if (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file():
+            raise PretrainedError(
+                f"'{ref}' is a poetxq run directory, not a Hugging Face checkpoint; export it "
+                f"first (poetxq export {ref} --format hf-bf16 OUT_DIR) and pass OUT_DIR"
+            )
         if not (path / "config.json").is_file():
             raise PretrainedError(
                 f"'{ref}' holds no config.json; pass a directory written by save_pretrained"

@@ -157,20 +157,27 @@ def test_unreachable_hub_id_is_one_error(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("case", ["missing", "no-config", "adamw", "gpt2"])
+@pytest.mark.parametrize("case", ["missing", "no-config", "adamw", "gpt2", "run-dir"])
 def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     from transformers import GPT2Config
 
     GPT2Config(n_layer=1, n_embd=64, n_head=4).save_pretrained(str(tmp_path / "gpt2"))
+    run = tmp_path / "run"  # what poetxq train leaves (a config.json too): not a checkpoint
+    run.mkdir()
+    for name in ("recipe.yaml", "metrics.jsonl", "config.json"):
+        (run / name).write_text("{}")
     model = {"missing": str(tmp_path / "nope"), "no-config": str(tmp_path),
-             "adamw": str(checkpoint), "gpt2": str(tmp_path / "gpt2")}[case]  # fmt: skip
+             "adamw": str(checkpoint), "gpt2": str(tmp_path / "gpt2"),
+             "run-dir": str(run)}[case]  # fmt: skip
     extra = ["--method", "adamw"] if case == "adamw" else []
     code = main(["quantize-and-train", *RUN, "--model", model, *extra,
                  "--output-dir", str(tmp_path / "o")])  # fmt: skip
     assert code == 2
     msg = _one_error(capsys)
     assert {"missing": "not an existing directory", "no-config": "config.json",
-            "adamw": "poetxq and poetx", "gpt2": "Llama-family"}[case] in msg  # fmt: skip
+            "adamw": "poetxq and poetx", "gpt2": "Llama-family",
+            "run-dir": "is a poetxq run directory, not a Hugging Face checkpoint; export it"}[
+        case] in msg  # fmt: skip
     assert not (tmp_path / "o").exists()
 
 
