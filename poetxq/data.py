@@ -345,7 +345,15 @@ def _local_source(cfg: DataConfig) -> _Source:
     def reader(paths: list[Path]) -> Callable[[], Iterator[str]]:
         def documents() -> Iterator[str]:
             for p in paths:
-                yield from _file_documents(p, field_name)
+                try:
+                    yield from _file_documents(p, field_name)
+                except DataError:
+                    raise
+                except (OSError, EOFError, ValueError) as e:  # corrupt gzip/parquet, I/O errors
+                    raise DataError(
+                        f"{p} cannot be read ({type(e).__name__}: {_first_line(e)}); fix or "
+                        "remove the file"
+                    ) from None
 
         return documents
 

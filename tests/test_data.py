@@ -358,6 +358,15 @@ def test_wrong_text_field(tmp_path: Path) -> None:
         prepare_data(cfg, 64, progress=False)
 
 
+@pytest.mark.parametrize("name,content", [("d.parquet", b"not parquet at all"),
+                                          ("d.jsonl.gz", b"\x1f\x8b\x08garbage")])  # fmt: skip
+def test_corrupt_file_is_one_error_naming_it(tmp_path: Path, name: str, content: bytes) -> None:
+    (tmp_path / name).write_bytes(content)
+    cfg = DataConfig(source=str(tmp_path / name), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=rf"{name} cannot be read \(.*\); fix or remove the file"):
+        prepare_data(cfg, 64, progress=False)
+
+
 def test_bad_tokenizer_name() -> None:
     with pytest.raises(DataError, match="tokenizer 'nonexistent-tok'"):
         prepare_data(DataConfig(source="pydoc", tokenizer="nonexistent-tok"), 64, progress=False)
