@@ -352,7 +352,13 @@ def read_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
         CheckpointError: one line naming the missing or corrupted file and what to do.
     """
     ckpt_dir = Path(ckpt_dir)
-    hint = f"delete '{ckpt_dir}' to resume from the checkpoint before it, or start a new run"
+    older = [p for _, p in list_checkpoints(ckpt_dir.parent.parent) if p.name < ckpt_dir.name]
+    hint = (
+        f"delete '{ckpt_dir}' to resume from the checkpoint before it ('{older[-1].name}'), or "
+        "start a new run"
+        if older
+        else "it is the run's only checkpoint: start a new run (--overwrite)"
+    )
     meta_path = ckpt_dir / "state.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))

@@ -309,8 +309,12 @@ def test_resume_corrupted_checkpoint(saved_run, tmp_path, capsys, victim):
     before = _snapshot(run)
     assert main(["train", "--resume", str(run)]) == 2
     line = _one_error_line(capsys)
-    assert victim in line and "corrupted" in line and "delete" in line
+    assert victim in line and "corrupted" in line and "before it ('step-00000002')" in line
     assert _snapshot(run) == before
+    # with no older checkpoint to fall back on, the hint says so
+    subprocess.run(["rm", "-r", str(run / "checkpoints" / "step-00000002")], check=True)
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "it is the run's only checkpoint: start a new run" in _one_error_line(capsys)
 
 
 def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, tmp_path_factory):
