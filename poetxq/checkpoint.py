@@ -498,8 +498,9 @@ def plan_resume(
     else:
         run_dir = Path(resume)
         if not run_dir.is_dir():
+            what = "is not a directory" if run_dir.exists() else "does not exist"
             raise CheckpointError(
-                f"--resume: run directory '{resume}' does not exist; give the directory of an "
+                f"--resume: run directory '{resume}' {what}; give the directory of an "
                 "earlier run (it holds checkpoints/) or use --resume auto --run-name NAME"
             )
         ckpt = latest_checkpoint(run_dir)

@@ -132,7 +132,8 @@ def read_run(path: str | Path) -> Run:
     """
     p = Path(path)
     if not p.is_dir():
-        raise ReportError(f"run directory '{p}' does not exist; pass directories made by train")
+        what = "is not a directory" if p.exists() else "does not exist"
+        raise ReportError(f"run directory '{p}' {what}; pass directories made by poetxq train")
     files = {name: p / name for name in ("recipe.yaml", "summary.json", "metrics.jsonl")}
     if not files["recipe.yaml"].is_file():
         raise ReportError(
