@@ -197,7 +197,12 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         s = run.summary
         mem, kind = run.peak_memory
         ppl = s.get("final_val_ppl")
-        name = run.name if run.has_summary else f"{run.name} — {NO_SUMMARY}"
+        if not run.has_summary:
+            name = f"{run.name} — {NO_SUMMARY}"
+        elif run.summary.get("interrupted"):
+            name = f"{run.name} — stopped by {run.summary.get('stop_signal') or 'a signal'}"
+        else:
+            name = run.name
         rows.append({
             "model": run.model, "run": name, "method": run.method, "bits": run.bits,
             "final val ppl": _fmt_number(ppl),

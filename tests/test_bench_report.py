@@ -160,7 +160,7 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
     stopped.write_text(json.dumps(s))
     assert main(["report", *map(str, dirs), "-o", str(out)]) == 0
     md = (out / "report.md").read_text()
-    row = next(r for r in md.splitlines() if r.startswith(f"| {names[0]} "))
+    row = next(r for r in md.splitlines() if r.startswith(f"| {names[0]} — stopped by SIGTERM "))
     assert [c.strip() for c in row.strip("|").split("|")][3] == "n/a"
     assert "-> n/a (stopped by SIGTERM)" in md
 
