@@ -12,10 +12,11 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
   rows, and every 4-bit GEMM: the slab-streamed path (:mod:`quant_kernels.streamed`): one
   memory-bound Triton kernel decodes a bounded band of the weight into a reusable 16-bit slab and
   cuBLAS multiplies it; the weight never exists in 16 bits beyond one slab
-  (:func:`slab_bytes_for`). int8 at 8,192 tokens: 1.08–1.29× forward, 1.07–1.18× dX, against
-  1.35–1.56× / 1.87–1.99× for the fused kernel and 1.24–1.36× / 1.14–1.21× for dequantizing the
-  whole weight first. NF4: 1.30–1.59× (bitsandbytes' own dequantize-then-matmul: 1.06–1.17×,
-  holding the whole bf16 weight); the fused NF4 kernels measured 22–66×.
+  (:func:`slab_bytes_for`). int8 at 8,192 tokens: 1.10–1.22× forward, 1.06–1.20× dX, against
+  1.29–1.69× / 1.90–1.94× for the fused kernel and 1.24–1.35× / 1.13–1.26× for dequantizing the
+  whole weight first. NF4: 1.08–1.28× forward, 1.24–1.40× dX (bitsandbytes' own
+  dequantize-then-matmul: 1.03–1.14×, holding the whole bf16 weight); the fused NF4 kernels
+  measured 22–72×.
 * int8 with fewer rows: the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`), which read
   the int8 weight once per M-tile and never decode a slab.
 
