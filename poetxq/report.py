@@ -247,7 +247,8 @@ def _plots(runs: list[Run], out: Path) -> None:
             if logy:
                 ax.set_yscale("log")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            if ax.get_lines():  # a run without logged steps draws nothing (and no legend)
+                ax.legend(fontsize=8)
         fig.tight_layout()
         _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
         plt.close(fig)
@@ -289,10 +290,15 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         raise ReportError("no run directories given; pass one or more runs/<name> directories")
     if importlib.util.find_spec("matplotlib") is None:
         raise ReportError("poetxq report needs matplotlib: pip install -e '.[report]'")
-    runs = [read_run(p) for p in run_dirs]  # all read before anything is written
+    given: dict[Path, str | Path] = {}
+    for p in run_dirs:  # a run given twice is reported once, under the path first given
+        given.setdefault(Path(p).resolve(), p)
+    runs = [read_run(p) for p in given.values()]  # all read before anything is written
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
+    if (out / "recipe.yaml").is_file() or (out / "checkpoints").is_dir():
+        raise ReportError(f"'{out}' is a run directory; write the report elsewhere (-o report/)")
     out.mkdir(parents=True, exist_ok=True)
     _plots(runs, out)
     rows = results_rows(runs)

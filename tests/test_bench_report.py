@@ -137,7 +137,9 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
         assert s["peak_rss_bytes"] > 0 and s["peak_memory_bytes"] is None
         assert s["method"] in ("poetxq", "adamw")
     out = tmp_path / "report"
-    assert main(["report", *map(str, dirs), "-o", str(out)]) == 0
+    # the first run given twice (once through a different spelling of its path) is one row
+    again = str(dirs[0].parent / "." / dirs[0].name)
+    assert main(["report", *map(str, dirs), again, "-o", str(out)]) == 0
     md = (out / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| tiny-")]
     assert len(rows) == 2 and md.count("## tiny\n") == 1  # one table: side by side
@@ -173,6 +175,18 @@ def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "summary.json" in err[0]
     assert not out.exists()
+
+
+def test_report_into_a_run_directory_is_refused(tmp_path, capsys):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("name: x\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "lr": 0.001}\n')
+    before = sorted(p.name for p in run.iterdir())
+    assert main(["report", str(run), "-o", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a run directory; write the report elsewhere" in err[0]
+    assert sorted(p.name for p in run.iterdir()) == before
 
 
 @pytest.mark.parametrize("text,why", [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON")])
