@@ -93,20 +93,24 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     base_ms = cuda_time_ms(run(lin))
     res["nn_linear_ms"] = base_ms
     res["nn_linear_peak_extra_mib"] = cuda_peak_extra_mib(run(lin))
+    label = {8: "q_int8", 4: "q_nf4", 16: "_bf16"}
+
+    def time_layer(name: str, bits: int, variant: str) -> None:
+        try:
+            layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
+                                dtype=torch.bfloat16)  # fmt: skip
+            fn = run(layer)
+            ms = cuda_time_ms(fn)
+            res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
+                         "peak_extra_mib": cuda_peak_extra_mib(fn)}  # fmt: skip
+            del layer, fn
+        except Exception as exc:  # record and go on: one broken variant must not hide the rest
+            res[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        torch.cuda.empty_cache()
+
     for bits in (8, 4, 16):
         for variant in ("fast", "mem"):
-            name = f"poetx{ {8: 'q_int8', 4: 'q_nf4', 16: '_bf16'}[bits] }_{variant}"
-            try:
-                layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
-                                    dtype=torch.bfloat16)  # fmt: skip
-                fn = run(layer)
-                ms = cuda_time_ms(fn)
-                res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
-                             "peak_extra_mib": cuda_peak_extra_mib(fn)}  # fmt: skip
-                del layer, fn
-            except Exception as exc:  # record and go on: one broken variant must not hide the rest
-                res[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
+            time_layer(f"poetx{label[bits]}_{variant}", bits, variant)
     # the mem variants again with the permutations fused into the block kernels
     # (quant_kernels.block_diag_perm), side by side with the default path above
     import quant_kernels
@@ -115,18 +119,7 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = True
     try:
         for bits in (8, 16):
-            name = f"poetx{ {8: 'q_int8', 16: '_bf16'}[bits] }_mem_fused_perm"
-            try:
-                layer = POETXLinear(n, m, block_size=b, bits=bits, variant="mem", device=dev,
-                                    dtype=torch.bfloat16)  # fmt: skip
-                fn = run(layer)
-                ms = cuda_time_ms(fn)
-                res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
-                             "peak_extra_mib": cuda_peak_extra_mib(fn)}  # fmt: skip
-                del layer, fn
-            except Exception as exc:
-                res[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            torch.cuda.empty_cache()
+            time_layer(f"poetx{label[bits]}_mem_fused_perm", bits, "mem")
     finally:
         quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = before
     return res

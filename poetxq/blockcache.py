@@ -96,11 +96,11 @@ def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
     except ImportError:  # pragma: no cover - transformers without it: no per-layer groups
         return []
     units: list[nn.Module] = []
+    inside: set[nn.Module] = set()  # modules() is pre-order: a unit comes before its children
     for mod in model.modules():
-        if isinstance(mod, GradientCheckpointingLayer) and not any(
-            mod in set(u.modules()) for u in units
-        ):
+        if mod not in inside and isinstance(mod, GradientCheckpointingLayer):
             units.append(mod)
+            inside.update(mod.modules())
     return units
 
 

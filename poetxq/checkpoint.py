@@ -387,6 +387,28 @@ def read_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def check_world_size(ckpt_dir: Path, world: int) -> None:
+    """Refuse to resume a checkpoint written by another number of processes (a changed global
+    batch and data order would not continue the run). Reads only ``state.json``, so the check
+    can run before any work; an unreadable one is left to :func:`load_training_checkpoint`,
+    which names the problem.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` was written by a different number of processes.
+    """
+    try:
+        meta = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8"))
+        saved = int(meta["loop"].get("num_processes", 1))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return
+    if saved != world:
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}' was written by {saved} process(es) and this run has "
+            f"{world}; resume with {saved} (torchrun --nproc_per_node {saved} ...), or start a "
+            "new run"
+        )
+
+
 def load_training_checkpoint(
     ckpt_dir: Path,
     *,

@@ -32,7 +32,7 @@ from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant
 from poetxq.build import build_for_training
 from poetxq.checkpoint import (
     CHECKPOINT_DIR,
-    CheckpointError,
+    check_world_size,
     load_training_checkpoint,
     save_training_checkpoint,
     write_tensors,
@@ -187,23 +187,6 @@ def _keep_metrics_until(path: Path, step: int) -> None:
     _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
 
 
-def _check_same_world(ckpt_dir: Path, world: int) -> None:
-    """Refuse to resume a checkpoint written by another number of processes (a changed global
-    batch and data order would not continue the run). An unreadable ``state.json`` is left to
-    :func:`load_training_checkpoint`, which names the problem."""
-    try:
-        meta = json.loads((ckpt_dir / "state.json").read_text(encoding="utf-8"))
-        saved = int(meta["loop"].get("num_processes", 1))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return
-    if saved != world:
-        raise CheckpointError(
-            f"checkpoint '{ckpt_dir}' was written by {saved} process(es) and this run has "
-            f"{world}; resume with {saved} (torchrun --nproc_per_node {saved} ...), or start a "
-            "new run"
-        )
-
-
 def train(
     recipe: Recipe,
     run_dir: Path,
@@ -264,7 +247,7 @@ def train(
             raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
     say = echo if main else (lambda _s: None)
     if resume_from is not None:  # before any work: the global batch and data order depend on it
-        _check_same_world(Path(resume_from), world)
+        check_world_size(Path(resume_from), world)
     for note in recipe.notes:  # what recipe validation adjusted
         say(f"note: {note}")
     set_seed(tc.seed)

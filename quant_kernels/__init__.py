@@ -35,7 +35,7 @@ import torch
 
 from quant_kernels import cnp, reference
 from quant_kernels._policy import HAS_TRITON as _HAS_TRITON
-from quant_kernels._policy import KERNEL_MODES, kernel_mode, triton_enabled
+from quant_kernels._policy import KERNEL_MODES, kernel_mode, opt_in_kernel, triton_enabled
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
 from quant_kernels.cnp import skew_from_packed
 from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise
@@ -92,11 +92,7 @@ def fused_perm_block_diag(x: torch.Tensor) -> bool:
     """Whether the layers' block multiplies take the permutation-fused Triton kernels for the
     activation ``x``: CUDA, Triton, fp32/bf16/fp16, and either
     :data:`FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""
-    return (
-        x.dtype in _FUSED_CNP_DTYPES
-        and triton_enabled(x)
-        and (FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER or kernel_mode() == "fused")
-    )
+    return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER)
 
 
 def block_diag_perm_matmul(x: torch.Tensor, g: torch.Tensor, **kw: object) -> torch.Tensor:
@@ -245,7 +241,7 @@ def permute_last(
     :func:`quant_kernels.reference.permute_last` (torch ``index_select``). Differentiable w.r.t.
     ``x``.
     """
-    if triton_enabled(x) and (TRITON_PERMUTE_MEASURED_FASTER or kernel_mode() == "fused"):
+    if opt_in_kernel(x, TRITON_PERMUTE_MEASURED_FASTER):
         from quant_kernels.permute import permute_last_triton
 
         if inv_perm is None and torch.is_grad_enabled() and x.requires_grad:
@@ -260,8 +256,7 @@ def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
     return (
         terms == 3
         and packed.dtype in _FUSED_CNP_DTYPES
-        and triton_enabled(packed)
-        and (FUSED_CNP_MEASURED_FASTER or kernel_mode() == "fused")
+        and opt_in_kernel(packed, FUSED_CNP_MEASURED_FASTER)
     )
 
 

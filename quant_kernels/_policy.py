@@ -35,3 +35,9 @@ def triton_enabled(t: torch.Tensor) -> bool:
     """Whether Triton kernels may serve ``t``: a CUDA tensor, Triton installed, and
     ``POETXQ_KERNELS`` not ``torch``."""
     return t.is_cuda and HAS_TRITON and kernel_mode() != "torch"
+
+
+def opt_in_kernel(t: torch.Tensor, measured_faster: bool) -> bool:
+    """Whether an opt-in Triton kernel serves ``t``: :func:`triton_enabled` and either its
+    ``*_MEASURED_FASTER`` flag (``measured_faster``) or ``POETXQ_KERNELS=fused``."""
+    return triton_enabled(t) and (measured_faster or kernel_mode() == "fused")
