@@ -352,6 +352,31 @@ def _cnp() -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
+def _fused_perm() -> list[str]:
+    name = "bench_block_diag_perm_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        "## Permutation-fused block-diagonal kernels against gather + `bmm` (bf16)",
+        "",
+        "Ratio fused / torch (above 1: the fused kernel is slower; they stay off by default).",
+        "",
+        "| tokens × dim | b | input side fwd | output side fwd | block gradient |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in d["results"]:
+
+        def ratio(k: str, r: dict = r) -> str:
+            return f"{r[k]['ratio']:.2f}" if "ratio" in r.get(k, {}) else "n/a"
+
+        lines.append(
+            f"| {r['tokens']} × {r['dim']} | {r['b']} | {ratio('input_side_forward')} | "
+            f"{ratio('output_side_forward')} | {ratio('block_grad_gathered')} |"
+        )
+    return [*lines, "", _provenance(name, d), ""]
+
+
 def _multi_gpu() -> list[str]:
     name = "multi_gpu_h200x2.json"
     d = _load(name)
@@ -415,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
     lines += _memory()
-    lines += _memory_state8() + _kernels() + _cnp() + _multi_gpu()
+    lines += _memory_state8() + _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0

@@ -83,8 +83,9 @@ FUSED_CNP_MEASURED_FASTER = False
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: whether the POET-X(Q) layers use the permutation-fused block-diagonal kernels
-#: (:mod:`quant_kernels.block_diag_perm`) on CUDA under ``auto``. False until
-#: ``evals/bench_block_diag_perm.py`` has timed them on a GPU; ``POETXQ_KERNELS=fused`` uses them.
+#: (:mod:`quant_kernels.block_diag_perm`) on CUDA under ``auto``. False: on the H200 they are
+#: 2.6–10.7× slower than a gather + ``bmm`` (``evals/results/bench_block_diag_perm_h200.json``);
+#: ``POETXQ_KERNELS=fused`` still uses them.
 FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
 
 
