@@ -1,0 +1,195 @@
+"""The chunked linear + cross-entropy equals the unchunked loss and gradients, keeps no logits."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from poetxq.evaluate import causal_lm_loss
+from poetxq.loss import ChunkedLinearCrossEntropy, causal_lm_loss_chunked
+from poetxq.recipe import ModelConfig
+from poetxq.surgery import build_llama
+
+N, D, V = 37, 16, 50
+VOCAB = 101
+CFG = ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_hidden_layers=2, max_position_embeddings=64)  # fmt: skip
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error ``‖a − ref‖ / ‖ref‖`` in float64."""
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm()).item()
+
+
+def _inputs(gen, n=N, dtype=torch.float32):
+    h = torch.randn(n, D, generator=gen).to(dtype).requires_grad_()
+    w = (0.5 * torch.randn(V, D, generator=gen)).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (n,), generator=gen)
+    return h, w, y
+
+
+def _reference64(h, w, y):
+    """Loss and (hidden, weight) gradients in float64 through autograd."""
+    h64 = h.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    loss = F.cross_entropy(h64 @ w64.T, y)
+    loss.backward()
+    return loss.detach(), h64.grad, w64.grad
+
+
+@pytest.mark.parametrize("chunk", [8, 1, N, 1000])
+def test_fp32_equals_float64_reference(gen, chunk):
+    h, w, y = _inputs(gen)
+    loss = ChunkedLinearCrossEntropy.apply(h, w, y, chunk)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    (3.0 * loss).backward()  # a non-unit grad_out
+    ref_loss, ref_h, ref_w = _reference64(h, w, y)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert _rel(h.grad, 3.0 * ref_h) < 1e-6
+    assert _rel(w.grad, 3.0 * ref_w) < 1e-6
+
+
+def test_bf16_autocast_matches_unchunked_under_autocast(gen):
+    h, w, y = _inputs(gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ChunkedLinearCrossEntropy.apply(h, w, y, 8)
+    loss.backward()
+    got = loss.detach(), h.grad, w.grad
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = h @ w.T
+        assert logits.dtype == torch.bfloat16
+        ref = F.cross_entropy(logits.float(), y)
+    ref.backward()
+    assert loss.dtype == torch.float32
+    assert abs(got[0].item() - ref.item()) <= 1e-5 * ref.item()
+    assert got[1].dtype == got[2].dtype == torch.float32
+    assert _rel(got[1], h.grad) < 1e-2
+    assert _rel(got[2], w.grad) < 1e-2
+    # the bf16 logits are what makes it differ from the fp32 loss
+    assert abs(got[0].item() - F.cross_entropy(h.detach() @ w.detach().T, y).item()) > 1e-6
+
+
+def test_bf16_inputs_give_bf16_grads(gen):
+    h, w, y = _inputs(gen, dtype=torch.bfloat16)
+    loss = ChunkedLinearCrossEntropy.apply(h, w, y, 8)
+    loss.backward()
+    ref_loss, ref_h, ref_w = _reference64(h, w, y)
+    assert loss.dtype == torch.float32
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert abs(loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
+    assert _rel(h.grad, ref_h) < 2e-2 and _rel(w.grad, ref_w) < 2e-2
+
+
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_frozen_input_gets_no_grad(gen, frozen):
+    h, w, y = _inputs(gen)
+    (h if frozen == "hidden" else w).requires_grad_(False)
+    ChunkedLinearCrossEntropy.apply(h, w, y, 8).backward()
+    _, ref_h, ref_w = _reference64(h, w, y)
+    if frozen == "hidden":
+        assert h.grad is None and _rel(w.grad, ref_w) < 1e-6
+    else:
+        assert w.grad is None and _rel(h.grad, ref_h) < 1e-6
+
+
+def _llama(tied: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_llama(CFG.model_copy(update={"tie_word_embeddings": tied}), vocab_size=VOCAB)
+
+
+def _windows(b=2, length=12, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (b, length + 1), generator=gen)
+
+
+def _loss_and_grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_causal_lm_loss_chunked_equals_causal_lm_loss(tied):
+    model, windows = _llama(tied), _windows()
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    ref, ref_grads = _loss_and_grads(model, lambda: causal_lm_loss(model, windows))
+    got, grads = _loss_and_grads(model, lambda: causal_lm_loss_chunked(model, windows, 5))
+    assert got.dtype == torch.float32 and got.shape == ()
+    assert abs(got.item() - ref.item()) < 1e-6
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) < 1e-5, name
+
+
+def test_causal_lm_loss_chunked_under_bf16_autocast():
+    model, windows = _llama(False), _windows()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref, ref_grads = _loss_and_grads(model, lambda: causal_lm_loss(model, windows))
+        got, grads = _loss_and_grads(model, lambda: causal_lm_loss_chunked(model, windows, 7))
+    assert abs(got.item() - ref.item()) <= 1e-5 * ref.item()
+    for name, g in grads.items():
+        assert g.dtype == torch.float32
+        assert _rel(g, ref_grads[name]) < 2e-2, name
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, None])
+def test_bad_chunk_tokens(gen, bad):
+    h, w, y = _inputs(gen)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        ChunkedLinearCrossEntropy.apply(h, w, y, bad)
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        causal_lm_loss_chunked(_llama(False), _windows(), bad)
+
+
+def test_wrapped_model_or_head_bias_refused():
+    class Wrapper(nn.Module):  # DDP-like: the model sits under .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = _llama(False)
+    with pytest.raises(ValueError, match=r"got Wrapper; pass the unwrapped model"):
+        causal_lm_loss_chunked(Wrapper(model), _windows(), 8)
+    model.lm_head = nn.Linear(CFG.hidden_size, VOCAB, bias=True)
+    with pytest.raises(ValueError, match="bias-free lm_head"):
+        causal_lm_loss_chunked(model, _windows(), 8)
+
+
+def test_shape_mismatch_refused(gen):
+    h, w, y = _inputs(gen)
+    with pytest.raises(ValueError, match="labels"):
+        ChunkedLinearCrossEntropy.apply(h, w, y[:-1], 8)
+    with pytest.raises(ValueError, match="weight"):
+        ChunkedLinearCrossEntropy.apply(h, w[:, :-1], y, 8)
+
+
+def _saved_numels(fn) -> list[int]:
+    """Element counts of every tensor saved for backward while ``fn()`` runs."""
+    sizes: list[int] = []
+
+    def pack(t):
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sizes
+
+
+def test_logits_are_not_saved_for_backward(gen):
+    h, w, y = _inputs(gen)
+    saved = _saved_numels(lambda: ChunkedLinearCrossEntropy.apply(h, w, y, 8))
+    assert sorted(saved) == sorted([N * D, V * D, N, N])  # hidden, weight, labels, lse
+
+    model, windows = _llama(False), _windows()
+    n_logits = windows[:, 1:].numel() * VOCAB  # 24 × 101, no other tensor of that size
+    # the check can fail: the unchunked loss saves [N, V] tensors (bf16/fp32 logits, softmax)
+    assert n_logits in _saved_numels(lambda: causal_lm_loss(model, windows))
+    saved = _saved_numels(lambda: causal_lm_loss_chunked(model, windows, 5))
+    assert n_logits not in saved
+    assert max(saved) == VOCAB * CFG.hidden_size  # the largest is the lm_head/embedding weight
