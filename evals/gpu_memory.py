@@ -7,13 +7,19 @@ directly on the GPU in bf16 and converted there (W0 drawn on the device). One fu
 = forward + backward + gradient clipping + AdamW step + zero_grad, timed with CUDA syncs; peak =
 ``torch.cuda.max_memory_allocated`` over the timed steps, after one untimed warm-up step (so
 Adam states exist: the steady state). Then the same model with whole-layer activation
-checkpointing (transformers ``gradient_checkpointing_enable``, ``use_reentrant=False``).
+checkpointing (``poetxq.lowmem.enable_activation_checkpointing``, non-reentrant; ``--offload``
+keeps the layer inputs in pinned host memory). The memory options of a recipe apply through
+``--set``: ``train.optimizer_in_backward=true optim.grad_clip=0`` (each parameter updated during
+backward, no clipping) and ``train.loss_chunk_tokens=N`` (chunked cross-entropy).
 ``poetxq.estimate.estimate_memory(..., precision="bf16")`` gives the prediction beside each
 measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
 project's issue) and the issue's targets are recorded next to them.
 
 Usage (on the GPU host, about 2-4 minutes):
     python evals/gpu_memory.py --out $OUT/gpu_memory_h200.json
+    python evals/gpu_memory.py --out $OUT/lowmem.json --settings ckpt --offload \
+        --set optim.state_bits=8 --set train.optimizer_in_backward=true --set optim.grad_clip=0 \
+        --set train.loss_chunk_tokens=1024
 CPU smoke test of the script itself:
     python evals/gpu_memory.py --device cpu --models llama-60m --seq-len 64 --steps 1 \
         --set model.num_hidden_layers=2 --out /tmp/gpu_memory_smoke.json
@@ -33,7 +39,8 @@ from _common import provenance, write_json_atomic
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
-from poetxq.evaluate import causal_lm_loss
+from poetxq.loss import training_loss
+from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.optim import build_optimizer
 from poetxq.recipe import load_recipe, parse_override
 from poetxq.surgery import build_llama, convert_to_poetx
@@ -77,7 +84,8 @@ def _profile(step, dev: torch.device, path: Path) -> None:
 def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
     """Both settings (no checkpointing, checkpointing) of one model; one dict per setting."""
     over = {"poet.bits": 8, "poet.block_size": args.block_size, "poet.variant": "mem",
-            "train.batch_size": args.batch_size, "train.seq_len": args.seq_len}  # fmt: skip
+            "train.batch_size": args.batch_size, "train.seq_len": args.seq_len,
+            "train.grad_accum": 1}  # fmt: skip  # one micro-batch per measured step
     for text in args.set:
         k, v = parse_override(text)
         over[k] = v
@@ -86,6 +94,9 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
     optimizer = build_optimizer(model, recipe.optim)
+    tc = recipe.train
+    # train.optimizer_in_backward (--set): each parameter updated and freed during backward
+    in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
     _sync(dev)
     build_s = time.perf_counter() - t0
     model.train()
@@ -100,11 +111,15 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         if args.cuda_graph:
             if graphed is None:
                 graphed = GraphedMicroStep(
-                    lambda b: causal_lm_loss(model, b), batch, list(model.parameters())
+                    lambda b: training_loss(model, b, tc.loss_chunk_tokens),
+                    batch,
+                    list(model.parameters()),
                 )
             graphed(batch)
         else:
-            causal_lm_loss(model, batch).backward()
+            training_loss(model, batch, tc.loss_chunk_tokens).backward()
+        if in_backward is not None:
+            return
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
         optimizer.step()
         if graphed is not None:
@@ -113,11 +128,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             optimizer.zero_grad(set_to_none=True)
 
     out = []
-    for ckpt in (False, True):
+    for ckpt in args.settings:
+        offload = ckpt and args.offload
         if ckpt:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(model, offload=offload)
             graphed = None  # capture again: checkpointing changes the graph
             if args.cuda_graph:
                 for p in model.parameters():  # and frees the first graph's gradient tensors
@@ -126,6 +140,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
                 torch.cuda.empty_cache()
         r = recipe.model_copy(deep=True)
         r.train.gradient_checkpointing = ckpt
+        r.train.offload_activations = offload
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
         step()  # warm-up: Adam states, allocator, autotuning
         _sync(dev)
@@ -147,6 +162,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         row = {
             "model": name,
             "gradient_checkpointing": ckpt,
+            "offload_activations": offload,
+            "optimizer_in_backward": tc.optimizer_in_backward,
+            "loss_chunk_tokens": tc.loss_chunk_tokens,
+            "state_bits": recipe.optim.state_bits,
             "batch_size": B,
             "seq_len": S,
             "block_size": recipe.poet.block_size,
@@ -204,9 +223,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="recipe override (smoke tests)")  # fmt: skip
     ap.add_argument("--cuda-graph", action="store_true",
                     help="replay forward+backward from one CUDA graph")  # fmt: skip
+    ap.add_argument("--settings", default="no_ckpt,ckpt",
+                    help="which of no_ckpt,ckpt to measure (comma-separated)")  # fmt: skip
+    ap.add_argument("--offload", action="store_true",
+                    help="ckpt setting: the layer inputs in pinned host memory "
+                    "(train.offload_activations)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)
+    names = [x.strip() for x in args.settings.split(",") if x.strip()]
+    if not names or set(names) - {"no_ckpt", "ckpt"}:
+        ap.error(f"--settings: choose from no_ckpt,ckpt (got {args.settings!r})")
+    args.settings = [n == "ckpt" for n in names]
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print(

@@ -192,7 +192,8 @@ def run_bench(
     from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.cudagraph import GraphedMicroStep
     from poetxq.estimate import estimate_memory
-    from poetxq.evaluate import causal_lm_loss
+    from poetxq.loss import training_loss
+    from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
     from poetxq.train import peak_rss_bytes
 
     if steps < 1 or warmup < 0:
@@ -217,7 +218,8 @@ def run_bench(
     build_s = time.perf_counter() - start
     echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, offload=tc.offload_activations)
+    in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
     model.train()
     qmods = quant_modules(model)
     amp = dev.type == "cuda"
@@ -228,7 +230,7 @@ def run_bench(
 
     def micro_loss(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            return causal_lm_loss(model, batch) / tc.grad_accum
+            return training_loss(model, batch, tc.loss_chunk_tokens) / tc.grad_accum
 
     def step() -> None:
         nonlocal graphed
@@ -241,6 +243,8 @@ def run_bench(
                 graphed(batch)
             else:
                 micro_loss(batch).backward()
+        if in_backward is not None:  # each parameter was updated, its gradient freed
+            return
         clip = oc.grad_clip or float("inf")
         if qmods:
             clip_grad_norm_all(model.parameters(), qmods, clip)

@@ -46,6 +46,11 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
 Peak = frozen + buffers + parameters + optimizer states + the largest of: the start of backward
 (activations + logits + workspace + ``lm_head`` gradient), its end (all gradients + one layer's
 activations + workspace) and the optimizer step (all gradients + the optimizer's temporaries).
+The memory options of :mod:`poetxq.lowmem` and :mod:`poetxq.loss` change three terms:
+``train.offload_activations`` moves the checkpointed layer inputs to host memory
+(``host_offloaded``), ``train.optimizer_in_backward`` leaves at most one decoder layer's gradients
+alive (and no separate step), ``train.loss_chunk_tokens`` holds one chunk's logits instead of
+``T``'s.
 Checked against real byte counts of built models and optimizers and against autograd's saved
 tensors in ``tests/test_estimate.py``.
 """
@@ -95,6 +100,15 @@ class MemoryEstimate:
     num_frozen: int
     layer_activations: int = 0  # saved by one decoder layer (no checkpointing)
     head_activations: int = 0  # embeddings, rotary tables, final norm, lm_head input
+    #: train.optimizer_in_backward: each gradient is freed right after its update
+    optimizer_in_backward: bool = False
+    layer_gradients: int = 0  # one decoder layer's gradients
+    #: torch AdamW's temporary while it updates the largest parameter alone (bitsandbytes'
+    #: 8-bit update is in place: 0)
+    in_backward_transient: int = 0
+    #: train.offload_activations: the checkpointed layer inputs, in pinned host memory
+    host_offloaded: int = 0
+    loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
     peak: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -104,6 +118,13 @@ class MemoryEstimate:
         # backward starts with every activation saved and ends with every gradient made while
         # the last layer's activations (or its recomputation) are still alive
         start = self.activations + self.logits + self.workspace + self.lm_head_grad
+        if self.optimizer_in_backward:
+            # updated as they complete: lm_head's gradient (and its update's temporary) at the
+            # start, at most one layer's gradients later; no separate optimizer step
+            start += self.in_backward_transient
+            end = self.layer_gradients + self.layer_activations + self.workspace
+            self.peak = persistent + max(start, end)
+            return
         end = self.gradients + self.layer_activations + self.workspace
         step = self.gradients + self.optimizer_transient
         self.peak = persistent + max(start, end, step)
@@ -317,6 +338,7 @@ def estimate_memory(
                 lowrank_states += _lowrank_state_bytes(m, n, recipe)
             else:
                 states += 2 * m * n * p + 4
+    layer_grads = grads
     frozen, buffers, params, grads, states = (
         x * L for x in (frozen, buffers, params, grads, states)
     )
@@ -346,8 +368,16 @@ def estimate_memory(
     rotary = 2 * S * hd * (2 if precision == "bf16" else 4)  # cos, sin [1, S, head_dim]
     head = 8 * B * (S + 1) + rotary + T * head_norm
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
+    host = 0
     if tc.gradient_checkpointing:
-        acts = L * T * d * r + head + layer_full  # layer inputs + one layer recomputed
+        acts = head + layer_full  # one layer recomputed + the layer inputs:
+        if tc.offload_activations:
+            host = L * T * d * r
+            notes.append(
+                f"offload: the layer inputs ({host / 2**30:.2f} GiB) wait in pinned host memory"
+            )
+        else:
+            acts += L * T * d * r
         notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
     else:
         acts = L * layer_full + head
@@ -356,6 +386,8 @@ def estimate_memory(
     # forward: bf16 logits + fp32 copy + log-softmax (c + 8)·T·V; loss backward: log-softmax
     # output + its gradient + the logits' gradient, 12·T·V (the larger)
     logits = max(c + 8, 12) * T * V
+    if tc.loss_chunk_tokens:  # poetxq.loss: one chunk's logits at a time
+        logits = max(c + 8, 12) * min(T, tc.loss_chunk_tokens) * V
 
     # --- transients --------------------------------------------------------------------------
     max_dim = max(max(m, n) for _, m, n in _projections(recipe))
@@ -374,7 +406,10 @@ def estimate_memory(
         frozen_weights=frozen, buffers=buffers, trainable_params=params, gradients=grads,
         optimizer_states=states, activations=acts, logits=logits, workspace=workspace,
         optimizer_transient=opt_tmp, lm_head_grad=lm_head_grad, num_trainable=n_train,
-        num_frozen=n_frozen, layer_activations=layer_full, head_activations=head, notes=notes,
+        num_frozen=n_frozen, layer_activations=layer_full, head_activations=head,
+        optimizer_in_backward=tc.optimizer_in_backward, layer_gradients=layer_grads,
+        in_backward_transient=lm_head_grad if oc.state_bits == 32 else 0,
+        host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
     )  # fmt: skip
 
 
@@ -389,13 +424,26 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
         ("frozen / quantized weights", est.frozen_weights, f"{est.num_frozen:,} weights"),
         ("buffers (permutations, masks)", est.buffers, ""),
         ("trainable parameters", est.trainable_params, f"{est.num_trainable:,} parameters"),
-        ("gradients", est.gradients, "all present at the optimizer step"),
+        (
+            "gradients",
+            est.gradients,
+            "one layer's at a time (optimizer in backward)"
+            if est.optimizer_in_backward
+            else "all present at the optimizer step",
+        ),
         ("optimizer states", est.optimizer_states, ""),
         ("activations", est.activations, f"checkpointing {ckpt}"),
-        ("logits / loss", est.logits, f"[{est.batch_size * est.seq_len}, {est.vocab_size}]"),
+        (
+            "logits / loss",
+            est.logits,
+            f"[{est.batch_size * est.seq_len}, {est.vocab_size}]"
+            + (f" in chunks of {est.loss_chunk_tokens} tokens" if est.loss_chunk_tokens else ""),
+        ),
         ("workspace", est.workspace, "largest layer's transients"),
         ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
     ]
+    if est.host_offloaded:
+        rows.append(("offloaded to host (not GPU)", est.host_offloaded, "checkpointed inputs"))
     head = (
         f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
         f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"

@@ -39,8 +39,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     The logits are computed in the compute dtype — the autocast dtype when autocast is enabled
     on ``hidden``'s device, else ``promote_types(hidden.dtype, weight.dtype)`` — then upcast to
     fp32 for the log-sum-exp. Gradients come back in ``hidden``'s and ``weight``'s dtypes; the
-    weight gradient is accumulated over chunks in fp32 for an fp32 weight, in the weight's dtype
-    otherwise.
+    weight gradient is accumulated over chunks in fp32 for an fp32 weight (each chunk's GEMM in
+    the compute dtype, as autocast's own backward would), in the weight's dtype otherwise.
 
     Raises:
         ValueError: ``chunk_tokens`` is not a positive int, shapes disagree, or ``N == 0``.
@@ -104,15 +104,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 h = hidden[s:e].to(compute)
                 p = (h @ w.T).float().sub_(lse[s:e, None]).exp_()  # softmax, fp32 [c, V]
                 p[torch.arange(e - s, device=p.device), labels[s:e]] -= 1.0
-                g32 = p.mul_(scale)  # d loss / d logits, fp32
-                g = g32.to(compute)
+                g = p.mul_(scale).to(compute)  # d loss / d logits
                 if grad_h is not None:
                     grad_h[s:e] = g @ w
                 if grad_w is not None:
                     if acc == compute:
                         grad_w.addmm_(g.T, h)
-                    else:  # e.g. bf16 logits of an fp32 weight: the GEMM in fp32
-                        grad_w.addmm_(g32.T.to(acc), h.to(acc))
+                    else:  # bf16 logits of an fp32 weight: a bf16 GEMM (as the unchunked
+                        grad_w += g.T @ h  # autocast backward does), summed in fp32
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None
@@ -155,3 +154,15 @@ def causal_lm_loss_chunked(
     return ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, chunk_tokens
     )
+
+
+def training_loss(model: nn.Module, windows: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
+    """The training loss of ``windows`` ``[B, L+1]``: :func:`causal_lm_loss_chunked` when
+    ``chunk_tokens`` > 0 (``train.loss_chunk_tokens``; ``model`` must be the bare causal LM),
+    else :func:`poetxq.evaluate.causal_lm_loss` (any model returning ``.logits``). Mean nats,
+    fp32 scalar; errors as those functions raise them."""
+    if chunk_tokens:
+        return causal_lm_loss_chunked(model, windows, chunk_tokens)
+    from poetxq.evaluate import causal_lm_loss
+
+    return causal_lm_loss(model, windows)

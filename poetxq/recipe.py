@@ -148,7 +148,7 @@ class TrainConfig(_Section):
     seed: int = 0
     output_dir: str = "runs"
     save_checkpoint: bool = True
-    # whole-layer activation checkpointing (transformers gradient_checkpointing_enable,
+    # whole-layer activation checkpointing (transformers activation_checkpointing_enable,
     # use_reentrant=False): each decoder layer keeps only its input and recomputes the rest
     gradient_checkpointing: bool = False
     save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
@@ -157,6 +157,15 @@ class TrainConfig(_Section):
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # one process, fixed shapes; `poetxq bench` only for now
     cuda_graph: bool = False
+    # keep the checkpointed layer inputs in pinned host memory (needs gradient_checkpointing;
+    # poetxq.lowmem.enable_activation_checkpointing)
+    offload_activations: bool = False
+    # update each parameter as soon as its gradient is complete, then free the gradient
+    # (poetxq.lowmem.OptimizerInBackward): no gradient clipping, no accumulation
+    optimizer_in_backward: bool = False
+    # cross-entropy over chunks of this many tokens, logits recomputed in backward and never
+    # held whole (poetxq.loss); 0: one [tokens, vocab] logits tensor as usual
+    loss_chunk_tokens: int = Field(0, ge=0)
 
 
 class Recipe(_Section):
@@ -178,6 +187,31 @@ class Recipe(_Section):
         """Adjustments validation made that the user should see (e.g. a raised
         ``model.max_position_embeddings``); :func:`poetxq.train.train` prints them as notes."""
         return list(self._notes)
+
+    def _check_memory_options(self) -> None:
+        """``train.offload_activations`` / ``optimizer_in_backward``: what they need."""
+        tc = self.train
+        if tc.offload_activations and not tc.gradient_checkpointing:
+            raise ValueError(
+                "train.offload_activations moves the checkpointed layer inputs to the host; "
+                "set train.gradient_checkpointing: true as well (or offload_activations: false)"
+            )
+        if not tc.optimizer_in_backward:
+            return
+        why = (
+            f"applies to poetxq, poetx and adamw, not {self.method}"
+            if self.method not in ("poetxq", "poetx", "adamw")
+            else f"updates once per backward; set train.grad_accum: 1 (not {tc.grad_accum})"
+            if tc.grad_accum != 1
+            else "updates each parameter before a global gradient norm exists; set "
+            f"optim.grad_clip: 0 (not {self.optim.grad_clip})"
+            if self.optim.grad_clip
+            else "and train.cuda_graph cannot be combined; turn one off"
+            if tc.cuda_graph
+            else None
+        )
+        if why:
+            raise ValueError(f"train.optimizer_in_backward {why}")
 
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:
@@ -208,6 +242,7 @@ class Recipe(_Section):
                 f"train.cuda_graph applies to the POET methods, not {self.method}; set "
                 "train.cuda_graph: false"
             )
+        self._check_memory_options()
         if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):
             raise ValueError(
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "

@@ -46,8 +46,10 @@ from poetxq.distributed import (
     any_rank,
     replicas_identical,
 )
-from poetxq.evaluate import causal_lm_loss, evaluate_perplexity
+from poetxq.evaluate import evaluate_perplexity
 from poetxq.export import save_run_artifacts
+from poetxq.loss import training_loss
+from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.optim import (
     build_optimizer,
     build_scheduler,
@@ -245,6 +247,11 @@ def train(
         )  # fmt: skip
         if why:
             raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
+    for key, on in (("optimizer_in_backward", tc.optimizer_in_backward),
+                    ("loss_chunk_tokens", bool(tc.loss_chunk_tokens))):  # fmt: skip
+        if on and world > 1:  # both act on the unwrapped model, outside DDP's gradient sync
+            off = "false" if key == "optimizer_in_backward" else "0"
+            raise RunDirError(f"train.{key} runs in one process only; set train.{key}: {off}")
     say = echo if main else (lambda _s: None)
     if resume_from is not None:  # before any work: the global batch and data order depend on it
         check_world_size(Path(resume_from), world)
@@ -284,7 +291,7 @@ def train(
         optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)
     scheduler = build_scheduler(optimizer, oc, tc.max_steps)
     if tc.gradient_checkpointing:  # whole decoder layers: keep inputs, recompute in backward
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, offload=tc.offload_activations)
 
     sharded = ShardedBatches(
         data.train, tc.batch_size, rank=accelerator.process_index, world_size=world,
@@ -296,6 +303,8 @@ def train(
     raw_model = accelerator.unwrap_model(model)
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
+    # train.optimizer_in_backward: the optimizer steps each parameter inside backward
+    in_backward = OptimizerInBackward(raw_optimizer) if tc.optimizer_in_backward else None
     device = accelerator.device
     generators = {"poet": poet_gen}
 
@@ -406,8 +415,13 @@ def train(
     # captured on the first micro-batch (poetxq.cudagraph); gradients are zeroed in place
     graphed: GraphedMicroStep | None = None
 
+    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
+        # train.loss_chunk_tokens needs the unwrapped model (one process, checked above)
+        return training_loss(raw_model if tc.loss_chunk_tokens else model, batch,
+                             tc.loss_chunk_tokens)  # fmt: skip
+
     def micro_loss(batch: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(model, batch) / tc.grad_accum
+        return batch_loss(batch) / tc.grad_accum
 
     for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
@@ -421,22 +435,25 @@ def train(
                         graphed = GraphedMicroStep(micro_loss, batch, trainable)
                     loss = graphed(batch) * tc.grad_accum
                 else:
-                    loss = causal_lm_loss(model, batch)
+                    loss = batch_loss(batch)
                     accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
         if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
             all_reduce_float_grads([q.float_grad for q in qmods if q.float_grad is not None])
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
-        if qmods:
+        if in_backward is not None:  # updated and freed during backward: no norm to log
+            grad_norm = float("nan")
+        elif qmods:
             grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
         else:  # grad_clip 0: no clipping, the norm is still logged
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-        optimizer.step()
+        if in_backward is None:
+            optimizer.step()
         scheduler.step()
         if graphed is not None:
             graphed.zero_grad()  # the graph keeps writing to these gradient tensors
-        else:
+        elif in_backward is None:  # (in backward each gradient is freed after its update)
             optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1

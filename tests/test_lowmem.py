@@ -1,0 +1,251 @@
+"""Memory-saving options (poetxq.lowmem): the optimizer step inside backward equals the usual
+step, activation offload equals plain checkpointing, the recipe refuses combinations that cannot
+work, the estimator accounts for each option, and a CPU training run with all of them on equals
+one without them."""
+
+import copy
+import json
+from typing import ClassVar
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from torch import nn
+
+from poetxq.cli import main
+from poetxq.estimate import estimate_memory
+from poetxq.evaluate import causal_lm_loss
+from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
+from poetxq.recipe import load_recipe
+from poetxq.surgery import build_llama, convert_to_poetx
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8))
+
+
+def _groups(m: nn.Module) -> list[dict]:
+    return [
+        {"params": [m[0].weight, m[2].weight], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": [m[0].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, bnb.optim.AdamW8bit], ids=["torch", "8bit"])
+def test_in_backward_equals_step_after_backward(make):
+    # 64x96 = 6144 elements: bitsandbytes keeps 8-bit states for it, fp32 for the rest
+    ref, m = _mlp(), _mlp()
+    opt_ref, opt = make(_groups(ref)), make(_groups(m))
+    hooks = OptimizerInBackward(opt)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 64, generator=gen)
+        ref(x).square().sum().backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        m(x).square().sum().backward()
+        assert hooks.reset_count() == 4  # every parameter updated once
+        assert all(p.grad is None for p in m.parameters())  # and its gradient freed
+    for a, b in zip(ref.parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # the optimizer is the run's own: its groups are intact and its state is keyed as usual
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    assert opt.state_dict()["state"].keys() == opt_ref.state_dict()["state"].keys()
+
+
+def test_in_backward_remove_and_foreign_parameter():
+    m = _mlp()
+    opt = torch.optim.AdamW(m.parameters())
+    hooks = OptimizerInBackward(opt)
+    hooks.remove()
+    m(torch.randn(2, 64)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())  # no hook ran
+    with pytest.raises(ValueError, match="not in the optimizer's param groups"):
+        OptimizerInBackward(opt, [nn.Parameter(torch.zeros(3))])
+
+
+def _tiny_llama(recipe):
+    torch.manual_seed(0)
+    model = build_llama(recipe.model, 96)
+    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    model.train()
+    return model
+
+
+def _recipe(**over):
+    base = {"model.hidden_size": 64, "model.intermediate_size": 128,
+            "model.num_attention_heads": 4, "model.num_hidden_layers": 2,
+            "poet.block_size": 16, "train.batch_size": 2, "train.seq_len": 16}  # fmt: skip
+    return load_recipe(None, {**base, **over})
+
+
+def _grads(model, windows):
+    model.zero_grad(set_to_none=True)
+    causal_lm_loss(model, windows).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _UnpinnedSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """transformers' offload hook without pinned memory (none on a CPU-only host), counting
+    the shapes it packs."""
+
+    packed: ClassVar[list] = []
+
+    def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
+        super().__init__(pin_memory=False, device_type=device_type)
+        pack = self.pack_hook
+
+        def counting(t):
+            _UnpinnedSaveOnCpu.packed.append(tuple(t.shape))
+            return pack(t)
+
+        self.pack_hook = counting
+
+
+def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
+    """The offload path as on a GPU (transformers' save_on_cpu around each layer's checkpoint,
+    made to run on this CPU-only host): what it moves off the device is each decoder layer's
+    input [B, S, d], and the gradients equal those without checkpointing."""
+    import transformers.modeling_utils as mu
+
+    recipe = _recipe()
+    plain = _tiny_llama(recipe)
+    offloaded = copy.deepcopy(plain)
+    windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(2))
+    want = _grads(plain, windows)
+    monkeypatch.setattr(mu, "save_on_cpu", _UnpinnedSaveOnCpu)
+    monkeypatch.setattr("poetxq.lowmem._on_accelerator", lambda m: True)
+    enable_activation_checkpointing(offloaded, offload=True)
+    assert offloaded.is_gradient_checkpointing
+    _UnpinnedSaveOnCpu.packed = []
+    got = _grads(offloaded, windows)
+    assert _UnpinnedSaveOnCpu.packed.count((2, 16, 64)) == 2  # one input per decoder layer
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_offload_on_a_cpu_model_is_plain_checkpointing():
+    model = _tiny_llama(_recipe())
+    enable_activation_checkpointing(model, offload=True)  # no pinned-memory error on the CPU
+    assert model.is_gradient_checkpointing
+    causal_lm_loss(model, torch.randint(0, 96, (2, 17))).backward()
+
+
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        ({"train.offload_activations": True}, "set train.gradient_checkpointing: true"),
+        ({"train.optimizer_in_backward": True}, "set optim.grad_clip: 0"),
+        ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.grad_accum": 2},
+         "set train.grad_accum: 1"),
+        ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "method": "qgalore"},
+         "applies to poetxq, poetx and adamw"),
+        ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True},
+         "cannot be combined"),
+        ({"train.loss_chunk_tokens": -1}, "loss_chunk_tokens"),
+    ],
+)  # fmt: skip
+def test_recipe_refuses_what_cannot_work(over, needle):
+    with pytest.raises(ValueError, match=needle):
+        _recipe(**over)
+
+
+def test_estimate_accounts_for_each_option():
+    """Llama-8B, batch 1 x 2048, bf16, 8-bit states, checkpointing: each option's term by hand."""
+    over = {"train.gradient_checkpointing": True, "optim.state_bits": 8, "optim.grad_clip": 0,
+            "poet.block_size": 256, "train.grad_accum": 1}  # fmt: skip
+    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16"}
+    base = estimate_memory(load_recipe("llama-8b:poetxq", over), **kw)
+    T, d, L, V = 2048, 4096, 32, 32000
+
+    off = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
+                          "train.offload_activations": True}), **kw)  # fmt: skip
+    assert base.activations - off.activations == L * T * d * 2 == off.host_offloaded
+    persistent = off.frozen_weights + off.buffers + off.trainable_params + off.optimizer_states
+    start = off.activations + off.logits + off.workspace + V * d * 2
+    end = off.gradients + off.layer_activations + off.workspace
+    assert off.peak == persistent + max(start, end, off.gradients + off.optimizer_transient)
+    assert off.peak < base.peak and start < end  # offloaded, the end of backward is the peak
+
+    chunk = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
+                            "train.loss_chunk_tokens": 512}), **kw)  # fmt: skip
+    assert (base.logits, chunk.logits) == (12 * T * V, 12 * 512 * V)
+
+    inb = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
+                          "train.optimizer_in_backward": True}), **kw)  # fmt: skip
+    # one layer's Q gradients (bf16), ceil(dim / 256) blocks per side: q, k, v, o 4096 -> 4096
+    # (no GQA), gate, up, down 4096 <-> 14336
+    sides = 4 * (16 + 16) + 3 * (16 + 56)
+    assert inb.layer_gradients == sides * (256 * 255 // 2) * 2
+    persistent = inb.frozen_weights + inb.buffers + inb.trainable_params + inb.optimizer_states
+    # lm_head's gradient at the start of backward (bitsandbytes updates it in place)
+    start = inb.activations + inb.logits + inb.workspace + V * d * 2
+    end = inb.layer_gradients + inb.layer_activations + inb.workspace
+    assert inb.peak == persistent + max(start, end) == base.peak  # the start is the peak still
+    inb32 = estimate_memory(load_recipe("llama-8b:poetxq", {**over, "optim.state_bits": 32,
+                            "train.optimizer_in_backward": True}), **kw)  # fmt: skip
+    assert inb32.in_backward_transient == V * d * 2  # torch AdamW's temporary for lm_head
+
+    every = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
+        "train.optimizer_in_backward": True, "train.offload_activations": True,
+        "train.loss_chunk_tokens": 256}), **kw)  # fmt: skip
+    start = every.activations + every.logits + every.workspace + V * d * 2
+    assert every.peak == persistent + max(start, end)
+    assert base.peak - every.peak > 2**30  # 1.2 GB of the 2.5 GB above the persistent state
+
+
+def _run(tmp_path, name, *extra):
+    args = [
+        "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+        "--max-steps", "3", "--eval-every", "20", "--no-progress", "--output-dir", str(tmp_path),
+        "--run-name", name, "--set", "poet.block_size=16", "--set", "model.hidden_size=64",
+        "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
+        "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
+        "--set", "optim.warmup_steps=1", "--set", "optim.grad_clip=0",
+        "--set", "train.gradient_checkpointing=true", "--set", "poet.merge_interval=2", *extra,
+    ]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "grad_norm" in r], rows
+
+
+def test_training_with_every_option_equals_training_without(tmp_path, monkeypatch):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+    want, _ = _run(tmp_path, "plain")
+    got, rows = _run(
+        tmp_path, "lowmem", "--set", "train.optimizer_in_backward=true",
+        "--set", "train.offload_activations=true", "--set", "train.loss_chunk_tokens=40",
+    )  # fmt: skip
+    assert len(want) == len(got) == 3  # three steps, a merge after step 2
+    assert got == pytest.approx(want, rel=1e-5)
+    assert all(r["grad_norm"] is None for r in rows if "grad_norm" in r)  # no norm to log
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_on_cuda_gives_the_plain_gradients_and_keeps_less():
+    """Real pinned-memory offload: the gradients equal those without checkpointing, and what
+    stays on the GPU after the forward is smaller than with plain checkpointing."""
+    recipe = _recipe(**{"model.num_hidden_layers": 4})
+    base = _tiny_llama(recipe).cuda()
+    windows = torch.randint(0, 96, (8, 257), device="cuda")
+    want = _grads(base, windows)
+
+    def after_forward(offload: bool) -> tuple[int, dict]:
+        model = copy.deepcopy(base)
+        enable_activation_checkpointing(model, offload=offload)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = causal_lm_loss(model, windows)
+        kept = torch.cuda.memory_allocated() - before
+        loss.backward()
+        return kept, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    kept_plain, _ = after_forward(False)
+    kept_off, got = after_forward(True)
+    # 4 layer inputs of [8, 256, 64] fp32 stay on the host
+    assert kept_plain - kept_off >= 4 * 8 * 256 * 64 * 4
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
