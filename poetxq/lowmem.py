@@ -6,9 +6,9 @@ little room for the transients of a step:
 
 * :func:`enable_activation_checkpointing` with ``offload=True`` (``train.offload_activations``):
   whole-layer checkpointing whose kept layer inputs (``L × tokens × d`` values) live in pinned
-  host memory between forward and backward, through transformers' own
-  ``activation_checkpointing_enable(offload=True)`` (torch's ``save_on_cpu`` around each layer's
-  checkpoint). One device→host copy per layer in forward and one host→device copy in backward.
+  host memory between forward and backward (torch's ``save_on_cpu`` around each layer's
+  checkpoint, as transformers' own ``offload`` option of recent releases does). One
+  device→host copy per layer in forward and one host→device copy in backward.
 * :class:`OptimizerInBackward` (``train.optimizer_in_backward``): each parameter is updated by
   the run's optimizer as soon as its gradient is complete (a post-accumulate-grad hook) and its
   gradient is freed at once, so the gradients of the whole model are never alive together.
@@ -18,11 +18,15 @@ little room for the transients of a step:
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import save_on_cpu
+from torch.utils.checkpoint import checkpoint
 
 _CKPT_KWARGS = {"use_reentrant": False}
 
@@ -31,26 +35,30 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
     """Whole-decoder-layer activation checkpointing (non-reentrant) on a transformers model.
 
     Each decoder layer keeps only its input and recomputes the rest in backward. ``offload``
-    keeps those inputs in pinned host memory instead of on the GPU (module docstring); for a
-    model on the CPU, whose activations are in host memory already, it changes nothing.
-
-    Raises:
-        RuntimeError: ``offload`` with a transformers release whose
-            ``activation_checkpointing_enable`` has no ``offload`` argument (one line: upgrade
-            transformers or turn ``train.offload_activations`` off).
+    keeps those inputs in pinned host memory instead of on the GPU (module docstring): each
+    layer's checkpoint runs inside torch's ``save_on_cpu``, whose copies are asynchronous on the
+    compute stream. For a model on the CPU, whose activations are in host memory already,
+    ``offload`` changes nothing.
     """
-    offload = offload and _on_accelerator(model)
     enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None and "offload" in inspect.signature(enable).parameters:
-        enable(activation_checkpointing_kwargs=dict(_CKPT_KWARGS), offload=offload)
-        return
-    if offload:
-        raise RuntimeError(
-            "train.offload_activations needs transformers' activation_checkpointing_enable("
-            "offload=...) (transformers 5.x); upgrade transformers or set "
-            "train.offload_activations: false"
-        )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CKPT_KWARGS))
+    if (
+        enable is not None
+        and "activation_checkpointing_kwargs" in inspect.signature(enable).parameters
+    ):  # recent transformers (where gradient_checkpointing_enable is deprecated)
+        enable(activation_checkpointing_kwargs=dict(_CKPT_KWARGS))
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CKPT_KWARGS))
+    if offload and _on_accelerator(model):
+        func = functools.partial(_offloaded_checkpoint, **_CKPT_KWARGS)
+        for module in model.modules():  # where transformers put its checkpoint function
+            if getattr(module, "_gradient_checkpointing_func", None) is not None:
+                module._gradient_checkpointing_func = func
+
+
+def _offloaded_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` whose kept inputs wait in (pinned) host memory."""
+    with save_on_cpu(pin_memory=torch.cuda.is_available()):
+        return checkpoint(function, *args, **kwargs)
 
 
 def _on_accelerator(model: nn.Module) -> bool:
@@ -63,14 +71,16 @@ class OptimizerInBackward:
 
     A post-accumulate-grad hook on every trainable parameter (``Tensor.
     register_post_accumulate_grad_hook``, called once per backward when the parameter's
-    ``.grad`` is complete) steps the optimizer on that parameter alone: every param group is
-    emptied but the parameter's own, which holds just the parameter, for the duration of one
-    ``optimizer.step()``. The optimizer object, its state (keyed by parameter, so
-    ``state_dict``/checkpoints are unchanged), its param groups' learning rates (an LR scheduler
-    keeps working) and its update rule (``torch.optim.AdamW``, bitsandbytes ``AdamW8bit``, ...)
-    are the run's own; the result equals ``backward(); optimizer.step(); zero_grad()`` whenever
-    the update of one parameter does not read another's gradient (true of Adam-type rules, not
-    of a global gradient-norm clip).
+    ``.grad`` is complete) updates that parameter alone: every param group is emptied but the
+    parameter's own, which holds just the parameter, for one ``optimizer.step()``; for
+    bitsandbytes' 8-bit optimizers, their per-parameter update is called directly, without the
+    device synchronization their ``step`` adds after each parameter.
+
+    The optimizer object stays the run's own: its state (keyed by parameter, so ``state_dict``
+    and checkpoints are unchanged), its groups' learning rates (an LR scheduler keeps working)
+    and its update rule (``torch.optim.AdamW``, bitsandbytes ``AdamW8bit``, ...). The result
+    equals ``backward(); optimizer.step(); zero_grad()`` whenever the update of one parameter
+    does not read another's gradient: true of Adam-type rules, not of a global-norm clip.
 
     Use one backward per optimizer step (no gradient accumulation) and no gradient clipping.
     Call :meth:`remove` to detach the hooks.
@@ -87,37 +97,55 @@ class OptimizerInBackward:
         self, optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter] | None = None
     ) -> None:
         self.optimizer = optimizer
-        self._group_of: dict[int, int] = {}
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (group index, index in it)
         for gi, group in enumerate(optimizer.param_groups):
-            for p in group["params"]:
-                self._group_of[id(p)] = gi
+            for pi, p in enumerate(group["params"]):
+                self._where[id(p)] = (gi, pi)
         hooked = (
             [p for g in optimizer.param_groups for p in g["params"]] if params is None else params
         )
         self._handles = []
         for p in hooked:
-            if id(p) not in self._group_of:
+            if id(p) not in self._where:
                 raise ValueError(
                     f"a parameter of shape {tuple(p.shape)} is not in the optimizer's param "
                     "groups; build OptimizerInBackward from the optimizer that trains it"
                 )
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._step_one))
+        # bitsandbytes' 8-bit optimizers synchronize the device after every parameter in
+        # step(), which inside backward would stall the CPU once per parameter: their own
+        # per-parameter update (the body of that loop) is called instead, without the sync
+        self._bnb_update = all(
+            hasattr(optimizer, a) for a in ("update_step", "init_state", "prefetch_state")
+        )
         #: parameters updated since the last :meth:`reset_count` (one per hooked parameter per
         #: backward): lets the caller check that a backward reached every parameter
         self.updated = 0
 
+    @torch.no_grad()
     def _step_one(self, p: torch.Tensor) -> None:
-        groups = self.optimizer.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = []
-            groups[self._group_of[id(p)]]["params"] = [p]
-            self.optimizer.step()
-        finally:
-            for g, ps in zip(groups, saved, strict=True):
-                g["params"] = ps
+        gi, pi = self._where[id(p)]
+        opt, groups = self.optimizer, self.optimizer.param_groups
+        if self._bnb_update:  # bitsandbytes Optimizer8bit.step's loop body for one parameter
+            if not opt.initialized:
+                opt.check_overrides()
+                opt.to_gpu()
+                opt.initialized = True
+            if len(opt.state[p]) == 0:
+                opt.init_state(groups[gi], p, gi, pi)
+            opt.prefetch_state(p)
+            opt.update_step(groups[gi], p, gi, pi)
+        else:
+            saved = [g["params"] for g in groups]
+            try:
+                for g in groups:
+                    g["params"] = []
+                groups[gi]["params"] = [p]
+                opt.step()
+            finally:
+                for g, ps in zip(groups, saved, strict=True):
+                    g["params"] = ps
         p.grad = None
         self.updated += 1
 

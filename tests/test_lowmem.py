@@ -86,41 +86,38 @@ def _grads(model, windows):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-class _UnpinnedSaveOnCpu(torch.autograd.graph.save_on_cpu):
-    """transformers' offload hook without pinned memory (none on a CPU-only host), counting
-    the shapes it packs."""
+class _CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """torch's offload hooks, counting the shapes they move to the host."""
 
     packed: ClassVar[list] = []
 
     def __init__(self, pin_memory: bool = False, device_type: str = "cuda") -> None:
-        super().__init__(pin_memory=False, device_type=device_type)
+        super().__init__(pin_memory=pin_memory, device_type=device_type)
         pack = self.pack_hook
 
         def counting(t):
-            _UnpinnedSaveOnCpu.packed.append(tuple(t.shape))
+            _CountingSaveOnCpu.packed.append(tuple(t.shape))
             return pack(t)
 
         self.pack_hook = counting
 
 
 def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
-    """The offload path as on a GPU (transformers' save_on_cpu around each layer's checkpoint,
-    made to run on this CPU-only host): what it moves off the device is each decoder layer's
-    input [B, S, d], and the gradients equal those without checkpointing."""
-    import transformers.modeling_utils as mu
-
+    """The offload path as on a GPU (save_on_cpu around each layer's checkpoint, made to run on
+    this CPU-only host): what it moves off the device is each decoder layer's input [B, S, d],
+    and the gradients equal those without checkpointing."""
     recipe = _recipe()
     plain = _tiny_llama(recipe)
     offloaded = copy.deepcopy(plain)
     windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(2))
     want = _grads(plain, windows)
-    monkeypatch.setattr(mu, "save_on_cpu", _UnpinnedSaveOnCpu)
+    monkeypatch.setattr("poetxq.lowmem.save_on_cpu", _CountingSaveOnCpu)
     monkeypatch.setattr("poetxq.lowmem._on_accelerator", lambda m: True)
     enable_activation_checkpointing(offloaded, offload=True)
     assert offloaded.is_gradient_checkpointing
-    _UnpinnedSaveOnCpu.packed = []
+    _CountingSaveOnCpu.packed = []
     got = _grads(offloaded, windows)
-    assert _UnpinnedSaveOnCpu.packed.count((2, 16, 64)) == 2  # one input per decoder layer
+    assert _CountingSaveOnCpu.packed.count((2, 16, 64)) == 2  # one input per decoder layer
     assert got.keys() == want.keys() and len(want) > 10
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
