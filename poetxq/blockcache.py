@@ -126,7 +126,8 @@ class BlockCache:
 
     Args:
         model: a model containing POET-X(Q) layers; the cache registers a forward pre-hook
-            (compute) and a forward hook (clear) on it. Call :meth:`remove` to detach.
+            (compute) and a forward hook (clear) on it, or on its ``base_model`` (the decoder)
+            when that holds every side. Call :meth:`remove` to detach.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -147,20 +148,26 @@ class BlockCache:
                 group.peers = others
         self._checkpointing: bool | None = None
         self._assign(checkpointing=False)
+        # hooked on the decoder (transformers' base_model, e.g. LlamaModel) when it holds every
+        # side: the top model's forward runs it, and so does a loss that calls the decoder
+        # alone (poetxq.loss.causal_lm_loss_chunked)
+        base = getattr(model, "base_model", model)
+        if not isinstance(base, nn.Module) or sum(
+            isinstance(m, OrthogonalSide) for m in base.modules()
+        ) != len(sides):
+            base = model
         self._handles = [
-            model.register_forward_pre_hook(self._before),
-            model.register_forward_hook(self._after),
+            base.register_forward_pre_hook(self._before),
+            base.register_forward_hook(self._after),
         ]
 
     def _assign(self, *, checkpointing: bool) -> None:
-        """Point every side at its group for this mode (and set its ``lean_cnp``)."""
+        """Point every side at its group for this mode."""
         if checkpointing == self._checkpointing:
             return
         self._checkpointing = checkpointing
         for group in self.groups:
             for i, side in enumerate(group.sides):
-                # a checkpointed layer frees its CNP intermediates itself
-                side.lean_cnp = not checkpointing
                 side.block_cache = None if checkpointing else group
                 side.block_cache_index = -1 if checkpointing else i
         if checkpointing:

@@ -31,8 +31,7 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
   whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`); under
-  checkpointing the recomputed layer runs the plain CNP (``k·q·b²`` more per block and the
-  ``b(b−1)/2`` int64 triangle index), which its own backward frees. Under autocast, ``nn.Linear``
+  checkpointing, the recomputed layer's concatenated ``Q``. Under autocast, ``nn.Linear``
   weights are also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its
   input (``r·d`` per token, ``r`` the residual-stream dtype bytes) and one layer at a time is
   recomputed.
@@ -319,9 +318,8 @@ def estimate_memory(
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
-                if tc.gradient_checkpointing:  # plain CNP inside the recomputed layer: Q, Q²,
-                    # the inner factor and the int64 triangle index are kept until its backward
-                    cnp_const += nb * b * b * pc.neumann_terms * p + 8 * per
+                if tc.gradient_checkpointing:  # the recomputed layer's one lean CNP keeps
+                    cnp_const += q_numel * p  # its input, the layer's concatenated Q
                 fast_extra += c * nb * b
         elif quantized:
             frozen += m * n + 2 * 4 * math.ceil(m * n / group)

@@ -5,6 +5,7 @@ import torch
 
 import quant_kernels
 from poetxq.layer import POETXLinear
+from poetxq.loss import causal_lm_loss_chunked
 from poetxq.recipe import ModelConfig, POETConfig
 from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
 
@@ -65,12 +66,15 @@ def test_one_cnp_call_per_forward(monkeypatch):
     model(input_ids=tokens)
     sides = [s for layer in poet_layers(model) for s in (layer.P, layer.R)]
     assert calls == [sum(s.nb for s in sides)]  # one call over every block of the model
+    calls.clear()
+    model.model(input_ids=tokens)  # the decoder alone (poetxq.loss's chunked loss) too
+    assert calls == [sum(s.nb for s in sides)]
     model.poetx_block_cache.remove()
     calls.clear()
     model(input_ids=tokens)
     assert len(calls) == len(sides)
-    # under activation checkpointing: one plain CNP per decoder layer, over that layer's blocks
-    monkeypatch.setattr(quant_kernels, "cayley_neumann", counting)
+    # under activation checkpointing: one lean CNP per decoder layer, over that layer's blocks
+    # (the recomputed layer keeps only its packed input; its backward recomputes the rest)
     calls.clear()
     model = _model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -86,6 +90,9 @@ def test_one_cnp_call_per_forward(monkeypatch):
     # backward recomputes each layer (and its one CNP) once more
     calls.clear()
     model(input_ids=tokens).logits.sum().backward()
+    assert calls == per_layer + per_layer[::-1]
+    calls.clear()
+    causal_lm_loss_chunked(model, torch.randint(0, 97, (1, 10)), 4).backward()
     assert calls == per_layer + per_layer[::-1]
 
 
