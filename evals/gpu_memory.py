@@ -202,6 +202,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             + (f" (official {official[0]} GiB, {official[1]} s)" if official else ""),
             flush=True,
         )
+    if in_backward is not None:  # its hooks hold the optimizer, which holds the parameters
+        in_backward.remove()
     optimizer.state.clear()  # free this model's memory before the next one is built
     model.to("meta")
     gc.collect()
