@@ -331,6 +331,41 @@ def _memory_state8() -> list[str]:
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
+def _memory_lowmem() -> list[str]:
+    name = "gpu_memory_lowmem_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        "### Llama-8B / 13B with the memory options (offload, optimizer in backward, chunked loss)",
+        "",
+        "Batch 1 × 2,048 tokens, POET-XQ int8, b = 256, mem variant, bf16, 8-bit Adam states. "
+        "*offload*: `train.offload_activations`; *in backward*: `train.optimizer_in_backward` "
+        "(no gradient clipping); *chunk*: `train.loss_chunk_tokens`.",
+        "",
+        "| model | checkpointing | offload | in backward | chunk | peak (GiB) | estimate (GiB) "
+        "| official (GiB) | target (GiB) | step (s) | official step (s) | speed-up |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def yn(x: object) -> str:
+        return "yes" if x else "no"
+
+    for r in d["results"]:
+        lines.append(
+            f"| {r['model']} | {yn(r['gradient_checkpointing'])} | "
+            f"{yn(r.get('offload_activations'))} | {yn(r.get('optimizer_in_backward'))} | "
+            f"{r.get('loss_chunk_tokens') or '-'} | {r['peak_memory_gib']:.2f} | "
+            f"{r['estimated_peak_gib']:.2f} | {r['official_peak_gib']:.2f} | "
+            f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
+            f"{r['speedup_vs_official']:.2f} |"
+        )
+    calls = "; ".join(f"call {i}: `{c['command']}` ({c['commit']}, {c['date']})"
+                      for i, c in enumerate(d["calls"]))  # fmt: skip
+    return [*lines, "", f"Source: `evals/results/{name}` ({d['gpu']}); {calls}.", "",
+            f"Note: {d['note']}", ""]  # fmt: skip
+
+
 def _cnp() -> list[str]:
     name = "cnp_h200.json"
     d = _load(name)
@@ -439,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
-    lines += _memory()
-    lines += _memory_state8() + _kernels() + _cnp() + _fused_perm() + _multi_gpu()
+    lines += _memory() + _memory_state8() + _memory_lowmem()
+    lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0
