@@ -300,14 +300,13 @@ def _throughput_3b() -> list[str]:
     return _tokens_table("throughput_3b_h200_c1669ad.json", "### Llama-3B tokens/s")
 
 
-def _memory_state8() -> list[str]:
-    name = "gpu_memory_state8_h200.json"
+def _memory_state8(name: str = "gpu_memory_state8_h200.json", when: str = "") -> list[str]:
     d = _load(name)
     if d is None:
         return []
     lines = [
         "### Llama-8B / 13B with 8-bit optimizer states (`optim.state_bits=8`), eager and "
-        "CUDA graph",
+        f"CUDA graph{when}",
         "",
         "Batch 1 × 2,048 tokens, POET-XQ int8, b = 256, mem variant, bf16. *CUDA graph*: the "
         "forward+backward replayed from one graph (`evals/gpu_memory.py --cuda-graph`, "
@@ -475,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
     lines += _memory() + _memory_state8() + _memory_lowmem()
+    lines += _memory_state8("gpu_memory_state8_graph_h200.json", " (again, one call, later commit)")
     lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
