@@ -416,9 +416,12 @@ def train(
     graphed: GraphedMicroStep | None = None
 
     def batch_loss(batch: torch.Tensor) -> torch.Tensor:
-        # train.loss_chunk_tokens needs the unwrapped model (one process, checked above)
-        return training_loss(raw_model if tc.loss_chunk_tokens else model, batch,
-                             tc.loss_chunk_tokens)  # fmt: skip
+        if not tc.loss_chunk_tokens:
+            return training_loss(model, batch)
+        # the chunked loss runs the unwrapped decoder (one process, checked above), outside the
+        # autocast accelerate wraps around the model's own forward: enter it here
+        with accelerator.autocast():
+            return training_loss(raw_model, batch, tc.loss_chunk_tokens)
 
     def micro_loss(batch: torch.Tensor) -> torch.Tensor:
         return batch_loss(batch) / tc.grad_accum

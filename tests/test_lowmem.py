@@ -267,3 +267,26 @@ def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, opti
     assert code != 0
     assert err[-1].endswith(f"runs in one process only; set {off}")
     assert not (tmp_path / "d").exists()
+
+
+def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch):
+    """The chunked loss calls the decoder directly, past the autocast that accelerate wraps
+    around the model's forward; the trainer must enter it itself (else bf16 runs compute the
+    decoder in fp32)."""
+    import poetxq.loss
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    seen = []
+    real = poetxq.loss.causal_lm_loss_chunked
+
+    def spy(model, windows, chunk_tokens):
+        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        return real(model, windows, chunk_tokens)
+
+    monkeypatch.setattr(poetxq.loss, "causal_lm_loss_chunked", spy)
+    args = ["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
+            "--batch-size", "4", "--max-steps", "2", "--no-progress", "--output-dir",
+            str(tmp_path), "--run-name", "bf16", "--set", "model.num_hidden_layers=1",
+            "--set", "train.precision=bf16", "--set", "train.loss_chunk_tokens=64"]  # fmt: skip
+    assert main(args) == 0
+    assert seen == [torch.bfloat16, torch.bfloat16]
