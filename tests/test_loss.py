@@ -126,11 +126,18 @@ def test_causal_lm_loss_chunked_equals_causal_lm_loss(tied):
         assert _rel(g, ref_grads[name]) < 1e-5, name
 
 
-def test_causal_lm_loss_chunked_under_bf16_autocast():
-    model, windows = _llama(False), _windows()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize(
+    "device,batch,length,chunk", [("cpu", 2, 12, 7), pytest.param("cuda", 4, 64, 48, marks=CUDA)]
+)
+def test_causal_lm_loss_chunked_under_bf16_autocast(device, batch, length, chunk):
+    """The trainer's setting: fp32 parameters, bf16 autocast (on a GPU: cuBLAS's bf16 GEMMs)."""
+    model, windows = _llama(False).to(device), _windows(b=batch, length=length).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
         ref, ref_grads = _loss_and_grads(model, lambda: causal_lm_loss(model, windows))
-        got, grads = _loss_and_grads(model, lambda: causal_lm_loss_chunked(model, windows, 7))
+        got, grads = _loss_and_grads(model, lambda: causal_lm_loss_chunked(model, windows, chunk))
     assert abs(got.item() - ref.item()) <= 1e-5 * ref.item()
     for name, g in grads.items():
         assert g.dtype == torch.float32
@@ -193,16 +200,3 @@ def test_logits_are_not_saved_for_backward(gen):
     saved = _saved_numels(lambda: causal_lm_loss_chunked(model, windows, 5))
     assert n_logits not in saved
     assert max(saved) == VOCAB * CFG.hidden_size  # the largest is the lm_head/embedding weight
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_causal_lm_loss_chunked_on_cuda_under_bf16_autocast():
-    """The trainer's setting on a GPU: fp32 parameters, bf16 autocast."""
-    model, windows = _llama(False).cuda(), _windows(b=4, length=64).cuda()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        ref, ref_grads = _loss_and_grads(model, lambda: causal_lm_loss(model, windows))
-        got, grads = _loss_and_grads(model, lambda: causal_lm_loss_chunked(model, windows, 48))
-    assert abs(got.item() - ref.item()) <= 1e-5 * ref.item()
-    for name, g in grads.items():
-        assert g.dtype == torch.float32
-        assert _rel(g, ref_grads[name]) < 2e-2, name
