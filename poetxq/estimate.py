@@ -109,6 +109,8 @@ class MemoryEstimate:
     host_offloaded: int = 0
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
     peak: int = 0
+    #: when the peak happens: "start of backward", "end of backward" or "optimizer step"
+    peak_phase: str = ""
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -122,11 +124,13 @@ class MemoryEstimate:
             # start, at most one layer's gradients later; no separate optimizer step
             start += self.in_backward_transient
             end = self.layer_gradients + self.layer_activations + self.workspace
-            self.peak = persistent + max(start, end)
-            return
-        end = self.gradients + self.layer_activations + self.workspace
-        step = self.gradients + self.optimizer_transient
-        self.peak = persistent + max(start, end, step)
+            step = 0
+        else:
+            end = self.gradients + self.layer_activations + self.workspace
+            step = self.gradients + self.optimizer_transient
+        phases = {"start of backward": start, "end of backward": end, "optimizer step": step}
+        self.peak_phase = max(phases, key=phases.__getitem__)  # the first of equal ones
+        self.peak = persistent + phases[self.peak_phase]
 
     def to_dict(self) -> dict:
         """JSON-ready dict (bytes as ints)."""
@@ -448,7 +452,7 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
     )
     lines = [head, "-" * len(head)]
     lines += [f"  {name:<31s}{_gib(v)}  {note}".rstrip() for name, v, note in rows]
-    lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}")
+    lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}  at the {est.peak_phase}")
     if gpu_mem is not None:
         verdict = "fits" if est.peak <= gpu_mem else "does not fit"
         lines.append(f"  {verdict} in {gpu_mem / 2**30:.1f} GiB ({est.peak / gpu_mem:.0%} used)")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from poetxq.cli import main
-from poetxq.estimate import estimate_memory
+from poetxq.estimate import estimate_memory, format_estimate
 from poetxq.evaluate import causal_lm_loss
 from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.recipe import load_recipe
@@ -290,3 +290,18 @@ def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch)
             "--set", "train.precision=bf16", "--set", "train.loss_chunk_tokens=64"]  # fmt: skip
     assert main(args) == 0
     assert seen == [torch.bfloat16, torch.bfloat16]
+
+
+def test_estimate_names_the_phase_of_the_peak():
+    """Llama-8B at batch 1 x 2048 with checkpointing: the logits and activations make the start
+    of backward the peak; with the layer inputs offloaded the gradients at its end are; with the
+    optimizer in backward as well, the start again."""
+    over = {"train.gradient_checkpointing": True, "optim.grad_clip": 0, "train.grad_accum": 1}
+    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16"}
+    phases = []
+    off = {"train.offload_activations": True}
+    for extra in ({}, off, {**off, "train.optimizer_in_backward": True}):
+        est = estimate_memory(load_recipe("llama-8b:poetxq", {**over, **extra}), **kw)
+        phases.append(est.peak_phase)
+    assert phases == ["start of backward", "end of backward", "start of backward"]
+    assert "at the start of backward" in format_estimate(est)
