@@ -69,6 +69,10 @@ class BenchResult:
     command: str | None = None
     build_s: float | None = None  # seconds to build the model and optimizer (before warm-up)
     cuda_graph: bool = False  # forward+backward replayed from a CUDA graph (train.cuda_graph)
+    # the memory options (poetxq.lowmem, poetxq.loss)
+    offload_activations: bool = False
+    optimizer_in_backward: bool = False
+    loss_chunk_tokens: int = 0
     #: CUDA reserved-memory peak; with a CUDA graph the activations live in its private pool,
     #: which ``peak_memory_bytes`` (allocated) does not count
     peak_reserved_bytes: int | None = None
@@ -287,6 +291,8 @@ def run_bench(
         peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=tc.cuda_graph,
+        offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
+        loss_chunk_tokens=tc.loss_chunk_tokens,
         peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
     )  # fmt: skip
 

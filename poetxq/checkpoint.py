@@ -61,6 +61,11 @@ RESUMABLE_KEYS = frozenset(
         "train.output_dir",
         "train.save_checkpoint",
         "data.cache_dir",
+        # how memory is spent, not what is computed (equal losses: tests/test_lowmem.py)
+        "train.gradient_checkpointing",
+        "train.offload_activations",
+        "train.optimizer_in_backward",
+        "train.loss_chunk_tokens",
     }
 )
 
@@ -540,7 +545,8 @@ def plan_resume(
     if diff:
         raise CheckpointError(
             f"--resume: the recipe differs from the checkpoint's in {'; '.join(diff)}; resume "
-            "with the run's own recipe (only save/log/eval settings may change) or start a new run"
+            "with the run's own recipe (only save/log/eval and memory settings may change) or "
+            "start a new run"
         )
     if meta["step"] >= recipe.train.max_steps:
         raise CheckpointError(

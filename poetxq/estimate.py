@@ -101,7 +101,9 @@ class MemoryEstimate:
     head_activations: int = 0  # embeddings, rotary tables, final norm, lm_head input
     #: train.optimizer_in_backward: each gradient is freed right after its update
     optimizer_in_backward: bool = False
-    layer_gradients: int = 0  # one decoder layer's gradients
+    #: gradients alive at once with the optimizer in backward: one decoder layer's under
+    #: checkpointing; without it, POET's Q gradients of every layer (one batched CNP node)
+    in_backward_gradients: int = 0
     #: torch AdamW's temporary while it updates the largest parameter alone (bitsandbytes'
     #: 8-bit update is in place: 0)
     in_backward_transient: int = 0
@@ -123,7 +125,7 @@ class MemoryEstimate:
             # updated as they complete: lm_head's gradient (and its update's temporary) at the
             # start, at most one layer's gradients later; no separate optimizer step
             start += self.in_backward_transient
-            end = self.layer_gradients + self.layer_activations + self.workspace
+            end = self.in_backward_gradients + self.layer_activations + self.workspace
             step = 0
         else:
             end = self.gradients + self.layer_activations + self.workspace
@@ -340,11 +342,13 @@ def estimate_memory(
                 lowrank_states += _lowrank_state_bytes(m, n, recipe)
             else:
                 states += 2 * m * n * p + 4
-    layer_grads = grads
+    in_backward_grads = grads  # one layer's
     frozen, buffers, params, grads, states = (
         x * L for x in (frozen, buffers, params, grads, states)
     )
     q_bytes *= L
+    if is_poet and not tc.gradient_checkpointing and not pc.freeze_orthogonal:
+        in_backward_grads = q_bytes  # the batched CNP's backward yields every Q gradient at once
     states += lowrank_states * L
     n_train *= L
     n_frozen *= L
@@ -373,7 +377,10 @@ def estimate_memory(
     host = 0
     if tc.gradient_checkpointing:
         acts = head + layer_full  # one layer recomputed + the layer inputs:
-        if tc.offload_activations:
+        if tc.offload_activations and precision == "fp32":
+            acts += L * T * d * r
+            notes.append("offload: no effect on the CPU (activations are in host memory already)")
+        elif tc.offload_activations:
             host = L * T * d * r
             notes.append(
                 f"offload: the layer inputs ({host / 2**30:.2f} GiB) wait in pinned host memory"
@@ -409,7 +416,7 @@ def estimate_memory(
         optimizer_states=states, activations=acts, logits=logits, workspace=workspace,
         optimizer_transient=opt_tmp, lm_head_grad=lm_head_grad, num_trainable=n_train,
         num_frozen=n_frozen, layer_activations=layer_full, head_activations=head,
-        optimizer_in_backward=tc.optimizer_in_backward, layer_gradients=layer_grads,
+        optimizer_in_backward=tc.optimizer_in_backward, in_backward_gradients=in_backward_grads,
         in_backward_transient=lm_head_grad if oc.state_bits == 32 else 0,
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
     )  # fmt: skip
@@ -427,11 +434,13 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
         ("buffers (permutations, masks)", est.buffers, ""),
         ("trainable parameters", est.trainable_params, f"{est.num_trainable:,} parameters"),
         (
-            "gradients",
-            est.gradients,
-            "one layer's at a time (optimizer in backward)"
+            (
+                "gradients",
+                est.in_backward_gradients,
+                f"alive at once, optimizer in backward (all: {est.gradients / 2**30:.3f} GiB)",
+            )
             if est.optimizer_in_backward
-            else "all present at the optimizer step",
+            else ("gradients", est.gradients, "all present at the optimizer step")
         ),
         ("optimizer states", est.optimizer_states, ""),
         ("activations", est.activations, f"checkpointing {ckpt}"),
@@ -442,7 +451,9 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
             + (f" in chunks of {est.loss_chunk_tokens} tokens" if est.loss_chunk_tokens else ""),
         ),
         ("workspace", est.workspace, "largest layer's transients"),
-        ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
+        ("optimizer temporaries", est.in_backward_transient, "per parameter, inside backward")
+        if est.optimizer_in_backward
+        else ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
     ]
     if est.host_offloaded:
         rows.append(("offloaded to host (not GPU)", est.host_offloaded, "checkpointed inputs"))

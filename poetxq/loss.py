@@ -1,8 +1,8 @@
 """Chunked linear + cross-entropy: the LM-head loss without materialising the ``[T, V]`` logits.
 
 ``F.cross_entropy(lm_head(h).float(), y)`` keeps the logits, their fp32 copy, the log-softmax and
-their gradients alive around the start of backward: ~0.75 GB for Llama-8B at 2048 tokens
-(vocabulary 128k). :class:`ChunkedLinearCrossEntropy` computes the loss over chunks of
+their gradients alive around the start of backward: ~12 bytes per logit, 0.73 GiB for 2048
+tokens and a 32k vocabulary. :class:`ChunkedLinearCrossEntropy` computes the loss over chunks of
 ``chunk_tokens`` rows, saves only the per-token log-sum-exp (fp32 ``[N]``), and recomputes each
 chunk's logits in backward to form the gradients; at most one chunk's logits exist at a time.
 
@@ -29,9 +29,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     Args:
         hidden: ``[N, d]`` float activations (the decoder's last hidden state, flattened).
         weight: ``[V, d]`` float LM-head weight (no bias).
-        labels: ``[N]`` int64 target ids in ``[0, V)`` (no ignore index: every token counts).
+        labels: ``[N]`` int64 target ids in ``[0, V)`` (no ignore index: every token counts;
+            not range-checked, which would cost a device sync).
         chunk_tokens: rows per chunk (positive int); the last chunk may be shorter. The extra
-            memory is a few ``[chunk_tokens, V]`` temporaries (~6–10 bytes per element in bf16).
+            memory is a few ``[chunk_tokens, V]`` temporaries (~12 bytes per element).
 
     Returns:
         The mean over the N tokens of the cross-entropy in nats, an fp32 scalar.
@@ -110,8 +111,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if grad_w is not None:
                     if acc == compute:
                         grad_w.addmm_(g.T, h)
-                    else:  # bf16 logits of an fp32 weight: a bf16 GEMM (as the unchunked
-                        grad_w += g.T @ h  # autocast backward does), summed in fp32
+                    else:  # the compute dtype differs from the accumulator's (autocast: bf16
+                        # logits of an fp32 weight): the GEMM in the compute dtype, as
+                        # autocast's own backward does, summed into the fp32 accumulator
+                        grad_w += g.T @ h
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None

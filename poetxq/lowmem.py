@@ -1,8 +1,10 @@
 """Memory-saving training options: activation offload and the optimizer step inside backward.
 
-Both trade a little speed for peak GPU memory at large models and small batches (Llama-8B/13B at
-batch 1 × 2048 tokens), where the persistent state (low-bit W0, ``Q``, optimizer states) leaves
-little room for the transients of a step:
+Both trade speed for peak GPU memory at large models and small batches (Llama-8B/13B at batch
+1 × 2048 tokens), where the persistent state (low-bit W0, ``Q``, optimizer states) leaves little
+room for the transients of a step. On the H200, the two with the chunked loss of
+:mod:`poetxq.loss` took the checkpointed Llama-8B step from 11.41 to 10.50 GiB and from 0.56 to
+0.75 s (``evals/results/gpu_memory_lowmem_h200.json``).
 
 * :func:`enable_activation_checkpointing` with ``offload=True`` (``train.offload_activations``):
   whole-layer checkpointing whose kept layer inputs (``L × tokens × d`` values) live in pinned
@@ -11,7 +13,9 @@ little room for the transients of a step:
   device→host copy per layer in forward and one host→device copy in backward.
 * :class:`OptimizerInBackward` (``train.optimizer_in_backward``): each parameter is updated by
   the run's optimizer as soon as its gradient is complete (a post-accumulate-grad hook) and its
-  gradient is freed at once, so the gradients of the whole model are never alive together.
+  gradient is freed at once. Under checkpointing at most one decoder layer's gradients are alive;
+  without it, the ``Q`` gradients of every layer arrive together at the end of backward (one
+  batched Cayley–Neumann node, :mod:`poetxq.blockcache`) and are freed one by one.
   Without a global gradient norm there is no gradient clipping, and there is one update per
   backward (no gradient accumulation); the recipe schema enforces both.
 """
@@ -38,7 +42,7 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
     keeps those inputs in pinned host memory instead of on the GPU (module docstring): each
     layer's checkpoint runs inside torch's ``save_on_cpu``, whose copies are asynchronous on the
     compute stream. For a model on the CPU, whose activations are in host memory already,
-    ``offload`` changes nothing.
+    ``offload`` changes nothing; where the model is is read once, here (move it first).
     """
     enable = getattr(model, "activation_checkpointing_enable", None)
     if (
@@ -116,9 +120,9 @@ class OptimizerInBackward:
         # bitsandbytes' 8-bit optimizers synchronize the device after every parameter in
         # step(), which inside backward would stall the CPU once per parameter: their own
         # per-parameter update (the body of that loop) is called instead, without the sync
-        self._bnb_update = all(
+        self._bnb_update = not getattr(optimizer, "is_paged", False) and all(
             hasattr(optimizer, a) for a in ("update_step", "init_state", "prefetch_state")
-        )
+        )  # (a paged optimizer needs that sync: it keeps step())
         #: parameters updated since the last :meth:`reset_count` (one per hooked parameter per
         #: backward): lets the caller check that a backward reached every parameter
         self.updated = 0

@@ -189,29 +189,35 @@ class Recipe(_Section):
         return list(self._notes)
 
     def _check_memory_options(self) -> None:
-        """``train.offload_activations`` / ``optimizer_in_backward``: what they need."""
+        """``train.offload_activations`` / ``optimizer_in_backward`` / ``loss_chunk_tokens``:
+        what they need (every unmet need in one message)."""
         tc = self.train
         if tc.offload_activations and not tc.gradient_checkpointing:
             raise ValueError(
                 "train.offload_activations moves the checkpointed layer inputs to the host; "
                 "set train.gradient_checkpointing: true as well (or offload_activations: false)"
             )
+        if tc.cuda_graph and (tc.offload_activations or tc.loss_chunk_tokens):
+            raise ValueError(
+                "train.cuda_graph is not combined with offload_activations or "
+                "loss_chunk_tokens yet; turn the graph or those options off"
+            )
         if not tc.optimizer_in_backward:
             return
-        why = (
-            f"applies to poetxq, poetx and adamw, not {self.method}"
-            if self.method not in ("poetxq", "poetx", "adamw")
-            else f"updates once per backward; set train.grad_accum: 1 (not {tc.grad_accum})"
-            if tc.grad_accum != 1
-            else "updates each parameter before a global gradient norm exists; set "
-            f"optim.grad_clip: 0 (not {self.optim.grad_clip})"
-            if self.optim.grad_clip
-            else "and train.cuda_graph cannot be combined; turn one off"
-            if tc.cuda_graph
-            else None
-        )
-        if why:
-            raise ValueError(f"train.optimizer_in_backward {why}")
+        if self.method not in ("poetxq", "poetx", "adamw"):
+            raise ValueError(
+                f"train.optimizer_in_backward applies to poetxq, poetx and adamw, not {self.method}"
+            )
+        needs = [
+            f"train.grad_accum: 1 (not {tc.grad_accum}; one update per backward)"
+            if tc.grad_accum != 1 else "",
+            f"optim.grad_clip: 0 (not {self.optim.grad_clip}; no global gradient norm exists "
+            "when a parameter is updated)" if self.optim.grad_clip else "",
+            "train.cuda_graph: false" if tc.cuda_graph else "",
+        ]  # fmt: skip
+        needs = [n for n in needs if n]
+        if needs:
+            raise ValueError("train.optimizer_in_backward needs " + " and ".join(needs))
 
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:

@@ -44,6 +44,8 @@ def add_tool_parsers(sub: Any) -> None:
         description="Predict the peak GPU memory of one training step of a recipe (frozen "
         "weights, parameters, gradients, optimizer states, activations, logits, workspace) "
         "and whether it fits.",
+        epilog="the memory options count as set: --set train.offload_activations=true, "
+        "train.optimizer_in_backward=true, train.loss_chunk_tokens=N (see poetxq train --help)",
     )  # fmt: skip
     _recipe_args(p, required=True)
     p.add_argument(
@@ -61,6 +63,9 @@ def add_tool_parsers(sub: Any) -> None:
         "bench", help="tokens/s, MFU and peak memory of a recipe on random tokens",
         description="Time training steps of a recipe on random tokens (no dataset): prints one "
         "summary line and writes JSON.",
+        epilog="the recipe's memory options apply (--set train.gradient_checkpointing=true, "
+        "train.offload_activations=true, train.optimizer_in_backward=true, "
+        "train.loss_chunk_tokens=N) and are recorded in the JSON",
     )  # fmt: skip
     _recipe_args(p, required=True)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")

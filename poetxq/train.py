@@ -56,7 +56,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
+from poetxq.recipe import Recipe, TrainConfig, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -107,6 +107,8 @@ class TrainResult:
     stop_signal: str | None = None
     resumed_from: list[int] = field(default_factory=list)  # checkpoint steps this run resumed at
     replicas_identical: bool | None = None  # multi-process: all ranks ended with equal weights
+    # the memory settings in use, e.g. ["gradient_checkpointing", "loss_chunk_tokens=256"]
+    memory_options: list[str] = field(default_factory=list)
 
 
 def _finite(record: dict) -> dict:
@@ -187,6 +189,13 @@ def _keep_metrics_until(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", step + 1) <= step:
             kept.append(line + "\n")
     _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
+
+
+def memory_options(tc: TrainConfig) -> list[str]:
+    """The memory settings of ``tc`` that are on (for ``summary.json``)."""
+    on = [k for k in ("gradient_checkpointing", "offload_activations", "optimizer_in_backward")
+          if getattr(tc, k)]  # fmt: skip
+    return on + ([f"loss_chunk_tokens={tc.loss_chunk_tokens}"] if tc.loss_chunk_tokens else [])
 
 
 def train(
@@ -451,12 +460,18 @@ def train(
             grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
         else:  # grad_clip 0: no clipping, the norm is still logged
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-        if in_backward is None:
-            optimizer.step()
+        if in_backward is not None and in_backward.reset_count() == 0:
+            raise RuntimeError(  # the hooks never fired: no parameter was trained this step
+                f"step {step}: train.optimizer_in_backward updated no parameter in backward; "
+                "set train.optimizer_in_backward: false"
+            )
+        # with the optimizer in backward every gradient was applied and freed already: step()
+        # finds none and does nothing (the LR scheduler still sees it called, in order)
+        optimizer.step()
         scheduler.step()
         if graphed is not None:
             graphed.zero_grad()  # the graph keeps writing to these gradient tensors
-        elif in_backward is None:  # (in backward each gradient is freed after its update)
+        else:
             optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1
@@ -544,6 +559,7 @@ def train(
             stop_signal=sig,
             resumed_from=resumed_from,
             replicas_identical=same,
+            memory_options=memory_options(tc),
         )
         if main:
             if tc.save_checkpoint and not interrupted:

@@ -253,14 +253,14 @@ def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, 
     import poetxq.train as train_mod
 
     calls = {"n": 0}
-    real = train_mod.causal_lm_loss
+    real = train_mod.training_loss
 
-    def poisoned(model, batch):  # the 3rd micro-batch's loss is NaN, later ones are finite
+    def poisoned(*a, **k):  # the 3rd micro-batch's loss is NaN, later ones are finite
         calls["n"] += 1
-        loss = real(model, batch)
+        loss = real(*a, **k)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(train_mod, "causal_lm_loss", poisoned)
+    monkeypatch.setattr(train_mod, "training_loss", poisoned)
     code = _run(tmp_path, "--run-name", "p", "--max-steps", "12", "--merge-interval", "4",
                 "--set", "train.log_every=1000")  # fmt: skip
     assert code == 2 and "diverged" in capsys.readouterr().err
@@ -381,7 +381,7 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
 
     import poetxq.train as train_mod
 
-    real, calls = train_mod.causal_lm_loss, {"n": 0}
+    real, calls = train_mod.training_loss, {"n": 0}
 
     def loss_then_sigint(*a, **k):  # the training loop's 2nd micro-batch: during step 2
         calls["n"] += 1
@@ -389,7 +389,7 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
             os.kill(os.getpid(), signal.SIGINT)  # handled: finish the step, save, stop
         return real(*a, **k)
 
-    monkeypatch.setattr(train_mod, "causal_lm_loss", loss_then_sigint)
+    monkeypatch.setattr(train_mod, "training_loss", loss_then_sigint)
     assert _run(tmp_path, "--run-name", "int", "--max-steps", "5") == 130
     out, err = capsys.readouterr()
     said = [line for line in (out + err).splitlines() if "after step" in line]

@@ -123,24 +123,38 @@ def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_offload_on_a_cpu_model_is_plain_checkpointing():
+def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
+    """On the CPU there is nothing to move (and no pinned memory): the layer inputs are never
+    handed to the offload hooks, and the gradients are plain checkpointing's."""
     model = _tiny_llama(_recipe())
-    enable_activation_checkpointing(model, offload=True)  # no pinned-memory error on the CPU
+    windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(3))
+    want = _grads(copy.deepcopy(model), windows)
+    monkeypatch.setattr("poetxq.lowmem.save_on_cpu", _CountingSaveOnCpu)
+    _CountingSaveOnCpu.packed = []
+    enable_activation_checkpointing(model, offload=True)
     assert model.is_gradient_checkpointing
-    causal_lm_loss(model, torch.randint(0, 96, (2, 17))).backward()
+    got = _grads(model, windows)
+    assert _CountingSaveOnCpu.packed == []
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize(
     "over,needle",
     [
         ({"train.offload_activations": True}, "set train.gradient_checkpointing: true"),
-        ({"train.optimizer_in_backward": True}, "set optim.grad_clip: 0"),
+        ({"train.optimizer_in_backward": True}, r"needs optim.grad_clip: 0 \(not 1.0"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.grad_accum": 2},
-         "set train.grad_accum: 1"),
+         r"needs train.grad_accum: 1 \(not 2"),
+        ({"train.optimizer_in_backward": True, "train.grad_accum": 2},  # both at once
+         r"needs train.grad_accum: 1 .* and optim.grad_clip: 0"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "method": "qgalore"},
          "applies to poetxq, poetx and adamw"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True},
-         "cannot be combined"),
+         "needs train.cuda_graph: false"),
+        ({"train.cuda_graph": True, "train.loss_chunk_tokens": 64}, "not combined with"),
+        ({"train.cuda_graph": True, "train.gradient_checkpointing": True,
+          "train.offload_activations": True}, "not combined with"),
         ({"train.loss_chunk_tokens": -1}, "loss_chunk_tokens"),
     ],
 )  # fmt: skip
@@ -175,15 +189,20 @@ def test_estimate_accounts_for_each_option():
     # one layer's Q gradients (bf16), ceil(dim / 256) blocks per side: q, k, v, o 4096 -> 4096
     # (no GQA), gate, up, down 4096 <-> 14336
     sides = 4 * (16 + 16) + 3 * (16 + 56)
-    assert inb.layer_gradients == sides * (256 * 255 // 2) * 2
+    assert inb.in_backward_gradients == sides * (256 * 255 // 2) * 2
     persistent = inb.frozen_weights + inb.buffers + inb.trainable_params + inb.optimizer_states
     # lm_head's gradient at the start of backward (bitsandbytes updates it in place)
     start = inb.activations + inb.logits + inb.workspace + V * d * 2
-    end = inb.layer_gradients + inb.layer_activations + inb.workspace
+    end = inb.in_backward_gradients + inb.layer_activations + inb.workspace
     assert inb.peak == persistent + max(start, end) == base.peak  # the start is the peak still
     inb32 = estimate_memory(load_recipe("llama-8b:poetxq", {**over, "optim.state_bits": 32,
                             "train.optimizer_in_backward": True}), **kw)  # fmt: skip
     assert inb32.in_backward_transient == V * d * 2  # torch AdamW's temporary for lm_head
+    # without checkpointing the batched CNP hands every layer's Q gradient back at once
+    flat = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
+                           "train.gradient_checkpointing": False,
+                           "train.optimizer_in_backward": True}), **kw)  # fmt: skip
+    assert flat.in_backward_gradients == L * inb.in_backward_gradients
 
     every = estimate_memory(load_recipe("llama-8b:poetxq", {**over,
         "train.optimizer_in_backward": True, "train.offload_activations": True,
@@ -218,6 +237,10 @@ def test_training_with_every_option_equals_training_without(tmp_path, monkeypatc
     assert len(want) == len(got) == 3  # three steps, a merge after step 2
     assert got == pytest.approx(want, rel=1e-5)
     assert all(r["grad_norm"] is None for r in rows if "grad_norm" in r)  # no norm to log
+    summary = json.loads((tmp_path / "lowmem" / "summary.json").read_text())
+    want_options = ["gradient_checkpointing", "offload_activations", "optimizer_in_backward",
+                    "loss_chunk_tokens=40"]  # fmt: skip
+    assert summary["memory_options"] == want_options
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -269,7 +292,20 @@ def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, opti
     assert not (tmp_path / "d").exists()
 
 
-def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state whose mixed precision cannot change once set;
+    a bf16 run after fp32 runs in the same process needs it cleared (and cleared again after)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_chunked_loss_runs_under_the_runs_mixed_precision(
+    tmp_path, monkeypatch, fresh_accelerate_state
+):
     """The chunked loss calls the decoder directly, past the autocast that accelerate wraps
     around the model's forward; the trainer must enter it itself (else bf16 runs compute the
     decoder in fp32)."""
@@ -305,3 +341,36 @@ def test_estimate_names_the_phase_of_the_peak():
         phases.append(est.peak_phase)
     assert phases == ["start of backward", "end of backward", "start of backward"]
     assert "at the start of backward" in format_estimate(est)
+
+
+def test_in_backward_with_8bit_states_resumes_and_may_be_turned_off(tmp_path, monkeypatch):
+    """8-bit states + optimizer in backward: no false LR-scheduler-order warning; a run resumed
+    from its step-2 checkpoint with the option turned off (memory settings may change on
+    resume) logs the uninterrupted run's losses for steps 3 and 4."""
+    import shutil
+    import warnings
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    base = ["--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "4", "--no-progress", "--output-dir", str(tmp_path), "--set",
+            "model.num_hidden_layers=1", "--set", "optim.state_bits=8", "--set",
+            "optim.grad_clip=0", "--set", "train.log_every=1", "--set", "train.save_every=2",
+            "--set", "optim.warmup_steps=1"]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["train", *base, "--run-name", "a",
+                     "--set", "train.optimizer_in_backward=true"]) == 0  # fmt: skip
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")  # as if stopped at step 3
+    assert main(["train", "--resume", str(tmp_path / "b"), "--no-progress",
+                 "--set", "train.optimizer_in_backward=false"]) == 0  # fmt: skip
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().split("\n")
+                if x]  # fmt: skip
+        return {r["step"]: r["loss"] for r in rows if "grad_norm" in r}
+
+    a, b = losses("a"), losses("b")
+    assert sorted(b) == [1, 2, 3, 4]
+    assert [b[s] for s in (3, 4)] == pytest.approx([a[s] for s in (3, 4)], rel=1e-6)
