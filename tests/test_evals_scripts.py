@@ -84,6 +84,23 @@ def test_bench_cnp_stacks_the_llama_8b_blocks_and_needs_a_gpu(capsys):
         assert err.count("\n") == 0 and "needs a CUDA GPU" in err
 
 
+def test_bench_gather_routes_agree_and_it_needs_a_gpu(capsys, tmp_path):
+    """Every route of evals/bench_gather.py computes x[..., perm] (the transposed ones as
+    [d, T]); the script itself refuses to run without CUDA, in one line."""
+    import torch
+
+    bench = _load("bench_gather")
+    x = torch.randn(6, 10, dtype=torch.bfloat16)
+    perm = torch.randperm(10)
+    for name, fn in bench._routes(x, perm).items():
+        got = fn()
+        got = got.t() if got.shape != x.shape else got
+        assert torch.equal(got, x[:, perm]), name
+    if not torch.cuda.is_available():
+        assert bench.main(["--out", str(tmp_path / "g.json")]) == 2
+        assert capsys.readouterr().err.strip() == "bench_gather: error: needs a CUDA device"
+
+
 @pytest.mark.parametrize("bits", [8, 4, 16])
 def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
     # the GPU run's correctness check, at a small size: every store layout must pass it (an
