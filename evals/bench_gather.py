@@ -5,7 +5,9 @@ per step, ~20 % of a Llama-1B step's GPU time; ``evals/results/profiles/``). Thi
 routes against the bandwidth floor (read + write of ``x``): ``index_select`` (what the layer uses),
 advanced indexing, ``torch.gather``, int32 indices, the project's Triton row gather, and — for the
 layout question in ``evals/notes/streamed_and_layer.md`` — a row gather of the transposed
-activation, alone and with the transpose. Each result is checked against ``index_select``.
+activation, alone and with the transpose, and the permute-and-transpose kernels of
+:mod:`quant_kernels.transpose_perm` at three tile shapes. Each result is checked against
+``index_select``.
 
     python evals/bench_gather.py --out $OUT/bench_gather_h200.json
 """
@@ -40,9 +42,21 @@ def _routes(x: torch.Tensor, perm: torch.Tensor) -> dict[str, Callable[[], torch
     }
     try:
         from quant_kernels.permute import permute_last_triton
+        from quant_kernels.transpose_perm import permute_to_feature_major, permute_to_row_major
 
         routes["triton_row_gather"] = lambda: permute_last_triton(x, perm, None)
-    except Exception:  # no Triton: the route is simply absent
+        inv = torch.argsort(perm)
+        for tile in ((64, 64), (32, 128), (128, 32)):
+            name = f"{tile[0]}x{tile[1]}"
+            # the input side: permuted and turned feature-major in one pass, result [d, T]
+            routes[f"triton_to_feature_major_{name}"] = lambda tile=tile: permute_to_feature_major(
+                x, inv, tile
+            )
+            # the output side: from a feature-major activation back to row-major, permuted
+            routes[f"triton_to_row_major_{name}"] = lambda tile=tile: permute_to_row_major(
+                xt, perm, tile
+            )
+    except Exception:  # no Triton: the routes are simply absent
         pass
     return routes
 
