@@ -4,17 +4,21 @@ A POET-X(Q) layer permutes its activations five times per training step (``Ψ_n`
 ``Ψ_mᵀ`` on the output, and their transposes in backward; :mod:`poetxq.layer`). torch does it with
 ``index_select`` along the last dim, which runs as the generic ``_scatter_gather_elementwise``
 kernel: on the H200 a fifth of a POET-XQ layer's GPU time and about 17 % of a Llama-1B/8B
-training step (``evals/results/profiles/profile_1b_poetxq_h200_b3977d8.txt``), at roughly 0.7 TB/s.
+training step (``evals/results/profiles/profile_1b_poetxq_h200_b3977d8.txt``), at 3.5–8× the HBM
+read+write floor (``evals/results/bench_gather_h200.json``).
 
 One program owns ``BLOCK_T`` whole rows and walks their columns in chunks with gathered loads
 and contiguous stores; the result is an exact copy (equal to ``index_select``), and the backward of
 a permutation is the inverse permutation (no scatter-add). Measured *slower* than torch on the
-H200: 115.6 µs against 84 µs per 2,048 × 14,336 bf16 permutation
-(``evals/results/gpu_suite_permute_h200.json``), so :func:`quant_kernels.permute_last` uses it
+H200: 115.6 µs against 84 µs per call in the 4096 → 14336 layer's profile
+(``evals/results/gpu_suite_permute_h200.json``; 296 against 195 µs at 2048 × 14336 alone,
+``bench_gather_h200.json``), so :func:`quant_kernels.permute_last` uses it
 only under ``POETXQ_KERNELS=fused`` (:data:`quant_kernels.TRITON_PERMUTE_MEASURED_FASTER` is
 False). A variant that permuted whole rows on chip with ``tl.gather`` did not finish compiling and
-running its first shape within 150 s on the H200 and was dropped. The way forward is to fuse the
-permutation into the block-diagonal multiply's loads and stores (issue 3).
+running its first shape within 150 s on the H200 and was dropped. Fusing the permutation into
+the block-diagonal multiply's loads and stores was slower still
+(``bench_block_diag_perm_h200.json``); :mod:`quant_kernels.transpose_perm` (permute while
+changing layout) is the faster route.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Feature-axis permutations fused with a transpose: both sides of every copy coalesced.
 
-torch permutes the feature axis of a row-major activation ``x [T, d]`` (``x[:, perm]``) at 3–8×
-the HBM read+write floor on the H200: each warp's loads land on random columns. The same
-permutation on a *feature-major* activation ``[d, T]`` is a row gather, at 1.5–3× the floor
+torch permutes the feature axis of a row-major activation ``x [T, d]`` (``x[:, perm]``) at
+3.5–8× the HBM read+write floor on the H200: each warp's loads land on random columns. The same
+permutation on a *feature-major* activation ``[d, T]`` is a row gather, at 1.6–4.6× the floor
 (``evals/results/bench_gather_h200.json``). These kernels move between the two layouts and
 permute in the same pass, so that a POET-X(Q) layer could keep its activations feature-major
 between its GEMMs (cuBLAS writes either layout at the same cost):
@@ -14,8 +14,10 @@ between its GEMMs (cuBLAS writes either layout at the same cost):
   feature-major ``xt``. Gathered rows of ``xt`` are read as contiguous runs of tokens, transposed
   on chip and written along the rows of ``out``.
 
-Both are exact copies (equal to torch's indexing). Prototypes for issue 3: not wired into the
-layer yet; ``evals/bench_gather.py`` times them.
+Both are exact copies (equal to torch's indexing). On the H200 they run at 2.2–3.1× the floor at
+the large shapes (2.5× faster than ``index_select`` at 2048 × 14336 and 8192 × 5632), slower at
+2048 × 4096. Prototypes for issue 3: not wired into the layer yet; ``evals/bench_gather.py``
+times them.
 """
 
 from __future__ import annotations
