@@ -167,6 +167,15 @@ class TrainConfig(_Section):
     # held whole (poetxq.loss); 0: one [tokens, vocab] logits tensor as usual
     loss_chunk_tokens: int = Field(0, ge=0)
 
+    def memory_options(self) -> list[str]:
+        """The memory settings that are on, e.g. ``["gradient_checkpointing",
+        "loss_chunk_tokens=256"]`` (``summary.json``, ``poetxq report``)."""
+        on = [k for k in ("gradient_checkpointing", "offload_activations",
+                          "optimizer_in_backward") if getattr(self, k)]  # fmt: skip
+        return on + (
+            [f"loss_chunk_tokens={self.loss_chunk_tokens}"] if self.loss_chunk_tokens else []
+        )
+
 
 class Recipe(_Section):
     """A whole training recipe. ``Recipe()`` is the embedded default."""

@@ -9,7 +9,7 @@ runs of the same model (recipe name without its method suffix) side by side, in 
 order, and writes into ``out_dir``:
 
 * ``report.md`` — results table (run, method, weight bits, final val ppl, tokens/s, peak
-  memory, train tokens, wall time) and the plots;
+  memory, train tokens, wall time, memory options) and the plots;
 * ``loss.png``, ``val_ppl.png`` — training loss and validation perplexity against tokens;
 * ``throughput.png``, ``peak_memory.png`` — bars per run.
 
@@ -38,6 +38,19 @@ NO_SUMMARY = "interrupted (no summary.json)"
 
 class ReportError(ValueError):
     """A run directory is missing or unreadable; the message names the directory and file."""
+
+
+#: how the report's table names the memory settings (TrainConfig.memory_options)
+_SHORT = {"gradient_checkpointing": "checkpointing", "offload_activations": "offload",
+          "optimizer_in_backward": "optimizer in backward"}  # fmt: skip
+
+
+def _memory_options(run: Run) -> str:
+    names = [
+        f"chunked loss ({o.split('=')[1]})" if o.startswith("loss_chunk_tokens=") else _SHORT[o]
+        for o in run.recipe.train.memory_options()
+    ]
+    return ", ".join(names) or "-"
 
 
 @dataclass
@@ -210,6 +223,7 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
             "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
             "train tokens": f"{s['tokens']:,}" if "tokens" in s else "n/a",
             "wall time": _fmt_seconds(s.get("train_seconds")),
+            "memory options": _memory_options(run),
         })  # fmt: skip
     return rows
 
@@ -303,7 +317,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     _plots(runs, out)
     rows = results_rows(runs)
     cols = ["run", "method", "bits", "final val ppl", "tokens/s", "peak memory", "train tokens",
-            "wall time"]  # fmt: skip
+            "wall time", "memory options"]  # fmt: skip
     lines = ["# Results", ""]
     lines.append(
         f"{len(runs)} run(s); runs of the same model are side by side. Peak memory is "

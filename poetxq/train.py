@@ -56,7 +56,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.recipe import Recipe, TrainConfig, dump_recipe, method_label, run_label
+from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -189,13 +189,6 @@ def _keep_metrics_until(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", step + 1) <= step:
             kept.append(line + "\n")
     _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
-
-
-def memory_options(tc: TrainConfig) -> list[str]:
-    """The memory settings of ``tc`` that are on (for ``summary.json``)."""
-    on = [k for k in ("gradient_checkpointing", "offload_activations", "optimizer_in_backward")
-          if getattr(tc, k)]  # fmt: skip
-    return on + ([f"loss_chunk_tokens={tc.loss_chunk_tokens}"] if tc.loss_chunk_tokens else [])
 
 
 def train(
@@ -559,7 +552,7 @@ def train(
             stop_signal=sig,
             resumed_from=resumed_from,
             replicas_identical=same,
-            memory_options=memory_options(tc),
+            memory_options=tc.memory_options(),
         )
         if main:
             if tc.save_checkpoint and not interrupted:

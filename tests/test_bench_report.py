@@ -221,7 +221,8 @@ def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(t
     row = next(r for r in md.splitlines() if r.startswith(f"| {run.name} "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == f"{run.name} — interrupted (no summary.json)"
-    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a"]  # ppl, tok/s, memory, tokens, wall
+    # ppl, tok/s, memory, tokens, wall time, memory options
+    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a", "-"]
     assert "4 steps on ?, ? merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
     # neither summary.json nor metrics.jsonl: refused, nothing written
     (run / "metrics.jsonl").unlink()

@@ -241,6 +241,11 @@ def test_training_with_every_option_equals_training_without(tmp_path, monkeypatc
     want_options = ["gradient_checkpointing", "offload_activations", "optimizer_in_backward",
                     "loss_chunk_tokens=40"]  # fmt: skip
     assert summary["memory_options"] == want_options
+    assert main(["report", str(tmp_path / "plain"), str(tmp_path / "lowmem"), "-o",
+                 str(tmp_path / "report")]) == 0  # fmt: skip
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "| checkpointing |" in table  # the plain run (checkpointing only)
+    assert ("| checkpointing, offload, optimizer in backward, chunked loss (40) |") in table
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
