@@ -18,10 +18,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from _common import cuda_time_ms, git_commit
+from _common import cuda_time_ms, provenance, write_json_atomic
 
 # (tokens, dim): Llama-1B at 8,192 and 32,768 tokens per micro-batch, Llama-8B at 2,048
 SHAPES = [(8192, 2048), (8192, 5632), (32768, 2048), (2048, 4096), (2048, 14336)]
@@ -87,18 +86,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     doc = {
-        "what": "x[..., perm] on bf16 [tokens, dim]: torch routes, the Triton row gather and a "
-        "feature-major row gather, against the HBM read+write floor",
-        "date": __import__("datetime").date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "commit": git_commit(),
-        "command": "python evals/bench_gather.py --out " + args.out,
+        "what": "x[..., perm] on bf16 [tokens, dim]: torch routes, the Triton row gather, a "
+        "feature-major row gather and the permute-and-transpose kernels, against the HBM "
+        "read+write floor",
+        **provenance(torch.cuda.get_device_name(), argv),
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json_atomic(args.out, doc)}")
     return 0
 
 

@@ -23,6 +23,7 @@ times them.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -73,6 +74,22 @@ def _check(a: torch.Tensor, perm: torch.Tensor, axis_len: int, what: str) -> Non
         )
 
 
+def _launch(
+    kernel: Any, a: torch.Tensor, perm: torch.Tensor, tile: tuple[int, int], *,
+    feature_major_in: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Run one of the two kernels over a ``(tokens, features)`` grid of tiles; the output is
+    ``a``'s transpose in shape, contiguous."""
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    rows, cols = (a.shape[1], a.shape[0]) if feature_major_in else (a.shape[0], a.shape[1])
+    out = torch.empty(a.shape[1], a.shape[0], dtype=a.dtype, device=a.device)
+    if rows and cols:
+        grid = (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
+        kernel[grid](a, perm, out, rows, cols, a.stride(0), out.stride(0), tile[0], tile[1])
+    return out
+
+
 def permute_to_feature_major(
     x: torch.Tensor, inv_perm: torch.Tensor, tile: tuple[int, int] = TILE
 ) -> torch.Tensor:
@@ -91,16 +108,7 @@ def permute_to_feature_major(
         ValueError: ``x`` is not 2-D or ``inv_perm`` is not ``[d]``.
     """
     _check(x, inv_perm, x.shape[-1] if x.dim() == 2 else -1, "x")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, cols = x.shape
-    out = torch.empty(cols, rows, dtype=x.dtype, device=x.device)
-    if rows and cols:
-        grid = (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
-        _to_feature_major_kernel[grid](
-            x, inv_perm, out, rows, cols, x.stride(0), out.stride(0), BT=tile[0], BC=tile[1]
-        )
-    return out
+    return _launch(_to_feature_major_kernel, x, inv_perm, tile, feature_major_in=False)
 
 
 def permute_to_row_major(
@@ -120,13 +128,4 @@ def permute_to_row_major(
         ValueError: ``xt`` is not 2-D or ``perm`` is not ``[d]``.
     """
     _check(xt, perm, xt.shape[0] if xt.dim() == 2 else -1, "xt")
-    if xt.stride(-1) != 1:
-        xt = xt.contiguous()
-    cols, rows = xt.shape
-    out = torch.empty(rows, cols, dtype=xt.dtype, device=xt.device)
-    if rows and cols:
-        grid = (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
-        _to_row_major_kernel[grid](
-            xt, perm, out, rows, cols, xt.stride(0), out.stride(0), BT=tile[0], BJ=tile[1]
-        )
-    return out
+    return _launch(_to_row_major_kernel, xt, perm, tile, feature_major_in=True)
