@@ -47,6 +47,16 @@ class FrozenWeight(nn.Module, abc.ABC):
     def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
         """``g @ W``: ``[..., m]`` → ``[..., n]`` in ``g.dtype``."""
 
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        """``W @ zt``: a feature-major activation ``[n, T]`` → ``[m, T]`` contiguous, the forward
+        GEMM with both sides feature-major (default: :meth:`matmul` and a transpose copy)."""
+        return self.matmul(zt.t()).t().contiguous()
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        """``Wᵀ @ dht``: ``[m, T]`` → ``[n, T]`` contiguous, the dX GEMM feature-major (default:
+        :meth:`matmul_t` and a transpose copy)."""
+        return self.matmul_t(dht.t()).t().contiguous()
+
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The stored weight as a dense ``[m, n]`` tensor in ``dtype`` (a new tensor)."""
@@ -88,6 +98,12 @@ class Int8RowwiseWeight(FrozenWeight):
 
     def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
         return quant_kernels.int8_rowwise_matmul_t(g, self.weight, self.SCB)
+
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul_fm(zt, self.weight, self.SCB)
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul_t_fm(dht, self.weight, self.SCB)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant_kernels.dequant_int8_rowwise(self.weight, self.SCB, dtype)
@@ -303,6 +319,12 @@ class DenseWeight(FrozenWeight):
 
     def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
         return g @ self.weight.to(g.dtype)
+
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        return self.weight.to(zt.dtype) @ zt
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        return self.weight.to(dht.dtype).t() @ dht
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype, copy=True)

@@ -53,7 +53,9 @@ __all__ = [
     "dequant_int8_rowwise",
     "fused_perm_block_diag",
     "int8_rowwise_matmul",
+    "int8_rowwise_matmul_fm",
     "int8_rowwise_matmul_t",
+    "int8_rowwise_matmul_t_fm",
     "kernel_mode",
     "quantize_int8_rowwise",
     "skew_from_packed",
@@ -173,6 +175,40 @@ def int8_rowwise_matmul_t(g: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) 
 
         return int8_matmul_t(g, cb, scb)
     return reference.int8_rowwise_matmul_t(g, cb, scb)
+
+
+def int8_rowwise_matmul_fm(zt: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
+    """``W @ zt`` = ``(z @ Wᵀ)ᵀ`` for a feature-major activation ``zt [K, T]`` → ``[N, T]``
+    contiguous (``W = CB · SCB/127``, ``CB [N, K]``): the forward GEMM of a layer that keeps its
+    activations feature-major (``evals/notes/streamed_and_layer.md``). Streamed on a GPU;
+    elsewhere the reference, or the row-major kernel and a transpose."""
+    path = weight_gemm_path(zt.t())
+    if path == "streamed":
+        from quant_kernels.streamed import int8_decoder, streamed_matmul_fm
+
+        return streamed_matmul_fm(
+            zt, int8_decoder(cb, scb), *cb.shape, slab_bytes=slab_bytes_for(zt.shape[1])
+        )
+    if path == "fused":
+        return int8_rowwise_matmul(zt.t(), cb, scb).t().contiguous()
+    return reference.dequant_int8_rowwise(cb, scb, zt.dtype) @ zt
+
+
+def int8_rowwise_matmul_t_fm(
+    dht: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor
+) -> torch.Tensor:
+    """``Wᵀ @ dht`` = ``(dh @ W)ᵀ`` for ``dht [N, T]`` → ``[K, T]`` contiguous: the dX GEMM,
+    feature-major (see :func:`int8_rowwise_matmul_fm`)."""
+    path = weight_gemm_path(dht.t())
+    if path == "streamed":
+        from quant_kernels.streamed import int8_decoder, streamed_matmul_t_fm
+
+        return streamed_matmul_t_fm(
+            dht, int8_decoder(cb, scb), *cb.shape, slab_bytes=slab_bytes_for(dht.shape[1])
+        )
+    if path == "fused":
+        return int8_rowwise_matmul_t(dht.t(), cb, scb).t().contiguous()
+    return reference.dequant_int8_rowwise(cb, scb, dht.dtype).t() @ dht
 
 
 def blockwise_4bit_matmul(

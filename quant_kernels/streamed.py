@@ -298,3 +298,66 @@ def streamed_matmul_nn(
         cols = min(band, k - k0)
         torch.mm(g2, decode(buf, 0, n, k0, cols), out=out[:, k0 : k0 + cols])
     return out.view(*lead, k)
+
+
+def streamed_matmul_fm(
+    zt: torch.Tensor, decode: _Decoder, n: int, k: int, *, slab_bytes: int = DEFAULT_SLAB_BYTES
+) -> torch.Tensor:
+    """``deq(W) @ zt`` for ``W [n, k]`` and a feature-major activation ``zt [k, T]``: the
+    forward GEMM ``(z @ Wᵀ)ᵀ`` with its output feature-major too, one band of ``W``'s rows (=
+    contiguous rows of the output) at a time.
+
+    Args:
+        zt: ``[k, T]`` floating point (the slab is decoded in its dtype).
+        decode, n, k, slab_bytes: as in :func:`streamed_matmul_nt`.
+
+    Returns:
+        ``[n, T]`` contiguous, ``zt``'s dtype.
+
+    Raises:
+        ValueError: ``zt`` is not ``[k, T]`` or ``slab_bytes ≤ 0``.
+    """
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    if zt.dim() != 2 or zt.shape[0] != k:
+        raise ValueError(
+            f"zt must be [k, T] with k = {k} (weight [{n}, {k}]), got {tuple(zt.shape)}"
+        )
+    out = zt.new_empty(n, zt.shape[1])
+    if out.numel() == 0:
+        return out
+    band = _band(n, k, zt.element_size(), slab_bytes, 128)
+    buf = torch.empty(band * k, device=zt.device, dtype=zt.dtype)
+    for n0 in range(0, n, band):
+        rows = min(band, n - n0)
+        torch.mm(decode(buf, n0, rows, 0, k), zt, out=out[n0 : n0 + rows])
+    return out
+
+
+def streamed_matmul_t_fm(
+    dht: torch.Tensor, decode: _Decoder, n: int, k: int, *, slab_bytes: int = DEFAULT_SLAB_BYTES
+) -> torch.Tensor:
+    """``deq(W)ᵀ @ dht`` for ``W [n, k]`` and ``dht [n, T]``: the dX GEMM ``(dh @ W)ᵀ``,
+    feature-major in and out, one band of ``W``'s columns (= contiguous output rows) at a time.
+
+    Returns:
+        ``[k, T]`` contiguous, ``dht``'s dtype.
+
+    Raises:
+        ValueError: ``dht`` is not ``[n, T]`` or ``slab_bytes ≤ 0``.
+    """
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    if dht.dim() != 2 or dht.shape[0] != n:
+        raise ValueError(
+            f"dht must be [n, T] with n = {n} (weight [{n}, {k}]), got {tuple(dht.shape)}"
+        )
+    out = dht.new_empty(k, dht.shape[1])
+    if out.numel() == 0:
+        return out
+    band = _band(k, n, dht.element_size(), slab_bytes, 64)
+    buf = torch.empty(band * n, device=dht.device, dtype=dht.dtype)
+    for k0 in range(0, k, band):
+        cols = min(band, k - k0)
+        torch.mm(decode(buf, 0, n, k0, cols).t(), dht, out=out[k0 : k0 + cols])
+    return out

@@ -63,3 +63,20 @@ def test_make_frozen_weight():
     assert isinstance(make_frozen_weight(w, 16), DenseWeight)
     with pytest.raises(ValueError, match="bits=3"):
         make_frozen_weight(w, 3)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4", "dense"])
+def test_feature_major_matmuls_equal_the_row_major_ones(kind):
+    """FrozenWeight.matmul_fm / matmul_t_fm (feature-major in and out) are the transposes of
+    matmul / matmul_t for every store (int8 and dense have their own; NF4 the default)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=gen)
+    store = make_frozen_weight(w, {"int8": 8, "nf4": 4, "dense": 16}[kind])
+    z = torch.randn(13, 64, generator=gen)
+    dh = torch.randn(13, 96, generator=gen)
+    ht = store.matmul_fm(z.t().contiguous())
+    assert ht.shape == (96, 13) and ht.is_contiguous()
+    torch.testing.assert_close(ht, store.matmul(z).t(), rtol=1e-5, atol=1e-5)
+    dzt = store.matmul_t_fm(dh.t().contiguous())
+    assert dzt.shape == (64, 13) and dzt.is_contiguous()
+    torch.testing.assert_close(dzt, store.matmul_t(dh).t(), rtol=1e-5, atol=1e-5)

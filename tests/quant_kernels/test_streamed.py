@@ -17,8 +17,10 @@ from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise 
 from quant_kernels.streamed import (  # noqa: E402
     fourbit_decoder,
     int8_decoder,
+    streamed_matmul_fm,
     streamed_matmul_nn,
     streamed_matmul_nt,
+    streamed_matmul_t_fm,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -122,3 +124,23 @@ def test_errors(gen):
     with pytest.raises(ValueError, match="slab_bytes must be positive"):
         streamed_matmul_nt(torch.randn(2, 16, device=DEVICE), dec, 8, 16, slab_bytes=0)
     assert streamed_matmul_nt(torch.randn(0, 16, device=DEVICE), dec, 8, 16).shape == (0, 8)
+
+
+@pytest.mark.parametrize("slab_bytes", [1, 40 * 64 * 4])  # one band of 128 rows / several bands
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_feature_major_gemms_equal_the_float64_products(slab_bytes, fmt, gen):
+    """``W @ zt`` and ``Wᵀ @ dht`` with feature-major operands [dim, T] (the layout of a layer
+    that keeps its activations feature-major), ragged bands, against float64 products of the same
+    rounded weight."""
+    n, k, t = 300, 128, 37
+    dec, deq = _int8(n, k, gen) if fmt == "int8" else _4bit(n, k, "nf4", False, gen)
+    zt = torch.randn(k, t, generator=gen)
+    dht = torch.randn(n, t, generator=gen)
+    ht = streamed_matmul_fm(zt.to(DEVICE), dec, n, k, slab_bytes=slab_bytes)
+    assert ht.shape == (n, t) and ht.is_contiguous()
+    assert _rel(ht, deq.double() @ zt.double()) < TOL[torch.float32]
+    dzt = streamed_matmul_t_fm(dht.to(DEVICE), dec, n, k, slab_bytes=slab_bytes)
+    assert dzt.shape == (k, t) and dzt.is_contiguous()
+    assert _rel(dzt, deq.double().t() @ dht.double()) < TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"zt must be \[k, T\] with k = 128"):
+        streamed_matmul_fm(zt.t().contiguous().to(DEVICE), dec, n, k)
