@@ -19,10 +19,12 @@ Usage (on the GPU host):  python evals/gpu_suite.py --out-dir $OUT [--parts dequ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -111,18 +113,34 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     for bits in (8, 4, 16):
         for variant in ("fast", "mem"):
             time_layer(f"poetx{label[bits]}_{variant}", bits, variant)
-    # the mem variants again with the permutations fused into the block kernels
-    # (quant_kernels.block_diag_perm), side by side with the default path above
+    # the mem variants again on the opt-in paths, side by side with the default path above:
+    # the permutations fused into the block kernels (quant_kernels.block_diag_perm), and the
+    # feature-major layer (quant_kernels.transpose_perm + FrozenWeight.matmul_fm)
+    for flag, suffix in OPT_IN_LAYER_PATHS:
+        with _opt_in(flag):
+            for bits in (8, 16):
+                time_layer(f"poetx{label[bits]}_mem_{suffix}", bits, "mem")
+    return res
+
+
+#: quant_kernels flags of the layer's opt-in paths and the suffix of their rows
+OPT_IN_LAYER_PATHS = (
+    ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", "fused_perm"),
+    ("FEATURE_MAJOR_LAYER_MEASURED_FASTER", "feature_major"),
+)
+
+
+@contextlib.contextmanager
+def _opt_in(flag: str) -> Iterator[None]:
+    """Turn one ``quant_kernels.*_MEASURED_FASTER`` flag on for the block."""
     import quant_kernels
 
-    before = quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER
-    quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = True
+    before = getattr(quant_kernels, flag)
+    setattr(quant_kernels, flag, True)
     try:
-        for bits in (8, 16):
-            time_layer(f"poetx{label[bits]}_mem_fused_perm", bits, "mem")
+        yield
     finally:
-        quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = before
-    return res
+        setattr(quant_kernels, flag, before)
 
 
 def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -> str:
@@ -182,16 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
                                               "error": repr(exc)})  # fmt: skip
-        import quant_kernels
-
-        quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = True  # the fused-permutation layer
-        for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8)):
-            try:
-                row = correctness(n, m, 256, bits, gen)
-            except Exception as exc:
-                row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
-            report["correctness"].append({**row, "fused_perm_block_diag": True})
-        quant_kernels.FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
+        for flag, suffix in OPT_IN_LAYER_PATHS:  # the opt-in layer paths at real sizes
+            with _opt_in(flag):
+                for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):
+                    try:
+                        row = correctness(n, m, 256, bits, gen)
+                    except Exception as exc:
+                        row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
+                    report["correctness"].append({**row, "path": suffix})
         print(json.dumps(report["correctness"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "kernel_tests" in parts:

@@ -114,6 +114,41 @@ def _forward_fused(
     return quant_kernels.block_diag_perm_matmul(h, g_r, out_perm=side_r.perm)
 
 
+def _feature_major(
+    x: torch.Tensor, frozen: FrozenWeight, side_p: OrthogonalSide, side_r: OrthogonalSide
+) -> bool:
+    """Whether the feature-major path serves this call: allowed for ``x``
+    (:func:`quant_kernels.feature_major_layer`), no ragged block on either side, and a store
+    that multiplies feature-major itself (not the 4-bit input-order wrapper)."""
+    return (
+        quant_kernels.feature_major_layer(x)
+        and not isinstance(frozen, _InputOrderStore)
+        and side_p.padded_dim == side_p.dim
+        and side_r.padded_dim == side_r.dim
+    )
+
+
+def _forward_fm(
+    x: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    side_p: OrthogonalSide,
+    side_r: OrthogonalSide,
+) -> torch.Tensor:
+    """:func:`_forward_autograd` without autograd, feature-major (``[dim, T]``) between its two
+    permutations, each of which also changes the layout in one coalesced pass
+    (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``)."""
+    x2 = x.reshape(-1, side_p.dim)
+    t = x2.shape[0]
+    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm)  # x'ᵀ = x[..., Ψ_n]ᵀ
+    zt = torch.bmm(g_p, xpt.view(side_p.nb, side_p.block_size, t)).view(side_p.dim, t)
+    ht = frozen.matmul_fm(zt)  # W' zᵀ
+    ut = torch.bmm(g_r, ht.view(side_r.nb, side_r.block_size, t)).view(side_r.dim, t)
+    y = quant_kernels.permute_to_row_major(ut, side_r.inv_perm)  # y = u[..., inv_perm_R]
+    return y.view(*x.shape[:-1], side_r.dim)
+
+
 def _forward(
     x: torch.Tensor,
     g_p: torch.Tensor,
@@ -124,6 +159,8 @@ def _forward(
 ) -> torch.Tensor:
     """The layer's forward: fused without grad where :func:`quant_kernels.fused_perm_block_diag`
     allows, else from autograd ops."""
+    if not torch.is_grad_enabled() and _feature_major(x, frozen, side_p, side_r):
+        return _forward_fm(x, g_p, g_r, frozen, side_p, side_r)
     if not torch.is_grad_enabled() and quant_kernels.fused_perm_block_diag(x):
         return _forward_fused(x, g_p, g_r, frozen, side_p, side_r)
     return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
@@ -169,6 +206,8 @@ def _mem_backward(
     ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
     n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
     dy = dy.to(x.dtype)
+    if _feature_major(x, frozen, sp, sr):
+        return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
     if quant_kernels.fused_perm_block_diag(x):
         return _mem_backward_fused(x, dy, g_p, g_r, frozen, sp, sr, needs)
     xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
@@ -186,6 +225,43 @@ def _mem_backward(
     if needs[0]:
         dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
         dx = quant_kernels.permute_last(dxp, sp.inv_perm)
+    return dx, dg_p, dg_r
+
+
+def _mem_backward_fm(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    sp: OrthogonalSide,
+    sr: OrthogonalSide,
+    needs: tuple[bool, ...],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`_mem_backward` feature-major (see :func:`_forward_fm`): four permutations, each
+    fused with a layout change, instead of five gathers."""
+    kern = quant_kernels
+    n, m, t = sp.dim, sr.dim, x.numel() // sp.dim
+    xpt = kern.permute_to_feature_major(x.reshape(t, n), sp.inv_perm)
+    ht = frozen.matmul_fm(torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(n, t))
+    dut = kern.permute_to_feature_major(dy.reshape(t, m), sr.inv_perm)  # du = dy[..., Ψ_m]
+    du_blocks = dut.view(sr.nb, sr.block_size, t)
+    dg_r = (
+        torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2)) if needs[2] else None
+    )
+    del ht
+    dzt = frozen.matmul_t_fm(torch.bmm(g_r.transpose(1, 2), du_blocks).view(m, t))  # W'ᵀ dhᵀ
+    del dut, du_blocks
+    dz_blocks = dzt.view(sp.nb, sp.block_size, t)
+    dg_p = (
+        torch.bmm(dz_blocks, xpt.view(sp.nb, sp.block_size, t).transpose(1, 2))
+        if needs[1]
+        else None
+    )
+    dx = None
+    if needs[0]:  # dx = (dz @ BD(G_P))[..., inv_perm_P]
+        dxpt = torch.bmm(g_p.transpose(1, 2), dz_blocks).view(n, t)
+        dx = kern.permute_to_row_major(dxpt, sp.inv_perm).view(x.shape)
     return dx, dg_p, dg_r
 
 

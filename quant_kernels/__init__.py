@@ -51,12 +51,15 @@ __all__ = [
     "cayley_neumann",
     "cayley_neumann_lean",
     "dequant_int8_rowwise",
+    "feature_major_layer",
     "fused_perm_block_diag",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_fm",
     "int8_rowwise_matmul_t",
     "int8_rowwise_matmul_t_fm",
     "kernel_mode",
+    "permute_to_feature_major",
+    "permute_to_row_major",
     "quantize_int8_rowwise",
     "skew_from_packed",
     "slab_bytes_for",
@@ -89,6 +92,33 @@ _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: 2.6–10.7× slower than a gather + ``bmm`` (``evals/results/bench_block_diag_perm_h200.json``);
 #: ``POETXQ_KERNELS=fused`` still uses them.
 FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
+
+
+#: whether the POET-X(Q) ``mem`` layers run feature-major between their two permutations
+#: (:mod:`quant_kernels.transpose_perm`, ``FrozenWeight.matmul_fm``) on CUDA under ``auto``.
+#: False until ``evals/gpu_suite.py --parts layer`` measures it faster; ``POETXQ_KERNELS=fused``
+#: uses it.
+FEATURE_MAJOR_LAYER_MEASURED_FASTER = False
+
+
+def feature_major_layer(x: torch.Tensor) -> bool:
+    """Whether a POET-X(Q) ``mem`` layer may take the feature-major path for ``x``: a Triton
+    dtype, and :data:`FEATURE_MAJOR_LAYER_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""
+    return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FEATURE_MAJOR_LAYER_MEASURED_FASTER)
+
+
+def permute_to_feature_major(x: torch.Tensor, inv_perm: torch.Tensor) -> torch.Tensor:
+    """:func:`quant_kernels.transpose_perm.permute_to_feature_major` (imported on first use)."""
+    from quant_kernels import transpose_perm
+
+    return transpose_perm.permute_to_feature_major(x, inv_perm)
+
+
+def permute_to_row_major(xt: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """:func:`quant_kernels.transpose_perm.permute_to_row_major` (imported on first use)."""
+    from quant_kernels import transpose_perm
+
+    return transpose_perm.permute_to_row_major(xt, perm)
 
 
 def fused_perm_block_diag(x: torch.Tensor) -> bool:
