@@ -300,6 +300,31 @@ def streamed_matmul_nn(
     return out.view(*lead, k)
 
 
+def _streamed_fm(
+    a: torch.Tensor, decode: _Decoder, n: int, k: int, slab_bytes: int, *, weight_t: bool
+) -> torch.Tensor:
+    """``deq(W) @ a`` (``weight_t`` False, ``a [k, T]``) or ``deq(W)ᵀ @ a`` (True, ``a [n, T]``):
+    one band of output rows per decoded slab (rows of ``W``, or columns for ``Wᵀ``)."""
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    (name, dim, inner), outer = (("dht", "n", n), k) if weight_t else (("zt", "k", k), n)
+    if a.dim() != 2 or a.shape[0] != inner:
+        raise ValueError(
+            f"{name} must be [{dim}, T] with {dim} = {inner} (weight [{n}, {k}]), got "
+            f"{tuple(a.shape)}"
+        )
+    out = a.new_empty(outer, a.shape[1])
+    if out.numel() == 0:
+        return out
+    band = _band(outer, inner, a.element_size(), slab_bytes, 64 if weight_t else 128)
+    buf = torch.empty(band * inner, device=a.device, dtype=a.dtype)
+    for o0 in range(0, outer, band):
+        cnt = min(band, outer - o0)
+        slab = decode(buf, 0, n, o0, cnt).t() if weight_t else decode(buf, o0, cnt, 0, k)
+        torch.mm(slab, a, out=out[o0 : o0 + cnt])
+    return out
+
+
 def streamed_matmul_fm(
     zt: torch.Tensor, decode: _Decoder, n: int, k: int, *, slab_bytes: int = DEFAULT_SLAB_BYTES
 ) -> torch.Tensor:
@@ -317,21 +342,7 @@ def streamed_matmul_fm(
     Raises:
         ValueError: ``zt`` is not ``[k, T]`` or ``slab_bytes ≤ 0``.
     """
-    if slab_bytes <= 0:
-        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
-    if zt.dim() != 2 or zt.shape[0] != k:
-        raise ValueError(
-            f"zt must be [k, T] with k = {k} (weight [{n}, {k}]), got {tuple(zt.shape)}"
-        )
-    out = zt.new_empty(n, zt.shape[1])
-    if out.numel() == 0:
-        return out
-    band = _band(n, k, zt.element_size(), slab_bytes, 128)
-    buf = torch.empty(band * k, device=zt.device, dtype=zt.dtype)
-    for n0 in range(0, n, band):
-        rows = min(band, n - n0)
-        torch.mm(decode(buf, n0, rows, 0, k), zt, out=out[n0 : n0 + rows])
-    return out
+    return _streamed_fm(zt, decode, n, k, slab_bytes, weight_t=False)
 
 
 def streamed_matmul_t_fm(
@@ -346,18 +357,4 @@ def streamed_matmul_t_fm(
     Raises:
         ValueError: ``dht`` is not ``[n, T]`` or ``slab_bytes ≤ 0``.
     """
-    if slab_bytes <= 0:
-        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
-    if dht.dim() != 2 or dht.shape[0] != n:
-        raise ValueError(
-            f"dht must be [n, T] with n = {n} (weight [{n}, {k}]), got {tuple(dht.shape)}"
-        )
-    out = dht.new_empty(k, dht.shape[1])
-    if out.numel() == 0:
-        return out
-    band = _band(k, n, dht.element_size(), slab_bytes, 64)
-    buf = torch.empty(band * n, device=dht.device, dtype=dht.dtype)
-    for k0 in range(0, k, band):
-        cols = min(band, k - k0)
-        torch.mm(decode(buf, 0, n, k0, cols).t(), dht, out=out[k0 : k0 + cols])
-    return out
+    return _streamed_fm(dht, decode, n, k, slab_bytes, weight_t=True)

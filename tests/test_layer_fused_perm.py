@@ -1,7 +1,9 @@
-"""The layer's permutation-fused path (quant_kernels.block_diag_perm) against its torch path.
+"""The layer's opt-in paths against its torch path: the permutation-fused block kernels
+(quant_kernels.block_diag_perm) and the feature-major path (quant_kernels.transpose_perm +
+FrozenWeight.matmul_fm).
 
-On the CPU the Triton kernels run in the interpreter; the switch that a GPU would take from
-``quant_kernels.fused_perm_block_diag`` is forced here.
+On the CPU the Triton kernels run in the interpreter; the switches that a GPU would take from
+``quant_kernels.fused_perm_block_diag`` / ``quant_kernels.feature_major_layer`` are forced here.
 """
 
 import os
@@ -58,6 +60,41 @@ def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
     monkeypatch.setattr(quant_kernels, "block_diag_perm_matmul", counting)
     y, g = _run(*args)
     assert len(calls) == 5  # forward: the P and R sides; backward: z recomputed, dh, dx
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# (32 -> 48, b = 16): no ragged block; (40 -> 56): ragged on both sides, which falls back;
+# bits 4 keeps its store in input order (the wrapper multiplies row-major) and falls back too
+@pytest.mark.parametrize(
+    "n,m,bits,taken", [(32, 48, 8, True), (32, 48, 16, True), (40, 56, 8, False),
+                       (32, 48, 4, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeypatch, gen):
+    layer = POETXLinear(n, m, block_size=16, bits=bits, variant="mem", generator=gen)
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(0.1 * torch.randn(side.Q.shape, generator=gen))
+    x = torch.randn(2, 5, n, generator=gen)
+    gate_up = (torch.randn(2, 5, n, generator=gen), torch.randn(2, 5, n, generator=gen))
+    args = (layer, x, gate_up if swiglu else None)
+    y_ref, g_ref = _run(*args)
+    calls = []
+    for name in ("permute_to_feature_major", "permute_to_row_major"):
+        real = getattr(quant_kernels, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(quant_kernels, name, counting)
+    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    y, g = _run(*args)
+    # forward: x in, y out; backward: x and dy in, dx out
+    into, out = calls.count("permute_to_feature_major"), calls.count("permute_to_row_major")
+    assert (into, out) == ((3, 2) if taken else (0, 0))
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     for got, want in zip(g, g_ref, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
