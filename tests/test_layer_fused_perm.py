@@ -36,18 +36,30 @@ def _run(layer, x, gate_up=None):
     return y.detach(), grads
 
 
-# ragged on both sides (40 = 2·16 + 8, 56 = 3·16 + 8) and exact (32 → 48)
-@pytest.mark.parametrize("n,m", [(40, 56), (32, 48)])
-@pytest.mark.parametrize("bits", [8, 16, 4])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
+def _case(n, m, bits, swiglu, gen):
+    """A mem layer with non-trivial Q, an input (or gate/up pair): the arguments of _run."""
     layer = POETXLinear(n, m, block_size=16, bits=bits, variant="mem", generator=gen)
     with torch.no_grad():
         for side in (layer.P, layer.R):
             side.Q.copy_(0.1 * torch.randn(side.Q.shape, generator=gen))
     x = torch.randn(2, 5, n, generator=gen)
     gate_up = (torch.randn(2, 5, n, generator=gen), torch.randn(2, 5, n, generator=gen))
-    args = (layer, x, gate_up if swiglu else None)
+    return layer, x, gate_up if swiglu else None
+
+
+def _assert_same(got, want):
+    (y, g), (y_ref, g_ref) = got, want
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ragged on both sides (40 = 2·16 + 8, 56 = 3·16 + 8) and exact (32 → 48)
+@pytest.mark.parametrize("n,m", [(40, 56), (32, 48)])
+@pytest.mark.parametrize("bits", [8, 16, 4])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
+    args = _case(n, m, bits, swiglu, gen)
     y_ref, g_ref = _run(*args)
     calls = []
     real = quant_kernels.block_diag_perm_matmul
@@ -60,9 +72,7 @@ def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
     monkeypatch.setattr(quant_kernels, "block_diag_perm_matmul", counting)
     y, g = _run(*args)
     assert len(calls) == 5  # forward: the P and R sides; backward: z recomputed, dh, dx
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
-    for got, want in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_same((y, g), (y_ref, g_ref))
 
 
 # (32 -> 48, b = 16): no ragged block; (40 -> 56): ragged on both sides, which falls back;
@@ -73,13 +83,7 @@ def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
 )  # fmt: skip
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeypatch, gen):
-    layer = POETXLinear(n, m, block_size=16, bits=bits, variant="mem", generator=gen)
-    with torch.no_grad():
-        for side in (layer.P, layer.R):
-            side.Q.copy_(0.1 * torch.randn(side.Q.shape, generator=gen))
-    x = torch.randn(2, 5, n, generator=gen)
-    gate_up = (torch.randn(2, 5, n, generator=gen), torch.randn(2, 5, n, generator=gen))
-    args = (layer, x, gate_up if swiglu else None)
+    args = _case(n, m, bits, swiglu, gen)
     y_ref, g_ref = _run(*args)
     calls = []
     for name in ("permute_to_feature_major", "permute_to_row_major"):
@@ -95,6 +99,4 @@ def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeyp
     # forward: x in, y out; backward: x and dy in, dx out
     into, out = calls.count("permute_to_feature_major"), calls.count("permute_to_row_major")
     assert (into, out) == ((3, 2) if taken else (0, 0))
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
-    for got, want in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_same((y, g), (y_ref, g_ref))
