@@ -42,21 +42,20 @@ def _routes(x: torch.Tensor, perm: torch.Tensor) -> dict[str, Callable[[], torch
     try:
         from quant_kernels.permute import permute_last_triton
         from quant_kernels.transpose_perm import permute_to_feature_major, permute_to_row_major
-
-        routes["triton_row_gather"] = lambda: permute_last_triton(x, perm, None)
-        inv = torch.argsort(perm)
-        for tile in ((64, 64), (32, 128), (128, 32)):
-            name = f"{tile[0]}x{tile[1]}"
-            # the input side: permuted and turned feature-major in one pass, result [d, T]
-            routes[f"triton_to_feature_major_{name}"] = lambda tile=tile: permute_to_feature_major(
-                x, inv, tile
-            )
-            # the output side: from a feature-major activation back to row-major, permuted
-            routes[f"triton_to_row_major_{name}"] = lambda tile=tile: permute_to_row_major(
-                xt, perm, tile
-            )
-    except Exception:  # no Triton: the routes are simply absent
-        pass
+    except ImportError:  # no Triton: only the torch routes
+        return routes
+    routes["triton_row_gather"] = lambda: permute_last_triton(x, perm, None)
+    inv = torch.argsort(perm)
+    for tile in ((64, 64), (32, 128), (128, 32)):
+        name = f"{tile[0]}x{tile[1]}"
+        # the input side: permuted and turned feature-major in one pass, result [d, T]
+        routes[f"triton_to_feature_major_{name}"] = lambda tile=tile: permute_to_feature_major(
+            x, inv, tile
+        )
+        # the output side: from a feature-major activation back to row-major, permuted
+        routes[f"triton_to_row_major_{name}"] = lambda tile=tile: permute_to_row_major(
+            xt, perm, tile
+        )
     return routes
 
 

@@ -61,9 +61,7 @@ class _Group:
             other.clear()
         qs = [s.Q if s.mask is None else s.Q * s.mask for s in self.sides]
         q = qs[0] if len(qs) == 1 else torch.cat(qs)
-        lean = self.sides[0].lean_cnp
-        cnp = quant_kernels.cayley_neumann_lean if lean else quant_kernels.cayley_neumann
-        self.g = cnp(q, self.block_size, self.terms)
+        self.g = quant_kernels.cayley_neumann_lean(q, self.block_size, self.terms)
         self.versions = [s.Q._version for s in self.sides]
         self.pieces = {}
         self.unserved = set(range(len(self.sides)))

@@ -376,17 +376,17 @@ def estimate_memory(
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
     host = 0
     if tc.gradient_checkpointing:
-        acts = head + layer_full  # one layer recomputed + the layer inputs:
-        if tc.offload_activations and precision == "fp32":
-            acts += L * T * d * r
-            notes.append("offload: no effect on the CPU (activations are in host memory already)")
-        elif tc.offload_activations:
-            host = L * T * d * r
+        acts = head + layer_full  # one layer recomputed, + the layer inputs unless offloaded
+        inputs = L * T * d * r
+        if tc.offload_activations and precision != "fp32":
+            host = inputs
             notes.append(
                 f"offload: the layer inputs ({host / 2**30:.2f} GiB) wait in pinned host memory"
             )
         else:
-            acts += L * T * d * r
+            acts += inputs
+            if tc.offload_activations:
+                notes.append("offload: no effect on the CPU (activations are in host memory)")
         notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
     else:
         acts = L * layer_full + head

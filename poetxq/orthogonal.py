@@ -75,9 +75,6 @@ class OrthogonalSide(nn.Module):
     #: set by :class:`poetxq.blockcache.BlockCache` (batched CNP over all sides of a model)
     block_cache: Any = None
     block_cache_index: int = -1  # this side's position in its block-cache group
-    #: recompute the CNP intermediates in backward instead of saving them; the block cache turns
-    #: this off under activation checkpointing, where the layer's recomputation already frees them
-    lean_cnp: bool = True
 
     def __init__(
         self,
@@ -123,12 +120,11 @@ class OrthogonalSide(nn.Module):
         return int(self.mask.sum().item())
 
     def blocks(self) -> torch.Tensor:
-        """The orthogonal blocks ``G`` ``[nb, b, b]`` (differentiable w.r.t. ``Q``; with
-        ``lean_cnp`` backward recomputes the CNP intermediates instead of keeping them, see
+        """The orthogonal blocks ``G`` ``[nb, b, b]`` (differentiable w.r.t. ``Q``; backward
+        recomputes the CNP intermediates instead of keeping them, see
         :func:`quant_kernels.cayley_neumann_lean`)."""
         q = self.Q if self.mask is None else self.Q * self.mask
-        cnp = quant_kernels.cayley_neumann_lean if self.lean_cnp else quant_kernels.cayley_neumann
-        return cnp(q, self.block_size, self.neumann_terms)
+        return quant_kernels.cayley_neumann_lean(q, self.block_size, self.neumann_terms)
 
     def blocks_as(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`blocks` cast to ``dtype``, taken from the model's batched

@@ -249,10 +249,8 @@ def train(
         )  # fmt: skip
         if why:
             raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
-    for key, on in (("optimizer_in_backward", tc.optimizer_in_backward),
-                    ("loss_chunk_tokens", bool(tc.loss_chunk_tokens))):  # fmt: skip
-        if on and world > 1:  # both act on the unwrapped model, outside DDP's gradient sync
-            off = "false" if key == "optimizer_in_backward" else "0"
+    for key, off in (("optimizer_in_backward", "false"), ("loss_chunk_tokens", "0")):
+        if world > 1 and getattr(tc, key):  # both act on the unwrapped model, past DDP's sync
             raise RunDirError(f"train.{key} runs in one process only; set train.{key}: {off}")
     say = echo if main else (lambda _s: None)
     if resume_from is not None:  # before any work: the global batch and data order depend on it
