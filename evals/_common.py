@@ -73,3 +73,22 @@ def write_json_atomic(path: str | Path, doc: dict[str, Any]) -> Path:
 
     write_json(doc, Path(path))
     return Path(path)
+
+
+def set_kernel_flags(specs: list[str]) -> dict[str, bool]:
+    """Apply ``NAME=0|1`` settings to ``quant_kernels.*_MEASURED_FASTER`` flags (in this process)
+    and return every such flag's value afterwards.
+
+    Raises:
+        ValueError: a spec is not ``NAME=0|1`` or names no such flag (the message lists them).
+    """
+    import quant_kernels
+
+    known = sorted(n for n in vars(quant_kernels) if n.endswith("_MEASURED_FASTER"))
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        if name not in known or value not in ("0", "1"):
+            raise ValueError(f"--kernel-flag {spec!r}: use NAME=0 or NAME=1 with NAME one of "
+                             f"{', '.join(known)}")  # fmt: skip
+        setattr(quant_kernels, name, value == "1")
+    return {n: bool(getattr(quant_kernels, n)) for n in known}

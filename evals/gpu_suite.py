@@ -8,6 +8,9 @@
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
 4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
+   ``overhead``: where that layer's wall time goes — host time to issue one forward+backward,
+   GPU time (the same forward+backward replayed from a CUDA graph), the eager wall time, the top
+   host-side ops, and the host cost of one launch (torch op, cuBLAS, Triton kernel).
 5. The kernel unit tests (``tests/quant_kernels``) on CUDA at their own sizes, compiled for the
    GPU instead of the CPU interpreter: pytest's summary line goes into the JSON.
 6. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
@@ -24,7 +27,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -123,6 +126,127 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     return res
 
 
+def _graph_ms(fn: Callable[[], object]) -> float:
+    """GPU time of ``fn()`` (no host launch gaps): ``fn`` captured once as a CUDA graph and the
+    replay timed (median CUDA-event time, ms)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = cuda_time_ms(graph.replay)
+    del graph
+    return ms
+
+
+def _host_issue_ms(fn: Callable[[], object], iters: int = 30) -> float:
+    """Median host time to *issue* ``fn()`` (no synchronisation inside the timed region), ms."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _launch_us() -> dict:
+    """Host microseconds per launch of a tiny torch op, cuBLAS GEMM, ``bmm`` and Triton kernel."""
+    from quant_kernels.streamed import int8_decoder
+
+    dev = "cuda"
+    a = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+    cb = torch.randint(-127, 128, (64, 64), device=dev, dtype=torch.int8)
+    scb = torch.rand(64, device=dev) + 1
+    buf = torch.empty(64 * 64, device=dev, dtype=torch.bfloat16)
+    dec = int8_decoder(cb, scb)
+    ops = {
+        "torch_add": lambda: a + a,
+        "torch_mm": lambda: a @ a,
+        "torch_bmm": lambda: torch.bmm(a.view(4, 16, 64), a.view(4, 64, 16)),
+        "index_select": lambda: a.index_select(1, torch.arange(64, device=dev)),
+        "triton_int8_slab": lambda: dec(buf, 0, 64, 0, 64),
+    }
+    out = {}
+    for name, op in ops.items():
+        for _ in range(20):
+            op()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            op()
+        out[name] = (time.perf_counter() - t0) / 500 * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
+def layer_overhead(n: int, m: int, b: int) -> dict:
+    """Wall, host-issue and GPU (graph replay) time of a layer forward+backward at input
+    [1, 2048, n] bf16 for ``nn.Linear`` and the POET-X(Q) variants; the top host-side ops of
+    the int8 mem layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = "cuda"
+    x = torch.randn(1, 2048, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, 2048, m, device=dev, dtype=torch.bfloat16)
+
+    def run(mod):
+        def fn():
+            x.grad = None
+            mod(x).backward(dy)
+
+        return fn
+
+    res: dict = {"shape": f"{n}->{m}", "b": b, "launch_host_us": _launch_us()}
+    lin = torch.nn.Linear(n, m, bias=False, device=dev, dtype=torch.bfloat16)
+    rows = [("nn_linear", lin, None)]
+    for bits, variant in ((8, "mem"), (8, "fast"), (16, "mem"), (16, "fast"), (4, "mem")):
+        layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
+                            dtype=torch.bfloat16)  # fmt: skip
+        rows.append((f"bits{bits}_{variant}", layer, None))
+        if variant == "mem" and bits in (8, 16):
+            rows.append((f"bits{bits}_{variant}_feature_major", layer,
+                         "FEATURE_MAJOR_LAYER_MEASURED_FASTER"))  # fmt: skip
+    base = None
+    for name, mod, flag in rows:
+        ctx = _opt_in(flag) if flag else contextlib.nullcontext()
+        try:
+            with ctx:
+                fn = run(mod)
+                row = {"eager_ms": cuda_time_ms(fn), "host_issue_ms": _host_issue_ms(fn),
+                       "gpu_ms_graph": _graph_ms(fn)}  # fmt: skip
+        except Exception as exc:  # record and go on
+            row = {"error": f"{type(exc).__name__}: {exc}"}
+        if name == "nn_linear":
+            base = row
+        elif base is not None and "error" not in row:
+            row["eager_ratio"] = row["eager_ms"] / base["eager_ms"]
+            row["gpu_ratio"] = row["gpu_ms_graph"] / base["gpu_ms_graph"]
+        res[name] = row
+        torch.cuda.empty_cache()
+    layer = rows[1][1]
+    fn = run(layer)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    res["host_profile_int8_mem"] = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+    )
+    return res
+
+
 #: quant_kernels flags of the layer's opt-in paths and the suffix of their rows
 OPT_IN_LAYER_PATHS = (
     ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", "fused_perm"),
@@ -143,8 +267,16 @@ def _opt_in(flag: str) -> Iterator[None]:
         setattr(quant_kernels, flag, before)
 
 
-def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -> str:
-    """Top CUDA kernels of one POET-XQ layer forward+backward (input [1, 2048, n], bf16)."""
+def layer_profile(
+    n: int, m: int, b: int, bits: int = 8, variant: str = "mem", flag: str | None = None
+) -> str:
+    """Top CUDA kernels of one POET-XQ layer forward+backward (input [1, 2048, n], bf16), on the
+    opt-in path of ``flag`` (a ``quant_kernels.*_MEASURED_FASTER`` name) when given."""
+    with _opt_in(flag) if flag else contextlib.nullcontext():
+        return _layer_profile(n, m, b, bits, variant)
+
+
+def _layer_profile(n: int, m: int, b: int, bits: int, variant: str) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     dev = "cuda"
@@ -164,7 +296,7 @@ def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -
     )
 
 
-PARTS = ("correctness", "kernel_tests", "dequant", "layer", "profile", "train")
+PARTS = ("correctness", "kernel_tests", "dequant", "layer", "profile", "overhead", "train")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     if "profile" in parts:
         report["layer_profile_int8_mem_4096_14336"] = table = layer_profile(4096, 14336, 256)
         print(table, flush=True)
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "overhead" in parts:
+        report["layer_overhead_8b_mlp_bf16"] = rows = [
+            layer_overhead(4096, 14336, 256),
+            layer_overhead(14336, 4096, 256),
+        ]
+        report["layer_profile_int8_mem_feature_major_4096_14336"] = table = layer_profile(
+            4096, 14336, 256, flag="FEATURE_MAJOR_LAYER_MEASURED_FASTER"
+        )
+        print(table)
+        for row in rows:
+            print(row["host_profile_int8_mem"])
+        print(json.dumps([{k: v for k, v in r.items() if k != "host_profile_int8_mem"}
+                          for r in rows], indent=1), flush=True)  # fmt: skip
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "train" in parts:
         here = Path(__file__).resolve().parent

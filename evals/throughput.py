@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict
 
 import torch
-from _common import provenance, write_json_atomic
+from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.bench import run_bench
 from poetxq.recipe import load_recipe, parse_override
@@ -42,9 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
+                    help="set a quant_kernels.*_MEASURED_FASTER flag for every run (A/B timing "
+                    "of an opt-in path)")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override for every run (smoke tests)")  # fmt: skip
     args = ap.parse_args(argv)
+    try:
+        flags = set_kernel_flags(args.kernel_flag)
+    except ValueError as exc:
+        ap.error(str(exc))
     runs, ratios = [], []
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -54,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
             **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
             "tokens_per_step": args.tokens,
+            "kernel_flags": flags,
             "ratios": ratios,
             "runs": runs,
         }

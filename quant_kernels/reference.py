@@ -145,12 +145,27 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
     return cnp_from_skew(skew_from_packed(packed, block_size), terms)
 
 
+_EYES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _eye(b: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.eye(b)``, built once per (b, dtype, device): the layers ask for it on every call
+    and each fresh one costs two kernel launches. Not cached while a CUDA graph is being captured
+    (a tensor made then holds its values only inside the graph's replays)."""
+    key = (b, dtype, device)
+    eye = _EYES.get(key)
+    if eye is None:
+        eye = torch.eye(b, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _EYES[key] = eye
+    return eye
+
+
 def cnp_from_skew(q: torch.Tensor, terms: int = 3) -> torch.Tensor:
     """The Cayley–Neumann polynomial of dense skew blocks ``q [nb, b, b]`` (``terms = k ≥ 1``):
     ``I + 2(Q + … + Q^k) + Q^{k+1}`` → ``[nb, b, b]`` in ``q.dtype`` (see :func:`cayley_neumann`).
     """
-    block_size = q.shape[-1]
-    eye = torch.eye(block_size, dtype=q.dtype, device=q.device)
+    eye = _eye(q.shape[-1], q.dtype, q.device)
     if terms == 3:  # I + 2Q + Q²(2I + 2Q + Q²): two batched matmuls instead of three
         q2 = q @ q
         a = torch.add(eye, q, alpha=2.0)  # I + 2Q

@@ -91,16 +91,29 @@ def _check_quant_type(quant_type: str) -> None:
         raise ValueError(f"unknown 4-bit quant_type {quant_type!r}; choose one of nf4, fp4")
 
 
+_CODES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
 def get_4bit_code(quant_type: str, device: torch.device | str | None = None) -> torch.Tensor:
     """The 16 code values (``quant_map``) of ``quant_type``: fp32 ``[16]``, indexed by code.
+
+    Built once per (type, device) and then returned from a cache, so that the GEMMs that ask for
+    it on every call make no host-to-device copy (which would also break CUDA-graph capture).
+    The result is shared: read it, do not modify it in place.
 
     Raises:
         ValueError: unknown ``quant_type``.
     """
     _check_quant_type(quant_type)
-    values = NF4_CODE_VALUES if quant_type == "nf4" else FP4_CODE_VALUES
-    code = torch.tensor(values, dtype=torch.float32, device=device)
-    return code / code.abs().max()
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    code = _CODES.get((quant_type, dev))
+    if code is None:
+        values = NF4_CODE_VALUES if quant_type == "nf4" else FP4_CODE_VALUES
+        code = torch.tensor(values, dtype=torch.float32, device=dev)
+        code = _CODES[(quant_type, dev)] = code / code.abs().max()
+    return code
 
 
 def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,7 +447,7 @@ def quantize_4bit(
     packed, absmax = quantize_4bit_blockwise(
         weight, quant_type, blocksize, stochastic=stochastic, generator=generator
     )
-    code = get_4bit_code(quant_type, weight.device)
+    code = get_4bit_code(quant_type, weight.device).clone()  # the result owns its quant_map
     if not compress_statistics:
         return Quantized4bit(packed, absmax, code, quant_type, blocksize, shape, weight.dtype)
     q_abs, nested, nested_code, offset = double_quantize_absmax(

@@ -110,3 +110,20 @@ def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
     res = suite.correctness(128, 192, 16, bits, gen, dev="cpu", tokens=64)
     assert res["fp32"]["y_rel_err"] < 1e-5 and res["fp32"]["dx_rel_err"] < 1e-5, res
     assert res["bf16_autocast"]["y_rel_err"] < 2e-2, res
+
+
+def test_kernel_flags_are_set_by_name_and_bad_specs_refused():
+    import quant_kernels
+
+    common = _load("_common")
+    before = quant_kernels.FUSED_CNP_MEASURED_FASTER
+    try:
+        flags = common.set_kernel_flags(["FUSED_CNP_MEASURED_FASTER=1"])
+        assert quant_kernels.FUSED_CNP_MEASURED_FASTER is True
+        assert flags["FUSED_CNP_MEASURED_FASTER"] is True
+        assert "FEATURE_MAJOR_LAYER_MEASURED_FASTER" in flags
+        for bad in ("FUSED_CNP_MEASURED_FASTER=yes", "NO_SUCH_FLAG=1", "FUSED_CNP"):
+            with pytest.raises(ValueError, match="NAME=0 or NAME=1"):
+                common.set_kernel_flags([bad])
+    finally:
+        quant_kernels.FUSED_CNP_MEASURED_FASTER = before

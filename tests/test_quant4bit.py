@@ -70,6 +70,15 @@ def test_code_tables_match_bitsandbytes():
         get_4bit_code("int3")
 
 
+def test_code_table_is_cached_and_stores_own_their_copy():
+    # the GEMMs ask for the code on every call: it must not be rebuilt (a host-to-device copy on
+    # a GPU, refused inside CUDA-graph capture), and a store's quant_map buffer must not alias it
+    assert get_4bit_code("nf4") is get_4bit_code("nf4", "cpu")
+    q = quantize_4bit(torch.randn(4, 64), "nf4", 64, compress_statistics=False)
+    q.quant_map.zero_()
+    assert torch.equal(get_4bit_code("nf4"), F.get_4bit_type("nf4", device="cpu"))
+
+
 def test_high_nibble_first_and_nearest_error(gen):
     w = torch.tensor([[1.0, -1.0, 0.0, 0.5]])  # one block; absmax 1
     q = quantize_4bit(w, "nf4", 64, compress_statistics=False)
