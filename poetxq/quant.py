@@ -169,7 +169,11 @@ class Blockwise4bitWeight(FrozenWeight):
             assert q.nested_absmax is not None and q.nested_offset is not None
             self.register_buffer("nested_absmax", q.nested_absmax)
             self.register_buffer("nested_quant_map", q.nested_quant_map)
-            self.register_buffer("nested_offset", torch.tensor(q.nested_offset))
+            # on the weight's device: read by every GEMM (a host scalar would be copied to the
+            # device on each call, which CUDA-graph capture refuses)
+            self.register_buffer(
+                "nested_offset", torch.tensor(q.nested_offset, device=weight.device)
+            )
 
     @property
     def quant_state_key(self) -> str:

@@ -20,9 +20,11 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
 * int8 with fewer rows: the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`), which read
   the int8 weight once per M-tile and never decode a slab.
 
-* Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the torch path.
-  The fused Triton CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``, fp32/bf16/fp16) is opt-in
-  until ``evals/bench_cnp.py`` has timed it on the GPU (:data:`FUSED_CNP_MEASURED_FASTER`).
+* Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the fused Triton
+  CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``) for bf16 ``Q``, where ``evals/bench_cnp.py``
+  timed it 2× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
+  the torch path for fp32 ``Q``, where the fused kernels are 2× slower
+  (:data:`FUSED_CNP_MEASURED_FASTER`).
 
 ``POETXQ_KERNELS=fused`` / ``streamed`` / ``torch`` force one path everywhere on CUDA (``torch``:
 the plain references, which dequantize the whole weight at once). This package imports only torch
@@ -81,10 +83,15 @@ def slab_bytes_for(rows: int) -> int:
     return (64 if rows <= 4096 else 32) * 2**20
 
 
-#: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA. False until the GPU
-#: benchmark (``python evals/bench_cnp.py``, Llama-8B blocks at b = 256) measures it faster than
-#: the torch path; ``POETXQ_KERNELS=fused`` uses it regardless.
+#: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA for fp32 ``Q``
+#: (``poetxq train`` keeps fp32 parameters). False: over the Llama-8B blocks at b = 256 it is 2.0×
+#: slower than the torch reference in fp32 (its fp32 products run without tensor cores,
+#: ``evals/results/cnp_h200.json``); ``POETXQ_KERNELS=fused`` uses it regardless.
 FUSED_CNP_MEASURED_FASTER = False
+#: the same for bf16 ``Q`` (bf16 parameters, as ``evals/gpu_memory.py`` and the layer benchmark
+#: hold them). True: forward+backward 23.1 ms against 46.1 ms for the recomputing torch path the
+#: layers use otherwise and 31.1 ms for the reference under plain autograd (``cnp_h200.json``).
+FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: whether the POET-X(Q) layers use the permutation-fused block-diagonal kernels
@@ -319,12 +326,15 @@ def permute_last(
 
 def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
     """Whether the fused Triton CNP serves this call: CUDA, Triton, ``k = 3``, fp32/bf16/fp16, and
-    either :data:`FUSED_CNP_MEASURED_FASTER` or ``POETXQ_KERNELS=fused`` (never with ``torch``)."""
-    return (
-        terms == 3
-        and packed.dtype in _FUSED_CNP_DTYPES
-        and opt_in_kernel(packed, FUSED_CNP_MEASURED_FASTER)
+    either the measured flag of the dtype (:data:`FUSED_CNP_BF16_MEASURED_FASTER` for bf16,
+    :data:`FUSED_CNP_MEASURED_FASTER` otherwise) or ``POETXQ_KERNELS=fused`` (never with
+    ``torch``)."""
+    measured = (
+        FUSED_CNP_BF16_MEASURED_FASTER
+        if packed.dtype == torch.bfloat16
+        else FUSED_CNP_MEASURED_FASTER
     )
+    return terms == 3 and packed.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(packed, measured)
 
 
 def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:

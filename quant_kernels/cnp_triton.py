@@ -363,9 +363,13 @@ _PAIRS: dict[tuple[int, str], torch.Tensor] = {}
 def _pairs(n_tiles: int, device: torch.device) -> torch.Tensor:
     """``[2, T(T+1)/2]`` int32: the tile pairs ``(I ≤ J)`` (cached per device)."""
     key = (n_tiles, str(device))
-    if key not in _PAIRS:
-        _PAIRS[key] = torch.triu_indices(n_tiles, n_tiles, device=device).to(torch.int32)
-    return _PAIRS[key].contiguous()
+    pairs = _PAIRS.get(key)
+    if pairs is None:
+        pairs = torch.triu_indices(n_tiles, n_tiles, device=device).to(torch.int32)
+        # a tensor made during CUDA-graph capture holds its values only in the graph's replays
+        if not (pairs.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _PAIRS[key] = pairs
+    return pairs
 
 
 def _check(packed: torch.Tensor, block_size: int) -> None:
