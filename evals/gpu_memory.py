@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import provenance, write_json_atomic
+from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload", action="store_true",
                     help="ckpt setting: the layer inputs in pinned host memory "
                     "(train.offload_activations)")  # fmt: skip
+    ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
+                    help="set a quant_kernels.*_MEASURED_FASTER flag (A/B timing of an opt-in "
+                    "path)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)
@@ -237,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - {"no_ckpt", "ckpt"}:
         ap.error(f"--settings: choose from no_ckpt,ckpt (got {args.settings!r})")
     args.settings = [n == "ckpt" for n in names]
+    try:
+        flags = set_kernel_flags(args.kernel_flag)
+    except ValueError as exc:
+        ap.error(str(exc))
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print(
@@ -252,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "activation checkpointing, beside poetxq.estimate's prediction",
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
+        "kernel_flags": flags,
         "results": results,
     }
     print(f"wrote {write_json_atomic(args.out, doc)}")
