@@ -22,7 +22,7 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
 
 * Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the fused Triton
   CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``) for bf16 ``Q``, where ``evals/bench_cnp.py``
-  timed it 2× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
+  timed it 1.18× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
   the torch path for fp32 ``Q``, where the fused kernels are 2× slower
   (:data:`FUSED_CNP_MEASURED_FASTER`).
 
@@ -89,8 +89,10 @@ def slab_bytes_for(rows: int) -> int:
 #: ``evals/results/cnp_h200.json``); ``POETXQ_KERNELS=fused`` uses it regardless.
 FUSED_CNP_MEASURED_FASTER = False
 #: the same for bf16 ``Q`` (bf16 parameters, as ``evals/gpu_memory.py`` and the layer benchmark
-#: hold them). True: forward+backward 23.1 ms against 46.1 ms for the recomputing torch path the
-#: layers use otherwise and 31.1 ms for the reference under plain autograd (``cnp_h200.json``).
+#: hold them). True: forward+backward over the Llama-8B blocks 23.1 ms against 27.2 ms for the
+#: recomputing torch path the layers use otherwise and 28.9 ms for the reference under plain
+#: autograd (``evals/results/cnp_sweep_bf16_h200.json``), with 2 + 3 launches per call instead
+#: of about 25 ops, which matters more where the host bounds the step.
 FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,10 +104,13 @@ FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
 
 
 #: whether the POET-X(Q) ``mem`` layers run feature-major between their two permutations
-#: (:mod:`quant_kernels.transpose_perm`, ``FrozenWeight.matmul_fm``) on CUDA under ``auto``.
-#: False until ``evals/gpu_suite.py --parts layer`` measures it faster; ``POETXQ_KERNELS=fused``
-#: uses it.
-FEATURE_MAJOR_LAYER_MEASURED_FASTER = False
+#: (:mod:`quant_kernels.transpose_perm`, ``FrozenWeight.matmul_fm``) on CUDA under ``auto``
+#: (non-ragged sides, int8 and 16-bit stores). True: the layer's GPU time at the 8B MLP shapes
+#: falls 19–22 % (``evals/results/layer_overhead_h200.json``) and whole Llama-8B/13B steps at
+#: batch 1 × 2048 are 4–31 % faster in all eight settings (``feature_major_ab_h200.json``). An
+#: earlier eager-only timing (``gpu_suite_feature_major_h200.json``) could not see it: the lone
+#: layer's wall time is the host's.
+FEATURE_MAJOR_LAYER_MEASURED_FASTER = True
 
 
 def feature_major_layer(x: torch.Tensor) -> bool:

@@ -71,6 +71,19 @@ def test_fused_cnp_serves_the_dtypes_it_was_measured_faster_for(monkeypatch):
     assert not quant_kernels._fused_cnp(bf16, 3)
 
 
+@pytest.mark.skipif(not quant_kernels._HAS_TRITON, reason="triton not installed")
+def test_feature_major_layer_is_the_default_on_cuda_only(monkeypatch):
+    # evals/results/feature_major_ab_h200.json: faster in every 8B/13B step setting
+    monkeypatch.delenv("POETXQ_KERNELS", raising=False)
+    act = _FakeCudaPacked(torch.bfloat16)
+    assert quant_kernels.FEATURE_MAJOR_LAYER_MEASURED_FASTER
+    assert quant_kernels.feature_major_layer(act)
+    assert not quant_kernels.feature_major_layer(_FakeCudaPacked(torch.float64))
+    assert not quant_kernels.feature_major_layer(torch.zeros(2, 2, dtype=torch.bfloat16))  # CPU
+    monkeypatch.setenv("POETXQ_KERNELS", "torch")
+    assert not quant_kernels.feature_major_layer(act)
+
+
 @pytest.mark.parametrize("entry", ["cayley_neumann", "cayley_neumann_lean"])
 def test_cnp_entry_points_use_torch_on_cpu_even_when_forced(entry, monkeypatch):
     monkeypatch.setenv("POETXQ_KERNELS", "fused")
