@@ -32,6 +32,8 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
+from poetxq.optim import bnb_update_one, is_bnb_8bit
+
 _CKPT_KWARGS = {"use_reentrant": False}
 
 
@@ -120,9 +122,7 @@ class OptimizerInBackward:
         # bitsandbytes' 8-bit optimizers synchronize the device after every parameter in
         # step(), which inside backward would stall the CPU once per parameter: their own
         # per-parameter update (the body of that loop) is called instead, without the sync
-        self._bnb_update = not getattr(optimizer, "is_paged", False) and all(
-            hasattr(optimizer, a) for a in ("update_step", "init_state", "prefetch_state")
-        )  # (a paged optimizer needs that sync: it keeps step())
+        self._bnb_update = is_bnb_8bit(optimizer)  # (a paged one keeps step() and its sync)
         #: parameters updated since the last :meth:`reset_count` (one per hooked parameter per
         #: backward): lets the caller check that a backward reached every parameter
         self.updated = 0
@@ -131,15 +131,8 @@ class OptimizerInBackward:
     def _step_one(self, p: torch.Tensor) -> None:
         gi, pi = self._where[id(p)]
         opt, groups = self.optimizer, self.optimizer.param_groups
-        if self._bnb_update:  # bitsandbytes Optimizer8bit.step's loop body for one parameter
-            if not opt.initialized:
-                opt.check_overrides()
-                opt.to_gpu()
-                opt.initialized = True
-            if len(opt.state[p]) == 0:
-                opt.init_state(groups[gi], p, gi, pi)
-            opt.prefetch_state(p)
-            opt.update_step(groups[gi], p, gi, pi)
+        if self._bnb_update:
+            bnb_update_one(opt, gi, pi, p)
         else:
             saved = [g["params"] for g in groups]
             try:

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,7 +32,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     Group names (``group["name"]``): ``"poet"``, ``"decay"``, ``"no_decay"``; empty groups are
     dropped. Each group's ``initial_lr`` is set for the scheduler. ``cfg.state_bits == 8`` uses
     bitsandbytes' ``AdamW8bit`` (blockwise-quantized moments, Dettmers et al. 2022, for tensors of
-    at least 4096 elements; smaller ones keep fp32 moments) instead of ``torch.optim.AdamW``.
+    at least 4096 elements; smaller ones keep fp32 moments; its ``step`` without a device sync
+    per parameter, :func:`adamw8bit_class`) instead of ``torch.optim.AdamW``.
     """
     q_ids = {id(p) for p in orthogonal_parameters(model)}
     q, decay, no_decay = [], [], []
@@ -52,10 +55,66 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     for g in groups:
         g["initial_lr"] = g["lr"]
     if cfg.state_bits == 8:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(groups, betas=cfg.betas, eps=cfg.eps)
+        return adamw8bit_class()(groups, betas=cfg.betas, eps=cfg.eps)
     return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)
+
+
+def is_bnb_8bit(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a non-paged bitsandbytes 8-bit optimizer whose per-parameter
+    update :func:`bnb_update_one` can call (a paged one needs the synchronization of its own
+    ``step``)."""
+    return not getattr(optimizer, "is_paged", False) and all(
+        hasattr(optimizer, a) for a in ("update_step", "init_state", "prefetch_state")
+    )
+
+
+@torch.no_grad()
+def bnb_update_one(
+    optimizer: torch.optim.Optimizer, group_index: int, param_index: int, p: torch.Tensor
+) -> None:
+    """One parameter's update by a bitsandbytes 8-bit optimizer: the body of the loop in
+    bitsandbytes' ``Optimizer8bit.step`` (state created on first use, then ``update_step``),
+    without the device synchronization that loop adds after every parameter. Kernels are queued
+    on the current stream in order, so nothing reads a parameter before its update is done."""
+    opt: Any = optimizer
+    if not opt.initialized:
+        opt.check_overrides()
+        opt.to_gpu()
+        opt.initialized = True
+    group = opt.param_groups[group_index]
+    if len(opt.state[p]) == 0:
+        opt.init_state(group, p, group_index, param_index)
+    opt.prefetch_state(p)
+    opt.update_step(group, p, group_index, param_index)
+
+
+@functools.cache
+def adamw8bit_class() -> type:
+    """bitsandbytes' ``AdamW8bit`` with a ``step`` that does not synchronize the device after
+    every parameter (:func:`bnb_update_one`); same update, state and ``state_dict``.
+
+    bitsandbytes' own ``step`` waits for each parameter's kernel before launching the next, so a
+    step over the ~500 tensors of a Llama-8B POET model costs one host round trip per tensor.
+    """
+    import bitsandbytes as bnb
+
+    class AdamW8bit(bnb.optim.AdamW8bit):
+        __doc__ = adamw8bit_class.__doc__
+
+        @torch.no_grad()
+        def step(self, closure=None):  # type: ignore[override]
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is not None:
+                        bnb_update_one(self, gi, pi, p)
+            return loss
+
+    AdamW8bit.__qualname__ = "poetxq.optim.AdamW8bit"
+    return AdamW8bit
 
 
 def cosine_lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

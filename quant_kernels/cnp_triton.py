@@ -345,14 +345,17 @@ def _cnp_bwd_a_kernel(
 def default_config(block_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """``(tile, num_warps)`` the launchers use for ``b = block_size`` and ``dtype``.
 
-    Chosen from compile-only statistics for sm_90 (registers, spills; no GPU timing yet): bf16 /
-    fp16 64×64 tiles with 4 warps need ≤ 223 registers and do not spill; fp32 (full-precision
-    FMA products, no tensor cores) spills at 64×64 and fits at 32×32. The interpreter uses 16×16
-    so that the CPU tests' small ``b`` exercise partial tiles. ``evals/bench_cnp.py --sweep``
-    times the alternatives on the GPU.
+    bf16 / fp16: 128×128 tiles with 8 warps for ``b ≥ 128`` (Llama-8B blocks at b = 256,
+    forward+backward: 20.4 ms against 23.0 ms with 64×64 / 4 warps and 28.0 with 64×64 / 8,
+    ``evals/results/cnp_sweep_bf16_h200.json``), else one tile of ``next_power_of_2(b)`` (at
+    least 16). fp32 (full-precision FMA products, no tensor cores) spills at 64×64 and fits at
+    32×32 (compile statistics for sm_90). The interpreter uses 16×16 so that the CPU tests' small
+    ``b`` exercise partial tiles. ``evals/bench_cnp.py --sweep`` times the alternatives.
     """
     if _UPCAST:
         return 16, 4
+    if dtype != torch.float32 and block_size >= 128:
+        return 128, 8
     cap = 32 if dtype == torch.float32 else 64
     return min(cap, max(16, triton.next_power_of_2(block_size))), 4
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from poetxq.layer import POETXLinear
 from poetxq.optim import (
@@ -121,3 +122,39 @@ def test_8bit_states_use_bitsandbytes_and_merges_restart_them():
     step = layer.P.Q.detach() - before
     big = grad.abs() > 1e-3
     torch.testing.assert_close(step[big], -lr * grad[big].sign(), rtol=2e-2, atol=0)
+
+
+def test_8bit_step_without_per_parameter_sync_equals_bitsandbytes_step():
+    """poetxq's AdamW8bit drops only bitsandbytes' device sync after each parameter: three steps
+    give bit-identical parameters and states to bitsandbytes' own AdamW8bit."""
+    import bitsandbytes as bnb
+
+    from poetxq.optim import adamw8bit_class
+
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)  # 64x96 = 6144 elements: 8-bit states; the biases keep fp32 ones
+        return nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 64))
+
+    ref, m = mlp(), mlp()
+    groups = lambda net: [  # noqa: E731
+        {"params": [net[0].weight, net[2].weight], "lr": 1e-2, "weight_decay": 0.1},
+        {"params": [net[0].bias, net[2].bias], "lr": 3e-3, "weight_decay": 0.0},
+    ]
+    opt_ref, opt = bnb.optim.AdamW8bit(groups(ref)), adamw8bit_class()(groups(m))
+    assert isinstance(opt, bnb.optim.AdamW8bit) and type(opt).step is not type(opt_ref).step
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 64, generator=gen)
+        for net, o in ((ref, opt_ref), (m, opt)):
+            net(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(ref.parameters(), m.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt.state[m[0].weight]["state1"].dtype == torch.uint8
+    for key in ("state1", "state2"):
+        assert torch.equal(opt.state[m[0].weight][key], opt_ref.state[ref[0].weight][key])
+    m[0].weight.grad = None  # a parameter without a gradient is skipped, as bitsandbytes does
+    before = m[0].weight.detach().clone()
+    opt.step()
+    assert torch.equal(m[0].weight, before)

@@ -62,8 +62,15 @@ def test_fp32_forward_and_backward_match_reference(b, nb, config, gen):
     assert (d_packed.cpu() - grad32).abs().max().item() <= FP32_ATOL
 
 
+# the GPU-only rows run the default 16-bit configuration at real block sizes (128-wide tiles,
+# whole and partial); the interpreter would take minutes there
+_GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU only")
+SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
+               pytest.param(200, 2, marks=_GPU_ONLY)]  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b,nb", [(16, 2), (20, 1)])
+@pytest.mark.parametrize("b,nb", SIZES_16BIT)
 def test_16bit_forward_and_backward_match_reference(b, nb, dtype, gen):
     packed = _packed(nb, b, gen).to(dtype)
     d_g = torch.randn(nb, b, b, generator=gen).to(dtype)
