@@ -475,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
     lines += _memory() + _memory_state8() + _memory_lowmem()
     lines += _memory_state8("gpu_memory_state8_graph_h200.json", " (again, one call, later commit)")
+    lines += _memory_state8(
+        "gpu_memory_nosync_h200.json",
+        " (feature-major layer, fused bf16 CNP, 8-bit AdamW without per-parameter sync)",
+    )
+    lines += _tokens_table(
+        "throughput_1b_fm_h200.json", "### Llama-1B tokens/s with the feature-major layer"
+    )
     lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")

@@ -22,7 +22,7 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
 
 * Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the fused Triton
   CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``) for bf16 ``Q``, where ``evals/bench_cnp.py``
-  timed it 1.18× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
+  timed it 1.34× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
   the torch path for fp32 ``Q``, where the fused kernels are 2× slower
   (:data:`FUSED_CNP_MEASURED_FASTER`).
 
@@ -89,10 +89,10 @@ def slab_bytes_for(rows: int) -> int:
 #: ``evals/results/cnp_h200.json``); ``POETXQ_KERNELS=fused`` uses it regardless.
 FUSED_CNP_MEASURED_FASTER = False
 #: the same for bf16 ``Q`` (bf16 parameters, as ``evals/gpu_memory.py`` and the layer benchmark
-#: hold them). True: forward+backward over the Llama-8B blocks 23.1 ms against 27.2 ms for the
+#: hold them). True: forward+backward over the Llama-8B blocks 20.3 ms against 27.2 ms for the
 #: recomputing torch path the layers use otherwise and 28.9 ms for the reference under plain
-#: autograd (``evals/results/cnp_sweep_bf16_h200.json``), with 2 + 3 launches per call instead
-#: of about 25 ops, which matters more where the host bounds the step.
+#: autograd (``evals/results/cnp_bf16_tile128_h200.json``), with 2 + 3 launches per call
+#: instead of about 25 ops, which matters more where the host bounds the step.
 FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
