@@ -486,8 +486,11 @@ def _read_mapping(path: Path, included_from: str | None) -> dict[str, Any]:
         raise RecipeError(f"{path}: not UTF-8 text; a recipe is a UTF-8 YAML file") from None
     except OSError as exc:
         raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if loaded is None:
-        return {}
+    if loaded is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+        raise RecipeError(
+            f"{path}{where}: the file is empty; a recipe holds at least one section (model, "
+            "poet, optim, data, train) or a 'base' to start from"
+        )
     if not isinstance(loaded, dict):
         raise RecipeError(
             f"{path}: a recipe must be a mapping of sections, got {type(loaded).__name__}"

@@ -74,6 +74,10 @@ def test_missing_and_malformed_files(tmp_path):
     f.write_text("poet: [unclosed")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(f)
+    f.write_text("# only a comment\n")  # empty: refused, not silently the tiny defaults
+    with pytest.raises(RecipeError, match="the file is empty") as exc:
+        load_recipe(f)
+    assert "\n" not in str(exc.value) and str(f) in str(exc.value)
 
 
 def test_8bit_optimizer_states_only_for_poet_methods():
