@@ -482,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += _tokens_table(
         "throughput_1b_fm_h200.json", "### Llama-1B tokens/s with the feature-major layer"
     )
+    lines += _tokens_table(
+        "throughput_3b_fm_h200.json", "### Llama-3B tokens/s with the feature-major layer"
+    )
     lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
