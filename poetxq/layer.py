@@ -28,6 +28,7 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -228,6 +229,17 @@ def _mem_backward(
     return dx, dg_p, dg_r
 
 
+def _block_grad_rows(
+    du_blocks: torch.Tensor, dg: torch.Tensor, row0: int, ht_rows: torch.Tensor
+) -> None:
+    """``dg[k] = du_k h_kᵀ`` for the blocks ``k`` that the rows ``row0 …`` of ``hᵀ`` cover
+    (``du_blocks [nb, b, T]``, ``ht_rows [c·b, T]``, ``dg [nb, b, b]`` written in place)."""
+    _, b, t = du_blocks.shape
+    k0, kc = row0 // b, ht_rows.shape[0] // b
+    hb = ht_rows.view(kc, b, t).transpose(1, 2)
+    torch.bmm(du_blocks[k0 : k0 + kc], hb, out=dg[k0 : k0 + kc])
+
+
 def _mem_backward_fm(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -241,17 +253,21 @@ def _mem_backward_fm(
     """:func:`_mem_backward` feature-major (see :func:`_forward_fm`): four permutations, each
     fused with a layout change, instead of five gathers."""
     kern = quant_kernels
-    n, m, t = sp.dim, sr.dim, x.numel() // sp.dim
+    n, m, t, b_r = sp.dim, sr.dim, x.numel() // sp.dim, sr.block_size
     xpt = kern.permute_to_feature_major(x.reshape(t, n), sp.inv_perm)
-    ht = frozen.matmul_fm(torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(n, t))
     dut = kern.permute_to_feature_major(dy.reshape(t, m), sr.inv_perm)  # du = dy[..., Ψ_m]
-    du_blocks = dut.view(sr.nb, sr.block_size, t)
-    dg_r = (
-        torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2)) if needs[2] else None
-    )
-    del ht
-    dzt = frozen.matmul_t_fm(torch.bmm(g_r.transpose(1, 2), du_blocks).view(m, t))  # W'ᵀ dhᵀ
-    del dut, du_blocks
+    du_blocks = dut.view(sr.nb, b_r, t)
+    dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(m, t)  # dhᵀ (needs no h)
+    dg_r = None
+    if needs[2]:  # dG_R = du hᵀ per block, from h = W' z recomputed band by band
+        dg_r = dut.new_empty(sr.nb, b_r, b_r)
+        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(n, t)
+        on_rows = functools.partial(_block_grad_rows, du_blocks, dg_r)
+        dzt = frozen.backward_fm(zt, dht, b_r, on_rows)  # W'ᵀ dhᵀ, h recomputed alongside
+        del zt, on_rows
+    else:  # G_R frozen: h is not needed at all
+        dzt = frozen.matmul_t_fm(dht)
+    del dut, du_blocks, dht
     dz_blocks = dzt.view(sp.nb, sp.block_size, t)
     dg_p = (
         torch.bmm(dz_blocks, xpt.view(sp.nb, sp.block_size, t).transpose(1, 2))

@@ -19,6 +19,7 @@ to the storage format.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,21 @@ class FrozenWeight(nn.Module, abc.ABC):
         """``Wᵀ @ dht``: ``[m, T]`` → ``[n, T]`` contiguous, the dX GEMM feature-major (default:
         :meth:`matmul_t` and a transpose copy)."""
         return self.matmul_t(dht.t()).t().contiguous()
+
+    def backward_fm(
+        self,
+        zt: torch.Tensor,
+        dht: torch.Tensor,
+        row_align: int,
+        on_rows: Callable[[int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        """Both weight GEMMs of a feature-major ``mem`` backward: the recompute ``W @ zt``
+        (``[n, T]`` → ``[m, T]``), handed to ``on_rows(row0, rows)`` in bands of whole
+        ``row_align``-row groups (default: one band), and the returned dX GEMM ``Wᵀ @ dht``
+        (``[m, T]`` → ``[n, T]`` contiguous). A store may decode each part of itself once for
+        both."""
+        on_rows(0, self.matmul_fm(zt))
+        return self.matmul_t_fm(dht)
 
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -104,6 +120,17 @@ class Int8RowwiseWeight(FrozenWeight):
 
     def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
         return quant_kernels.int8_rowwise_matmul_t_fm(dht, self.weight, self.SCB)
+
+    def backward_fm(
+        self,
+        zt: torch.Tensor,
+        dht: torch.Tensor,
+        row_align: int,
+        on_rows: Callable[[int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_backward_fm(
+            zt, dht, self.weight, self.SCB, row_align, on_rows
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant_kernels.dequant_int8_rowwise(self.weight, self.SCB, dtype)

@@ -33,6 +33,8 @@ the plain references, which dequantize the whole weight at once). This package i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from quant_kernels import cnp, reference
@@ -55,6 +57,7 @@ __all__ = [
     "dequant_int8_rowwise",
     "feature_major_layer",
     "fused_perm_block_diag",
+    "int8_rowwise_backward_fm",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_fm",
     "int8_rowwise_matmul_t",
@@ -111,6 +114,13 @@ FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
 #: earlier eager-only timing (``gpu_suite_feature_major_h200.json``) could not see it: the lone
 #: layer's wall time is the host's.
 FEATURE_MAJOR_LAYER_MEASURED_FASTER = True
+
+
+#: whether the int8 ``mem`` backward (feature-major) decodes its weight once for both of its
+#: GEMMs (:func:`int8_rowwise_backward_fm`, :func:`quant_kernels.streamed.streamed_backward_fm`)
+#: on the slab-streamed path under ``auto``. False until ``evals/gpu_suite.py --parts overhead``
+#: measures it faster than two decodes.
+ONE_DECODE_BACKWARD_MEASURED_FASTER = False
 
 
 def feature_major_layer(x: torch.Tensor) -> bool:
@@ -251,6 +261,34 @@ def int8_rowwise_matmul_t_fm(
     if path == "fused":
         return int8_rowwise_matmul_t(dht.t(), cb, scb).t().contiguous()
     return reference.dequant_int8_rowwise(cb, scb, dht.dtype).t() @ dht
+
+
+def int8_rowwise_backward_fm(
+    zt: torch.Tensor,
+    dht: torch.Tensor,
+    cb: torch.Tensor,
+    scb: torch.Tensor,
+    row_align: int,
+    on_rows: Callable[[int, torch.Tensor], None],
+) -> torch.Tensor:
+    """The two weight GEMMs of a feature-major ``mem`` backward with ``W = CB · SCB/127``
+    (``CB [N, K]``): the recompute ``W @ zt`` (``zt [K, T]``), handed to ``on_rows(row0, rows)``
+    in bands of whole ``row_align``-row groups (possibly one band of all ``N`` rows), and the
+    returned dX GEMM ``Wᵀ @ dht`` (``dht [N, T]``) → ``[K, T]`` contiguous.
+
+    On the slab-streamed path with :data:`ONE_DECODE_BACKWARD_MEASURED_FASTER`, one decode of
+    each slab serves both (:func:`quant_kernels.streamed.streamed_backward_fm`); otherwise
+    :func:`int8_rowwise_matmul_fm` then :func:`int8_rowwise_matmul_t_fm`.
+    """
+    if ONE_DECODE_BACKWARD_MEASURED_FASTER and weight_gemm_path(zt.t()) == "streamed":
+        from quant_kernels.streamed import int8_decoder, streamed_backward_fm
+
+        return streamed_backward_fm(
+            zt, dht, int8_decoder(cb, scb), *cb.shape, row_align=row_align, on_rows=on_rows,
+            slab_bytes=slab_bytes_for(zt.shape[1]),
+        )  # fmt: skip
+    on_rows(0, int8_rowwise_matmul_fm(zt, cb, scb))
+    return int8_rowwise_matmul_t_fm(dht, cb, scb)
 
 
 def blockwise_4bit_matmul(

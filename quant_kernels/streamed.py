@@ -24,6 +24,7 @@ up to cuBLAS's own accumulation order.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -358,3 +359,65 @@ def streamed_matmul_t_fm(
         ValueError: ``dht`` is not ``[n, T]`` or ``slab_bytes ≤ 0``.
     """
     return _streamed_fm(dht, decode, n, k, slab_bytes, weight_t=True)
+
+
+def streamed_backward_fm(
+    zt: torch.Tensor,
+    dht: torch.Tensor,
+    decode: _Decoder,
+    n: int,
+    k: int,
+    *,
+    row_align: int,
+    on_rows: Callable[[int, torch.Tensor], None],
+    slab_bytes: int = DEFAULT_SLAB_BYTES,
+) -> torch.Tensor:
+    """Both weight GEMMs of a feature-major ``mem`` backward from *one* decode of ``W [n, k]``.
+
+    For each band of rows ``W[r0:r0+c]`` (``c`` a multiple of ``row_align``, the last band
+    ragged), one decoded slab serves the recompute ``W[r0:r0+c] @ zt`` (``[c, T]``, handed to
+    ``on_rows(r0, rows)`` and then dropped) and the band's share of the dX GEMM,
+    ``dzt += W[r0:r0+c]ᵀ @ dht[r0:r0+c]``. :func:`streamed_matmul_fm` followed by
+    :func:`streamed_matmul_t_fm` decode the weight twice. The dX GEMM is summed over bands in
+    ``dht``'s dtype (one rounding per band in 16-bit).
+
+    Args:
+        zt: ``[k, T]`` the forward GEMM's input, feature-major.
+        dht: ``[n, T]`` the gradient of the forward GEMM's output, feature-major, same dtype.
+        decode, n, k, slab_bytes: as in :func:`streamed_matmul_nt`.
+        row_align: band rows are a multiple of it (the layer's output block size ``b``, so each
+            band holds whole orthogonal blocks).
+        on_rows: called once per band, in order, with the band's first row and its recomputed
+            rows of ``W @ zt``.
+
+    Returns:
+        ``dzt = Wᵀ @ dht`` ``[k, T]`` contiguous, ``dht``'s dtype.
+
+    Raises:
+        ValueError: ``zt`` / ``dht`` of the wrong shape, ``row_align < 1`` or ``slab_bytes ≤ 0``.
+    """
+    if slab_bytes <= 0:
+        raise ValueError(f"slab_bytes must be positive, got {slab_bytes}")
+    if row_align < 1:
+        raise ValueError(f"row_align must be >= 1, got {row_align}")
+    t = zt.shape[-1] if zt.dim() == 2 else -1
+    if zt.dim() != 2 or zt.shape[0] != k or tuple(dht.shape) != (n, t):
+        raise ValueError(
+            f"zt must be [k, T] = [{k}, T] and dht [n, T] = [{n}, T] for the weight [{n}, {k}], "
+            f"got {tuple(zt.shape)} and {tuple(dht.shape)}"
+        )
+    out = dht.new_empty(k, t)
+    if out.numel() == 0 or n == 0:
+        return out.zero_()
+    align = math.lcm(128, row_align)
+    band = _band(n, k, zt.element_size(), slab_bytes, align)
+    buf = torch.empty(band * k, device=zt.device, dtype=zt.dtype)
+    for r0 in range(0, n, band):
+        cnt = min(band, n - r0)
+        slab = decode(buf, r0, cnt, 0, k)
+        on_rows(r0, torch.mm(slab, zt))
+        if r0 == 0:
+            torch.mm(slab.t(), dht[r0 : r0 + cnt], out=out)
+        else:
+            out.addmm_(slab.t(), dht[r0 : r0 + cnt])
+    return out

@@ -100,3 +100,35 @@ def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeyp
     into, out = calls.count("permute_to_feature_major"), calls.count("permute_to_row_major")
     assert (into, out) == ((3, 2) if taken else (0, 0))
     _assert_same((y, g), (y_ref, g_ref))
+
+
+@pytest.mark.parametrize("freeze_r", [False, True])
+def test_one_decode_backward_equals_torch_path(freeze_r, monkeypatch, gen):
+    """The feature-major int8 backward that decodes each slab once for the recompute and the dX
+    GEMM (quant_kernels.ONE_DECODE_BACKWARD_MEASURED_FASTER), in several bands of whole blocks
+    (272 = 17·16 rows, bands of 128, 128, 16), equals the torch path; with R frozen it skips the
+    recompute."""
+    import quant_kernels.streamed as streamed
+
+    layer, x, _ = _case(32, 272, 8, False, gen)
+    layer.R.Q.requires_grad_(not freeze_r)
+    y_ref, g_ref = _run(layer, x)
+    bands = []
+    real = streamed.streamed_backward_fm
+
+    def recording(*a, on_rows, **k):
+        def rec(row0, rows):
+            bands.append((row0, rows.shape[0]))
+            on_rows(row0, rows)
+
+        return real(*a, on_rows=rec, **k)
+
+    monkeypatch.setattr(streamed, "streamed_backward_fm", recording)
+    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    monkeypatch.setattr(quant_kernels, "weight_gemm_path", lambda _a, bits=8: "streamed")
+    monkeypatch.setattr(quant_kernels, "slab_bytes_for", lambda _rows: 1)  # smallest bands
+    monkeypatch.setattr(quant_kernels, "ONE_DECODE_BACKWARD_MEASURED_FASTER", True)
+    y, g = _run(layer, x)
+    assert bands == ([] if freeze_r else [(0, 128), (128, 128), (256, 16)])
+    _assert_same((y, g), (y_ref, g_ref))
+    assert (g[2] is None) == freeze_r

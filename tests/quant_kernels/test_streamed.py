@@ -144,3 +144,35 @@ def test_feature_major_gemms_equal_the_float64_products(slab_bytes, fmt, gen):
     assert _rel(dzt, deq.double().t() @ dht.double()) < TOL[torch.float32]
     with pytest.raises(ValueError, match=r"zt must be \[k, T\] with k = 128"):
         streamed_matmul_fm(zt.t().contiguous().to(DEVICE), dec, n, k)
+
+
+@pytest.mark.parametrize("slab_bytes", [1, 10**9])  # bands of 128 rows / one band
+@pytest.mark.parametrize("row_align", [16, 256])
+def test_one_decode_backward_equals_the_two_float64_products(slab_bytes, row_align, gen):
+    """streamed_backward_fm: the recompute W @ zt reaches on_rows band by band (whole groups of
+    row_align rows, a ragged last band) and the dX GEMM Wᵀ @ dht is summed over the bands."""
+    from quant_kernels.streamed import streamed_backward_fm
+
+    n, k, t = 304, 64, 9  # 304 = 2·128 + 48 rows
+    dec, deq = _int8(n, k, gen)
+    zt, dht = torch.randn(k, t, generator=gen), torch.randn(n, t, generator=gen)
+    got = torch.full((n, t), float("nan"))
+    seen = []
+
+    def on_rows(row0, rows):
+        seen.append((row0, rows.shape[0]))
+        got[row0 : row0 + rows.shape[0]] = rows.cpu()
+
+    dzt = streamed_backward_fm(zt.to(DEVICE), dht.to(DEVICE), dec, n, k, row_align=row_align,
+                               on_rows=on_rows, slab_bytes=slab_bytes)  # fmt: skip
+    band = n if slab_bytes > 1 else max(128, row_align)
+    assert seen == [(r, min(band, n - r)) for r in range(0, n, band)]
+    assert _rel(got, deq.double() @ zt.double()) < TOL[torch.float32]
+    assert dzt.shape == (k, t) and dzt.is_contiguous()
+    assert _rel(dzt, deq.double().t() @ dht.double()) < TOL[torch.float32]
+    with pytest.raises(ValueError, match=r"dht \[n, T\] = \[304, T\]"):
+        streamed_backward_fm(zt.to(DEVICE), dht[:-1].to(DEVICE), dec, n, k, row_align=16,
+                             on_rows=on_rows)  # fmt: skip
+    with pytest.raises(ValueError, match="row_align must be >= 1"):
+        streamed_backward_fm(zt.to(DEVICE), dht.to(DEVICE), dec, n, k, row_align=0,
+                             on_rows=on_rows)  # fmt: skip
