@@ -212,12 +212,12 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
         layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
                             dtype=torch.bfloat16)  # fmt: skip
         rows.append((f"bits{bits}_{variant}", layer, None))
-        if variant == "mem" and bits in (8, 16):
-            rows.append((f"bits{bits}_{variant}_feature_major", layer,
-                         "FEATURE_MAJOR_LAYER_MEASURED_FASTER"))  # fmt: skip
+        if variant == "mem" and bits == 8:  # the default path against its alternatives
+            rows.append(("bits8_mem_row_major", layer, (FEATURE_MAJOR, False)))
+            rows.append(("bits8_mem_one_decode", layer, (ONE_DECODE, True)))
     base = None
     for name, mod, flag in rows:
-        ctx = _opt_in(flag) if flag else contextlib.nullcontext()
+        ctx = _opt_in(*flag) if flag else contextlib.nullcontext()
         try:
             with ctx:
                 fn = run(mod)
@@ -247,20 +247,23 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
     return res
 
 
+FEATURE_MAJOR = "FEATURE_MAJOR_LAYER_MEASURED_FASTER"
+ONE_DECODE = "ONE_DECODE_BACKWARD_MEASURED_FASTER"
+
 #: quant_kernels flags of the layer's opt-in paths and the suffix of their rows
 OPT_IN_LAYER_PATHS = (
     ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", "fused_perm"),
-    ("FEATURE_MAJOR_LAYER_MEASURED_FASTER", "feature_major"),
+    (ONE_DECODE, "one_decode"),
 )
 
 
 @contextlib.contextmanager
-def _opt_in(flag: str) -> Iterator[None]:
-    """Turn one ``quant_kernels.*_MEASURED_FASTER`` flag on for the block."""
+def _opt_in(flag: str, value: bool = True) -> Iterator[None]:
+    """Set one ``quant_kernels.*_MEASURED_FASTER`` flag (on by default) for the block."""
     import quant_kernels
 
     before = getattr(quant_kernels, flag)
-    setattr(quant_kernels, flag, True)
+    setattr(quant_kernels, flag, value)
     try:
         yield
     finally:
@@ -374,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             layer_overhead(4096, 14336, 256),
             layer_overhead(14336, 4096, 256),
         ]
-        report["layer_profile_int8_mem_feature_major_4096_14336"] = table = layer_profile(
-            4096, 14336, 256, flag="FEATURE_MAJOR_LAYER_MEASURED_FASTER"
+        report["layer_profile_int8_mem_one_decode_4096_14336"] = table = layer_profile(
+            4096, 14336, 256, flag="ONE_DECODE_BACKWARD_MEASURED_FASTER"
         )
         print(table)
         for row in rows:
