@@ -77,6 +77,7 @@ def test_feature_major_layer_is_the_default_on_cuda_only(monkeypatch):
     monkeypatch.delenv("POETXQ_KERNELS", raising=False)
     act = _FakeCudaPacked(torch.bfloat16)
     assert quant_kernels.FEATURE_MAJOR_LAYER_MEASURED_FASTER
+    assert quant_kernels.ONE_DECODE_BACKWARD_MEASURED_FASTER  # layer_one_decode_h200.json
     assert quant_kernels.feature_major_layer(act)
     assert not quant_kernels.feature_major_layer(_FakeCudaPacked(torch.float64))
     assert not quant_kernels.feature_major_layer(torch.zeros(2, 2, dtype=torch.bfloat16))  # CPU
