@@ -531,6 +531,11 @@ def plan_resume(
                 "earlier run (it holds checkpoints/) or use --resume auto --run-name NAME"
             )
         ckpt = latest_checkpoint(run_dir)
+        if ckpt is None and run_dir.parent.name == CHECKPOINT_DIR:  # a checkpoint, not a run
+            raise CheckpointError(
+                f"--resume: '{resume}' is one checkpoint of a run; pass the run directory "
+                f"'{run_dir.parent.parent}' (its latest checkpoint is used)"
+            )
         if ckpt is None:
             raise CheckpointError(
                 f"--resume: '{resume}' holds no checkpoint (checkpoints/step-*); the run saved "

@@ -382,7 +382,7 @@ def _only_startup_files(run_dir: Path) -> bool:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from poetxq.train import resolve_run_dir, train  # heavy imports only when training
+    from poetxq.train import check_writable, resolve_run_dir, train  # heavy: only for training
 
     check_kernels_env()
     _check_tracker(args.log_with)
@@ -401,6 +401,8 @@ def _run_train(args: argparse.Namespace) -> int:
             args.resume, recipe_path=args.recipe, overrides=_overrides(args),
             run_name=args.run_name,
         )  # fmt: skip
+        if run_dir is not None:  # a resumed run writes metrics and checkpoints into its folder
+            check_writable(run_dir, "copy the run to a writable place and resume it there")
     else:
         recipe = load_recipe(args.recipe, _overrides(args))
         _absolute_paths(recipe)

@@ -8,7 +8,6 @@ runner. Errors are raised as the tools' own ``ValueError`` subclasses (:data:`TO
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from poetxq.bench import BenchError
 from poetxq.estimate import EstimateError
+from poetxq.paths import nearest_existing, writable_dir
 from poetxq.report import ReportError
 
 TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
@@ -114,15 +114,13 @@ def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
     """
     if path.is_dir():
         raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(path.parent)
     if not parent.is_dir():
         raise error(
             f"{flag} '{path}' cannot be written: '{parent}' is a file, not a directory; "
             "choose another path"
         )
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not writable_dir(parent):
         raise error(
             f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
             "choose another path"

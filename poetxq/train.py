@@ -56,6 +56,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
+from poetxq.paths import nearest_existing, writable_dir
 from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
@@ -145,7 +146,22 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
             f"run directory '{path}' already exists and is not empty; "
             "choose another --run-name or pass --overwrite"
         )
+    check_writable(path, "choose a writable --output-dir")
     return path
+
+
+def check_writable(path: Path, fix: str) -> None:
+    """Fail before any work when ``path`` (or, where it does not exist yet, the nearest folder
+    above it that does) cannot be written: a read-only file system or no permission.
+
+    Raises:
+        RunDirError: one line naming the folder and ``fix``.
+    """
+    anchor = nearest_existing(path)
+    if not writable_dir(anchor):
+        raise RunDirError(
+            f"cannot write '{path}': '{anchor}' is read-only or not writable by this user; {fix}"
+        )
 
 
 def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:

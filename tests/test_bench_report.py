@@ -189,6 +189,22 @@ def test_report_into_a_run_directory_is_refused(tmp_path, capsys):
     assert sorted(p.name for p in run.iterdir()) == before
 
 
+def test_report_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeypatch):
+    import poetxq.paths
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "recipe.yaml").write_text("name: x\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "lr": 0.001}\n')
+    real = poetxq.paths.os.access
+    ro = str(tmp_path.absolute())
+    monkeypatch.setattr(poetxq.paths.os, "access", lambda p, m: str(p) != ro and real(p, m))
+    assert main(["report", str(run), "-o", str(tmp_path / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "read-only or not writable by this user; choose another -o" in err[0]
+    assert not (tmp_path / "rep").exists()
+
+
 @pytest.mark.parametrize("text,why", [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON")])
 def test_report_bad_summary_is_one_line_naming_the_file(tmp_path, capsys, text, why):
     run = tmp_path / "r"

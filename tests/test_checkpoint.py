@@ -3,6 +3,7 @@ half-way, pruning, and bad ``--resume`` input (one line, exit 2, nothing overwri
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,6 +265,29 @@ def test_resume_dir_without_checkpoint(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
     assert "holds no checkpoint" in _one_error_line(capsys)
+
+
+def test_resume_given_a_checkpoint_points_at_its_run(saved_run, capsys):
+    ckpt = sorted((saved_run / "checkpoints").iterdir())[-1]
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert "is one checkpoint of a run; pass the run directory" in err and str(saved_run) in err
+
+
+def test_resume_into_a_read_only_run_is_refused_before_work(saved_run, tmp_path, capsys,
+                                                            monkeypatch):  # fmt: skip
+    import poetxq.paths
+
+    run = tmp_path / "r"  # the run stopped after its step-2 checkpoint: resumable
+    shutil.copytree(saved_run, run)
+    shutil.rmtree(dict(list_checkpoints(run))[4])
+    real = poetxq.paths.os.access
+    ro = str(run.absolute())
+    monkeypatch.setattr(poetxq.paths.os, "access", lambda p, m: str(p) != ro and real(p, m))
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    assert "is read-only or not writable by this user; copy the run" in _one_error_line(capsys)
+    assert _snapshot(run) == before
 
 
 def test_resume_auto_needs_run_name(capsys):

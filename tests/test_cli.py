@@ -94,6 +94,18 @@ def test_existing_run_dir_needs_overwrite(tmp_path, capsys):
     assert "--overwrite" in _one_error_line(capsys)
 
 
+def test_read_only_output_dir_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    import poetxq.paths
+
+    real = poetxq.paths.os.access
+    ro = str(tmp_path.absolute())
+    monkeypatch.setattr(poetxq.paths.os, "access", lambda p, m: str(p) != ro and real(p, m))
+    assert _run(tmp_path, "--run-name", "r") == 2
+    err = _one_error_line(capsys)
+    assert f"'{tmp_path}' is read-only or not writable" in err and "--output-dir" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", ".."])
 def test_run_name_must_be_a_plain_folder_name(tmp_path, capsys, name):
     assert _run(tmp_path, "--run-name", name) == 2

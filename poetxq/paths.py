@@ -1,0 +1,20 @@
+"""Where an output can go: checks made before any work, so a bad path costs nothing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` itself if it exists, else the closest folder above it that does (absolute)."""
+    anchor = path.absolute()
+    while not anchor.exists() and anchor != anchor.parent:
+        anchor = anchor.parent
+    return anchor
+
+
+def writable_dir(path: Path) -> bool:
+    """Whether files can be created in ``path``: a directory this user may write and enter on a
+    file system mounted read-write."""
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
