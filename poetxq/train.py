@@ -512,8 +512,10 @@ def train(
                 "poet_lr": lrs.get("poet"), "grad_norm": float(grad_norm), "clip": max_norm,
                 "tokens": step * tokens_per_step, "tokens_per_s": tps,
             })  # fmt: skip
-            bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                            tok_s=f"{tps:,.0f}")  # fmt: skip
+            post = {"loss": f"{loss_value:.3f}", "lr": f"{scheduler.get_last_lr()[-1]:.2e}"}
+            if lrs.get("poet") is not None:  # as in metrics.jsonl: lr, then poet_lr
+                post["poet_lr"] = f"{lrs['poet']:.2e}"
+            bar.set_postfix(**post, tok_s=f"{tps:,.0f}")
         if evaluating:
             val_loss, val_ppl = evaluate()
             log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})

@@ -410,3 +410,15 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
         f"poetxq: stopped by SIGINT after step 2; continue with: poetxq train --resume {run}"
     ]
     assert json.loads((run / "summary.json").read_text())["interrupted"]
+
+
+def test_progress_bar_shows_both_learning_rates(tmp_path, capsys):
+    # lr is the base rate (embeddings, lm_head, norms) as in metrics.jsonl; poet_lr the Q rate
+    args = [a for a in TINY if a != "--no-progress"]
+    assert main(["train", *args, "--output-dir", str(tmp_path), "--max-steps", "5"]) == 0
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    last = [ln for ln in bar if ln.startswith("train:") and "poet_lr=" in ln][-1]
+    run = next(tmp_path.iterdir())
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    row = [r for r in rows if "lr" in r][-1]  # the last logged step (eval rows have no lr)
+    assert f"lr={row['lr']:.2e}," in last and f"poet_lr={row['poet_lr']:.2e}," in last
