@@ -42,7 +42,7 @@ from poetxq.estimate import estimate_memory
 from poetxq.loss import training_loss
 from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.optim import build_optimizer
-from poetxq.recipe import load_recipe, parse_override
+from poetxq.recipe import RecipeError, load_recipe, parse_override
 from poetxq.surgery import build_llama, convert_to_poetx
 
 VOCAB = 32000
@@ -81,15 +81,24 @@ def _profile(step, dev: torch.device, path: Path) -> None:
     )
 
 
-def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
-    """Both settings (no checkpointing, checkpointing) of one model; one dict per setting."""
+def recipe_for(name: str, args: argparse.Namespace):
+    """The measured recipe of model ``name``: POET-XQ int8, one micro-batch per step, ``--set``.
+
+    Raises:
+        poetxq.recipe.RecipeError: unknown model or a bad ``--set``.
+    """
     over = {"poet.bits": 8, "poet.block_size": args.block_size, "poet.variant": "mem",
             "train.batch_size": args.batch_size, "train.seq_len": args.seq_len,
             "train.grad_accum": 1}  # fmt: skip  # one micro-batch per measured step
     for text in args.set:
         k, v = parse_override(text)
         over[k] = v
-    recipe = load_recipe(f"{name}:poetxq", over)
+    return load_recipe(f"{name}:poetxq", over)
+
+
+def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
+    """Both settings (no checkpointing, checkpointing) of one model; one dict per setting."""
+    recipe = recipe_for(name, args)
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
@@ -244,7 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         flags = set_kernel_flags(args.kernel_flag)
     except ValueError as exc:
         ap.error(str(exc))
-    dev = torch.device(args.device)
+    try:
+        dev = torch.device(args.device)
+    except RuntimeError as exc:
+        ap.error(f"--device {args.device!r}: {str(exc).splitlines()[0]}")
+    if args.cuda_graph and dev.type != "cuda":
+        ap.error("--cuda-graph needs a CUDA device")
+    try:  # every model's recipe before any work: an unknown model or bad --set stops here
+        for name in args.models.split(","):
+            recipe_for(name.strip(), args)
+    except (RecipeError, ValueError) as exc:
+        ap.error(str(exc).splitlines()[0])
     if dev.type == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_memory: error: no CUDA device; use --device cpu for a smoke test", file=sys.stderr

@@ -26,8 +26,8 @@ from dataclasses import asdict
 import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
 
-from poetxq.bench import run_bench
-from poetxq.recipe import load_recipe, parse_override
+from poetxq.bench import BenchError, run_bench
+from poetxq.recipe import RecipeError, load_recipe, parse_override
 
 VOCAB = 32000
 
@@ -52,8 +52,32 @@ def main(argv: list[str] | None = None) -> int:
         flags = set_kernel_flags(args.kernel_flag)
     except ValueError as exc:
         ap.error(str(exc))
+    try:
+        dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as exc:
+        ap.error(f"--device {args.device!r}: {str(exc).splitlines()[0]}")
+
+    def recipe_for(model: str, method: str, seq: int):
+        over = {"train.seq_len": seq, "train.batch_size": max(1, args.tokens // seq),
+                "train.grad_accum": 1}  # fmt: skip
+        for text in args.set:
+            k, v = parse_override(text)
+            over[k] = v
+        return load_recipe(f"{model}:{method}", over)
+
+    seqs = []
+    try:  # every recipe once before any run: a bad model, method or --set stops here
+        seqs = [int(s) for s in args.seqs.split(",")]
+        for model in args.models.split(","):
+            for seq in seqs:
+                for method in args.methods.split(","):
+                    recipe_for(model, method, seq)
+    except (RecipeError, ValueError) as exc:
+        ap.error(str(exc).splitlines()[0])
+    for seq in seqs:
+        if args.tokens < seq:
+            print(f"note: --tokens {args.tokens} < seq {seq}: one sequence ({seq} tokens) per step")
     runs, ratios = [], []
-    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
     def save():  # after every (model, seq): a run cut short keeps what finished
         doc = {
@@ -68,18 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         return write_json_atomic(args.out, doc)
 
     for model in args.models.split(","):
-        for seq in (int(s) for s in args.seqs.split(",")):
+        for seq in seqs:
             tps: dict[str, float] = {}
             for method in args.methods.split(","):
-                over = {"train.seq_len": seq, "train.batch_size": max(1, args.tokens // seq),
-                        "train.grad_accum": 1}  # fmt: skip
-                for text in args.set:
-                    k, v = parse_override(text)
-                    over[k] = v
-                recipe = load_recipe(f"{model}:{method}", over)
+                recipe = recipe_for(model, method, seq)
                 try:
                     res = run_bench(recipe, args.steps, warmup=args.warmup, vocab_size=VOCAB,
                                     device=args.device, echo=lambda _s: None)  # fmt: skip
+                except BenchError as exc:  # e.g. a device this torch cannot use
+                    print(f"throughput: error: {exc}", file=sys.stderr)
+                    return 2
                 except torch.OutOfMemoryError as exc:
                     runs.append({"model": model, "seq_len": seq, "method": method,
                                  "error": str(exc).splitlines()[0]})  # fmt: skip

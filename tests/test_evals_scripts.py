@@ -127,3 +127,16 @@ def test_kernel_flags_are_set_by_name_and_bad_specs_refused():
                 common.set_kernel_flags([bad])
     finally:
         quant_kernels.FUSED_CNP_MEASURED_FASTER = before
+
+
+@pytest.mark.parametrize("script", ["throughput", "gpu_memory"])
+@pytest.mark.parametrize("bad", [["--models", "llama-99b"], ["--set", "model.foo=1"],
+                                 ["--device", "tpu"]])  # fmt: skip
+def test_eval_scripts_refuse_bad_arguments_in_one_line_before_work(script, bad, tmp_path, capsys):
+    mod = _load(script)
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--out", str(tmp_path / "x.json"), *bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and "Traceback" not in "\n".join(err)  # argparse's one line
+    assert not (tmp_path / "x.json").exists()
