@@ -158,3 +158,13 @@ def test_8bit_step_without_per_parameter_sync_equals_bitsandbytes_step():
     before = m[0].weight.detach().clone()
     opt.step()
     assert torch.equal(m[0].weight, before)
+
+
+def test_bitsandbytes_optional_cpu_gemm_warning_is_quiet():
+    """bitsandbytes' CPU backend warns at import that an optional 4-bit CPU GEMM (which poetxq
+    never calls) is missing; importing poetxq quiets that one logger, errors still show."""
+    import logging
+
+    import poetxq  # noqa: F401
+
+    assert logging.getLogger("bitsandbytes.backends.cpu.ops").getEffectiveLevel() == logging.ERROR
