@@ -116,11 +116,9 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     for bits in (8, 4, 16):
         for variant in ("fast", "mem"):
             time_layer(f"poetx{label[bits]}_{variant}", bits, variant)
-    # the mem variants again on the opt-in paths, side by side with the default path above:
-    # the permutations fused into the block kernels (quant_kernels.block_diag_perm), and the
-    # feature-major layer (quant_kernels.transpose_perm + FrozenWeight.matmul_fm)
-    for flag, suffix in OPT_IN_LAYER_PATHS:
-        with _opt_in(flag):
+    # the mem variants again on the other paths, side by side with the default path above
+    for flag, value, suffix in OTHER_LAYER_PATHS:
+        with _opt_in(flag, value):
             for bits in (8, 16):
                 time_layer(f"poetx{label[bits]}_mem_{suffix}", bits, "mem")
     return res
@@ -213,8 +211,8 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
                             dtype=torch.bfloat16)  # fmt: skip
         rows.append((f"bits{bits}_{variant}", layer, None))
         if variant == "mem" and bits == 8:  # the default path against its alternatives
-            rows.append(("bits8_mem_row_major", layer, (FEATURE_MAJOR, False)))
-            rows.append(("bits8_mem_one_decode", layer, (ONE_DECODE, True)))
+            for flag, value, suffix in OTHER_LAYER_PATHS:
+                rows.append((f"bits8_mem_{suffix}", layer, (flag, value)))
     base = None
     for name, mod, flag in rows:
         ctx = _opt_in(*flag) if flag else contextlib.nullcontext()
@@ -247,13 +245,13 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
     return res
 
 
-FEATURE_MAJOR = "FEATURE_MAJOR_LAYER_MEASURED_FASTER"
-ONE_DECODE = "ONE_DECODE_BACKWARD_MEASURED_FASTER"
-
-#: quant_kernels flags of the layer's opt-in paths and the suffix of their rows
-OPT_IN_LAYER_PATHS = (
-    ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", "fused_perm"),
-    (ONE_DECODE, "one_decode"),
+#: the layer's paths other than the default, as (quant_kernels flag, value, row suffix): the
+#: permutations fused into the block kernels (opt-in), the row-major path (the feature-major
+#: one switched off) and two weight decodes per int8 backward (the one-decode one switched off)
+OTHER_LAYER_PATHS = (
+    ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", True, "fused_perm"),
+    ("FEATURE_MAJOR_LAYER_MEASURED_FASTER", False, "row_major"),
+    ("ONE_DECODE_BACKWARD_MEASURED_FASTER", False, "two_decodes"),
 )
 
 
@@ -270,16 +268,8 @@ def _opt_in(flag: str, value: bool = True) -> Iterator[None]:
         setattr(quant_kernels, flag, before)
 
 
-def layer_profile(
-    n: int, m: int, b: int, bits: int = 8, variant: str = "mem", flag: str | None = None
-) -> str:
-    """Top CUDA kernels of one POET-XQ layer forward+backward (input [1, 2048, n], bf16), on the
-    opt-in path of ``flag`` (a ``quant_kernels.*_MEASURED_FASTER`` name) when given."""
-    with _opt_in(flag) if flag else contextlib.nullcontext():
-        return _layer_profile(n, m, b, bits, variant)
-
-
-def _layer_profile(n: int, m: int, b: int, bits: int, variant: str) -> str:
+def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -> str:
+    """Top CUDA kernels of one POET-XQ layer forward+backward (input [1, 2048, n], bf16)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = "cuda"
@@ -335,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
                                               "error": repr(exc)})  # fmt: skip
-        for flag, suffix in OPT_IN_LAYER_PATHS:  # the opt-in layer paths at real sizes
-            with _opt_in(flag):
+        for flag, value, suffix in OTHER_LAYER_PATHS:  # the other layer paths at real sizes
+            with _opt_in(flag, value):
                 for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):
                     try:
                         row = correctness(n, m, 256, bits, gen)
@@ -377,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             layer_overhead(4096, 14336, 256),
             layer_overhead(14336, 4096, 256),
         ]
-        report["layer_profile_int8_mem_one_decode_4096_14336"] = table = layer_profile(
-            4096, 14336, 256, flag="ONE_DECODE_BACKWARD_MEASURED_FASTER"
-        )
+        report["layer_profile_int8_mem_4096_14336"] = table = layer_profile(4096, 14336, 256)
         print(table)
         for row in rows:
             print(row["host_profile_int8_mem"])

@@ -113,7 +113,7 @@ def adamw8bit_class() -> type:
                         bnb_update_one(self, gi, pi, p)
             return loss
 
-    AdamW8bit.__qualname__ = "poetxq.optim.AdamW8bit"
+    AdamW8bit.__qualname__ = "AdamW8bit"  # not adamw8bit_class.<locals>.AdamW8bit
     return AdamW8bit
 
 
