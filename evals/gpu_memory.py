@@ -74,7 +74,7 @@ def _profile(step, dev: torch.device, path: Path) -> None:
     sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        ka.table(sort_by=sort, row_limit=30)
+        ka.table(sort_by=sort, row_limit=70)
         + "\n"
         + ka.table(sort_by="self_cpu_time_total", row_limit=20)
         + "\n"
@@ -102,7 +102,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
-    optimizer = build_optimizer(model, recipe.optim)
+    optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
     in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
                     help="set a quant_kernels.*_MEASURED_FASTER flag (A/B timing of an opt-in "
                     "path)")  # fmt: skip
+    ap.add_argument("--no-flatten", action="store_true",
+                    help="keep every tensor of the optimizer's groups separate (one 8-bit update "
+                    "launch per tensor; A/B of poetxq.flat)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)
@@ -279,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
         "kernel_flags": flags,
+        "flattened_optimizer_groups": not args.no_flatten,
         "results": results,
     }
     print(f"wrote {write_json_atomic(args.out, doc)}")

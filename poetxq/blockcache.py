@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import quant_kernels
+from poetxq.flat import adjacent_span
 from poetxq.orthogonal import OrthogonalSide
 
 
@@ -59,8 +60,7 @@ class _Group:
     def refresh(self) -> None:
         for other in self.peers:
             other.clear()
-        qs = [s.Q if s.mask is None else s.Q * s.mask for s in self.sides]
-        q = qs[0] if len(qs) == 1 else torch.cat(qs)
+        q = _stack_q(self.sides)
         self.g = quant_kernels.cayley_neumann_lean(q, self.block_size, self.terms)
         self.versions = [s.Q._version for s in self.sides]
         self.pieces = {}
@@ -87,6 +87,34 @@ class _Group:
         return piece
 
 
+class _AdjacentRows(torch.autograd.Function):
+    """``torch.cat(qs)`` for ``[n_i, c]`` tensors that already lie end to end in one storage
+    (a flattened optimizer group, :class:`poetxq.flat.FlatParams`): a view instead of a copy;
+    the backward hands each ``Q`` its rows of the gradient (views, which autograd keeps as the
+    ``.grad`` tensors, so those lie end to end too)."""
+
+    @staticmethod
+    def forward(ctx: Any, *qs: torch.Tensor) -> torch.Tensor:
+        ctx.rows = [q.shape[0] for q in qs]
+        first = qs[0]
+        cols = first.shape[1]
+        return first.as_strided((sum(ctx.rows), cols), (cols, 1), first.storage_offset())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(grad.split(ctx.rows))
+
+
+def _stack_q(sides: list[OrthogonalSide]) -> torch.Tensor:
+    """The sides' packed ``Q`` (masked where ragged) stacked ``[sum nb, b(b-1)/2]``."""
+    qs = [s.Q if s.mask is None else s.Q * s.mask for s in sides]
+    if len(qs) == 1:
+        return qs[0]
+    if all(s.mask is None for s in sides) and adjacent_span(qs) is not None:
+        return _AdjacentRows.apply(*qs)
+    return torch.cat(qs)
+
+
 def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
     """The modules transformers checkpoints as a whole (decoder layers), outermost first."""
     try:
@@ -109,6 +137,13 @@ def _by_key(sides: list[OrthogonalSide]) -> list[list[OrthogonalSide]]:
         key = (side.block_size, side.neumann_terms, side.Q.dtype, side.Q.device)
         by_key.setdefault(key, []).append(side)
     return list(by_key.values())
+
+
+def q_parameters_in_cnp_order(model: nn.Module) -> list[nn.Parameter]:
+    """Every side's ``Q`` under ``model``, in the order :class:`BlockCache` stacks them (by
+    ``(b, k, dtype, device)`` group, then module order)."""
+    sides = [m for m in model.modules() if isinstance(m, OrthogonalSide)]
+    return [s.Q for group in _by_key(sides) for s in group]
 
 
 def _checkpointing(model: nn.Module) -> bool:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 FORMAT = "poetxq-training-checkpoint"
@@ -247,19 +247,60 @@ def _remove_stale(root: Path) -> None:
 
 
 def distinct_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` with a copy of every tensor whose storage an earlier one already uses (tied
-    weights such as ``lm_head.weight`` = ``embed_tokens.weight``): safetensors refuses shared
-    storage. Loading back and re-tying gives the same model."""
-    seen: set[int] = set()
+    """``tensors`` with a copy of every tensor whose bytes overlap an earlier one's (tied weights
+    such as ``lm_head.weight`` = ``embed_tokens.weight``): safetensors refuses overlapping
+    tensors. Views of disjoint parts of one buffer (:class:`poetxq.flat.FlatParams`) are kept
+    as they are. Loading back and re-tying gives the same model."""
+    seen: dict[tuple[Any, int], list[tuple[int, int]]] = {}
     out = {}
     for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
-        if ptr and ptr in seen:
-            t = t.clone()
-        elif ptr:
-            seen.add(ptr)
+        if t.numel():
+            start = t.data_ptr()
+            end = start + t.numel() * t.element_size()  # contiguous tensors (as saved)
+            spans = seen.setdefault((t.device, t.untyped_storage().data_ptr()), [])
+            if any(s < end and start < e for s, e in spans):
+                t = t.clone()
+            else:
+                spans.append((start, end))
         out[name] = t
     return out
+
+
+def _tied_names(state: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """Each name of ``state`` → every name holding the very same tensor (tied weights)."""
+    by_tensor: dict[tuple[Any, ...], list[str]] = {}
+    for name, t in state.items():
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if t.numel() else name
+        by_tensor.setdefault(key, []).append(name)
+    return {name: names for names in by_tensor.values() for name in names}
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with each tied tensor once, under its alphabetically first name
+    (what ``safetensors.torch.save_model`` keeps). Unlike ``save_model`` this accepts parameters
+    that are views into a larger buffer (:class:`poetxq.flat.FlatParams`)."""
+    state = model.state_dict()
+    tied = _tied_names(state)
+    return {name: t.contiguous() for name, t in state.items() if min(tied[name]) == name}
+
+
+def load_model_tensors(model: nn.Module, path: Path) -> tuple[list[str], list[str]]:
+    """Load a :func:`model_tensors` file (or one by ``safetensors.torch.save_model``) into
+    ``model`` in place (parameters keep their storage).
+
+    Returns:
+        ``(missing, unexpected)`` names; a tied name counts as present when one of its ties is.
+
+    Raises:
+        safetensors.SafetensorError, OSError: unreadable file. RuntimeError: a shape mismatch.
+    """
+    tensors = load_file(str(path))
+    state = model.state_dict()
+    tied = _tied_names(state)
+    unexpected = sorted(k for k in tensors if k not in state)
+    missing = sorted(k for k in state if not any(n in tensors for n in tied[k]))
+    model.load_state_dict({k: v for k, v in tensors.items() if k in state}, strict=False)
+    return missing, unexpected
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -307,7 +348,7 @@ def save_training_checkpoint(
     tmp = root / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_tensors(model_tensors(model), tmp / "model.safetensors")
         tensors: dict[str, torch.Tensor] = {}
         opt_meta = encode_state(optimizer.state_dict(), "optimizer", tensors)
         sched_meta = encode_state(scheduler.state_dict(), "scheduler", tensors)
@@ -436,7 +477,7 @@ def load_training_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     meta = read_checkpoint(ckpt_dir)
     try:
-        missing, unexpected = load_model(model, str(ckpt_dir / "model.safetensors"), strict=False)
+        missing, unexpected = load_model_tensors(model, ckpt_dir / "model.safetensors")
         tensors = load_file(str(ckpt_dir / "state.safetensors"))
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"checkpoint '{ckpt_dir}' cannot be read: {exc}") from None

@@ -1,0 +1,145 @@
+"""Many small parameters behind one contiguous buffer, so one kernel launch can serve them all.
+
+A POET-X(Q) model trains hundreds of packed ``Q`` tensors (560 in a Llama-13B at b = 256).
+bitsandbytes' 8-bit AdamW launches one update kernel per tensor, and the batched Cayley–Neumann
+evaluation (:mod:`poetxq.blockcache`) concatenates every ``Q`` before its one CNP call; on the
+H200 those per-tensor launches and that copy were ~50 ms of a 0.5 s Llama-13B step
+(``evals/results/profiles/``). :class:`FlatParams` re-homes a list of parameters as views into one
+buffer, in order, each starting at a multiple of ``align`` elements (256: bitsandbytes' block of
+8-bit optimizer state, so a flat update quantizes exactly the blocks a per-tensor one would).
+Then:
+
+* the optimizer updates the whole buffer with one launch (:func:`poetxq.optim.adamw8bit_class`);
+* :func:`adjacent_span` sees that neighbouring parameters (or their gradients) already lie end to
+  end in memory and returns one view over them, where a ``torch.cat`` would copy
+  (:meth:`FlatParams.grad_runs`).
+
+Nothing here changes a value: the parameters keep their shapes, names and ``state_dict``; only
+their storage moves. Code that later replaces a parameter's ``.data`` (``module.to(device)``
+after flattening, for example) just breaks the sharing: :meth:`FlatParams.intact` then says so and
+callers fall back to the per-tensor path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def adjacent_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D view over ``tensors`` when they lie end to end in one storage, else None.
+
+    Args:
+        tensors: contiguous tensors of one dtype and device, in memory order (``tensors[i+1]``
+            starts where ``tensors[i]`` ends).
+
+    Returns:
+        A 1-D view ``[sum numel]`` of their common storage (writing to it writes to them), or
+        None when any tensor is non-contiguous, of another dtype/device/storage, or not directly
+        after the previous one.
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    es = first.element_size()
+    end = first.data_ptr()
+    total = 0
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or t.device != first.device
+            or not t.is_contiguous()
+            or t.data_ptr() != end
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+        end += t.numel() * es
+        total += t.numel()
+    return first.detach().as_strided((total,), (1,), first.storage_offset())
+
+
+class FlatParams:
+    """Parameters re-homed, in order, as views into one zero-padded 1-D buffer.
+
+    Args:
+        params: distinct parameters of one dtype and device (any shapes).
+        align: each parameter starts at a multiple of this many elements; the gaps hold zeros
+            (256 = bitsandbytes' 8-bit optimizer-state block).
+
+    Attributes:
+        flat: the buffer ``[numel]``, ``numel`` a multiple of ``align``.
+        offsets: element offset of each parameter in ``flat``.
+
+    Raises:
+        ValueError: empty list, repeated parameter, or mixed dtypes/devices.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], align: int = 256) -> None:
+        params = list(params)
+        if not params:
+            raise ValueError("FlatParams needs at least one parameter")
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("FlatParams got the same parameter twice")
+        if len({(p.dtype, p.device) for p in params}) != 1:
+            raise ValueError("FlatParams needs parameters of one dtype and device")
+        self.params = params
+        self.align = align
+        self.offsets: list[int] = []
+        end = 0
+        for p in params:
+            start = -(-end // align) * align
+            self.offsets.append(start)
+            end = start + p.numel()
+        self.numel = -(-end // align) * align
+        p0 = params[0]
+        self.flat = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for p, o in zip(params, self.offsets, strict=True):
+                slot = self.flat[o : o + p.numel()]
+                slot.copy_(p.detach().reshape(-1))
+                p.data = slot.view(p.shape)
+
+    def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slice of a buffer laid out like :attr:`flat`, shaped like it."""
+        p, o = self.params[i], self.offsets[i]
+        return buffer[o : o + p.numel()].view(p.shape)
+
+    def intact(self) -> bool:
+        """Whether every parameter still lives in :attr:`flat` (nobody replaced its ``.data``)."""
+        base, es = self.flat.data_ptr(), self.flat.element_size()
+        return all(
+            p.data_ptr() == base + o * es and p.device == self.flat.device
+            for p, o in zip(self.params, self.offsets, strict=True)
+        )
+
+    def grad_runs(self) -> list[tuple[int, int, torch.Tensor]] | None:
+        """The gradients as maximal runs that lie end to end both in :attr:`flat` and in memory.
+
+        Returns:
+            ``[(start, end, grad)]``: parameters ``start..end-1`` (indices into :attr:`params`)
+            are adjacent in :attr:`flat` (no gap) and their gradients are adjacent in one
+            storage, ``grad`` being a 1-D view over them (no copy). The batched CNP's backward
+            leaves every ``Q`` gradient of a forward in one run (one per checkpointed layer
+            under activation checkpointing); unrelated gradients give one run per parameter.
+            None when a parameter has no gradient.
+        """
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads):
+            return None
+        runs = []
+        start = 0
+        for i in range(1, len(grads) + 1):
+            if (
+                i < len(grads)
+                and self.offsets[i] == self.offsets[i - 1] + grads[i - 1].numel()
+                and adjacent_span(grads[i - 1 : i + 1]) is not None  # type: ignore[arg-type]
+            ):
+                continue
+            span = adjacent_span(grads[start:i])  # type: ignore[arg-type]
+            assert span is not None  # each pair in the run was adjacent
+            runs.append((start, i, span))
+            start = i
+        return runs
