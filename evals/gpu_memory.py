@@ -39,6 +39,7 @@ from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
+from poetxq.fuse import fuse_elementwise, fuse_wanted
 from poetxq.loss import training_loss
 from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.optim import build_optimizer
@@ -102,6 +103,14 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    # torch.compile of RMSNorm / rotary, decided for the first setting measured (one build
+    # serves both settings; --set train.fuse_elementwise=true|false to A/B)
+    first = recipe.model_copy(deep=True)
+    first.train.gradient_checkpointing = args.settings[0]
+    first.train.cuda_graph = args.cuda_graph
+    fused = fuse_wanted(first.train, dev)
+    if fused:
+        fuse_elementwise(model)
     optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
@@ -181,6 +190,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "variant": "mem",
             "bits": 8,
             "dtype": "bf16",
+            "fuse_elementwise": fused,
             "step_time_s": statistics.median(times),
             "step_times_s": times,
             "peak_memory_bytes": peak,

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baseline
+from poetxq.fuse import fuse_elementwise, fuse_wanted
 from poetxq.pretrained import build_model
 from poetxq.recipe import Recipe
 from poetxq.surgery import (
@@ -192,6 +193,8 @@ def build_for_training(
                 model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
+    if fuse_wanted(recipe.train, dev):  # torch.compile of RMSNorm and the rotary embedding
+        fuse_elementwise(model)
     _sync(dev)
     return BuiltModel(
         model=model, device=dev, keep_weights=keep_weights, meta_init=meta_init,

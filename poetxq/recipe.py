@@ -157,6 +157,11 @@ class TrainConfig(_Section):
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # one process, fixed shapes; `poetxq bench` only for now
     cuda_graph: bool = False
+    # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
+    # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing
+    # outside a CUDA graph, where the recomputed compiled calls cost more host time than the
+    # fused kernels save (poetxq.fuse.fuse_wanted); ignored on a CPU
+    fuse_elementwise: bool | Literal["auto"] = "auto"
     # keep the checkpointed layer inputs in pinned host memory (needs gradient_checkpointing;
     # poetxq.lowmem.enable_activation_checkpointing)
     offload_activations: bool = False
