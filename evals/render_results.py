@@ -330,6 +330,30 @@ def _memory_state8(name: str = "gpu_memory_state8_h200.json", when: str = "") ->
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
+def _ab_table(name: str, title: str, label: str, column: str) -> list[str]:
+    """Step time and peak memory of each row of an A/B file, ``label`` naming the variant."""
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        title,
+        "",
+        f"| model | checkpointing | CUDA graph | {column} | call | peak (GiB) | step (s) | "
+        "official step (s) | speed-up (target ≥ 1.5) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["results"]:
+        graph = r.get("cuda_graph", False)
+        peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
+        lines.append(
+            f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
+            f"{'yes' if graph else 'no'} | {r[label]} | {r.get('call', 0)} | "
+            f"{peak:.2f}{' (reserved)' if graph else ''} | {r['step_time_s']:.3f} | "
+            f"{r['official_step_s']:.2f} | {r['speedup_vs_official']:.2f} |"
+        )
+    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+
+
 def _memory_lowmem() -> list[str]:
     name = "gpu_memory_lowmem_h200.json"
     d = _load(name)
@@ -484,6 +508,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     lines += _tokens_table(
         "throughput_3b_fm_h200.json", "### Llama-3B tokens/s with the feature-major layer"
+    )
+    lines += _ab_table(
+        "flat_optimizer_ab_h200.json",
+        "### Flattened optimizer groups (`poetxq.flat`), Llama-13B eager A/B",
+        "optimizer_groups",
+        "optimizer groups",
+    )
+    lines += _ab_table(
+        "fuse_elementwise_h200.json",
+        "### Fused RMSNorm and rotary (`train.fuse_elementwise`), A/B and CUDA-graph steps",
+        "fuse_elementwise",
+        "fused",
+    )
+    lines += _tokens_table(
+        "throughput_1b_fuse_h200.json", "### Llama-1B tokens/s with fused RMSNorm and rotary"
     )
     lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
