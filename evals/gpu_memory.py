@@ -159,6 +159,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         r = recipe.model_copy(deep=True)
         r.train.gradient_checkpointing = ckpt
         r.train.offload_activations = offload
+        r.train.fuse_elementwise = fused  # what this build did, whatever "auto" would say
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
         step()  # warm-up: Adam states, allocator, autotuning
         _sync(dev)

@@ -25,13 +25,17 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
 
   (RMSNorms keep an fp32 input and the normalized rows; attention keeps q, k, v, the output and
   the log-sum-exp; the MLP keeps gate, up, SiLU(gate) and their product — with POET ``mem`` layers
-  only gate and up, :class:`poetxq.layer.POETXSwiGLUMLP`, so ``4f`` less, ``8f`` in fp32.) POET
+  only gate and up, :class:`poetxq.layer.POETXSwiGLUMLP`, so ``4f`` less, ``8f`` in fp32; with
+  ``train.fuse_elementwise`` active, :mod:`poetxq.fuse`, a compiled RMSNorm keeps its input and a
+  per-row scale only, ``8d`` less per layer and ``4d`` less for the final norm.) POET
   ``mem`` layers keep only their input, the same tensor a ``nn.Linear`` keeps; ``fast`` also keeps
   the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
   whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`); under
-  checkpointing, the recomputed layer's concatenated ``Q``. Under autocast, ``nn.Linear``
+  checkpointing, the recomputed layer's concatenated ``Q`` — neither with 8-bit states and no
+  ragged side, where the optimizer's flat groups (:mod:`poetxq.flat`) let the map read ``Q``
+  through a view. Under autocast, ``nn.Linear``
   weights are also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its
   input (``r·d`` per token, ``r`` the residual-stream dtype bytes) and one layer at a time is
   recomputed.
@@ -60,6 +64,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from poetxq.fuse import fuse_wanted
 from poetxq.recipe import Recipe, method_label
 
 Precision = str  # "bf16" | "autocast" | "fp32"
@@ -278,6 +283,8 @@ def estimate_memory(
     frozen = buffers = params = grads = states = opt_tmp = 0
     n_train = n_frozen = q_bytes = 0
     cnp_const = 0  # saved Cayley–Neumann intermediates per decoder layer
+    ckpt_q = 0  # under checkpointing: the recomputed layer's concatenated Q (unless flat)
+    any_ragged = False
     fast_extra = 0  # per token and layer, fast variant
     cast_weights = 0  # autocast bf16 copies of nn.Linear weights per layer
     largest_mn = max(m * n for _, m, n in _projections(recipe))
@@ -324,8 +331,9 @@ def estimate_memory(
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
+                any_ragged = any_ragged or ragged
                 if tc.gradient_checkpointing:  # the recomputed layer's one lean CNP keeps
-                    cnp_const += q_numel * p  # its input, the layer's concatenated Q
+                    ckpt_q += q_numel * p  # its input, the layer's concatenated Q
                 fast_extra += c * nb * b
         elif quantized:
             frozen += m * n + 2 * 4 * math.ceil(m * n / group)
@@ -342,6 +350,10 @@ def estimate_memory(
                 lowrank_states += _lowrank_state_bytes(m, n, recipe)
             else:
                 states += 2 * m * n * p + 4
+    # poetxq.flat (8-bit states): Q lies end to end, the CNP reads it through a view, no copy
+    flat_q = is_poet and oc.state_bits == 8 and not any_ragged
+    if not flat_q:
+        cnp_const += ckpt_q
     in_backward_grads = grads  # one layer's
     frozen, buffers, params, grads, states = (
         x * L for x in (frozen, buffers, params, grads, states)
@@ -368,9 +380,14 @@ def estimate_memory(
         saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
+    head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
+    if precision != "fp32" and fuse_wanted(tc, "cuda"):
+        # poetxq.fuse: a compiled RMSNorm keeps its input and the per-row scale, not an fp32
+        # copy of its input beside the normalized rows (4d bytes per token less per norm)
+        layer_tok -= 2 * 4 * d
+        head_norm -= 4 * d
     layer_const = cnp_const + cast_weights
     layer_full = T * layer_tok + layer_const
-    head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
     rotary = 2 * S * hd * (2 if precision == "bf16" else 4)  # cos, sin [1, S, head_dim]
     head = 8 * B * (S + 1) + rotary + T * head_norm
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
@@ -390,7 +407,7 @@ def estimate_memory(
         notes.append("checkpointing: each layer keeps its input; one layer is recomputed at a time")
     else:
         acts = L * layer_full + head
-        if is_poet and not pc.freeze_orthogonal:
+        if is_poet and not pc.freeze_orthogonal and not flat_q:
             acts += q_bytes  # poetxq.blockcache: the concatenated Q of all sides, saved once
     # forward: bf16 logits + fp32 copy + log-softmax (c + 8)·T·V; loss backward: log-softmax
     # output + its gradient + the logits' gradient, 12·T·V (the larger)

@@ -33,7 +33,7 @@ def _recipe(method="poetxq", **over):
 
 def test_hand_computation_poetxq_int8_autocast():
     """d=64, f=192, h=4, L=2, b=32 (no ragged block), V=96, B=2, S=16 (T=32), autocast."""
-    r = _recipe(**{"model.intermediate_size": 192})
+    r = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False})
     est = estimate_memory(r, vocab_size=V, precision="autocast")
     d, f, L, T, b = 64, 192, 2, 32, 32
     shapes = [(d, d)] * 4 + [(f, d)] * 2 + [(d, f)]  # (out m, in n)
@@ -63,6 +63,17 @@ def test_hand_computation_poetxq_int8_autocast():
     end = est.gradients + layer + est.workspace
     step = est.gradients + max(4 * q, 4 * other)
     assert est.peak == persistent + max(start, end, step)
+    # poetxq.fuse (on by default on a GPU): a compiled RMSNorm keeps its input and the per-row
+    # scale, not an fp32 copy beside the normalized rows: 4d bytes per token less per norm
+    fused = estimate_memory(_recipe(**{"model.intermediate_size": 192}), vocab_size=V)
+    assert fused.layer_activations == layer - T * 2 * 4 * d
+    assert fused.head_activations == head - T * 4 * d
+    # poetxq.flat with 8-bit states: the CNP reads Q through a view, no concatenated copy
+    flat = estimate_memory(
+        _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
+                   "optim.state_bits": 8}), vocab_size=V,
+    )  # fmt: skip
+    assert flat.activations == L * layer + head
 
 
 def _build(recipe, dtype=torch.float32):
@@ -141,7 +152,10 @@ ACT_CASES = [
 
 @pytest.mark.parametrize("method,precision,over", ACT_CASES, ids=lambda x: str(x))
 def test_activations_equal_what_autograd_saves(method, precision, over):
-    recipe = _recipe(method, **{"model.intermediate_size": 192, **over})
+    # the CPU model runs eager RMSNorms: the estimate without poetxq.fuse's compiled ones
+    recipe = _recipe(
+        method, **{"model.intermediate_size": 192, "train.fuse_elementwise": False, **over}
+    )
     est = estimate_memory(recipe, vocab_size=V, precision=precision)
     torch.manual_seed(0)
     model, _ = _build(recipe, torch.bfloat16 if precision == "bf16" else torch.float32)
