@@ -132,6 +132,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
                     lambda b: training_loss(model, b, tc.loss_chunk_tokens),
                     batch,
                     list(model.parameters()),
+                    flat_groups=getattr(optimizer, "flat_groups", ()),
                 )
             graphed(batch)
         else:

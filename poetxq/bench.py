@@ -243,7 +243,10 @@ def run_bench(
                                   generator=data_gen)  # fmt: skip
             if tc.cuda_graph:
                 if graphed is None:
-                    graphed = GraphedMicroStep(micro_loss, batch, list(model.parameters()))
+                    graphed = GraphedMicroStep(
+                        micro_loss, batch, list(model.parameters()),
+                        flat_groups=getattr(optimizer, "flat_groups", ()),
+                    )  # fmt: skip
                 graphed(batch)
             else:
                 micro_loss(batch).backward()

@@ -21,9 +21,11 @@ shapes that change between steps, and code that reads tensor values on the host 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+
+from poetxq.flat import FlatParams
 
 
 class CUDAGraphError(RuntimeError):
@@ -39,6 +41,10 @@ class GraphedMicroStep:
         example_batch: a batch of the fixed shape and dtype every later call will have (int64
             token windows ``[B, L+1]`` in the trainer); copied into the static input.
         params: the trainable parameters; their ``.grad`` tensors are created here and reused.
+        flat_groups: the optimizer's flattened groups (``optimizer.flat_groups`` of
+            :func:`poetxq.optim.adamw8bit_class`): their parameters' gradients are created as
+            views of one buffer per group (:meth:`poetxq.flat.FlatParams.attach_grads`), so the
+            8-bit update takes one launch per group.
         warmup: eager forward/backward passes on a side stream before the capture (Triton
             compilation, cuBLAS workspaces, allocator); their gradients are zeroed afterwards.
 
@@ -53,6 +59,7 @@ class GraphedMicroStep:
         params: list[torch.nn.Parameter],
         *,
         warmup: int = 2,
+        flat_groups: Sequence[FlatParams] = (),
     ) -> None:
         if not example_batch.is_cuda:
             raise CUDAGraphError("CUDA graphs need a CUDA device; set train.cuda_graph: false")
@@ -64,6 +71,8 @@ class GraphedMicroStep:
             for _ in range(max(warmup, 1)):
                 loss_fn(self.static_batch).backward()
         torch.cuda.current_stream().wait_stream(side)
+        for group in flat_groups:  # gradients laid out like the optimizer's flat buffers
+            group.attach_grads()
         for p in self.params:  # accumulate into existing tensors during capture and replay
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

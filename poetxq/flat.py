@@ -115,16 +115,47 @@ class FlatParams:
             for p, o in zip(self.params, self.offsets, strict=True)
         )
 
+    def attach_grads(self) -> torch.Tensor:
+        """Give every parameter a zero ``.grad`` that is a view into one new buffer laid out like
+        :attr:`flat` (returned), so that gradients accumulated into them in place (autograd does
+        so once ``.grad`` exists; :class:`poetxq.cudagraph.GraphedMicroStep` keeps them) form a
+        single :meth:`grad_runs` run, gaps included (they stay zero)."""
+        buf = torch.zeros_like(self.flat)
+        for i, p in enumerate(self.params):
+            p.grad = self.slot(buf, i)
+        self._attached = buf.untyped_storage().data_ptr()
+        return buf
+
+    _attached: int = 0  # storage of the last attach_grads buffer (its gaps are known zeros)
+
+    def _follows(self, i: int, grads: list[torch.Tensor]) -> bool:
+        """Whether gradient ``i`` lies where the layout of :attr:`flat` puts it after ``i-1``."""
+        prev, cur = grads[i - 1], grads[i]
+        step = self.offsets[i] - self.offsets[i - 1]
+        storage = cur.untyped_storage().data_ptr()
+        return (
+            cur.dtype == prev.dtype
+            and cur.device == prev.device
+            and cur.is_contiguous()
+            and prev.is_contiguous()
+            and storage == prev.untyped_storage().data_ptr()
+            and cur.data_ptr() == prev.data_ptr() + step * cur.element_size()
+            # a gap is only known to hold zeros in a buffer of attach_grads
+            and (step == prev.numel() or storage == self._attached)
+        )
+
     def grad_runs(self) -> list[tuple[int, int, torch.Tensor]] | None:
-        """The gradients as maximal runs that lie end to end both in :attr:`flat` and in memory.
+        """The gradients as maximal runs laid out in memory as their parameters are in
+        :attr:`flat`.
 
         Returns:
-            ``[(start, end, grad)]``: parameters ``start..end-1`` (indices into :attr:`params`)
-            are adjacent in :attr:`flat` (no gap) and their gradients are adjacent in one
-            storage, ``grad`` being a 1-D view over them (no copy). The batched CNP's backward
-            leaves every ``Q`` gradient of a forward in one run (one per checkpointed layer
-            under activation checkpointing); unrelated gradients give one run per parameter.
-            None when a parameter has no gradient.
+            ``[(start, end, grad)]``: the gradients of parameters ``start..end-1`` (indices into
+            :attr:`params`) lie in one storage at the same relative positions as the parameters
+            in :attr:`flat`, ``grad`` being a 1-D view over them (no copy) from the first one's
+            start to the last one's end. The batched CNP's backward leaves every ``Q`` gradient
+            of a forward end to end in one run (one per checkpointed layer under activation
+            checkpointing), :meth:`attach_grads` puts all of them in one; unrelated gradients
+            give one run per parameter. None when a parameter has no gradient.
         """
         grads = [p.grad for p in self.params]
         if any(g is None for g in grads):
@@ -132,14 +163,11 @@ class FlatParams:
         runs = []
         start = 0
         for i in range(1, len(grads) + 1):
-            if (
-                i < len(grads)
-                and self.offsets[i] == self.offsets[i - 1] + grads[i - 1].numel()
-                and adjacent_span(grads[i - 1 : i + 1]) is not None  # type: ignore[arg-type]
-            ):
+            if i < len(grads) and self._follows(i, grads):  # type: ignore[arg-type]
                 continue
-            span = adjacent_span(grads[start:i])  # type: ignore[arg-type]
-            assert span is not None  # each pair in the run was adjacent
+            first = grads[start]
+            n = self.offsets[i - 1] + grads[i - 1].numel() - self.offsets[start]  # type: ignore[union-attr]
+            span = first.detach().as_strided((n,), (1,), first.storage_offset())  # type: ignore[union-attr]
             runs.append((start, i, span))
             start = i
         return runs

@@ -3,16 +3,18 @@
 transformers' ``LlamaRMSNorm`` runs as eight separate kernels forward (cast to fp32, square,
 mean, add, rsqrt, multiply, cast back, scale) and more backward, and its rotary embedding
 (``apply_rotary_pos_emb``) as about ten (two ``cat`` among them), each one a full pass over a
-``[tokens, hidden]`` activation. In an H200 profile of a Llama-13B POET-XQ step those passes were
-about a fifth of the GPU time (``evals/results/profiles/``). :func:`fuse_elementwise` hands both
-to ``torch.compile`` (Inductor), which emits one fused kernel per chain; the math is the same
-(Inductor keeps the intermediates of a chain in fp32, so bf16 results can differ in the last
-bit from eager's per-op rounding).
+``[tokens, hidden]`` activation; the SwiGLU product of the fused POET ``mem`` MLP takes two
+kernels forward and five backward over ``[tokens, intermediate]``. In an H200 profile of a
+Llama-13B POET-XQ step those passes were about a fifth of the GPU time
+(``evals/results/profiles/``). :func:`fuse_elementwise` hands them to ``torch.compile``
+(Inductor), which emits one fused kernel per chain; the math is the same (Inductor keeps the
+intermediates of a chain in fp32, so bf16 results can differ in the last bit from eager's
+per-op rounding).
 
-:func:`fuse_wanted` decides from the recipe (``train.fuse_elementwise``). Only these two pieces
-are compiled, never the POET-X(Q) layers (their Triton kernels and custom
-autograd functions stay as they are). The first forward compiles (tens of seconds); later calls
-reuse the compiled code for every layer.
+:func:`fuse_wanted` decides from the recipe (``train.fuse_elementwise``). Only these pieces are
+compiled, never the POET-X(Q) layers (their Triton kernels and custom autograd functions stay as
+they are). The first forward compiles (tens of seconds); later calls reuse the compiled code for
+every layer.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _is_rms_norm(module: nn.Module) -> bool:
 
 def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     """Compile every RMSNorm module of ``model`` in place (``nn.Module.compile``: names and
-    ``state_dict`` unchanged) and transformers' Llama ``apply_rotary_pos_emb``.
+    ``state_dict`` unchanged), transformers' Llama ``apply_rotary_pos_emb`` and the SwiGLU maps
+    of the fused POET ``mem`` MLP (:data:`poetxq.layer.SWIGLU_OPS`).
 
     Args:
         model: a transformers Llama (or any model with ``*RMSNorm`` modules).
@@ -58,13 +61,20 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
         The number of modules and functions compiled now (0 when all already were).
 
     Notes:
-        The rotary function is replaced in ``transformers.models.llama.modeling_llama`` for the
-        whole process (every Llama there uses the compiled one; same results).
+        The rotary function (in ``transformers.models.llama.modeling_llama``) and the SwiGLU
+        maps are replaced for the whole process (every model there uses the compiled ones;
+        same results).
     """
     done = 0
     for module in model.modules():
         if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is None:
             module.compile(backend=backend, dynamic=False)
+            done += 1
+    from poetxq import layer
+
+    for key, fn in (("forward", layer.swiglu), ("grads", layer.swiglu_grads)):
+        if layer.SWIGLU_OPS[key] is fn:  # the fused mem MLP's elementwise maps (process-wide)
+            layer.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=False)
             done += 1
     try:
         from transformers.models.llama import modeling_llama

@@ -29,7 +29,7 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -312,6 +312,24 @@ def _mem_backward_fused(
     return dx, dg_p, dg_r
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``SiLU(gate) · up`` (same shapes and dtype as the inputs)."""
+    return F.silu(gate) * up
+
+
+def swiglu_grads(
+    gate: torch.Tensor, up: torch.Tensor, dx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(∂gate, ∂up)`` of ``x = SiLU(gate) · up`` given ``dx = ∂L/∂x``: ``SiLU'(gate)·dx·up``
+    (torch's own SiLU backward, fp32 math for 16-bit inputs) and ``dx·SiLU(gate)``."""
+    return torch.ops.aten.silu_backward(dx * up, gate), dx * F.silu(gate)
+
+
+#: the SwiGLU elementwise maps used by the fused ``mem`` MLP; :func:`poetxq.fuse.fuse_elementwise`
+#: swaps in ``torch.compile``'d versions (one kernel each instead of two and five)
+SWIGLU_OPS: dict[str, Any] = {"forward": swiglu, "grads": swiglu_grads}
+
+
 class _SwiGLUDownMemFn(torch.autograd.Function):
     """``down(SiLU(gate) · up)`` with a ``mem`` down projection, saving ``gate`` and ``up`` only.
 
@@ -332,23 +350,19 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(gate, up, g_p, g_r)
         ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        x = F.silu(gate) * up
+        x = SWIGLU_OPS["forward"](gate, up)
         return _forward(x, g_p, g_r, frozen, side_p, side_r)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         gate, up, g_p, g_r = ctx.saved_tensors
-        act = F.silu(gate)
-        x = act * up
+        x = SWIGLU_OPS["forward"](gate, up)
         needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
         dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, needs)
         del x
         d_gate = d_up = None
         if dx is not None:
-            d_up = dx * act
-            # SiLU'(g)·(dx·up) in one kernel (torch's own SiLU backward, fp32 math for 16-bit
-            # inputs) instead of a chain of fp32 elementwise passes over [T, f]
-            d_gate = torch.ops.aten.silu_backward(dx * up, gate)
+            d_gate, d_up = SWIGLU_OPS["grads"](gate, up, dx)
         return d_gate, d_up, dg_p, dg_r, None, None, None
 
 

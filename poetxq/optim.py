@@ -145,6 +145,12 @@ def adamw8bit_class() -> type:
             self._flat_state.pop(index, None)
             return flat
 
+        @property
+        def flat_groups(self) -> list[FlatParams]:
+            """The flattened groups (:meth:`flatten_group`), for callers that lay out gradients
+            to match (:class:`poetxq.cudagraph.GraphedMicroStep`)."""
+            return list(self._flat.values())
+
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             super().load_state_dict(state_dict)
             self._flat_state.clear()  # the loaded states are new tensors: re-gathered next step

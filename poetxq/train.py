@@ -451,7 +451,10 @@ def train(
                 if tc.cuda_graph:
                     if graphed is None:
                         trainable = [p for p in model.parameters() if p.requires_grad]
-                        graphed = GraphedMicroStep(micro_loss, batch, trainable)
+                        graphed = GraphedMicroStep(
+                            micro_loss, batch, trainable,
+                            flat_groups=getattr(raw_optimizer, "flat_groups", ()),
+                        )  # fmt: skip
                     loss = graphed(batch) * tc.grad_accum
                 else:
                     loss = batch_loss(batch)

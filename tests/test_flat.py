@@ -212,3 +212,19 @@ def test_flattened_poet_model_trains_like_an_unflattened_one():
         assert na == nb
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=na)
     assert any(q.abs().sum() > 0 for q in orthogonal_parameters(m))
+
+
+def test_attached_grads_accumulate_into_one_run():
+    """attach_grads (what a CUDA graph's static gradients use): autograd adds into the views,
+    the values equal separate gradients, and the whole group is one run."""
+    ps = _params()
+    flat = FlatParams(ps)
+    buf = flat.attach_grads()
+    x = [torch.randn(*s, generator=torch.Generator().manual_seed(5)) for s in SHAPES]
+    for _ in range(2):  # accumulated twice, in place
+        sum((p * xi).sum() for p, xi in zip(ps, x, strict=True)).backward()
+    runs = flat.grad_runs()
+    assert [(a, b) for a, b, _ in runs] == [(0, len(ps))]
+    assert runs[0][2].data_ptr() == buf.data_ptr()
+    for p, xi in zip(ps, x, strict=True):
+        torch.testing.assert_close(p.grad, 2 * xi, rtol=0, atol=0)

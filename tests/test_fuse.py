@@ -18,10 +18,14 @@ CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 
 @pytest.fixture
 def restore_rope(monkeypatch):
-    """fuse_elementwise swaps transformers' rotary function process-wide: undo it afterwards."""
+    """fuse_elementwise swaps transformers' rotary function and the SwiGLU maps process-wide:
+    undo it afterwards."""
     from transformers.models.llama import modeling_llama
 
+    from poetxq import layer
+
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    monkeypatch.setattr(layer, "SWIGLU_OPS", dict(layer.SWIGLU_OPS))
     return modeling_llama
 
 
@@ -32,7 +36,8 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
     fused = copy.deepcopy(eager)
     # aot_eager: the same capture and autograd split as on a GPU, no C++ compiler needed
     n = fuse_elementwise(fused, backend="aot_eager")
-    assert n == 2 * CFG.num_hidden_layers + 1 + 1  # two norms per layer, the final norm, rotary
+    # two norms per layer, the final norm, rotary, the two SwiGLU maps
+    assert n == 2 * CFG.num_hidden_layers + 1 + 1 + 2
     assert getattr(restore_rope.apply_rotary_pos_emb, "_poetxq_compiled", False)
     assert fuse_elementwise(fused, backend="aot_eager") == 0  # idempotent
     assert list(fused.state_dict()) == list(eager.state_dict())  # names unchanged
@@ -46,3 +51,24 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
     for (name, a), b in zip(eager.named_parameters(), fused.parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_fuse_wanted_follows_the_recipe():
+    from poetxq.fuse import fuse_wanted
+    from poetxq.recipe import TrainConfig
+
+    assert not fuse_wanted(TrainConfig(fuse_elementwise=True), "cpu")  # never on a CPU
+    assert fuse_wanted(TrainConfig(), "cuda")  # auto
+    assert not fuse_wanted(TrainConfig(gradient_checkpointing=True), "cuda")  # eager recompute
+    assert fuse_wanted(TrainConfig(gradient_checkpointing=True, cuda_graph=True), "cuda")
+    assert fuse_wanted(TrainConfig(gradient_checkpointing=True, fuse_elementwise=True), "cuda")
+    assert not fuse_wanted(TrainConfig(fuse_elementwise=False), "cuda")
+
+
+def test_recipe_refuses_a_bad_fuse_value():
+    from poetxq.recipe import RecipeError, load_recipe
+
+    assert load_recipe(None, {"train.fuse_elementwise": "auto"}).train.fuse_elementwise == "auto"
+    assert load_recipe(None, {"train.fuse_elementwise": False}).train.fuse_elementwise is False
+    with pytest.raises(RecipeError, match="fuse_elementwise"):
+        load_recipe(None, {"train.fuse_elementwise": "maybe"})
