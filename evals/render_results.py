@@ -524,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     lines += _tokens_table(
         "throughput_1b_fuse_h200.json", "### Llama-1B tokens/s with fused RMSNorm and rotary"
     )
+    lines += _memory_state8(
+        "gpu_memory_13b_graph_fecbb52_h200.json",
+        " (fused SwiGLU maps too, one update launch per flat group)",
+    )
     lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
