@@ -318,16 +318,26 @@ def _memory_state8(name: str = "gpu_memory_state8_h200.json", when: str = "") ->
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in d["results"]:
-        graph = r.get("cuda_graph", False)
-        peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
+        ckpt, graph, peak = _setting_cells(r)
         lines.append(
-            f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
-            f"{'yes' if graph else 'no'} | {peak:.2f}{' (reserved)' if graph else ''} | "
+            f"| {r['model']} | {ckpt} | {graph} | {peak} | "
             f"{r['estimated_peak_gib']:.2f} | {r['official_peak_gib']:.2f} | "
             f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
             f"{r['speedup_vs_official']:.2f} |"
         )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+
+
+def _setting_cells(r: dict[str, Any]) -> tuple[str, str, str]:
+    """Checkpointing, CUDA-graph and peak-memory cells of an ``evals/gpu_memory.py`` row (a
+    graph's activations live in its pool: its reserved peak, an upper bound)."""
+    graph = r.get("cuda_graph", False)
+    peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
+    return (
+        "yes" if r["gradient_checkpointing"] else "no",
+        "yes" if graph else "no",
+        f"{peak:.2f}{' (reserved)' if graph else ''}",
+    )
 
 
 def _ab_table(name: str, title: str, label: str, column: str) -> list[str]:
@@ -343,13 +353,11 @@ def _ab_table(name: str, title: str, label: str, column: str) -> list[str]:
         "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in d["results"]:
-        graph = r.get("cuda_graph", False)
-        peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
+        ckpt, graph, peak = _setting_cells(r)
         lines.append(
-            f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
-            f"{'yes' if graph else 'no'} | {r[label]} | {r.get('call', 0)} | "
-            f"{peak:.2f}{' (reserved)' if graph else ''} | {r['step_time_s']:.3f} | "
-            f"{r['official_step_s']:.2f} | {r['speedup_vs_official']:.2f} |"
+            f"| {r['model']} | {ckpt} | {graph} | {r[label]} | {r.get('call', 0)} | {peak} | "
+            f"{r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
+            f"{r['speedup_vs_official']:.2f} |"
         )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 

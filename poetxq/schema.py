@@ -1,9 +1,11 @@
 """The pydantic base of the recipe sections (:mod:`poetxq.recipe`, ``data.DataConfig``).
 
-On top of pydantic's checks it refuses two inputs that pydantic's lax mode lets through: a boolean
-for an integer or float field (``max_steps: true`` would become 1, since ``bool`` subclasses
-``int``) and a non-finite float (``inf`` / ``nan``: no learning rate, decay or epsilon means
-anything infinite). The error names the key like every other schema error.
+On top of pydantic's checks it refuses three inputs that pydantic's lax mode lets through: a
+boolean for an integer or float field (``max_steps: true`` would become 1, since ``bool``
+subclasses ``int``), anything but ``true`` / ``false`` for a boolean field (lax mode reads
+``"yes"``, ``"on"``, ``1`` or ``"0"`` as booleans), and a non-finite float (``inf`` / ``nan``: no
+learning rate, decay or epsilon means anything infinite). The error names the key like every other
+schema error.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def _number_kind(annotation: Any) -> str | None:
     return "number" if "number" in kinds else kinds.pop() if kinds else None
 
 
+def _bool_field(annotation: Any) -> tuple[bool, tuple[Any, ...]]:
+    """Whether ``annotation`` is a boolean field (``bool``, ``bool | None``, ``bool |
+    Literal[...]``), and the other values it allows (``None``, the literals)."""
+    if annotation is bool:
+        return True, ()
+    args = typing.get_args(annotation)
+    if bool not in args:
+        return False, ()
+    others: list[Any] = []
+    for a in args:
+        if a is type(None):
+            others.append(None)
+        elif typing.get_origin(a) is typing.Literal:
+            others.extend(typing.get_args(a))
+    return True, tuple(others)
+
+
 class StrictSection(BaseModel):
     """Unknown keys, booleans given for numbers, and ``inf`` / ``nan`` are errors."""
 
@@ -47,4 +66,9 @@ class StrictSection(BaseModel):
             if kind is not None:
                 what = "an integer" if kind == "integer" else "a number"
                 raise ValueError(f"Input should be {what}, not a boolean (true/false)")
+        field = cls.model_fields.get(info.field_name) if info.field_name is not None else None
+        is_bool, others = _bool_field(field.annotation) if field is not None else (False, ())
+        if is_bool and not isinstance(value, bool) and value not in others:
+            also = "".join(f" or {o!r}" for o in others if o is not None)
+            raise ValueError(f"Input should be true or false{also}")
         return value

@@ -105,22 +105,28 @@ def test_seq_len_above_max_positions_raises_them_with_a_note():
 
 
 @pytest.mark.parametrize(
-    "text,key,kind",
+    "text,key,expected",
     [
-        ("train:\n  max_steps: true\n", "train.max_steps", "an integer"),
-        ("optim:\n  lr: false\n", "optim.lr", "a number"),
-        ("data:\n  split_seed: yes\n", "data.split_seed", "an integer"),
-        ("model:\n  num_key_value_heads: true\n", "model.num_key_value_heads", "an integer"),
-        ("optim:\n  betas: [true, 0.9]\n", "optim.betas", "a number"),
+        ("train:\n  max_steps: true\n", "train.max_steps", "an integer, not a boolean"),
+        ("optim:\n  lr: false\n", "optim.lr", "a number, not a boolean"),
+        ("data:\n  split_seed: yes\n", "data.split_seed", "an integer, not a boolean"),
+        ("model:\n  num_key_value_heads: true\n", "model.num_key_value_heads",
+         "an integer, not a boolean"),
+        ("optim:\n  betas: [true, 0.9]\n", "optim.betas", "a number, not a boolean"),
+        # pydantic's lax mode would read "yes", 1 or "false" as booleans
+        ('train:\n  cuda_graph: "yes"\n', "train.cuda_graph", "true or false"),
+        ("train:\n  gradient_checkpointing: 1\n", "train.gradient_checkpointing", "true or false"),
+        ('poet:\n  double_quant: "false"\n', "poet.double_quant", "true or false"),
+        ("train:\n  fuse_elementwise: gpu\n", "train.fuse_elementwise", "true or false or 'auto'"),
     ],
-)
-def test_booleans_are_not_numbers(tmp_path, text, key, kind):
+)  # fmt: skip
+def test_booleans_and_numbers_do_not_mix(tmp_path, text, key, expected):
     f = tmp_path / "bool.yaml"
     f.write_text(text)
     with pytest.raises(RecipeError) as exc:
         load_recipe(f)
     msg = str(exc.value)
-    assert msg.startswith(f"{f}: key '{key}': Input should be {kind}, not a boolean")
+    assert msg.startswith(f"{f}: key '{key}': Input should be {expected}")
     assert "\n" not in msg
     # booleans stay booleans; integers still fill float fields
     r = load_recipe(None, {"model.tie_word_embeddings": True, "optim.lr": 1})
