@@ -73,6 +73,8 @@ class BenchResult:
     offload_activations: bool = False
     optimizer_in_backward: bool = False
     loss_chunk_tokens: int = 0
+    fuse_elementwise: bool = False  # RMSNorm / rotary / SwiGLU compiled (poetxq.fuse), resolved
+    state_bits: int = 32  # optimizer state bits (optim.state_bits)
     #: CUDA reserved-memory peak; with a CUDA graph the activations live in its private pool,
     #: which ``peak_memory_bytes`` (allocated) does not count
     peak_reserved_bytes: int | None = None
@@ -196,6 +198,7 @@ def run_bench(
     from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.cudagraph import GraphedMicroStep
     from poetxq.estimate import estimate_memory
+    from poetxq.fuse import fuse_wanted
     from poetxq.loss import training_loss
     from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
     from poetxq.train import peak_rss_bytes
@@ -295,7 +298,8 @@ def run_bench(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=tc.cuda_graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
-        loss_chunk_tokens=tc.loss_chunk_tokens,
+        loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev),
+        state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
     )  # fmt: skip
 

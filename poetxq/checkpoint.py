@@ -66,6 +66,8 @@ RESUMABLE_KEYS = frozenset(
         "train.offload_activations",
         "train.optimizer_in_backward",
         "train.loss_chunk_tokens",
+        # the same math in fused kernels (poetxq.fuse; bf16 rounding may differ in the last bit)
+        "train.fuse_elementwise",
     }
 )
 

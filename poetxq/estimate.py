@@ -386,6 +386,9 @@ def estimate_memory(
         # copy of its input beside the normalized rows (4d bytes per token less per norm)
         layer_tok -= 2 * 4 * d
         head_norm -= 4 * d
+        notes.append(
+            "fused RMSNorm (train.fuse_elementwise on a GPU): 8d bytes less per token and layer"
+        )
     layer_const = cnp_const + cast_weights
     layer_full = T * layer_tok + layer_const
     rotary = 2 * S * hd * (2 if precision == "bf16" else 4)  # cos, sin [1, S, head_dim]

@@ -355,6 +355,12 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
     run = Path(run_dir)
     ckpt = run / "model.safetensors"
     if not run.is_dir() or not ckpt.is_file() or not (run / "recipe.yaml").is_file():
+        if (run / "checkpoints").is_dir():  # an interrupted run: its checkpoints hold the model
+            raise ExportError(
+                f"'{run}' is a run that has not finished (no model.safetensors, only "
+                f"checkpoints); finish it with 'poetxq train --resume {run}' (add --max-steps N "
+                "to stop sooner), then export it"
+            )
         raise ExportError(
             f"'{run}' is not a finished run directory (needs recipe.yaml and model.safetensors); "
             "pass a directory written by 'poetxq quantize-and-train'"

@@ -432,3 +432,14 @@ def test_export_refuses_non_finite_weights_and_writes_into_cwd(runs, tmp_path, c
     monkeypatch.chdir(here)
     assert main(["export", str(runs / "b8"), "--format", "hf-bf16", "."]) == 0
     assert (here / "model.safetensors").is_file()
+
+
+def test_unfinished_run_names_resume(tmp_path):
+    """A run stopped before its end holds checkpoints but no model.safetensors: the error says
+    how to finish it instead of calling the folder foreign."""
+    from poetxq.export import ExportError, export_run
+
+    run = tmp_path / "stopped"
+    (run / "checkpoints" / "step-00000010").mkdir(parents=True)
+    with pytest.raises(ExportError, match=r"has not finished.*--resume"):
+        export_run(run, "hf-bf16", tmp_path / "out")
