@@ -193,7 +193,7 @@ def build_for_training(
                 model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
-    if fuse_wanted(recipe.train, dev):  # torch.compile of RMSNorm and the rotary embedding
+    if fuse_wanted(recipe.train, dev):  # torch.compile of RMSNorm, rotary embedding, SwiGLU
         fuse_elementwise(model)
     _sync(dev)
     return BuiltModel(

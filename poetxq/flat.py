@@ -9,10 +9,10 @@ buffer, in order, each starting at a multiple of ``align`` elements (256: bitsan
 8-bit optimizer state, so a flat update quantizes exactly the blocks a per-tensor one would).
 Then:
 
-* the optimizer updates the whole buffer with one launch (:func:`poetxq.optim.adamw8bit_class`);
-* :func:`adjacent_span` sees that neighbouring parameters (or their gradients) already lie end to
-  end in memory and returns one view over them, where a ``torch.cat`` would copy
-  (:meth:`FlatParams.grad_runs`).
+* the optimizer updates each run of gradients laid out like the buffer with one launch
+  (:meth:`FlatParams.grad_runs`, :func:`poetxq.optim.adamw8bit_class`);
+* :func:`adjacent_span` sees that neighbouring parameters already lie end to end in memory and
+  returns one view over them, where a ``torch.cat`` would copy (:mod:`poetxq.blockcache`).
 
 Nothing here changes a value: the parameters keep their shapes, names and ``state_dict``; only
 their storage moves. Code that later replaces a parameter's ``.data`` (``module.to(device)``
@@ -26,6 +26,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+
+#: elements per block of bitsandbytes' blockwise 8-bit optimizer state (one absmax each)
+BNB_STATE_BLOCK = 256
 
 
 def adjacent_span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -77,7 +80,7 @@ class FlatParams:
         ValueError: empty list, repeated parameter, or mixed dtypes/devices.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], align: int = 256) -> None:
+    def __init__(self, params: Sequence[nn.Parameter], align: int = BNB_STATE_BLOCK) -> None:
         params = list(params)
         if not params:
             raise ValueError("FlatParams needs at least one parameter")
@@ -165,9 +168,12 @@ class FlatParams:
         for i in range(1, len(grads) + 1):
             if i < len(grads) and self._follows(i, grads):  # type: ignore[arg-type]
                 continue
-            first = grads[start]
-            n = self.offsets[i - 1] + grads[i - 1].numel() - self.offsets[start]  # type: ignore[union-attr]
-            span = first.detach().as_strided((n,), (1,), first.storage_offset())  # type: ignore[union-attr]
+            first = grads[start].detach()  # type: ignore[union-attr]
+            if i - start == 1:  # one tensor: itself (copied only if not contiguous)
+                span = first.reshape(-1)
+            else:  # contiguous tensors at flat's relative positions (_follows)
+                n = self.offsets[i - 1] + grads[i - 1].numel() - self.offsets[start]  # type: ignore[union-attr]
+                span = first.as_strided((n,), (1,), first.storage_offset())
             runs.append((start, i, span))
             start = i
         return runs

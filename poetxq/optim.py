@@ -64,8 +64,9 @@ def build_optimizer(
     if cfg.state_bits == 8:
         opt = adamw8bit_class()(groups, betas=cfg.betas, eps=cfg.eps)
         for i, g in enumerate(groups):  # Q and the norms: hundreds of tensors, one launch each
-            kinds = {(p.dtype, p.device) for p in g["params"]}
-            if flatten and g["name"] in ("poet", "no_decay") and len(g["params"]) > 1 == len(kinds):
+            params = g["params"]
+            one_kind = len({(p.dtype, p.device) for p in params}) == 1
+            if flatten and g["name"] in ("poet", "no_decay") and len(params) > 1 and one_kind:
                 opt.flatten_group(i)
         return opt
     return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)
@@ -116,15 +117,14 @@ def adamw8bit_class() -> type:
     end in memory (one run for all ``Q`` of a model without activation checkpointing, one per
     layer with it). Because every tensor starts on a block boundary, each call quantizes exactly
     the blocks the per-tensor calls would, and the result is the same (bit-identical on the CPU:
-    test). The
-    per-tensor path is taken instead, for that step, when a parameter of the group has no
-    gradient, a state is missing 8 bits, the steps of the group's tensors differ, or a
+    test). The per-tensor path is taken instead, for that step, when a parameter of the group
+    has no gradient, a state is not 8-bit, the steps of the group's tensors differ, or a
     parameter's storage was replaced.
     """
     import bitsandbytes as bnb
     import bitsandbytes.functional as bnbF
 
-    from poetxq.flat import FlatParams
+    from poetxq.flat import BNB_STATE_BLOCK, FlatParams
 
     class AdamW8bit(bnb.optim.AdamW8bit):
         __doc__ = adamw8bit_class.__doc__
@@ -189,7 +189,7 @@ def adamw8bit_class() -> type:
             dev = flat.flat.device
             qmap1 = self.name2qmap["dynamic"] = self.name2qmap["dynamic"].to(dev)
             qmap2 = self.name2qmap["udynamic"] = self.name2qmap["udynamic"].to(dev)
-            n, bs = flat.numel, 256  # bitsandbytes' blockwise optimizer state block
+            n, bs = flat.numel, BNB_STATE_BLOCK
             buf = {
                 "state1": torch.zeros(n, dtype=torch.uint8, device=dev),
                 "state2": torch.zeros(n, dtype=torch.uint8, device=dev),
@@ -232,7 +232,7 @@ def adamw8bit_class() -> type:
             config = self.get_config(gi, 0, group)
             st["step"] += 1
             betas = config["betas"]
-            bs = 256  # every parameter starts on a state block: runs never share a block
+            bs = BNB_STATE_BLOCK  # every parameter starts on a state block: runs share none
             for first, _, grad in runs:
                 lo = flat.offsets[first]
                 hi = lo + grad.numel()
