@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
     p.add_argument("recipes", nargs="+", metavar="RECIPE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key before validating, e.g. --set "
+                   "train.fuse_elementwise=false (repeatable; applied to every file)")  # fmt: skip
     from poetxq.tools_cli import add_tool_parsers  # estimate-memory, bench, report
 
     add_tool_parsers(sub)
@@ -461,7 +464,8 @@ def _run_validate(args: argparse.Namespace) -> int:
     bad = 0
     for path in args.recipes:
         try:
-            recipe = load_recipe(path)
+            overrides = dict(parse_override(text) for text in args.overrides)
+            recipe = load_recipe(path, overrides)
         except RecipeError as exc:
             print(f"poetxq: error: {exc}", file=sys.stderr)
             bad += 1

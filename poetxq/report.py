@@ -51,6 +51,8 @@ def _memory_options(run: Run) -> str:
         f"chunked loss ({o.split('=')[1]})" if o.startswith("loss_chunk_tokens=") else _SHORT[o]
         for o in run.recipe.train.memory_options()
     ]
+    if run.recipe.optim.state_bits == 8:  # bitsandbytes' blockwise 8-bit Adam moments
+        names.append("8-bit states")
     return ", ".join(names) or "-"
 
 

@@ -269,3 +269,16 @@ def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys
                  str(blocker / "e.json")]) == 2  # fmt: skip
     out, err = capsys.readouterr()
     assert out == "" and f"--json '{blocker}/e.json' cannot be written" in err
+
+
+def test_report_names_memory_options_and_8bit_states():
+    from types import SimpleNamespace
+
+    from poetxq.recipe import load_recipe
+    from poetxq.report import _memory_options
+
+    plain = SimpleNamespace(recipe=load_recipe(None))
+    assert _memory_options(plain) == "-"
+    over = {"optim.state_bits": 8, "train.gradient_checkpointing": True}
+    lean = SimpleNamespace(recipe=load_recipe(None, {**over, "train.loss_chunk_tokens": 256}))
+    assert _memory_options(lean) == "checkpointing, chunked loss (256), 8-bit states"

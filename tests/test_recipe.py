@@ -164,3 +164,9 @@ def test_validate_command_reports_every_file(tmp_path, capsys):
     assert f"{latin1}: not UTF-8 text" in err[2]
     assert "absent.yaml' does not exist" in err[3]
     assert main(["validate", str(good)]) == 0
+    # --set checks an override against the schema too, for every file
+    assert main(["validate", str(good), "--set", "poet.block_size=128"]) == 0
+    assert "b=128" in capsys.readouterr().out
+    assert main(["validate", str(good), "--set", "train.fuse_elementwise=maybe"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("poetxq: error: ") and "train.fuse_elementwise" in err
