@@ -577,7 +577,10 @@ def compose_recipe_tree(
             del prov[k]
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)  # an explicit None (``--set key=``) sets null
-        prov[key] = f"override {key}={value}"
+        shown = value  # as YAML reads it: null, true/false (1 stays 1)
+        if value is None or isinstance(value, bool):
+            shown = "null" if value is None else str(value).lower()
+        prov[key] = f"override {key}={shown}"
     return tree, prov, source
 
 

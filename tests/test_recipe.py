@@ -170,3 +170,13 @@ def test_validate_command_reports_every_file(tmp_path, capsys):
     assert main(["validate", str(good), "--set", "train.fuse_elementwise=maybe"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("poetxq: error: ") and "train.fuse_elementwise" in err
+
+
+def test_override_is_shown_as_yaml_reads_it():
+    """``--set key=`` is null and ``--set key=true`` is true in the message, as in the YAML."""
+    with pytest.raises(RecipeError, match=r"^override train\.cuda_graph=null: "):
+        load_recipe(None, {"train.cuda_graph": None})
+    with pytest.raises(RecipeError, match=r"^override train\.max_steps=true: "):
+        load_recipe(None, {"train.max_steps": True})
+    with pytest.raises(RecipeError, match=r"^override train\.cuda_graph=1: "):
+        load_recipe(None, {"train.cuda_graph": 1})
