@@ -33,12 +33,12 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
   whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`); under
-  checkpointing, the recomputed layer's concatenated ``Q`` — neither with 8-bit states and no
-  ragged side, where the optimizer's flat groups (:mod:`poetxq.flat`) let the map read ``Q``
-  through a view. Under autocast, ``nn.Linear``
-  weights are also kept as bf16 copies. With whole-layer checkpointing a layer keeps only its
-  input (``r·d`` per token, ``r`` the residual-stream dtype bytes) and one layer at a time is
-  recomputed.
+  checkpointing, the recomputed layer's concatenated ``Q`` — neither with 8-bit states when
+  every side's ``Q`` fills whole 256-element blocks and none is ragged, where the optimizer's
+  flat groups (:mod:`poetxq.flat`) let the map read ``Q`` through a view. Under autocast,
+  ``nn.Linear`` weights are also kept as bf16 copies. With whole-layer checkpointing a layer
+  keeps only its input (``r·d`` per token, ``r`` the residual-stream dtype bytes) and one layer
+  at a time is recomputed.
 * **logits / loss** — ``[T, V]``: in the forward the bf16 logits, their fp32 copy and the
   log-softmax output; in the loss backward the log-softmax output, its gradient and the logits'
   gradient (``12·T·V`` bytes, the larger).
@@ -64,6 +64,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from poetxq.flat import BNB_STATE_BLOCK
 from poetxq.fuse import fuse_wanted
 from poetxq.recipe import Recipe, method_label
 
@@ -284,7 +285,7 @@ def estimate_memory(
     n_train = n_frozen = q_bytes = 0
     cnp_const = 0  # saved Cayley–Neumann intermediates per decoder layer
     ckpt_q = 0  # under checkpointing: the recomputed layer's concatenated Q (unless flat)
-    any_ragged = False
+    flat_gapless = True  # every side's Q fills whole 8-bit state blocks (no gaps in the buffer)
     fast_extra = 0  # per token and layer, fast variant
     cast_weights = 0  # autocast bf16 copies of nn.Linear weights per layer
     largest_mn = max(m * n for _, m, n in _projections(recipe))
@@ -331,7 +332,7 @@ def estimate_memory(
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
-                any_ragged = any_ragged or ragged
+                flat_gapless = flat_gapless and not ragged and q_numel % BNB_STATE_BLOCK == 0
                 if tc.gradient_checkpointing:  # the recomputed layer's one lean CNP keeps
                     ckpt_q += q_numel * p  # its input, the layer's concatenated Q
                 fast_extra += c * nb * b
@@ -350,8 +351,9 @@ def estimate_memory(
                 lowrank_states += _lowrank_state_bytes(m, n, recipe)
             else:
                 states += 2 * m * n * p + 4
-    # poetxq.flat (8-bit states): Q lies end to end, the CNP reads it through a view, no copy
-    flat_q = is_poet and oc.state_bits == 8 and not any_ragged
+    # poetxq.flat (8-bit states): when no side leaves a gap, Q lies end to end and the CNP
+    # reads it through a view, no copy
+    flat_q = is_poet and oc.state_bits == 8 and flat_gapless
     if not flat_q:
         cnp_const += ckpt_q
     in_backward_grads = grads  # one layer's

@@ -68,12 +68,13 @@ def test_hand_computation_poetxq_int8_autocast():
     fused = estimate_memory(_recipe(**{"model.intermediate_size": 192}), vocab_size=V)
     assert fused.layer_activations == layer - T * 2 * 4 * d
     assert fused.head_activations == head - T * 4 * d
-    # poetxq.flat with 8-bit states: the CNP reads Q through a view, no concatenated copy
+    # poetxq.flat with 8-bit states: a Q of 2 or 6 blocks x 496 entries leaves gaps between
+    # the 256-aligned slots, so the CNP still concatenates (the gapless case: ACT_CASES)
     flat = estimate_memory(
         _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
                    "optim.state_bits": 8}), vocab_size=V,
     )  # fmt: skip
-    assert flat.activations == L * layer + head
+    assert flat.activations == L * layer + head + 4 * q
 
 
 def _build(recipe, dtype=torch.float32):
@@ -147,6 +148,10 @@ ACT_CASES = [
     ("poetx", "fp32", {"poet.variant": "fast"}), ("adamw", "bf16", {}), ("adamw", "autocast", {}),
     ("qgalore", "autocast", {}), ("poetxq", "bf16", {"train.gradient_checkpointing": True}),
     ("poetxq", "autocast", {"train.gradient_checkpointing": True}),
+    # 8-bit states, b = 128: every Q fills whole 256-element blocks, the flat group is gapless
+    # and the batched CNP reads Q through a view (poetxq.flat), no concatenated copy
+    ("poetxq", "autocast", {"optim.state_bits": 8, "model.hidden_size": 512,
+                            "model.intermediate_size": 1024, "poet.block_size": 128}),
 ]  # fmt: skip
 
 
