@@ -12,9 +12,11 @@ from torch import nn
 def causal_lm_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats, fp32 scalar) of ``windows`` ``[B, L+1]`` (int64).
 
-    Inputs are ``windows[:, :-1]``, labels ``windows[:, 1:]``.
+    Inputs are ``windows[:, :-1]``, labels ``windows[:, 1:]``. ``model`` is called with
+    ``use_cache=False``: a transformers causal LM would otherwise build a key/value cache, one
+    copy of every layer's keys and values (``torch.cat`` into an empty cache), that nothing reads.
     """
-    logits = model(input_ids=windows[:, :-1]).logits
+    logits = model(input_ids=windows[:, :-1], use_cache=False).logits
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
 
 

@@ -130,7 +130,8 @@ def causal_lm_loss_chunked(
     applies ``model.lm_head.weight`` chunk by chunk, never holding the ``[B·L, V]`` logits.
 
     Args:
-        model: a bare causal LM such as ``LlamaForCausalLM``: ``model.model(input_ids=...)``
+        model: a bare causal LM such as ``LlamaForCausalLM``: ``model.model(input_ids=...,
+            use_cache=False)`` (no key/value cache, see :func:`poetxq.evaluate.causal_lm_loss`)
             returns ``.last_hidden_state`` ``[B, L, d]``, ``model.lm_head`` a bias-free linear.
         windows: ``[B, L+1]`` int64 token ids.
         chunk_tokens: tokens per chunk (positive int).
@@ -152,7 +153,7 @@ def causal_lm_loss_chunked(
         raise ValueError(
             "causal_lm_loss_chunked supports a bias-free lm_head only; use causal_lm_loss"
         )
-    hidden = decoder(input_ids=windows[:, :-1]).last_hidden_state
+    hidden = decoder(input_ids=windows[:, :-1], use_cache=False).last_hidden_state
     labels = windows[:, 1:].reshape(-1)
     return ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, chunk_tokens

@@ -200,3 +200,27 @@ def test_logits_are_not_saved_for_backward(gen):
     saved = _saved_numels(lambda: causal_lm_loss_chunked(model, windows, 5))
     assert n_logits not in saved
     assert max(saved) == VOCAB * CFG.hidden_size  # the largest is the lm_head/embedding weight
+
+
+def test_training_losses_build_no_kv_cache(gen, monkeypatch):
+    """Both losses run the decoder with ``use_cache=False``: no layer's keys/values are copied
+    into a cache (a ``torch.cat`` per layer and tensor that nothing reads). The control call
+    shows the spy sees the cache a default forward builds."""
+    import transformers.cache_utils as cache_utils
+
+    calls = {"n": 0}
+    real = cache_utils.Cache.update
+
+    def spy(self, *args, **kwargs):
+        calls["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cache_utils.Cache, "update", spy)
+    model = build_llama(CFG, VOCAB)
+    windows = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    model(input_ids=windows[:, :-1])  # control: transformers' default caches
+    assert calls["n"] == CFG.num_hidden_layers
+    calls["n"] = 0
+    causal_lm_loss(model, windows).backward()
+    causal_lm_loss_chunked(model, windows, 4).backward()
+    assert calls["n"] == 0
