@@ -41,6 +41,13 @@ SWEEP = {  # (tile, num_warps) tried by --sweep
     torch.float32: [(16, 4), (32, 4), (32, 8), (64, 8)],
     torch.bfloat16: [(32, 4), (64, 4), (64, 8), (128, 8)],
 }
+SWEEP_DENSE = {  # (BM, BK, num_warps, num_stages) of the dense-Q kernels tried by --sweep
+    torch.float32: [(32, 32, 4, 2), (32, 16, 4, 3), (64, 32, 8, 2)],
+    torch.bfloat16: [
+        (128, 64, 8, 3), (128, 32, 8, 4), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+        (64, 32, 4, 4), (64, 64, 8, 3),
+    ],
+}  # fmt: skip
 CHECK_BLOCKS = 256  # blocks compared against float64
 
 
@@ -67,14 +74,19 @@ def _max_rel(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 def bench_dtype(
     packed: torch.Tensor, d_g: torch.Tensor, b: int, warmup: int, reps: int, sweep: bool = False
 ) -> dict:
-    """Check and time the three CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
+    """Check and time the four CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
     (and, with ``sweep``, the fused path under each configuration of :data:`SWEEP`)."""
+    from quant_kernels.cnp_dense import default_dense_config
     from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
+
+    def fused_dense(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
+        return cayley_neumann_fused(p, b_, k, config=config, dense_q=True)
 
     paths = {
         "reference": reference.cayley_neumann,
         "lean": cnp.cayley_neumann_lean,
         "fused": cayley_neumann_fused,
+        "fused_dense": fused_dense,
     }
     leaf = packed.detach().requires_grad_(True)
 
@@ -88,26 +100,30 @@ def bench_dtype(
 
         return run
 
-    res: dict = {"fused_config": list(default_config(b, packed.dtype))}
+    res: dict = {
+        "fused_config": list(default_config(b, packed.dtype)),
+        "fused_dense_config": list(default_dense_config(b, packed.dtype)),
+    }
     # correctness at full size: fused vs the torch reference in the same dtype
     g_ref = reference.cayley_neumann(leaf, b, 3)
     (dp_ref,) = torch.autograd.grad(g_ref, leaf, d_g)
     g_ref = g_ref.detach()
-    g_fused = cayley_neumann_fused(leaf, b, 3)
-    (dp_fused,) = torch.autograd.grad(g_fused, leaf, d_g)
-    g_fused = g_fused.detach()
-    fa, fr = _max_rel(g_fused, g_ref)
-    ba, br = _max_rel(dp_fused, dp_ref)
-    res["check_vs_reference"] = {
-        "fwd_max_abs_err": fa, "fwd_rel_err": fr, "bwd_max_abs_err": ba, "bwd_rel_err": br,
-    }  # fmt: skip
-    del g_ref, g_fused, dp_ref, dp_fused
+    for name, key in (("fused", "check_vs_reference"), ("fused_dense", "check_dense_vs_reference")):
+        g_fused = paths[name](leaf, b, 3)
+        (dp_fused,) = torch.autograd.grad(g_fused, leaf, d_g)
+        fa, fr = _max_rel(g_fused.detach(), g_ref)
+        ba, br = _max_rel(dp_fused, dp_ref)
+        res[key] = {
+            "fwd_max_abs_err": fa, "fwd_rel_err": fr, "bwd_max_abs_err": ba, "bwd_rel_err": br,
+        }  # fmt: skip
+        del g_fused, dp_fused
+    del g_ref, dp_ref
     # both against float64 on a subset: who is closer to the exact polynomial?
     sub = packed[:CHECK_BLOCKS].double().requires_grad_(True)
     g64 = reference.cayley_neumann(sub, b, 3)
     (dp64,) = torch.autograd.grad(g64, sub, d_g[:CHECK_BLOCKS].double())
     check64 = {}
-    for name in ("reference", "fused"):
+    for name in ("reference", "fused", "fused_dense"):
         s = packed[:CHECK_BLOCKS].detach().requires_grad_(True)
         g = paths[name](s, b, 3)
         (dp,) = torch.autograd.grad(g, s, d_g[:CHECK_BLOCKS])
@@ -129,6 +145,9 @@ def bench_dtype(
         k: ms["fused"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
     }
     res["ratio_fused_vs_lean"] = {k: ms["fused"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")}
+    res["ratio_fused_dense_vs_reference"] = {
+        k: ms["fused_dense"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
+    }
     if sweep:
         res["sweep_fwd_bwd_ms"] = {}
         for cfg in SWEEP[packed.dtype]:
@@ -138,6 +157,14 @@ def bench_dtype(
             except Exception as exc:  # a configuration that does not compile or fit: report it
                 t = f"{type(exc).__name__}: {str(exc)[:200]}"
             res["sweep_fwd_bwd_ms"][f"tile{cfg[0]}_warps{cfg[1]}"] = t
+            torch.cuda.empty_cache()
+        for cfg in SWEEP_DENSE[packed.dtype]:
+            fn = lambda p, b_, k, cfg=cfg: fused_dense(p, b_, k, config=cfg)  # noqa: E731
+            try:
+                t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
+            except Exception as exc:
+                t = f"{type(exc).__name__}: {str(exc)[:200]}"
+            res["sweep_fwd_bwd_ms"]["dense_bm{}_bk{}_warps{}_stages{}".format(*cfg)] = t
             torch.cuda.empty_cache()
     return res
 
@@ -176,22 +203,26 @@ def main(argv: list[str] | None = None) -> int:
         dt = DTYPES[name]
         r = bench_dtype(packed32.to(dt), d_g32.to(dt), b, args.warmup, args.reps, args.sweep)
         doc["results"][name] = r
-        ms, c = r["ms"], r["check_vs_reference"]
+        ms = r["ms"]
         for k in ("fwd", "fwd_bwd"):
             print(
                 f"{name} {k:7s}  reference {ms['reference'][k]:8.2f} ms  lean "
                 f"{ms['lean'][k]:8.2f} ms  fused {ms['fused'][k]:8.2f} ms  "
+                f"fused_dense {ms['fused_dense'][k]:8.2f} ms  "
                 f"fused/ref {r['ratio_fused_vs_reference'][k]:.3f}  "
-                f"fused/lean {r['ratio_fused_vs_lean'][k]:.3f}",
+                f"fused_dense/ref {r['ratio_fused_dense_vs_reference'][k]:.3f}",
+                flush=True,
+            )
+        for key in ("check_vs_reference", "check_dense_vs_reference"):
+            c = r[key]
+            print(
+                f"{name} {key}  fwd max abs {c['fwd_max_abs_err']:.2e} (rel "
+                f"{c['fwd_rel_err']:.1e})  bwd max abs {c['bwd_max_abs_err']:.2e} (rel "
+                f"{c['bwd_rel_err']:.1e})",
                 flush=True,
             )
         peaks = "  ".join(f"{p} {ms[p]['fwd_bwd_peak_extra_mib']:.0f}" for p in ms)
-        print(
-            f"{name} check   fwd max abs {c['fwd_max_abs_err']:.2e} (rel {c['fwd_rel_err']:.1e})  "
-            f"bwd max abs {c['bwd_max_abs_err']:.2e} (rel {c['bwd_rel_err']:.1e})  "
-            f"peak extra MiB: {peaks}",
-            flush=True,
-        )
+        print(f"{name} peak extra MiB (fwd+bwd): {peaks}", flush=True)
         if "sweep_fwd_bwd_ms" in r:
             print(f"{name} sweep   fused fwd_bwd ms by config: {r['sweep_fwd_bwd_ms']}", flush=True)
     if args.out:

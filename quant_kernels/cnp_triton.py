@@ -494,18 +494,32 @@ def cnp_backward(
 # ----------------------------------------------------------------------------------------------
 
 
+def _forward(packed: torch.Tensor, block_size: int, config, dense_q: bool) -> torch.Tensor:
+    if dense_q:
+        from quant_kernels.cnp_dense import cnp_forward_dense
+
+        return cnp_forward_dense(packed, block_size, config=config)
+    return cnp_forward(packed, block_size, config=config)
+
+
 class _CayleyNeumannFused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, packed: torch.Tensor, block_size: int, config) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, packed: torch.Tensor, block_size: int, config, dense_q: bool) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(packed)
-        ctx.block_size, ctx.config = block_size, config
-        return cnp_forward(packed, block_size, config=config)
+        ctx.block_size, ctx.config, ctx.dense_q = block_size, config, dense_q
+        return _forward(packed, block_size, config, dense_q)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_g: torch.Tensor):  # type: ignore[override]
         (packed,) = ctx.saved_tensors
-        return cnp_backward(packed, d_g, ctx.block_size, config=ctx.config), None, None
+        if ctx.dense_q:
+            from quant_kernels.cnp_dense import cnp_backward_dense
+
+            d_packed = cnp_backward_dense(packed, d_g, ctx.block_size, config=ctx.config)
+        else:
+            d_packed = cnp_backward(packed, d_g, ctx.block_size, config=ctx.config)
+        return d_packed, None, None, None
 
 
 def cayley_neumann_fused(
@@ -513,7 +527,8 @@ def cayley_neumann_fused(
     block_size: int,
     terms: int = 3,
     *,
-    config: tuple[int, int] | None = None,
+    config: tuple[int, ...] | None = None,
+    dense_q: bool = False,
 ) -> torch.Tensor:
     """Fused Triton :func:`~quant_kernels.reference.cayley_neumann` for ``k = 3`` (POET,
     arXiv 2506.08001): ``G = I + 2(Q + Q² + Q³) + Q⁴`` with ``Q = U − Uᵀ``.
@@ -526,7 +541,11 @@ def cayley_neumann_fused(
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
         block_size: ``b ≥ 2``.
         terms: Neumann order; only ``3`` is fused.
-        config: ``(tile, num_warps)``; default :func:`default_config`.
+        config: the kernels' tiling: ``(tile, num_warps)`` (:func:`default_config`), or with
+            ``dense_q`` ``(BM, BK, num_warps, num_stages)``
+            (:func:`quant_kernels.cnp_dense.default_dense_config`).
+        dense_q: run the kernels of :mod:`quant_kernels.cnp_dense` (``Q`` written out dense
+            first, pipelined K loops) instead of reading ``Q`` from ``packed``.
 
     Returns:
         ``G`` ``[nb, b, b]`` in ``packed.dtype``; differentiable w.r.t. ``packed``.
@@ -538,5 +557,5 @@ def cayley_neumann_fused(
         raise ValueError(f"the fused CNP implements k = 3 Neumann terms only, got {terms}")
     _check(packed, block_size)
     if torch.is_grad_enabled() and packed.requires_grad:
-        return _CayleyNeumannFused.apply(packed, block_size, config)
-    return cnp_forward(packed, block_size, config=config)
+        return _CayleyNeumannFused.apply(packed, block_size, config, dense_q)
+    return _forward(packed, block_size, config, dense_q)

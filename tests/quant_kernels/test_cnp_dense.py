@@ -1,0 +1,111 @@
+"""Dense-Q fused CNP (:mod:`quant_kernels.cnp_dense`) vs float64 and the torch reference.
+
+Under ``TRITON_INTERPRET=1`` the kernels use 16×16 tiles and 16-wide K steps: b = 8 (one partial
+tile), 16 (one full tile), 20 and 33 (full and partial tiles, partial last K step) and 40 (3×3
+tiles) exercise every mask; b = 40 also runs 32×32 tiles with 16-wide K steps (two steps per
+tile).
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
+    )
+
+from quant_kernels.cnp_dense import cnp_backward_dense, cnp_forward_dense
+from quant_kernels.cnp_triton import cayley_neumann_fused, cnp_backward, cnp_forward
+from quant_kernels.reference import cayley_neumann
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_ATOL = 1e-5 if DEVICE == "cpu" else 5e-5
+REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
+SIZES = [(8, 3, None), (16, 2, None), (20, 2, None), (33, 1, None), (40, 1, None),
+         (40, 1, (32, 16, 4, 1))]  # fmt: skip
+_GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU only")
+
+
+def _packed(nb: int, b: int, gen: torch.Generator, scale: float = 0.3) -> torch.Tensor:
+    return torch.randn(nb, b * (b - 1) // 2, generator=gen) * (scale / b**0.5)
+
+
+def _ref_grad(packed: torch.Tensor, d_g: torch.Tensor, b: int) -> torch.Tensor:
+    leaf = packed.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(cayley_neumann(leaf, b, 3), leaf, d_g)
+    return grad
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("b,nb,config", SIZES)
+def test_fp32_matches_float64_and_packed_layout(b, nb, config, gen):
+    packed = _packed(nb, b, gen)
+    d_g = torch.randn(nb, b, b, generator=gen)
+    g = cnp_forward_dense(packed.to(DEVICE), b, config=config)
+    d_packed = cnp_backward_dense(packed.to(DEVICE), d_g.to(DEVICE), b, config=config)
+    assert g.shape == (nb, b, b) and g.dtype == torch.float32
+    assert d_packed.shape == packed.shape and d_packed.dtype == torch.float32
+    g64 = cayley_neumann(packed.double(), b, 3)
+    assert (g.double().cpu() - g64).abs().max().item() <= FP32_ATOL
+    grad64 = _ref_grad(packed.double(), d_g.double(), b)
+    assert (d_packed.double().cpu() - grad64).abs().max().item() <= FP32_ATOL
+    # the same algebra as the packed-layout kernels: equal up to fp32 summation order
+    g_packed = cnp_forward(packed.to(DEVICE), b)
+    dp_packed = cnp_backward(packed.to(DEVICE), d_g.to(DEVICE), b)
+    assert (g - g_packed).abs().max().item() <= 1e-6
+    assert (d_packed - dp_packed).abs().max().item() <= 1e-5
+
+
+SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
+               pytest.param(200, 2, marks=_GPU_ONLY)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,nb", SIZES_16BIT)
+def test_16bit_matches_float64(b, nb, dtype, gen):
+    packed = _packed(nb, b, gen).to(dtype)
+    d_g = torch.randn(nb, b, b, generator=gen).to(dtype)
+    g = cnp_forward_dense(packed.to(DEVICE), b)
+    d_packed = cnp_backward_dense(packed.to(DEVICE), d_g.to(DEVICE), b)
+    assert g.dtype == dtype and d_packed.dtype == dtype
+    assert _rel(g, cayley_neumann(packed.double(), b, 3)) <= REL_TOL[dtype]
+    assert _rel(d_packed, _ref_grad(packed.double(), d_g.double(), b)) <= REL_TOL[dtype]
+
+
+def test_autograd_with_dense_q_saves_only_packed(gen):
+    b = 20
+    packed = _packed(2, b, gen).to(DEVICE).requires_grad_(True)
+    d_g = torch.randn(2, b, b, generator=gen).to(DEVICE)
+    g = cayley_neumann_fused(packed, b, dense_q=True)
+    saved = g.grad_fn.saved_tensors
+    assert len(saved) == 1 and saved[0].data_ptr() == packed.data_ptr()
+    g.backward(d_g)
+    ref = _ref_grad(packed.detach().cpu().double(), d_g.cpu().double(), b)
+    assert (packed.grad.double().cpu() - ref).abs().max().item() <= FP32_ATOL
+    with torch.no_grad():
+        again = cayley_neumann_fused(packed, b, dense_q=True)
+    assert again.grad_fn is None and torch.equal(again, g.detach())
+
+
+def test_zero_q_gives_identity_and_empty_stack():
+    g = cnp_forward_dense(torch.zeros(2, 28, device=DEVICE), 8)
+    assert torch.equal(g.cpu(), torch.eye(8).expand(2, 8, 8))
+    assert cnp_forward_dense(torch.zeros(0, 28, device=DEVICE), 8).shape == (0, 8, 8)
+    d_packed = cnp_backward_dense(torch.zeros(0, 28, device=DEVICE), torch.zeros(0, 8, 8), 8)
+    assert d_packed.shape == (0, 28)
+
+
+def test_errors():
+    p = torch.zeros(2, 28, device=DEVICE)
+    with pytest.raises(ValueError, match="b\\(b-1\\)/2"):
+        cnp_forward_dense(p, 9)
+    with pytest.raises(ValueError, match="config"):
+        cnp_forward_dense(p, 8, config=(24, 16, 4, 1))
+    with pytest.raises(ValueError, match="d_g"):
+        cnp_backward_dense(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
