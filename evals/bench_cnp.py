@@ -72,7 +72,13 @@ def _max_rel(a: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 
 def bench_dtype(
-    packed: torch.Tensor, d_g: torch.Tensor, b: int, warmup: int, reps: int, sweep: bool = False
+    packed: torch.Tensor,
+    d_g: torch.Tensor,
+    b: int,
+    warmup: int,
+    reps: int,
+    sweep: bool = False,
+    profile: bool = False,
 ) -> dict:
     """Check and time the four CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
     (and, with ``sweep``, the fused path under each configuration of :data:`SWEEP`)."""
@@ -141,6 +147,18 @@ def bench_dtype(
         }
         torch.cuda.empty_cache()
     res["ms"] = ms
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        res["profile"] = {}
+        for name in ("fused", "fused_dense"):
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fwd_bwd(paths[name])()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+            res["profile"][name] = table
+            print(f"--- {name}\n{table}", flush=True)
     res["ratio_fused_vs_reference"] = {
         k: ms["fused"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
     }
@@ -179,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", action="store_true", help="also time other fused configurations")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="print the kernel-level CUDA times of one fused and one fused_dense forward+backward",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cnp: needs a CUDA GPU (none found); nothing measured", file=sys.stderr)
@@ -201,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.recipe}: {nb} blocks of {b}x{b} on {doc['gpu']}", flush=True)
     for name in dtypes:
         dt = DTYPES[name]
-        r = bench_dtype(packed32.to(dt), d_g32.to(dt), b, args.warmup, args.reps, args.sweep)
+        r = bench_dtype(
+            packed32.to(dt), d_g32.to(dt), b, args.warmup, args.reps, args.sweep, args.profile
+        )
         doc["results"][name] = r
         ms = r["ms"]
         for k in ("fwd", "fwd_bwd"):
