@@ -86,13 +86,17 @@ def bench_dtype(
     from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
 
     def fused_dense(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
-        return cayley_neumann_fused(p, b_, k, config=config, dense_q=True)
+        return cayley_neumann_fused(p, b_, k, config=config, layout="dense")
+
+    def fused_hybrid(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
+        return cayley_neumann_fused(p, b_, k, config=config, layout="hybrid")
 
     paths = {
         "reference": reference.cayley_neumann,
         "lean": cnp.cayley_neumann_lean,
         "fused": cayley_neumann_fused,
         "fused_dense": fused_dense,
+        "fused_hybrid": fused_hybrid,
     }
     leaf = packed.detach().requires_grad_(True)
 
@@ -114,7 +118,9 @@ def bench_dtype(
     g_ref = reference.cayley_neumann(leaf, b, 3)
     (dp_ref,) = torch.autograd.grad(g_ref, leaf, d_g)
     g_ref = g_ref.detach()
-    for name, key in (("fused", "check_vs_reference"), ("fused_dense", "check_dense_vs_reference")):
+    fused_paths = [n for n in paths if n.startswith("fused")]
+    for name in fused_paths:
+        key = "check_vs_reference" if name == "fused" else f"check_{name}_vs_reference"
         g_fused = paths[name](leaf, b, 3)
         (dp_fused,) = torch.autograd.grad(g_fused, leaf, d_g)
         fa, fr = _max_rel(g_fused.detach(), g_ref)
@@ -129,7 +135,7 @@ def bench_dtype(
     g64 = reference.cayley_neumann(sub, b, 3)
     (dp64,) = torch.autograd.grad(g64, sub, d_g[:CHECK_BLOCKS].double())
     check64 = {}
-    for name in ("reference", "fused", "fused_dense"):
+    for name in ("reference", *fused_paths):
         s = packed[:CHECK_BLOCKS].detach().requires_grad_(True)
         g = paths[name](s, b, 3)
         (dp,) = torch.autograd.grad(g, s, d_g[:CHECK_BLOCKS])
@@ -152,7 +158,7 @@ def bench_dtype(
         from torch.profiler import profile as torch_profile
 
         res["profile"] = {}
-        for name in ("fused", "fused_dense"):
+        for name in fused_paths:
             with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fwd_bwd(paths[name])()
                 torch.cuda.synchronize()
@@ -163,9 +169,10 @@ def bench_dtype(
         k: ms["fused"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
     }
     res["ratio_fused_vs_lean"] = {k: ms["fused"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")}
-    res["ratio_fused_dense_vs_reference"] = {
-        k: ms["fused_dense"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
-    }
+    for name in fused_paths[1:]:
+        res[f"ratio_{name}_vs_reference"] = {
+            k: ms[name][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
+        }
     if sweep:
         res["sweep_fwd_bwd_ms"] = {}
         for cfg in SWEEP[packed.dtype]:
@@ -176,14 +183,16 @@ def bench_dtype(
                 t = f"{type(exc).__name__}: {str(exc)[:200]}"
             res["sweep_fwd_bwd_ms"][f"tile{cfg[0]}_warps{cfg[1]}"] = t
             torch.cuda.empty_cache()
-        for cfg in SWEEP_DENSE[packed.dtype]:
-            fn = lambda p, b_, k, cfg=cfg: fused_dense(p, b_, k, config=cfg)  # noqa: E731
-            try:
-                t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
-            except Exception as exc:
-                t = f"{type(exc).__name__}: {str(exc)[:200]}"
-            res["sweep_fwd_bwd_ms"]["dense_bm{}_bk{}_warps{}_stages{}".format(*cfg)] = t
-            torch.cuda.empty_cache()
+        for variant, path in (("dense", fused_dense), ("hybrid", fused_hybrid)):
+            for cfg in SWEEP_DENSE[packed.dtype]:
+                fn = lambda p, b_, k, cfg=cfg, path=path: path(p, b_, k, config=cfg)  # noqa: E731
+                try:
+                    t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
+                except Exception as exc:
+                    t = f"{type(exc).__name__}: {str(exc)[:200]}"
+                key = "{}_bm{}_bk{}_warps{}_stages{}".format(variant, *cfg)
+                res["sweep_fwd_bwd_ms"][key] = t
+                torch.cuda.empty_cache()
     return res
 
 
@@ -199,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time other fused configurations")
     ap.add_argument(
         "--profile", action="store_true",
-        help="print the kernel-level CUDA times of one fused and one fused_dense forward+backward",
+        help="print the kernel-level CUDA times of one forward+backward of each fused path",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -229,15 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         doc["results"][name] = r
         ms = r["ms"]
         for k in ("fwd", "fwd_bwd"):
-            print(
-                f"{name} {k:7s}  reference {ms['reference'][k]:8.2f} ms  lean "
-                f"{ms['lean'][k]:8.2f} ms  fused {ms['fused'][k]:8.2f} ms  "
-                f"fused_dense {ms['fused_dense'][k]:8.2f} ms  "
-                f"fused/ref {r['ratio_fused_vs_reference'][k]:.3f}  "
-                f"fused_dense/ref {r['ratio_fused_dense_vs_reference'][k]:.3f}",
-                flush=True,
+            times = "  ".join(f"{p} {ms[p][k]:7.2f}" for p in ms)
+            ratios = "  ".join(
+                f"ref/{p} {ms['reference'][k] / ms[p][k]:.2f}x" for p in ms if p != "reference"
             )
-        for key in ("check_vs_reference", "check_dense_vs_reference"):
+            print(f"{name} {k:7s} ms: {times}   {ratios}", flush=True)
+        for key in [k for k in r if k.startswith("check_") and "float64" not in k]:
             c = r[key]
             print(
                 f"{name} {key}  fwd max abs {c['fwd_max_abs_err']:.2e} (rel "

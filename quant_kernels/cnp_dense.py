@@ -36,9 +36,12 @@ from quant_kernels.cnp_triton import (
     _pairs,
 )
 from quant_kernels.dequant_matmul import _dot, _interpreting
-from quant_kernels.skew import skew_forward
+from quant_kernels.skew import skew_backward, skew_forward
 
-__all__ = ["DenseConfig", "cnp_backward_dense", "cnp_forward_dense", "default_dense_config"]
+__all__ = [
+    "DenseConfig", "cnp_backward_dense", "cnp_backward_hybrid", "cnp_forward_dense",
+    "cnp_forward_hybrid", "default_dense_config",
+]  # fmt: skip
 
 _UPCAST = _interpreting()
 
@@ -69,10 +72,12 @@ def _store_tile(base, val, r0, c0, b, BR: tl.constexpr, BC: tl.constexpr):
 
 @triton.jit
 def _dense_q2_kernel(
-    q_ptr, s_ptr, pairs_ptr, b, n_pairs,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+    q_ptr, s_ptr, aux_ptr, pairs_ptr, b, n_pairs, alpha_i, beta_q,
+    WRITE_AUX: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
-    """``S = Q·Q`` on tile pair ``(I ≤ J)``; tile ``(J, I)`` is the transpose."""
+    """``S = Q·Q`` on tile pair ``(I ≤ J)`` (tile ``(J, I)`` is the transpose) and, with
+    ``WRITE_AUX``, ``AUX = alpha_i·I + beta_q·Q + S`` on both tiles (``S`` as stored, rounded)."""
     blk, ti, tj = _block_and_pair(pairs_ptr, n_pairs)
     qb = q_ptr + blk * b * b
     r0, c0 = ti * BM, tj * BM
@@ -86,6 +91,39 @@ def _dense_q2_kernel(
     _store_tile(sb, val, r0, c0, b, BM, BM)
     if ti != tj:
         _store_tile(sb, tl.trans(val), c0, r0, b, BM, BM)
+    if WRITE_AUX:
+        ab = aux_ptr + blk * b * b
+        sv = val.to(tl.float32)
+        bq = beta_q * _tile(qb, r0, c0, b, BM, BM).to(tl.float32)
+        _store_tile(ab, _plus_eye(sv + bq, r0, c0, alpha_i, BM, BM), r0, c0, b, BM, BM)
+        if ti != tj:  # Q[J, I] = −Q[I, J]ᵀ; no diagonal there
+            _store_tile(ab, tl.trans(sv - bq), c0, r0, b, BM, BM)
+
+
+@triton.jit
+def _skew_pairs_kernel(
+    packed_ptr, q_ptr, g_ptr, pairs_ptr, b, npk, n_pairs,
+    WRITE_G: tl.constexpr, BM: tl.constexpr,
+):  # fmt: skip
+    """Tiles ``(I, J)`` and ``(J, I)`` of ``Q = U − Uᵀ`` from one coalesced load of ``U[I, J]``
+    (tile pair ``I ≤ J``), and with ``WRITE_G`` the same tiles of ``G₀ = I + 2Q``. Exact."""
+    blk, ti, tj = _block_and_pair(pairs_ptr, n_pairs)
+    r = ti * BM + tl.arange(0, BM)[:, None]
+    c = tj * BM + tl.arange(0, BM)[None, :]
+    row_off = r * b - ((r * (r + 1)) >> 1) - r - 1
+    u = tl.load(packed_ptr + blk * npk + row_off + c, mask=(r < c) & (c < b), other=0.0)
+    u = u.to(tl.float32)
+    q = u - tl.trans(u) if ti == tj else u
+    qb = q_ptr + blk * b * b
+    r0, c0 = ti * BM, tj * BM
+    _store_tile(qb, q, r0, c0, b, BM, BM)
+    if ti != tj:
+        _store_tile(qb, -tl.trans(u), c0, r0, b, BM, BM)
+    if WRITE_G:
+        gb = g_ptr + blk * b * b
+        _store_tile(gb, _plus_eye(2.0 * q, r0, c0, 1.0, BM, BM), r0, c0, b, BM, BM)
+        if ti != tj:
+            _store_tile(gb, -2.0 * tl.trans(u), c0, r0, b, BM, BM)
 
 
 @triton.jit
@@ -218,7 +256,9 @@ def _q_and_s(packed: torch.Tensor, b: int, n_tiles: int, meta: dict):
     s = torch.empty_like(q)
     pairs = _pairs(n_tiles, packed.device)
     n_pairs = pairs.shape[1]
-    _dense_q2_kernel[(q.shape[0] * n_pairs,)](q, s, pairs, b, n_pairs, **meta)
+    _dense_q2_kernel[(q.shape[0] * n_pairs,)](
+        q, s, s, pairs, b, n_pairs, 0.0, 0.0, WRITE_AUX=False, **meta
+    )
     return q, s
 
 
@@ -286,4 +326,126 @@ def cnp_backward_dense(
     pairs = _pairs(n_tiles, packed.device)
     n_pairs = pairs.shape[1]
     _dense_a_kernel[(nb * n_pairs,)](q, e, h, d_packed, pairs, b, packed.shape[1], n_pairs, **meta)
+    return d_packed
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrid: Triton for Q, Q² and the elementwise terms, cuBLAS for the full b×b products
+# ----------------------------------------------------------------------------------------------
+
+#: transient bytes per buffer per chunk of blocks (``Q``, ``S``, ``AUX`` … each ``chunk·b²``)
+CHUNK_BYTES = 256 * 2**20
+_SKEW_BM = 16 if _UPCAST else 64
+
+
+def _chunks(nb: int, b: int, elt: int, chunk_bytes: int) -> int:
+    return max(1, min(nb, chunk_bytes // (b * b * elt)))
+
+
+def _skew_pairs(packed: torch.Tensor, q: torch.Tensor, g: torch.Tensor | None, b: int) -> None:
+    pairs = _pairs(triton.cdiv(b, _SKEW_BM), packed.device)
+    n_pairs = pairs.shape[1]
+    _skew_pairs_kernel[(packed.shape[0] * n_pairs,)](
+        packed, q, q if g is None else g, pairs, b, packed.shape[1], n_pairs,
+        WRITE_G=g is not None, BM=_SKEW_BM,
+    )  # fmt: skip
+
+
+def _q2_aux(q, s, aux, b, n_tiles, meta, alpha_i: float, beta_q: float) -> None:
+    pairs = _pairs(n_tiles, q.device)
+    n_pairs = pairs.shape[1]
+    _dense_q2_kernel[(q.shape[0] * n_pairs,)](
+        q, s, aux, pairs, b, n_pairs, alpha_i, beta_q, WRITE_AUX=True, **meta
+    )
+
+
+def cnp_forward_hybrid(
+    packed: torch.Tensor,
+    block_size: int,
+    *,
+    config: DenseConfig | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """``G = I + 2Q + S·B`` (``S = Q²``, ``B = 2I + 2Q + S``; CNP with ``k = 3``), chunk by
+    chunk of blocks: one Triton pass writes ``Q`` and ``G₀ = I + 2Q``, one writes ``S`` (upper
+    tile pairs) and ``B``, and cuBLAS adds ``S·B`` into ``G`` (``baddbmm_``).
+
+    Same contract as :func:`quant_kernels.cnp_triton.cnp_forward`; transient memory three
+    buffers of ``chunk_bytes`` (``Q``, ``S``, ``B``) whatever the number of blocks.
+
+    Args:
+        packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
+        block_size: ``b ≥ 2``.
+        config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
+            :func:`default_dense_config`.
+        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer.
+
+    Returns:
+        ``G`` ``[nb, b, b]`` in ``packed.dtype``.
+
+    Raises:
+        ValueError: as :func:`quant_kernels.cnp_triton.cnp_forward`, or a bad ``config``.
+    """
+    _check(packed, block_size)
+    b, nb = block_size, packed.shape[0]
+    packed = packed.contiguous()
+    n_tiles, meta = _meta(packed, b, config)
+    g = torch.empty(nb, b, b, dtype=packed.dtype, device=packed.device)
+    chunk = _chunks(nb, b, packed.element_size(), chunk_bytes)
+    q = s = aux = None
+    for c0 in range(0, nb, chunk):
+        c1 = min(nb, c0 + chunk)
+        if q is None or q.shape[0] != c1 - c0:
+            q, s, aux = (packed.new_empty(c1 - c0, b, b) for _ in range(3))
+        _skew_pairs(packed[c0:c1], q, g[c0:c1], b)
+        _q2_aux(q, s, aux, b, n_tiles, meta, 2.0, 2.0)
+        g[c0:c1].baddbmm_(s, aux)
+    return g
+
+
+def cnp_backward_hybrid(
+    packed: torch.Tensor,
+    d_g: torch.Tensor,
+    block_size: int,
+    *,
+    config: DenseConfig | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """Gradient of ``⟨d_g, CNP(packed)⟩`` w.r.t. ``packed``, chunk by chunk of blocks.
+
+    With ``M = d_g``, ``S = Q²`` and :mod:`quant_kernels.cnp_triton`'s ``E``, ``H``, ``D``:
+    ``H = 2P`` with ``P = M + S·M``; ``E = P + M·C`` with ``C = I − 2Q + S``; and since ``D``
+    is symmetric and ``Q`` skew, ``DQ + QD = DQ − (DQ)ᵀ``, so the packed gradient is the strict
+    upper triangle of ``Y − Yᵀ`` with ``Y = 2P − E·Q − Eᵀ·Q``. Triton writes ``Q``, ``S`` and
+    ``C``; cuBLAS runs the four products (``baddbmm``, in place where it can);
+    :func:`quant_kernels.skew.skew_backward` folds ``Y`` into ``d_packed``.
+
+    Same contract as :func:`quant_kernels.cnp_triton.cnp_backward`; transient memory five
+    buffers of ``chunk_bytes``.
+
+    Raises:
+        ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, or a bad ``config``.
+    """
+    _check(packed, block_size)
+    b, nb = block_size, packed.shape[0]
+    if d_g.shape != (nb, b, b):
+        raise ValueError(f"d_g must be [{nb}, {b}, {b}], got {tuple(d_g.shape)}")
+    packed = packed.contiguous()
+    d_g = d_g.to(packed.dtype).contiguous()
+    n_tiles, meta = _meta(packed, b, config)
+    d_packed = torch.empty_like(packed)
+    chunk = _chunks(nb, b, packed.element_size(), chunk_bytes)
+    q = s = aux = p = e = None
+    for c0 in range(0, nb, chunk):
+        c1 = min(nb, c0 + chunk)
+        if q is None or q.shape[0] != c1 - c0:
+            q, s, aux, p, e = (packed.new_empty(c1 - c0, b, b) for _ in range(5))
+        m = d_g[c0:c1]
+        _skew_pairs(packed[c0:c1], q, None, b)
+        _q2_aux(q, s, aux, b, n_tiles, meta, 1.0, -2.0)
+        torch.baddbmm(m, s, m, out=p)  # P = M + S·M
+        torch.baddbmm(p, m, aux, out=e)  # E = P + M·C
+        p.baddbmm_(e, q, beta=2.0, alpha=-1.0)  # Y = 2P − E·Q
+        p.baddbmm_(e.transpose(1, 2), q, alpha=-1.0)  # Y −= Eᵀ·Q
+        skew_backward(p, out=d_packed[c0:c1])
     return d_packed

@@ -494,32 +494,46 @@ def cnp_backward(
 # ----------------------------------------------------------------------------------------------
 
 
-def _forward(packed: torch.Tensor, block_size: int, config, dense_q: bool) -> torch.Tensor:
-    if dense_q:
+#: the kernel families :func:`cayley_neumann_fused` can run (``layout``)
+LAYOUTS = ("packed", "dense", "hybrid")
+
+
+def _forward(packed: torch.Tensor, block_size: int, config, layout: str) -> torch.Tensor:
+    if layout == "dense":
         from quant_kernels.cnp_dense import cnp_forward_dense
 
         return cnp_forward_dense(packed, block_size, config=config)
+    if layout == "hybrid":
+        from quant_kernels.cnp_dense import cnp_forward_hybrid
+
+        return cnp_forward_hybrid(packed, block_size, config=config)
     return cnp_forward(packed, block_size, config=config)
+
+
+def _backward(packed: torch.Tensor, d_g: torch.Tensor, block_size: int, config, layout: str):
+    if layout == "dense":
+        from quant_kernels.cnp_dense import cnp_backward_dense
+
+        return cnp_backward_dense(packed, d_g, block_size, config=config)
+    if layout == "hybrid":
+        from quant_kernels.cnp_dense import cnp_backward_hybrid
+
+        return cnp_backward_hybrid(packed, d_g, block_size, config=config)
+    return cnp_backward(packed, d_g, block_size, config=config)
 
 
 class _CayleyNeumannFused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, packed: torch.Tensor, block_size: int, config, dense_q: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, packed: torch.Tensor, block_size: int, config, layout: str) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(packed)
-        ctx.block_size, ctx.config, ctx.dense_q = block_size, config, dense_q
-        return _forward(packed, block_size, config, dense_q)
+        ctx.block_size, ctx.config, ctx.layout = block_size, config, layout
+        return _forward(packed, block_size, config, layout)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_g: torch.Tensor):  # type: ignore[override]
         (packed,) = ctx.saved_tensors
-        if ctx.dense_q:
-            from quant_kernels.cnp_dense import cnp_backward_dense
-
-            d_packed = cnp_backward_dense(packed, d_g, ctx.block_size, config=ctx.config)
-        else:
-            d_packed = cnp_backward(packed, d_g, ctx.block_size, config=ctx.config)
-        return d_packed, None, None, None
+        return _backward(packed, d_g, ctx.block_size, ctx.config, ctx.layout), None, None, None
 
 
 def cayley_neumann_fused(
@@ -528,7 +542,7 @@ def cayley_neumann_fused(
     terms: int = 3,
     *,
     config: tuple[int, ...] | None = None,
-    dense_q: bool = False,
+    layout: str = "packed",
 ) -> torch.Tensor:
     """Fused Triton :func:`~quant_kernels.reference.cayley_neumann` for ``k = 3`` (POET,
     arXiv 2506.08001): ``G = I + 2(Q + Q² + Q³) + Q⁴`` with ``Q = U − Uᵀ``.
@@ -541,21 +555,26 @@ def cayley_neumann_fused(
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
         block_size: ``b ≥ 2``.
         terms: Neumann order; only ``3`` is fused.
-        config: the kernels' tiling: ``(tile, num_warps)`` (:func:`default_config`), or with
-            ``dense_q`` ``(BM, BK, num_warps, num_stages)``
-            (:func:`quant_kernels.cnp_dense.default_dense_config`).
-        dense_q: run the kernels of :mod:`quant_kernels.cnp_dense` (``Q`` written out dense
-            first, pipelined K loops) instead of reading ``Q`` from ``packed``.
+        config: the kernels' tiling: ``(tile, num_warps)`` for ``packed``
+            (:func:`default_config`), ``(BM, BK, num_warps, num_stages)`` for ``dense`` and
+            ``hybrid`` (:func:`quant_kernels.cnp_dense.default_dense_config`).
+        layout: ``packed``: every kernel reads ``Q`` from ``packed`` (this module); ``dense``:
+            ``Q`` written out dense first, every product a pipelined Triton GEMM
+            (:func:`quant_kernels.cnp_dense.cnp_forward_dense`); ``hybrid``: Triton writes
+            ``Q``, ``Q²`` and the elementwise terms, cuBLAS runs the full products, chunk by
+            chunk of blocks (:func:`quant_kernels.cnp_dense.cnp_forward_hybrid`).
 
     Returns:
         ``G`` ``[nb, b, b]`` in ``packed.dtype``; differentiable w.r.t. ``packed``.
 
     Raises:
-        ValueError: ``terms != 3``, or as :func:`cnp_forward`.
+        ValueError: ``terms != 3``, an unknown ``layout``, or as :func:`cnp_forward`.
     """
     if terms != 3:
         raise ValueError(f"the fused CNP implements k = 3 Neumann terms only, got {terms}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} unknown; use one of {', '.join(LAYOUTS)}")
     _check(packed, block_size)
     if torch.is_grad_enabled() and packed.requires_grad:
-        return _CayleyNeumannFused.apply(packed, block_size, config, dense_q)
-    return _forward(packed, block_size, config, dense_q)
+        return _CayleyNeumannFused.apply(packed, block_size, config, layout)
+    return _forward(packed, block_size, config, layout)

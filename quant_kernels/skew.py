@@ -84,17 +84,21 @@ def skew_forward(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     return q
 
 
-def skew_backward(d_q: torch.Tensor) -> torch.Tensor:
+def skew_backward(d_q: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``∂packed [nb, b(b-1)/2]`` from ``∂Q [nb, b, b]``: the strict upper triangle of
-    ``∂Q − ∂Qᵀ``, row-major."""
+    ``∂Q − ∂Qᵀ``, row-major, written into ``out`` (contiguous, ``[nb, b(b-1)/2]``, any float
+    dtype) when given."""
     d_q = d_q.contiguous()
     nb, b, _ = d_q.shape
     npk = b * (b - 1) // 2
-    d_packed = d_q.new_empty(nb, npk)
+    if out is None:
+        out = d_q.new_empty(nb, npk)
+    elif out.shape != (nb, npk) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{nb}, {npk}] tensor, got {tuple(out.shape)}")
     if nb:
         grid, n_tiles = _grid(nb, b)
-        _skew_bwd_kernel[grid](d_q, d_packed, b, npk, n_tiles, BLOCK=_BLOCK)
-    return d_packed
+        _skew_bwd_kernel[grid](d_q, out, b, npk, n_tiles, BLOCK=_BLOCK)
+    return out
 
 
 class _SkewFromPacked(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""Dense-Q fused CNP (:mod:`quant_kernels.cnp_dense`) vs float64 and the torch reference.
+"""Dense-Q and hybrid fused CNP (:mod:`quant_kernels.cnp_dense`) vs float64 and the reference.
 
 Under ``TRITON_INTERPRET=1`` the kernels use 16×16 tiles and 16-wide K steps: b = 8 (one partial
 tile), 16 (one full tile), 20 and 33 (full and partial tiles, partial last K step) and 40 (3×3
@@ -17,7 +17,12 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
-from quant_kernels.cnp_dense import cnp_backward_dense, cnp_forward_dense
+from quant_kernels.cnp_dense import (
+    cnp_backward_dense,
+    cnp_backward_hybrid,
+    cnp_forward_dense,
+    cnp_forward_hybrid,
+)
 from quant_kernels.cnp_triton import cayley_neumann_fused, cnp_backward, cnp_forward
 from quant_kernels.reference import cayley_neumann
 
@@ -27,6 +32,10 @@ REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 SIZES = [(8, 3, None), (16, 2, None), (20, 2, None), (33, 1, None), (40, 1, None),
          (40, 1, (32, 16, 4, 1))]  # fmt: skip
 _GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU only")
+LAYOUTS = {
+    "dense": (cnp_forward_dense, cnp_backward_dense),
+    "hybrid": (cnp_forward_hybrid, cnp_backward_hybrid),
+}
 
 
 def _packed(nb: int, b: int, gen: torch.Generator, scale: float = 0.3) -> torch.Tensor:
@@ -43,12 +52,14 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double().cpu() - ref).norm() / ref.norm()).item()
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("b,nb,config", SIZES)
-def test_fp32_matches_float64_and_packed_layout(b, nb, config, gen):
+def test_fp32_matches_float64_and_packed_layout(b, nb, config, layout, gen):
+    fwd, bwd = LAYOUTS[layout]
     packed = _packed(nb, b, gen)
     d_g = torch.randn(nb, b, b, generator=gen)
-    g = cnp_forward_dense(packed.to(DEVICE), b, config=config)
-    d_packed = cnp_backward_dense(packed.to(DEVICE), d_g.to(DEVICE), b, config=config)
+    g = fwd(packed.to(DEVICE), b, config=config)
+    d_packed = bwd(packed.to(DEVICE), d_g.to(DEVICE), b, config=config)
     assert g.shape == (nb, b, b) and g.dtype == torch.float32
     assert d_packed.shape == packed.shape and d_packed.dtype == torch.float32
     g64 = cayley_neumann(packed.double(), b, 3)
@@ -66,43 +77,65 @@ SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
                pytest.param(200, 2, marks=_GPU_ONLY)]  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,nb", SIZES_16BIT)
-def test_16bit_matches_float64(b, nb, dtype, gen):
+def test_16bit_matches_float64(b, nb, dtype, layout, gen):
+    fwd, bwd = LAYOUTS[layout]
     packed = _packed(nb, b, gen).to(dtype)
     d_g = torch.randn(nb, b, b, generator=gen).to(dtype)
-    g = cnp_forward_dense(packed.to(DEVICE), b)
-    d_packed = cnp_backward_dense(packed.to(DEVICE), d_g.to(DEVICE), b)
+    g = fwd(packed.to(DEVICE), b)
+    d_packed = bwd(packed.to(DEVICE), d_g.to(DEVICE), b)
     assert g.dtype == dtype and d_packed.dtype == dtype
     assert _rel(g, cayley_neumann(packed.double(), b, 3)) <= REL_TOL[dtype]
     assert _rel(d_packed, _ref_grad(packed.double(), d_g.double(), b)) <= REL_TOL[dtype]
 
 
-def test_autograd_with_dense_q_saves_only_packed(gen):
+def test_hybrid_chunks_equal_one_chunk(gen):
+    """Chunk boundaries change nothing: 7 blocks in chunks of 3 (the last one short) give the
+    same ``G`` and gradient, bit for bit, as one chunk."""
+    b, nb = 20, 7
+    packed = _packed(nb, b, gen).to(DEVICE)
+    d_g = torch.randn(nb, b, b, generator=gen).to(DEVICE)
+    three = 3 * b * b * packed.element_size()
+    assert torch.equal(
+        cnp_forward_hybrid(packed, b, chunk_bytes=three), cnp_forward_hybrid(packed, b)
+    )
+    assert torch.equal(
+        cnp_backward_hybrid(packed, d_g, b, chunk_bytes=three), cnp_backward_hybrid(packed, d_g, b)
+    )
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_autograd_layout_saves_only_packed(layout, gen):
     b = 20
     packed = _packed(2, b, gen).to(DEVICE).requires_grad_(True)
     d_g = torch.randn(2, b, b, generator=gen).to(DEVICE)
-    g = cayley_neumann_fused(packed, b, dense_q=True)
+    g = cayley_neumann_fused(packed, b, layout=layout)
     saved = g.grad_fn.saved_tensors
     assert len(saved) == 1 and saved[0].data_ptr() == packed.data_ptr()
     g.backward(d_g)
     ref = _ref_grad(packed.detach().cpu().double(), d_g.cpu().double(), b)
     assert (packed.grad.double().cpu() - ref).abs().max().item() <= FP32_ATOL
     with torch.no_grad():
-        again = cayley_neumann_fused(packed, b, dense_q=True)
+        again = cayley_neumann_fused(packed, b, layout=layout)
     assert again.grad_fn is None and torch.equal(again, g.detach())
 
 
-def test_zero_q_gives_identity_and_empty_stack():
-    g = cnp_forward_dense(torch.zeros(2, 28, device=DEVICE), 8)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_zero_q_gives_identity_and_empty_stack(layout):
+    fwd, bwd = LAYOUTS[layout]
+    g = fwd(torch.zeros(2, 28, device=DEVICE), 8)
     assert torch.equal(g.cpu(), torch.eye(8).expand(2, 8, 8))
-    assert cnp_forward_dense(torch.zeros(0, 28, device=DEVICE), 8).shape == (0, 8, 8)
-    d_packed = cnp_backward_dense(torch.zeros(0, 28, device=DEVICE), torch.zeros(0, 8, 8), 8)
+    assert fwd(torch.zeros(0, 28, device=DEVICE), 8).shape == (0, 8, 8)
+    d_packed = bwd(torch.zeros(0, 28, device=DEVICE), torch.zeros(0, 8, 8, device=DEVICE), 8)
     assert d_packed.shape == (0, 28)
 
 
 def test_errors():
     p = torch.zeros(2, 28, device=DEVICE)
+    with pytest.raises(ValueError, match="layout 'diagonal' unknown"):
+        cayley_neumann_fused(p, 8, layout="diagonal")
     with pytest.raises(ValueError, match="b\\(b-1\\)/2"):
         cnp_forward_dense(p, 9)
     with pytest.raises(ValueError, match="config"):
