@@ -41,13 +41,10 @@ SWEEP = {  # (tile, num_warps) tried by --sweep
     torch.float32: [(16, 4), (32, 4), (32, 8), (64, 8)],
     torch.bfloat16: [(32, 4), (64, 4), (64, 8), (128, 8)],
 }
-SWEEP_DENSE = {  # (BM, BK, num_warps, num_stages) of the dense-Q kernels tried by --sweep
+SWEEP_HYBRID = {  # (BM, BK, num_warps, num_stages) of the hybrid's Q² kernel tried by --sweep
     torch.float32: [(32, 32, 4, 2), (32, 16, 4, 3), (64, 32, 8, 2)],
-    torch.bfloat16: [
-        (128, 64, 8, 3), (128, 32, 8, 4), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3),
-        (64, 32, 4, 4), (64, 64, 8, 3),
-    ],
-}  # fmt: skip
+    torch.bfloat16: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 2)],
+}
 CHECK_BLOCKS = 256  # blocks compared against float64
 
 
@@ -80,13 +77,10 @@ def bench_dtype(
     sweep: bool = False,
     profile: bool = False,
 ) -> dict:
-    """Check and time the four CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
+    """Check and time the CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
     (and, with ``sweep``, the fused path under each configuration of :data:`SWEEP`)."""
-    from quant_kernels.cnp_dense import default_dense_config
+    from quant_kernels.cnp_hybrid import default_dense_config
     from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
-
-    def fused_dense(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
-        return cayley_neumann_fused(p, b_, k, config=config, layout="dense")
 
     def fused_hybrid(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
         return cayley_neumann_fused(p, b_, k, config=config, layout="hybrid")
@@ -95,7 +89,6 @@ def bench_dtype(
         "reference": reference.cayley_neumann,
         "lean": cnp.cayley_neumann_lean,
         "fused": cayley_neumann_fused,
-        "fused_dense": fused_dense,
         "fused_hybrid": fused_hybrid,
     }
     leaf = packed.detach().requires_grad_(True)
@@ -112,7 +105,7 @@ def bench_dtype(
 
     res: dict = {
         "fused_config": list(default_config(b, packed.dtype)),
-        "fused_dense_config": list(default_dense_config(b, packed.dtype)),
+        "fused_hybrid_config": list(default_dense_config(b, packed.dtype)),
     }
     # correctness at full size: fused vs the torch reference in the same dtype
     g_ref = reference.cayley_neumann(leaf, b, 3)
@@ -183,16 +176,15 @@ def bench_dtype(
                 t = f"{type(exc).__name__}: {str(exc)[:200]}"
             res["sweep_fwd_bwd_ms"][f"tile{cfg[0]}_warps{cfg[1]}"] = t
             torch.cuda.empty_cache()
-        for variant, path in (("dense", fused_dense), ("hybrid", fused_hybrid)):
-            for cfg in SWEEP_DENSE[packed.dtype]:
-                fn = lambda p, b_, k, cfg=cfg, path=path: path(p, b_, k, config=cfg)  # noqa: E731
-                try:
-                    t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
-                except Exception as exc:
-                    t = f"{type(exc).__name__}: {str(exc)[:200]}"
-                key = "{}_bm{}_bk{}_warps{}_stages{}".format(variant, *cfg)
-                res["sweep_fwd_bwd_ms"][key] = t
-                torch.cuda.empty_cache()
+        for cfg in SWEEP_HYBRID[packed.dtype]:
+            fn = lambda p, b_, k, cfg=cfg: fused_hybrid(p, b_, k, config=cfg)  # noqa: E731
+            try:
+                t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
+            except Exception as exc:
+                t = f"{type(exc).__name__}: {str(exc)[:200]}"
+            key = "hybrid_bm{}_bk{}_warps{}_stages{}".format(*cfg)
+            res["sweep_fwd_bwd_ms"][key] = t
+            torch.cuda.empty_cache()
     return res
 
 

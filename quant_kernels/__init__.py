@@ -20,10 +20,12 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
 * int8 with fewer rows: the fused Triton kernels (:mod:`quant_kernels.dequant_matmul`), which read
   the int8 weight once per M-tile and never decode a slab.
 
-* Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): the fused Triton
-  CNP (:mod:`quant_kernels.cnp_triton`, ``k = 3``) for bf16 ``Q``, where ``evals/bench_cnp.py``
-  timed it 1.34× faster than the recomputing torch path (:data:`FUSED_CNP_BF16_MEASURED_FASTER`);
-  the torch path for fp32 ``Q``, where the fused kernels are 2× slower
+* Cayley–Neumann blocks (:func:`cayley_neumann`, :func:`cayley_neumann_lean`): for bf16 ``Q``
+  the fused CNP (``k = 3``) in its ``hybrid`` layout (:data:`HYBRID_CNP_MEASURED_FASTER`):
+  Triton for ``Q``, ``Q²`` and the elementwise terms, cuBLAS for the full products
+  (:mod:`quant_kernels.cnp_hybrid`), which ``evals/bench_cnp.py`` timed faster than the torch
+  paths and the all-Triton packed kernels of :mod:`quant_kernels.cnp_triton`
+  (:data:`FUSED_CNP_BF16_MEASURED_FASTER`); the torch path for fp32 ``Q``
   (:data:`FUSED_CNP_MEASURED_FASTER`).
 
 ``POETXQ_KERNELS=fused`` / ``streamed`` / ``torch`` force one path everywhere on CUDA (``torch``:
@@ -98,6 +100,17 @@ FUSED_CNP_MEASURED_FASTER = False
 #: instead of about 25 ops, which matters more where the host bounds the step.
 FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: whether the fused CNP runs in its ``hybrid`` layout (:mod:`quant_kernels.cnp_hybrid`: Triton
+#: for ``Q``, ``Q²`` and the elementwise terms, cuBLAS for the full products, chunked) rather
+#: than the all-Triton ``packed`` one (:mod:`quant_kernels.cnp_triton`). True: over the Llama-8B
+#: blocks at b = 256 in bf16 its first version took 15.3 ms forward+backward against 20.6 ms,
+#: with half the transient memory (``evals/results/cnp_hybrid_v1_h200.json``).
+HYBRID_CNP_MEASURED_FASTER = True
+
+
+def _cnp_layout() -> str:
+    return "hybrid" if HYBRID_CNP_MEASURED_FASTER else "packed"
+
 
 #: whether the POET-X(Q) layers use the permutation-fused block-diagonal kernels
 #: (:mod:`quant_kernels.block_diag_perm`) on CUDA under ``auto``. False: on the H200 they are
@@ -386,13 +399,14 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
     """Cayley–Neumann blocks ``G [nb, b, b]`` from packed skew parameters ``[nb, b(b-1)/2]``
     (:func:`quant_kernels.reference.cayley_neumann`: same arguments, result and errors).
 
-    Dispatch: the fused Triton kernels (:mod:`quant_kernels.cnp_triton`) when
-    :func:`_fused_cnp` allows; otherwise the torch reference under plain autograd.
+    Dispatch: the fused kernels (:mod:`quant_kernels.cnp_triton`, in the ``hybrid`` layout when
+    :data:`HYBRID_CNP_MEASURED_FASTER`) when :func:`_fused_cnp` allows; otherwise the torch
+    reference under plain autograd.
     """
     if _fused_cnp(packed, terms):
         from quant_kernels.cnp_triton import cayley_neumann_fused
 
-        return cayley_neumann_fused(packed, block_size, terms)
+        return cayley_neumann_fused(packed, block_size, terms, layout=_cnp_layout())
     return cnp.cayley_neumann(packed, block_size, terms)
 
 
@@ -403,5 +417,5 @@ def cayley_neumann_lean(packed: torch.Tensor, block_size: int, terms: int = 3) -
     if _fused_cnp(packed, terms):
         from quant_kernels.cnp_triton import cayley_neumann_fused
 
-        return cayley_neumann_fused(packed, block_size, terms)
+        return cayley_neumann_fused(packed, block_size, terms, layout=_cnp_layout())
     return cnp.cayley_neumann_lean(packed, block_size, terms)

@@ -495,28 +495,20 @@ def cnp_backward(
 
 
 #: the kernel families :func:`cayley_neumann_fused` can run (``layout``)
-LAYOUTS = ("packed", "dense", "hybrid")
+LAYOUTS = ("packed", "hybrid")
 
 
 def _forward(packed: torch.Tensor, block_size: int, config, layout: str) -> torch.Tensor:
-    if layout == "dense":
-        from quant_kernels.cnp_dense import cnp_forward_dense
-
-        return cnp_forward_dense(packed, block_size, config=config)
     if layout == "hybrid":
-        from quant_kernels.cnp_dense import cnp_forward_hybrid
+        from quant_kernels.cnp_hybrid import cnp_forward_hybrid
 
         return cnp_forward_hybrid(packed, block_size, config=config)
     return cnp_forward(packed, block_size, config=config)
 
 
 def _backward(packed: torch.Tensor, d_g: torch.Tensor, block_size: int, config, layout: str):
-    if layout == "dense":
-        from quant_kernels.cnp_dense import cnp_backward_dense
-
-        return cnp_backward_dense(packed, d_g, block_size, config=config)
     if layout == "hybrid":
-        from quant_kernels.cnp_dense import cnp_backward_hybrid
+        from quant_kernels.cnp_hybrid import cnp_backward_hybrid
 
         return cnp_backward_hybrid(packed, d_g, block_size, config=config)
     return cnp_backward(packed, d_g, block_size, config=config)
@@ -556,13 +548,11 @@ def cayley_neumann_fused(
         block_size: ``b ≥ 2``.
         terms: Neumann order; only ``3`` is fused.
         config: the kernels' tiling: ``(tile, num_warps)`` for ``packed``
-            (:func:`default_config`), ``(BM, BK, num_warps, num_stages)`` for ``dense`` and
-            ``hybrid`` (:func:`quant_kernels.cnp_dense.default_dense_config`).
-        layout: ``packed``: every kernel reads ``Q`` from ``packed`` (this module); ``dense``:
-            ``Q`` written out dense first, every product a pipelined Triton GEMM
-            (:func:`quant_kernels.cnp_dense.cnp_forward_dense`); ``hybrid``: Triton writes
-            ``Q``, ``Q²`` and the elementwise terms, cuBLAS runs the full products, chunk by
-            chunk of blocks (:func:`quant_kernels.cnp_dense.cnp_forward_hybrid`).
+            (:func:`default_config`), ``(BM, BK, num_warps, num_stages)`` of the ``Q²`` kernel
+            for ``hybrid`` (:func:`quant_kernels.cnp_hybrid.default_dense_config`).
+        layout: ``packed``: every kernel reads ``Q`` from ``packed`` (this module);
+            ``hybrid``: Triton writes ``Q``, ``Q²`` and the elementwise terms, cuBLAS runs the
+            full products, chunk by chunk of blocks (:mod:`quant_kernels.cnp_hybrid`).
 
     Returns:
         ``G`` ``[nb, b, b]`` in ``packed.dtype``; differentiable w.r.t. ``packed``.

@@ -1,9 +1,8 @@
-"""Dense-Q and hybrid fused CNP (:mod:`quant_kernels.cnp_dense`) vs float64 and the reference.
+"""Hybrid Triton + cuBLAS CNP (:mod:`quant_kernels.cnp_hybrid`) vs float64 and the reference.
 
-Under ``TRITON_INTERPRET=1`` the kernels use 16×16 tiles and 16-wide K steps: b = 8 (one partial
-tile), 16 (one full tile), 20 and 33 (full and partial tiles, partial last K step) and 40 (3×3
-tiles) exercise every mask; b = 40 also runs 32×32 tiles with 16-wide K steps (two steps per
-tile).
+Under ``TRITON_INTERPRET=1`` the Triton kernels use 16×16 tiles and 16-wide K steps: b = 8 (one
+partial tile), 16 (one full tile), 20 and 33 (full and partial tiles, partial last K step) and
+40 (3×3 tiles) exercise every mask; b = 40 also runs 32×32 ``Q²`` tiles with 16-wide K steps.
 """
 
 import os
@@ -17,12 +16,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
-from quant_kernels.cnp_dense import (
-    cnp_backward_dense,
-    cnp_backward_hybrid,
-    cnp_forward_dense,
-    cnp_forward_hybrid,
-)
+from quant_kernels.cnp_hybrid import cnp_backward_hybrid, cnp_forward_hybrid
 from quant_kernels.cnp_triton import cayley_neumann_fused, cnp_backward, cnp_forward
 from quant_kernels.reference import cayley_neumann
 
@@ -32,10 +26,6 @@ REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3}
 SIZES = [(8, 3, None), (16, 2, None), (20, 2, None), (33, 1, None), (40, 1, None),
          (40, 1, (32, 16, 4, 1))]  # fmt: skip
 _GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU only")
-LAYOUTS = {
-    "dense": (cnp_forward_dense, cnp_backward_dense),
-    "hybrid": (cnp_forward_hybrid, cnp_backward_hybrid),
-}
 
 
 def _packed(nb: int, b: int, gen: torch.Generator, scale: float = 0.3) -> torch.Tensor:
@@ -52,10 +42,9 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double().cpu() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("b,nb,config", SIZES)
-def test_fp32_matches_float64_and_packed_layout(b, nb, config, layout, gen):
-    fwd, bwd = LAYOUTS[layout]
+def test_fp32_matches_float64_and_packed_layout(b, nb, config, gen):
+    fwd, bwd = cnp_forward_hybrid, cnp_backward_hybrid
     packed = _packed(nb, b, gen)
     d_g = torch.randn(nb, b, b, generator=gen)
     g = fwd(packed.to(DEVICE), b, config=config)
@@ -77,11 +66,10 @@ SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
                pytest.param(200, 2, marks=_GPU_ONLY)]  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,nb", SIZES_16BIT)
-def test_16bit_matches_float64(b, nb, dtype, layout, gen):
-    fwd, bwd = LAYOUTS[layout]
+def test_16bit_matches_float64(b, nb, dtype, gen):
+    fwd, bwd = cnp_forward_hybrid, cnp_backward_hybrid
     packed = _packed(nb, b, gen).to(dtype)
     d_g = torch.randn(nb, b, b, generator=gen).to(dtype)
     g = fwd(packed.to(DEVICE), b)
@@ -93,38 +81,40 @@ def test_16bit_matches_float64(b, nb, dtype, layout, gen):
 
 def test_hybrid_chunks_equal_one_chunk(gen):
     """Chunk boundaries change nothing: 7 blocks in chunks of 3 (the last one short) give the
-    same ``G`` and gradient, bit for bit, as one chunk."""
+    same ``G`` and gradient as one chunk — bit for bit on the CPU; on a GPU cuBLAS may pick
+    another algorithm for another batch count, so there within fp32 rounding."""
     b, nb = 20, 7
     packed = _packed(nb, b, gen).to(DEVICE)
     d_g = torch.randn(nb, b, b, generator=gen).to(DEVICE)
     three = 3 * b * b * packed.element_size()
-    assert torch.equal(
-        cnp_forward_hybrid(packed, b, chunk_bytes=three), cnp_forward_hybrid(packed, b)
+    tol = {"rtol": 0.0, "atol": 0.0} if DEVICE == "cpu" else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(
+        cnp_forward_hybrid(packed, b, chunk_bytes=three), cnp_forward_hybrid(packed, b), **tol
     )
-    assert torch.equal(
-        cnp_backward_hybrid(packed, d_g, b, chunk_bytes=three), cnp_backward_hybrid(packed, d_g, b)
+    torch.testing.assert_close(
+        cnp_backward_hybrid(packed, d_g, b, chunk_bytes=three),
+        cnp_backward_hybrid(packed, d_g, b),
+        **tol,
     )
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_autograd_layout_saves_only_packed(layout, gen):
+def test_autograd_hybrid_layout_saves_only_packed(gen):
     b = 20
     packed = _packed(2, b, gen).to(DEVICE).requires_grad_(True)
     d_g = torch.randn(2, b, b, generator=gen).to(DEVICE)
-    g = cayley_neumann_fused(packed, b, layout=layout)
+    g = cayley_neumann_fused(packed, b, layout="hybrid")
     saved = g.grad_fn.saved_tensors
     assert len(saved) == 1 and saved[0].data_ptr() == packed.data_ptr()
     g.backward(d_g)
     ref = _ref_grad(packed.detach().cpu().double(), d_g.cpu().double(), b)
     assert (packed.grad.double().cpu() - ref).abs().max().item() <= FP32_ATOL
     with torch.no_grad():
-        again = cayley_neumann_fused(packed, b, layout=layout)
+        again = cayley_neumann_fused(packed, b, layout="hybrid")
     assert again.grad_fn is None and torch.equal(again, g.detach())
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_zero_q_gives_identity_and_empty_stack(layout):
-    fwd, bwd = LAYOUTS[layout]
+def test_zero_q_gives_identity_and_empty_stack():
+    fwd, bwd = cnp_forward_hybrid, cnp_backward_hybrid
     g = fwd(torch.zeros(2, 28, device=DEVICE), 8)
     assert torch.equal(g.cpu(), torch.eye(8).expand(2, 8, 8))
     assert fwd(torch.zeros(0, 28, device=DEVICE), 8).shape == (0, 8, 8)
@@ -137,8 +127,8 @@ def test_errors():
     with pytest.raises(ValueError, match="layout 'diagonal' unknown"):
         cayley_neumann_fused(p, 8, layout="diagonal")
     with pytest.raises(ValueError, match="b\\(b-1\\)/2"):
-        cnp_forward_dense(p, 9)
+        cnp_forward_hybrid(p, 9)
     with pytest.raises(ValueError, match="config"):
-        cnp_forward_dense(p, 8, config=(24, 16, 4, 1))
+        cnp_forward_hybrid(p, 8, config=(24, 16, 4, 1))
     with pytest.raises(ValueError, match="d_g"):
-        cnp_backward_dense(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
+        cnp_backward_hybrid(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
