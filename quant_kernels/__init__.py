@@ -25,8 +25,8 @@ Dispatch on CUDA, from the H200 timings in ``evals/results/gpu_suite_streamed_h2
   Triton for ``Q``, ``Q²`` and the elementwise terms, cuBLAS for the full products
   (:mod:`quant_kernels.cnp_hybrid`), which ``evals/bench_cnp.py`` timed faster than the torch
   paths and the all-Triton packed kernels of :mod:`quant_kernels.cnp_triton`
-  (:data:`FUSED_CNP_BF16_MEASURED_FASTER`); the torch path for fp32 ``Q``
-  (:data:`FUSED_CNP_MEASURED_FASTER`).
+  (:data:`FUSED_CNP_BF16_MEASURED_FASTER`), and for fp32 ``Q`` too, where its cuBLAS products
+  beat the torch reference (:data:`FUSED_CNP_MEASURED_FASTER`).
 
 ``POETXQ_KERNELS=fused`` / ``streamed`` / ``torch`` force one path everywhere on CUDA (``torch``:
 the plain references, which dequantize the whole weight at once). This package imports only torch
@@ -88,23 +88,24 @@ def slab_bytes_for(rows: int) -> int:
     return (64 if rows <= 4096 else 32) * 2**20
 
 
-#: whether ``POETXQ_KERNELS=auto`` picks the fused Triton CNP (k = 3) on CUDA for fp32 ``Q``
-#: (``poetxq train`` keeps fp32 parameters). False: over the Llama-8B blocks at b = 256 it is 2.0×
-#: slower than the torch reference in fp32 (its fp32 products run without tensor cores,
-#: ``evals/results/cnp_h200.json``); ``POETXQ_KERNELS=fused`` uses it regardless.
-FUSED_CNP_MEASURED_FASTER = False
-#: the same for bf16 ``Q`` (bf16 parameters, as ``evals/gpu_memory.py`` and the layer benchmark
-#: hold them). True: forward+backward over the Llama-8B blocks 20.3 ms against 27.2 ms for the
-#: recomputing torch path the layers use otherwise and 28.9 ms for the reference under plain
-#: autograd (``evals/results/cnp_bf16_tile128_h200.json``), with 2 + 3 launches per call
-#: instead of about 25 ops, which matters more where the host bounds the step.
+#: whether ``POETXQ_KERNELS=auto`` picks the fused CNP (k = 3) on CUDA for fp32 ``Q``
+#: (``poetxq train`` keeps fp32 parameters). True since the ``hybrid`` layout: forward+backward
+#: over the Llama-8B blocks at b = 256 in 56.1 ms against 80.0 ms for the torch reference
+#: (``evals/results/cnp_hybrid_h200.json``; fp32 products without tf32 in both). The all-Triton
+#: ``packed`` layout is 2.0× slower than the reference in fp32 (``cnp_h200.json``).
+FUSED_CNP_MEASURED_FASTER = True
+#: the same for bf16 and fp16 ``Q`` (bf16 parameters, as ``evals/gpu_memory.py`` and the layer
+#: benchmark hold them). True: forward+backward over the Llama-8B blocks 11.7 ms (``hybrid``)
+#: and 20.6 ms (``packed``) against 27.3 ms for the recomputing torch path the layers use
+#: otherwise and 29.0 ms for the reference under plain autograd
+#: (``evals/results/cnp_hybrid_h200.json``).
 FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: whether the fused CNP runs in its ``hybrid`` layout (:mod:`quant_kernels.cnp_hybrid`: Triton
 #: for ``Q``, ``Q²`` and the elementwise terms, cuBLAS for the full products, chunked) rather
 #: than the all-Triton ``packed`` one (:mod:`quant_kernels.cnp_triton`). True: over the Llama-8B
-#: blocks at b = 256 in bf16 its first version took 15.3 ms forward+backward against 20.6 ms,
-#: with half the transient memory (``evals/results/cnp_hybrid_v1_h200.json``).
+#: blocks at b = 256 it takes 11.7 ms forward+backward in bf16 against 20.6 ms, and 56.1 against
+#: 167.6 ms in fp32, with half the transient memory (``evals/results/cnp_hybrid_h200.json``).
 HYBRID_CNP_MEASURED_FASTER = True
 
 
@@ -383,15 +384,12 @@ def permute_last(
 
 
 def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
-    """Whether the fused Triton CNP serves this call: CUDA, Triton, ``k = 3``, fp32/bf16/fp16, and
-    either the measured flag of the dtype (:data:`FUSED_CNP_BF16_MEASURED_FASTER` for bf16,
-    :data:`FUSED_CNP_MEASURED_FASTER` otherwise) or ``POETXQ_KERNELS=fused`` (never with
-    ``torch``)."""
-    measured = (
-        FUSED_CNP_BF16_MEASURED_FASTER
-        if packed.dtype == torch.bfloat16
-        else FUSED_CNP_MEASURED_FASTER
-    )
+    """Whether the fused CNP serves this call: CUDA, Triton, ``k = 3``, fp32/bf16/fp16, and
+    either the measured flag of the dtype (:data:`FUSED_CNP_BF16_MEASURED_FASTER` for bf16 and
+    fp16, which run the same tensor-core kernels; :data:`FUSED_CNP_MEASURED_FASTER` for fp32) or
+    ``POETXQ_KERNELS=fused`` (never with ``torch``)."""
+    fp32 = packed.dtype == torch.float32
+    measured = FUSED_CNP_MEASURED_FASTER if fp32 else FUSED_CNP_BF16_MEASURED_FASTER
     return terms == 3 and packed.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(packed, measured)
 
 

@@ -118,9 +118,11 @@ def test_kernel_flags_are_set_by_name_and_bad_specs_refused():
     common = _load("_common")
     before = quant_kernels.FUSED_CNP_MEASURED_FASTER
     try:
+        flags = common.set_kernel_flags(["FUSED_CNP_MEASURED_FASTER=0"])
+        assert quant_kernels.FUSED_CNP_MEASURED_FASTER is False
+        assert flags["FUSED_CNP_MEASURED_FASTER"] is False
         flags = common.set_kernel_flags(["FUSED_CNP_MEASURED_FASTER=1"])
         assert quant_kernels.FUSED_CNP_MEASURED_FASTER is True
-        assert flags["FUSED_CNP_MEASURED_FASTER"] is True
         assert "FEATURE_MAJOR_LAYER_MEASURED_FASTER" in flags
         for bad in ("FUSED_CNP_MEASURED_FASTER=yes", "NO_SUCH_FLAG=1", "FUSED_CNP"):
             with pytest.raises(ValueError, match="NAME=0 or NAME=1"):

@@ -52,17 +52,17 @@ class _FakeCudaPacked(_FakeCuda):
 def test_fused_cnp_serves_the_dtypes_it_was_measured_faster_for(monkeypatch):
     monkeypatch.delenv("POETXQ_KERNELS", raising=False)
     fp32, bf16 = _FakeCudaPacked(torch.float32), _FakeCudaPacked(torch.bfloat16)
-    # evals/results/cnp_h200.json: fused 2x slower than torch in fp32, 2x faster in bf16
-    assert not quant_kernels.FUSED_CNP_MEASURED_FASTER
+    fp16 = _FakeCudaPacked(torch.float16)
+    # evals/results/cnp_hybrid_h200.json: the hybrid layout beats the reference in fp32 and bf16
+    assert quant_kernels.FUSED_CNP_MEASURED_FASTER
     assert quant_kernels.FUSED_CNP_BF16_MEASURED_FASTER
-    assert not quant_kernels._fused_cnp(fp32, 3)
-    assert not quant_kernels._fused_cnp(_FakeCudaPacked(torch.float16), 3)  # fp16 not timed
-    assert quant_kernels._fused_cnp(bf16, 3)
+    assert quant_kernels._fused_cnp(fp32, 3) and quant_kernels._fused_cnp(bf16, 3)
+    assert quant_kernels._fused_cnp(fp16, 3)  # the bf16 kernels, same tensor-core paths
     monkeypatch.setattr(quant_kernels, "FUSED_CNP_BF16_MEASURED_FASTER", False)
-    assert not quant_kernels._fused_cnp(bf16, 3)
-    monkeypatch.setattr(quant_kernels, "FUSED_CNP_MEASURED_FASTER", True)
+    assert not quant_kernels._fused_cnp(bf16, 3) and not quant_kernels._fused_cnp(fp16, 3)
     assert quant_kernels._fused_cnp(fp32, 3)
     monkeypatch.setattr(quant_kernels, "FUSED_CNP_MEASURED_FASTER", False)
+    assert not quant_kernels._fused_cnp(fp32, 3)
     monkeypatch.setenv("POETXQ_KERNELS", "fused")
     assert quant_kernels._fused_cnp(fp32, 3) and quant_kernels._fused_cnp(bf16, 3)
     assert not quant_kernels._fused_cnp(fp32, 4)  # only k = 3 is fused
