@@ -97,6 +97,14 @@ def recipe_for(name: str, args: argparse.Namespace):
     return load_recipe(f"{name}:poetxq", over)
 
 
+def _allocator_counts(dev: torch.device) -> dict[str, int]:
+    """The caching allocator's cumulative ``num_device_alloc`` / ``num_device_free`` /
+    ``num_alloc_retries`` on ``dev`` (zeros off CUDA)."""
+    keys = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+    stats = torch.cuda.memory_stats(dev) if dev.type == "cuda" else {}
+    return {k: int(stats.get(k, 0)) for k in keys}
+
+
 def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict]:
     """Both settings (no checkpointing, checkpointing) of one model; one dict per setting."""
     recipe = recipe_for(name, args)
@@ -166,6 +174,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         _sync(dev)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        alloc_before = _allocator_counts(dev)
         times = []
         for _ in range(args.steps):
             _sync(dev)
@@ -173,6 +182,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             step()
             _sync(dev)
             times.append(time.perf_counter() - t)
+        alloc_after = _allocator_counts(dev)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
         key = "ckpt" if ckpt else "no_ckpt"
@@ -195,6 +205,9 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "fuse_elementwise": fused,
             "step_time_s": statistics.median(times),
             "step_times_s": times,
+            # cudaMalloc / cudaFree calls and allocation retries (each retry frees cached blocks
+            # and synchronizes the device) during the timed steps
+            "allocator_calls": {k: alloc_after[k] - alloc_before[k] for k in alloc_after},
             "peak_memory_bytes": peak,
             # a CUDA graph's activations live in its private pool, freed at capture: with
             # --cuda-graph the allocated peak misses them; the reserved peak holds them
