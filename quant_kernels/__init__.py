@@ -393,18 +393,31 @@ def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:
     return terms == 3 and packed.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(packed, measured)
 
 
+def _autocast_input(packed: torch.Tensor) -> torch.Tensor:
+    """``packed`` in the dtype the torch reference's products would run in: under autocast on
+    its device, fp32 ``packed`` cast to the autocast dtype (autocast runs the reference's
+    ``bmm`` in bf16 and returns bf16 ``G``; the fused kernels, which autocast does not see, get
+    the same dtype this way); otherwise ``packed`` itself."""
+    dev = packed.device.type
+    if packed.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return packed.to(torch.get_autocast_dtype(dev))
+    return packed
+
+
 def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> torch.Tensor:
     """Cayley–Neumann blocks ``G [nb, b, b]`` from packed skew parameters ``[nb, b(b-1)/2]``
     (:func:`quant_kernels.reference.cayley_neumann`: same arguments, result and errors).
 
     Dispatch: the fused kernels (:mod:`quant_kernels.cnp_triton`, in the ``hybrid`` layout when
-    :data:`HYBRID_CNP_MEASURED_FASTER`) when :func:`_fused_cnp` allows; otherwise the torch
-    reference under plain autograd.
+    :data:`HYBRID_CNP_MEASURED_FASTER`) when :func:`_fused_cnp` allows — under autocast on fp32
+    ``packed`` in the autocast dtype, as the reference computes there
+    (:func:`_autocast_input`); otherwise the torch reference under plain autograd.
     """
-    if _fused_cnp(packed, terms):
+    x = _autocast_input(packed)
+    if _fused_cnp(x, terms):
         from quant_kernels.cnp_triton import cayley_neumann_fused
 
-        return cayley_neumann_fused(packed, block_size, terms, layout=_cnp_layout())
+        return cayley_neumann_fused(x, block_size, terms, layout=_cnp_layout())
     return cnp.cayley_neumann(packed, block_size, terms)
 
 
@@ -412,8 +425,9 @@ def cayley_neumann_lean(packed: torch.Tensor, block_size: int, terms: int = 3) -
     """:func:`cayley_neumann` that saves only ``packed`` for backward
     (:func:`quant_kernels.cnp.cayley_neumann_lean`; the fused kernels save only ``packed`` too).
     """
-    if _fused_cnp(packed, terms):
+    x = _autocast_input(packed)
+    if _fused_cnp(x, terms):
         from quant_kernels.cnp_triton import cayley_neumann_fused
 
-        return cayley_neumann_fused(packed, block_size, terms, layout=_cnp_layout())
+        return cayley_neumann_fused(x, block_size, terms, layout=_cnp_layout())
     return cnp.cayley_neumann_lean(packed, block_size, terms)

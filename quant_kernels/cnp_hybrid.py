@@ -269,6 +269,13 @@ def cnp_forward_hybrid(
     n_tiles, meta = _meta(packed, b, config)
     g = torch.empty(nb, b, b, dtype=packed.dtype, device=packed.device)
     chunk = _chunks(nb, b, packed.element_size(), chunk_bytes)
+    with torch.autocast(packed.device.type, enabled=False):  # the products run in packed.dtype
+        _forward_chunks(packed, g, b, n_tiles, meta, chunk)
+    return g
+
+
+def _forward_chunks(packed, g, b, n_tiles, meta, chunk) -> None:
+    nb = packed.shape[0]
     q = s = aux = None
     for c0 in range(0, nb, chunk):
         c1 = min(nb, c0 + chunk)
@@ -277,7 +284,6 @@ def cnp_forward_hybrid(
         _skew_pairs(packed[c0:c1], q, g[c0:c1], b)
         _q2_aux(q, s, aux, b, n_tiles, meta, 2.0, 2.0)
         g[c0:c1].baddbmm_(s, aux)
-    return g
 
 
 def cnp_backward_hybrid(
@@ -314,8 +320,14 @@ def cnp_backward_hybrid(
     d_g = d_g.to(packed.dtype).contiguous()
     n_tiles, meta = _meta(packed, b, config)
     d_packed = torch.empty_like(packed)
-    npk = packed.shape[1]
     chunk = _chunks(nb, b, packed.element_size(), chunk_bytes)
+    with torch.autocast(packed.device.type, enabled=False):  # the products run in packed.dtype
+        _backward_chunks(packed, d_g, d_packed, b, n_tiles, meta, chunk)
+    return d_packed
+
+
+def _backward_chunks(packed, d_g, d_packed, b, n_tiles, meta, chunk) -> None:
+    nb, npk = packed.shape
     pairs = _pairs(triton.cdiv(b, _SKEW_BM), packed.device)
     n_pairs = pairs.shape[1]
     q = s = c = n = e = None
@@ -332,4 +344,3 @@ def cnp_backward_hybrid(
         _sym_pairs_kernel[grid](e, n, pairs, b, n_pairs, BM=_SKEW_BM)  # e ← D
         n.baddbmm_(e, q, beta=2.0, alpha=-1.0)  # n ← Y' = 2N − D·Q
         _fold_pairs_kernel[grid](n, m, d_packed[c0:c1], pairs, b, npk, n_pairs, 2.0, BM=_SKEW_BM)
-    return d_packed

@@ -132,3 +132,16 @@ def test_errors():
         cnp_forward_hybrid(p, 8, config=(24, 16, 4, 1))
     with pytest.raises(ValueError, match="d_g"):
         cnp_backward_hybrid(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
+
+
+def test_hybrid_products_ignore_an_enclosing_autocast(gen):
+    """The cuBLAS products inside run in ``packed.dtype`` even under autocast (which would
+    otherwise run them in bf16 and mismatch the fp32 buffers): same result, bit for bit."""
+    b = 20
+    packed = _packed(3, b, gen).to(DEVICE)
+    d_g = torch.randn(3, b, b, generator=gen).to(DEVICE)
+    plain = cnp_forward_hybrid(packed, b), cnp_backward_hybrid(packed, d_g, b)
+    with torch.autocast(packed.device.type, dtype=torch.bfloat16):
+        under = cnp_forward_hybrid(packed, b), cnp_backward_hybrid(packed, d_g, b)
+    assert under[0].dtype == under[1].dtype == torch.float32
+    assert torch.equal(under[0], plain[0]) and torch.equal(under[1], plain[1])

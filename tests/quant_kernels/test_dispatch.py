@@ -117,3 +117,31 @@ def test_cnp_entry_points_use_torch_on_cpu_even_when_forced(entry, monkeypatch):
     g.backward(d_g)
     ref.backward(d_g)
     assert torch.equal(leaf.grad, ref_leaf.grad)
+
+
+def test_fused_cnp_under_autocast_runs_in_the_autocast_dtype(monkeypatch):
+    """fp32 ``Q`` under autocast reaches the fused kernels in bf16 — the dtype autocast gives
+    the reference's products, whose ``G`` is bf16 — and the gradient flows back to fp32."""
+    from quant_kernels import reference
+
+    seen = []
+
+    def fake_fused(x, b, terms, layout):
+        seen.append(x.dtype)
+        return reference.cayley_neumann(x, b, terms)
+
+    import quant_kernels.cnp_triton as cnp_triton
+
+    monkeypatch.setattr(quant_kernels, "_fused_cnp", lambda packed, terms: True)
+    monkeypatch.setattr(cnp_triton, "cayley_neumann_fused", fake_fused)
+    packed = (0.1 * torch.randn(2, 6)).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        g = quant_kernels.cayley_neumann_lean(packed, 4)
+        with torch.no_grad():
+            ref = reference.cayley_neumann(packed, 4, 3)  # autocast's own run of the reference
+    assert seen == [torch.bfloat16] and g.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(g.detach(), ref)
+    g.float().sum().backward()
+    assert packed.grad.dtype == torch.float32 and packed.grad.abs().sum() > 0
+    quant_kernels.cayley_neumann(packed.detach(), 4)  # no autocast: fp32 goes through as is
+    assert seen[-1] == torch.float32
