@@ -418,6 +418,36 @@ def _cnp() -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
+def _cnp_hybrid() -> list[str]:
+    name = "cnp_hybrid_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        f"## Cayley–Neumann blocks, hybrid layout: {d['num_blocks']:,} blocks of "
+        f"b = {d['block_size']} (every block of Llama-8B)",
+        "",
+        "Milliseconds; the speed-up is the torch reference's time over the path's (target ≥ 3 "
+        "for forward+backward). *packed*: the all-Triton kernels of `quant_kernels.cnp_triton`; "
+        "*hybrid*: `quant_kernels.cnp_hybrid` (the default).",
+        "",
+        "| dtype | pass | reference | lean | packed | hybrid | reference / packed | "
+        "reference / hybrid | hybrid peak extra (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for dt, r in d["results"].items():
+        ms = r["ms"]
+        for k in ("fwd", "fwd_bwd"):
+            ref = ms["reference"][k]
+            lines.append(
+                f"| {dt} | {k} | {ref:.2f} | {ms['lean'][k]:.2f} | {ms['fused'][k]:.2f} | "
+                f"{ms['fused_hybrid'][k]:.2f} | {ref / ms['fused'][k]:.2f} | "
+                f"{ref / ms['fused_hybrid'][k]:.2f} | "
+                f"{ms['fused_hybrid']['fwd_bwd_peak_extra_mib']:.0f} |"
+            )
+    return [*lines, "", _provenance(name, d), ""]
+
+
 def _fused_perm() -> list[str]:
     name = "bench_block_diag_perm_h200.json"
     d = _load(name)
@@ -536,7 +566,20 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_memory_13b_graph_fecbb52_h200.json",
         " (fused SwiGLU maps too, one update launch per flat group)",
     )
-    lines += _kernels() + _cnp() + _fused_perm() + _multi_gpu()
+    lines += ["## Hybrid Cayley–Neumann kernels, no key/value cache in the loss", ""]
+    for name, when in (
+        ("gpu_memory_13b_graph_hybrid_h200.json", " (hybrid CNP)"),
+        ("gpu_memory_8b_graph_hybrid_h200.json", " (hybrid CNP)"),
+        ("gpu_memory_8b_eager_hybrid_h200.json", " (hybrid CNP, eager)"),
+        ("gpu_memory_8b_eager_ckpt_hybrid_h200.json", " (hybrid CNP, eager, unfused)"),
+        ("gpu_memory_13b_eager_ckpt_hybrid_h200.json", " (hybrid CNP, eager, unfused)"),
+        ("gpu_memory_13b_eager_hybrid_h200.json", " (hybrid CNP, eager, slow host)"),
+    ):
+        lines += _memory_state8(name, when)
+    lines += _tokens_table(
+        "throughput_1b_hybrid_autocast_h200.json", "### Llama-1B tokens/s with the hybrid CNP"
+    )
+    lines += _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0
