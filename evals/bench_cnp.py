@@ -190,7 +190,8 @@ def bench_dtype(
 
 BLOCK_FORWARD_CONFIGS = [  # (BM, BK, warps, stages, programs per SM, STORE_B)
     (64, 64, 4, 3, 1, True), (64, 64, 4, 3, 2, True), (64, 64, 4, 3, 1, False),
-    (128, 64, 8, 3, 1, True), (64, 32, 4, 4, 1, True),
+    (128, 64, 8, 3, 1, True), (64, 32, 4, 4, 1, True), (128, 64, 8, 3, 2, True),
+    (128, 64, 8, 2, 3, True), (64, 64, 4, 2, 4, True),
 ]  # fmt: skip
 
 
