@@ -188,39 +188,6 @@ def bench_dtype(
     return res
 
 
-BLOCK_FORWARD_CONFIGS = [  # (BM, BK, warps, stages, programs per SM, STORE_B)
-    (64, 64, 4, 3, 1, True), (64, 64, 4, 3, 2, True), (64, 64, 4, 3, 1, False),
-    (128, 64, 8, 3, 1, True), (64, 32, 4, 4, 1, True), (128, 64, 8, 3, 2, True),
-    (128, 64, 8, 2, 3, True), (64, 64, 4, 2, 4, True),
-]  # fmt: skip
-
-
-def bench_block_forward(packed: torch.Tensor, b: int, warmup: int, reps: int) -> dict:
-    """Time :func:`quant_kernels.cnp_block.cnp_forward_block` (one persistent kernel) per
-    configuration of :data:`BLOCK_FORWARD_CONFIGS` against the hybrid forward, with the max
-    abs difference of ``G`` between the two."""
-    from quant_kernels.cnp_block import cnp_forward_block
-    from quant_kernels.cnp_hybrid import cnp_forward_hybrid
-
-    with torch.no_grad():
-        ref = cnp_forward_hybrid(packed, b)
-        res = {"hybrid_fwd_ms": cuda_time_ms(lambda: cnp_forward_hybrid(packed, b),
-                                             warmup=warmup, iters=reps)}  # fmt: skip
-        for cfg in BLOCK_FORWARD_CONFIGS:
-            key = "bm{}_bk{}_warps{}_stages{}_per_sm{}_store_b{}".format(*cfg)
-            try:
-                g = cnp_forward_block(packed, b, config=cfg)
-                err = (g.float() - ref.float()).abs().max().item()
-                ms = cuda_time_ms(lambda cfg=cfg: cnp_forward_block(packed, b, config=cfg),
-                                  warmup=warmup, iters=reps)  # fmt: skip
-                res[key] = {"fwd_ms": ms, "max_abs_diff_vs_hybrid": err}
-            except Exception as exc:  # a configuration that does not compile or fit
-                res[key] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            print(f"block forward {key}: {res[key]}", flush=True)
-            torch.cuda.empty_cache()
-    return res
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="results JSON")
@@ -231,11 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", action="store_true", help="also time other fused configurations")
-    ap.add_argument(
-        "--block-forward", action="store_true",
-        help="only time the persistent one-kernel forward (quant_kernels.cnp_block) per config "
-        "against the hybrid forward",
-    )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",
         help="print the kernel-level CUDA times of one forward+backward of each fused path",
@@ -262,12 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.recipe}: {nb} blocks of {b}x{b} on {doc['gpu']}", flush=True)
     for name in dtypes:
         dt = DTYPES[name]
-        if args.block_forward:
-            print(f"{name} hybrid forward for comparison", flush=True)
-            doc["results"][name] = {
-                "block_forward": bench_block_forward(packed32.to(dt), b, args.warmup, args.reps)
-            }
-            continue
         r = bench_dtype(
             packed32.to(dt), d_g32.to(dt), b, args.warmup, args.reps, args.sweep, args.profile
         )
