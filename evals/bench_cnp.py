@@ -1,4 +1,5 @@
-"""Benchmark + real-size check of the fused Triton CNP (:mod:`quant_kernels.cnp_triton`) (GPU).
+"""Benchmark + real-size check of the fused CNP layouts (:mod:`quant_kernels.cnp_triton`,
+:mod:`quant_kernels.cnp_hybrid`) (GPU).
 
 The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
 ``recipes/models/llama-8b.yaml`` as :mod:`poetxq.estimate` reads them (32 layers; q, k, v, o
@@ -7,19 +8,22 @@ The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` —
 :mod:`poetxq.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
 ``‖Q‖₂ ≈ 0.4``.
 
-For fp32 and bf16 ``packed``: the fused result against the torch reference (max abs error of
-``G`` and of ``d_packed`` in fp32; relative errors vs a float64 evaluation on a subset of blocks),
-then forward (no grad) and forward+backward times of :func:`quant_kernels.reference.cayley_neumann`
-under plain autograd, :func:`quant_kernels.cnp.cayley_neumann_lean` and
-:func:`quant_kernels.cnp_triton.cayley_neumann_fused` (median of CUDA-event timings after
-warm-up), the ratios, and the extra peak memory of one forward+backward. fp32 matmuls run without
-tf32 (torch's default), as the fused kernels do. About 30-60 s on an H200. ``--sweep`` also
-times the fused forward+backward for other ``(tile, num_warps)`` configurations (compiles 4
-kernels per configuration; a minute or two more), to choose
-:func:`quant_kernels.cnp_triton.default_config`.
+For fp32 and bf16 ``packed``: each fused layout's result against the torch reference (max abs
+error of ``G`` and of ``d_packed``; relative errors vs a float64 evaluation on a subset of
+blocks), then forward (no grad) and forward+backward times of
+:func:`quant_kernels.reference.cayley_neumann` under plain autograd,
+:func:`quant_kernels.cnp.cayley_neumann_lean` and
+:func:`quant_kernels.cnp_triton.cayley_neumann_fused` in its ``packed`` (``fused``) and
+``hybrid`` (``fused_hybrid``) layouts (median of CUDA-event timings after warm-up), the ratios,
+and the extra peak memory of one forward+backward. fp32 matmuls run without tf32 (torch's
+default) everywhere. About a minute on an H200. ``--sweep`` also times the forward+backward for
+other tilings of both layouts (a minute or two more), to choose
+:func:`quant_kernels.cnp_triton.default_config` and
+:func:`quant_kernels.cnp_hybrid.default_q2_config`; ``--profile`` prints the kernel-level
+CUDA times of each layout.
 
 Usage:  python evals/bench_cnp.py [--out FILE.json] [--block-size 256] [--dtypes fp32,bf16]
-                                  [--sweep]
+                                  [--sweep] [--profile]
 """
 
 from __future__ import annotations
@@ -77,9 +81,10 @@ def bench_dtype(
     sweep: bool = False,
     profile: bool = False,
 ) -> dict:
-    """Check and time the CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g``
-    (and, with ``sweep``, the fused path under each configuration of :data:`SWEEP`)."""
-    from quant_kernels.cnp_hybrid import default_dense_config
+    """Check and time the CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g`` (with
+    ``sweep``, the fused layouts under each configuration of :data:`SWEEP` and
+    :data:`SWEEP_HYBRID`; with ``profile``, one profiled forward+backward per fused layout)."""
+    from quant_kernels.cnp_hybrid import default_q2_config
     from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
 
     def fused_hybrid(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
@@ -105,7 +110,7 @@ def bench_dtype(
 
     res: dict = {
         "fused_config": list(default_config(b, packed.dtype)),
-        "fused_hybrid_config": list(default_dense_config(b, packed.dtype)),
+        "fused_hybrid_config": list(default_q2_config(b, packed.dtype)),
     }
     # correctness at full size: fused vs the torch reference in the same dtype
     g_ref = reference.cayley_neumann(leaf, b, 3)

@@ -48,8 +48,8 @@ from quant_kernels.cnp_triton import (
 from quant_kernels.dequant_matmul import _dot, _interpreting
 
 __all__ = [
-    "CHUNK_BYTES", "DenseConfig", "cnp_backward_hybrid", "cnp_forward_hybrid",
-    "default_dense_config",
+    "CHUNK_BYTES", "Q2Config", "cnp_backward_hybrid", "cnp_forward_hybrid",
+    "default_q2_config",
 ]  # fmt: skip
 
 _UPCAST = _interpreting()
@@ -174,10 +174,10 @@ def _fold_pairs_kernel(
 # ----------------------------------------------------------------------------------------------
 
 #: ``(BM, BK, num_warps, num_stages)``: square ``BM×BM`` output tiles, ``BK``-wide K steps
-DenseConfig = tuple[int, int, int, int]
+Q2Config = tuple[int, int, int, int]
 
 
-def default_dense_config(block_size: int, dtype: torch.dtype) -> DenseConfig:
+def default_q2_config(block_size: int, dtype: torch.dtype) -> Q2Config:
     """``(BM, BK, num_warps, num_stages)`` of the ``S = Q·Q`` kernel for ``b = block_size`` and
     ``dtype``.
 
@@ -197,8 +197,8 @@ def default_dense_config(block_size: int, dtype: torch.dtype) -> DenseConfig:
     return bm, min(bm, 64 if dtype != torch.float32 else 32), 4, 2
 
 
-def _meta(packed: torch.Tensor, b: int, config: DenseConfig | None) -> tuple[int, dict]:
-    bm, bk, warps, stages = config or default_dense_config(b, packed.dtype)
+def _meta(packed: torch.Tensor, b: int, config: Q2Config | None) -> tuple[int, dict]:
+    bm, bk, warps, stages = config or default_q2_config(b, packed.dtype)
     if bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8):
         raise ValueError(
             f"hybrid CNP config (BM, BK, warps, stages) = {(bm, bk, warps, stages)}: BM and BK "
@@ -240,7 +240,7 @@ def cnp_forward_hybrid(
     packed: torch.Tensor,
     block_size: int,
     *,
-    config: DenseConfig | None = None,
+    config: Q2Config | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """``G = I + 2Q + S·B`` (``S = Q²``, ``B = 2I + 2Q + S``; CNP with ``k = 3``), chunk by
@@ -254,7 +254,7 @@ def cnp_forward_hybrid(
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
         block_size: ``b ≥ 2``.
         config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
-            :func:`default_dense_config`.
+            :func:`default_q2_config`.
         chunk_bytes: bytes of one ``[chunk, b, b]`` buffer.
 
     Returns:
@@ -291,7 +291,7 @@ def cnp_backward_hybrid(
     d_g: torch.Tensor,
     block_size: int,
     *,
-    config: DenseConfig | None = None,
+    config: Q2Config | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """Gradient of ``⟨d_g, CNP(packed)⟩`` w.r.t. ``packed``, chunk by chunk of blocks.

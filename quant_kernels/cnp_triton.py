@@ -549,7 +549,7 @@ def cayley_neumann_fused(
         terms: Neumann order; only ``3`` is fused.
         config: the kernels' tiling: ``(tile, num_warps)`` for ``packed``
             (:func:`default_config`), ``(BM, BK, num_warps, num_stages)`` of the ``Q²`` kernel
-            for ``hybrid`` (:func:`quant_kernels.cnp_hybrid.default_dense_config`).
+            for ``hybrid`` (:func:`quant_kernels.cnp_hybrid.default_q2_config`).
         layout: ``packed``: every kernel reads ``Q`` from ``packed`` (this module);
             ``hybrid``: Triton writes ``Q``, ``Q²`` and the elementwise terms, cuBLAS runs the
             full products, chunk by chunk of blocks (:mod:`quant_kernels.cnp_hybrid`).
