@@ -397,7 +397,7 @@ def _autocast_input(packed: torch.Tensor) -> torch.Tensor:
     """``packed`` in the dtype the torch reference's products would run in: under autocast on
     its device, fp32 ``packed`` cast to the autocast dtype (autocast runs the reference's
     ``bmm`` in bf16 and returns bf16 ``G``; the fused kernels, which autocast does not see, get
-    the same dtype this way); otherwise ``packed`` itself."""
+    that dtype this way, their elementwise terms in it too); otherwise ``packed`` itself."""
     dev = packed.device.type
     if packed.dtype == torch.float32 and torch.is_autocast_enabled(dev):
         return packed.to(torch.get_autocast_dtype(dev))

@@ -119,9 +119,11 @@ def test_cnp_entry_points_use_torch_on_cpu_even_when_forced(entry, monkeypatch):
     assert torch.equal(leaf.grad, ref_leaf.grad)
 
 
-def test_fused_cnp_under_autocast_runs_in_the_autocast_dtype(monkeypatch):
+def test_fused_cnp_under_autocast_runs_in_the_autocast_dtype(monkeypatch, gen):
     """fp32 ``Q`` under autocast reaches the fused kernels in bf16 — the dtype autocast gives
-    the reference's products, whose ``G`` is bf16 — and the gradient flows back to fp32."""
+    the reference's products, whose ``G`` is bf16 — and the gradient flows back to fp32. (The
+    values agree with autocast's run of the reference to bf16 rounding, not bit for bit: there
+    the elementwise sums stay fp32.)"""
     from quant_kernels import reference
 
     seen = []
@@ -134,13 +136,13 @@ def test_fused_cnp_under_autocast_runs_in_the_autocast_dtype(monkeypatch):
 
     monkeypatch.setattr(quant_kernels, "_fused_cnp", lambda packed, terms: True)
     monkeypatch.setattr(cnp_triton, "cayley_neumann_fused", fake_fused)
-    packed = (0.1 * torch.randn(2, 6)).requires_grad_(True)
+    packed = (0.1 * torch.randn(2, 6, generator=gen)).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         g = quant_kernels.cayley_neumann_lean(packed, 4)
         with torch.no_grad():
             ref = reference.cayley_neumann(packed, 4, 3)  # autocast's own run of the reference
     assert seen == [torch.bfloat16] and g.dtype == ref.dtype == torch.bfloat16
-    assert torch.equal(g.detach(), ref)
+    assert (g.detach().float() - ref.float()).abs().max().item() <= 2**-7
     g.float().sum().backward()
     assert packed.grad.dtype == torch.float32 and packed.grad.abs().sum() > 0
     quant_kernels.cayley_neumann(packed.detach(), 4)  # no autocast: fp32 goes through as is
