@@ -40,11 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels.cnp_triton import (
-    _block_and_pair,
-    _check,
-    _pairs,
-)
+from quant_kernels.cnp_triton import _backward_inputs, _block_and_pair, _check, _pairs
 from quant_kernels.dequant_matmul import _dot, _interpreting
 
 __all__ = [
@@ -312,12 +308,8 @@ def cnp_backward_hybrid(
     Raises:
         ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, or a bad ``config``.
     """
-    _check(packed, block_size)
+    packed, d_g = _backward_inputs(packed, d_g, block_size)
     b, nb = block_size, packed.shape[0]
-    if d_g.shape != (nb, b, b):
-        raise ValueError(f"d_g must be [{nb}, {b}, {b}], got {tuple(d_g.shape)}")
-    packed = packed.contiguous()
-    d_g = d_g.to(packed.dtype).contiguous()
     n_tiles, meta = _meta(packed, b, config)
     d_packed = torch.empty_like(packed)
     chunk = _chunks(nb, b, packed.element_size(), chunk_bytes)

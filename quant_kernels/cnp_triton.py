@@ -389,6 +389,22 @@ def _check(packed: torch.Tensor, block_size: int) -> None:
         raise ValueError("the fused CNP needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU)")
 
 
+def _backward_inputs(
+    packed: torch.Tensor, d_g: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed`` and ``d_g`` checked (:func:`_check`, ``d_g`` ``[nb, b, b]``) and made
+    contiguous, ``d_g`` in ``packed.dtype``; shared by both layouts' backward.
+
+    Raises:
+        ValueError: as :func:`_check`, or ``d_g`` of the wrong shape.
+    """
+    _check(packed, block_size)
+    nb, b = packed.shape[0], block_size
+    if d_g.shape != (nb, b, b):
+        raise ValueError(f"d_g must be [{nb}, {b}, {b}], got {tuple(d_g.shape)}")
+    return packed.contiguous(), d_g.to(packed.dtype).contiguous()
+
+
 def _launch_params(
     packed: torch.Tensor, b: int, config: tuple[int, int] | None
 ) -> tuple[int, int, dict]:
@@ -465,12 +481,8 @@ def cnp_backward(
     Raises:
         ValueError: as :func:`cnp_forward`, or ``d_g`` of the wrong shape.
     """
-    _check(packed, block_size)
+    packed, d_g = _backward_inputs(packed, d_g, block_size)
     b, nb = block_size, packed.shape[0]
-    if d_g.shape != (nb, b, b):
-        raise ValueError(f"d_g must be [{nb}, {b}, {b}], got {tuple(d_g.shape)}")
-    packed = packed.contiguous()
-    d_g = d_g.to(packed.dtype).contiguous()
     _, n_tiles, meta = _launch_params(packed, b, config)
     d_packed = torch.empty_like(packed)
     if nb == 0:

@@ -16,9 +16,10 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
+from _cnp_cases import packed_blocks, run_and_check
+
 from quant_kernels.cnp_hybrid import cnp_backward_hybrid, cnp_forward_hybrid
 from quant_kernels.cnp_triton import cayley_neumann_fused, cnp_backward, cnp_forward
-from quant_kernels.reference import cayley_neumann
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_ATOL = 1e-5 if DEVICE == "cpu" else 5e-5
@@ -28,33 +29,12 @@ SIZES = [(8, 3, None), (16, 2, None), (20, 2, None), (33, 1, None), (40, 1, None
 _GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU only")
 
 
-def _packed(nb: int, b: int, gen: torch.Generator, scale: float = 0.3) -> torch.Tensor:
-    return torch.randn(nb, b * (b - 1) // 2, generator=gen) * (scale / b**0.5)
-
-
-def _ref_grad(packed: torch.Tensor, d_g: torch.Tensor, b: int) -> torch.Tensor:
-    leaf = packed.detach().requires_grad_(True)
-    (grad,) = torch.autograd.grad(cayley_neumann(leaf, b, 3), leaf, d_g)
-    return grad
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double().cpu() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("b,nb,config", SIZES)
 def test_fp32_matches_float64_and_packed_layout(b, nb, config, gen):
-    fwd, bwd = cnp_forward_hybrid, cnp_backward_hybrid
-    packed = _packed(nb, b, gen)
-    d_g = torch.randn(nb, b, b, generator=gen)
-    g = fwd(packed.to(DEVICE), b, config=config)
-    d_packed = bwd(packed.to(DEVICE), d_g.to(DEVICE), b, config=config)
-    assert g.shape == (nb, b, b) and g.dtype == torch.float32
-    assert d_packed.shape == packed.shape and d_packed.dtype == torch.float32
-    g64 = cayley_neumann(packed.double(), b, 3)
-    assert (g.double().cpu() - g64).abs().max().item() <= FP32_ATOL
-    grad64 = _ref_grad(packed.double(), d_g.double(), b)
-    assert (d_packed.double().cpu() - grad64).abs().max().item() <= FP32_ATOL
+    packed, d_g, g, d_packed = run_and_check(
+        cnp_forward_hybrid, cnp_backward_hybrid, nb, b, torch.float32, gen, DEVICE, FP32_ATOL,
+        config,
+    )  # fmt: skip
     # the same algebra as the packed-layout kernels: equal up to fp32 summation order
     g_packed = cnp_forward(packed.to(DEVICE), b)
     dp_packed = cnp_backward(packed.to(DEVICE), d_g.to(DEVICE), b)
@@ -69,14 +49,9 @@ SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,nb", SIZES_16BIT)
 def test_16bit_matches_float64(b, nb, dtype, gen):
-    fwd, bwd = cnp_forward_hybrid, cnp_backward_hybrid
-    packed = _packed(nb, b, gen).to(dtype)
-    d_g = torch.randn(nb, b, b, generator=gen).to(dtype)
-    g = fwd(packed.to(DEVICE), b)
-    d_packed = bwd(packed.to(DEVICE), d_g.to(DEVICE), b)
-    assert g.dtype == dtype and d_packed.dtype == dtype
-    assert _rel(g, cayley_neumann(packed.double(), b, 3)) <= REL_TOL[dtype]
-    assert _rel(d_packed, _ref_grad(packed.double(), d_g.double(), b)) <= REL_TOL[dtype]
+    run_and_check(
+        cnp_forward_hybrid, cnp_backward_hybrid, nb, b, dtype, gen, DEVICE, REL_TOL[dtype]
+    )
 
 
 def test_hybrid_chunks_equal_one_chunk(gen):
@@ -84,7 +59,7 @@ def test_hybrid_chunks_equal_one_chunk(gen):
     same ``G`` and gradient as one chunk — bit for bit on the CPU; on a GPU cuBLAS may pick
     another algorithm for another batch count, so there within fp32 rounding."""
     b, nb = 20, 7
-    packed = _packed(nb, b, gen).to(DEVICE)
+    packed = packed_blocks(nb, b, gen).to(DEVICE)
     d_g = torch.randn(nb, b, b, generator=gen).to(DEVICE)
     three = 3 * b * b * packed.element_size()
     tol = {"rtol": 0.0, "atol": 0.0} if DEVICE == "cpu" else {"rtol": 1e-5, "atol": 1e-6}
@@ -96,21 +71,6 @@ def test_hybrid_chunks_equal_one_chunk(gen):
         cnp_backward_hybrid(packed, d_g, b),
         **tol,
     )
-
-
-def test_autograd_hybrid_layout_saves_only_packed(gen):
-    b = 20
-    packed = _packed(2, b, gen).to(DEVICE).requires_grad_(True)
-    d_g = torch.randn(2, b, b, generator=gen).to(DEVICE)
-    g = cayley_neumann_fused(packed, b, layout="hybrid")
-    saved = g.grad_fn.saved_tensors
-    assert len(saved) == 1 and saved[0].data_ptr() == packed.data_ptr()
-    g.backward(d_g)
-    ref = _ref_grad(packed.detach().cpu().double(), d_g.cpu().double(), b)
-    assert (packed.grad.double().cpu() - ref).abs().max().item() <= FP32_ATOL
-    with torch.no_grad():
-        again = cayley_neumann_fused(packed, b, layout="hybrid")
-    assert again.grad_fn is None and torch.equal(again, g.detach())
 
 
 def test_zero_q_gives_identity_and_empty_stack():
@@ -138,7 +98,7 @@ def test_hybrid_products_ignore_an_enclosing_autocast(gen):
     """The cuBLAS products inside run in ``packed.dtype`` even under autocast (which would
     otherwise run them in bf16 and mismatch the fp32 buffers): same result, bit for bit."""
     b = 20
-    packed = _packed(3, b, gen).to(DEVICE)
+    packed = packed_blocks(3, b, gen).to(DEVICE)
     d_g = torch.randn(3, b, b, generator=gen).to(DEVICE)
     plain = cnp_forward_hybrid(packed, b), cnp_backward_hybrid(packed, d_g, b)
     with torch.autocast(packed.device.type, dtype=torch.bfloat16):
