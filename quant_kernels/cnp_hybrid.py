@@ -178,7 +178,7 @@ def default_q2_config(block_size: int, dtype: torch.dtype) -> Q2Config:
     ``dtype``.
 
     16-bit: 64×64 tiles, 64-wide K steps, 4 warps, 3 stages for ``b ≥ 64`` (over the Llama-8B
-    blocks at b = 256 the fastest of seven, ``evals/results/cnp_hybrid_h200.json``); fp32
+    blocks at b = 256 the fastest of seven, ``evals/results/cnp_hybrid_v1_h200.json``); fp32
     (full-precision FMA products): 32×32 tiles, 32-wide steps. Smaller ``b`` use one tile of
     ``next_power_of_2(b)``. Under ``TRITON_INTERPRET=1``: 16×16 tiles and 16-wide steps, so the
     CPU tests' small ``b`` run several K steps and partial tiles. ``evals/bench_cnp.py --sweep``
@@ -304,6 +304,17 @@ def cnp_backward_hybrid(
 
     Same contract as :func:`quant_kernels.cnp_triton.cnp_backward`; transient memory five
     buffers of ``chunk_bytes``.
+
+    Args:
+        packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
+        d_g: ``[nb, b, b]`` gradient of ``G`` (cast to ``packed.dtype``).
+        block_size: ``b ≥ 2``.
+        config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
+            :func:`default_q2_config`.
+        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer.
+
+    Returns:
+        ``d_packed`` ``[nb, b(b-1)/2]`` in ``packed.dtype``.
 
     Raises:
         ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, or a bad ``config``.
