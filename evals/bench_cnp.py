@@ -87,13 +87,16 @@ def bench_dtype(
     from quant_kernels.cnp_hybrid import default_q2_config
     from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
 
+    def fused_packed(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
+        return cayley_neumann_fused(p, b_, k, config=config, layout="packed")
+
     def fused_hybrid(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
         return cayley_neumann_fused(p, b_, k, config=config, layout="hybrid")
 
     paths = {
         "reference": reference.cayley_neumann,
         "lean": cnp.cayley_neumann_lean,
-        "fused": cayley_neumann_fused,
+        "fused": fused_packed,
         "fused_hybrid": fused_hybrid,
     }
     leaf = packed.detach().requires_grad_(True)
@@ -174,7 +177,7 @@ def bench_dtype(
     if sweep:
         res["sweep_fwd_bwd_ms"] = {}
         for cfg in SWEEP[packed.dtype]:
-            fn = lambda p, b_, k, cfg=cfg: cayley_neumann_fused(p, b_, k, config=cfg)  # noqa: E731
+            fn = lambda p, b_, k, cfg=cfg: fused_packed(p, b_, k, config=cfg)  # noqa: E731
             try:
                 t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
             except Exception as exc:  # a configuration that does not compile or fit: report it

@@ -12,7 +12,9 @@ from torch import nn
 def causal_lm_loss(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy (nats, fp32 scalar) of ``windows`` ``[B, L+1]`` (int64).
 
-    Inputs are ``windows[:, :-1]``, labels ``windows[:, 1:]``. ``model`` is called with
+    Inputs are ``windows[:, :-1]``, labels ``windows[:, 1:]``. ``model`` is a causal LM whose
+    forward takes ``input_ids`` and ``use_cache`` and returns ``.logits`` ``[B, L, V]`` (a
+    transformers model, or a wrapper of one such as DDP's); it is called with
     ``use_cache=False``: a transformers causal LM would otherwise build a key/value cache, one
     copy of every layer's keys and values (``torch.cat`` into an empty cache), that nothing reads.
     """
@@ -32,7 +34,7 @@ def evaluate_perplexity(
     """Token-weighted mean loss and perplexity ``exp(loss)`` over ``val`` ``[N, L+1]``.
 
     Args:
-        model: causal LM returning ``.logits`` ``[B, L, V]``.
+        model: causal LM as :func:`causal_lm_loss` takes it.
         val: packed validation windows (int64).
         batch_size: windows per forward.
         device: where to run.

@@ -163,7 +163,8 @@ def causal_lm_loss_chunked(
 def training_loss(model: nn.Module, windows: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
     """The training loss of ``windows`` ``[B, L+1]``: :func:`causal_lm_loss_chunked` when
     ``chunk_tokens`` > 0 (``train.loss_chunk_tokens``; ``model`` must be the bare causal LM),
-    else :func:`poetxq.evaluate.causal_lm_loss` (any model returning ``.logits``). Mean nats,
+    else :func:`poetxq.evaluate.causal_lm_loss` (a causal LM whose forward takes ``input_ids``
+    and ``use_cache`` and returns ``.logits``, as transformers' do). Mean nats,
     fp32 scalar; errors as those functions raise them."""
     if chunk_tokens:
         return causal_lm_loss_chunked(model, windows, chunk_tokens)

@@ -194,11 +194,19 @@ def default_q2_config(block_size: int, dtype: torch.dtype) -> Q2Config:
 
 
 def _meta(packed: torch.Tensor, b: int, config: Q2Config | None) -> tuple[int, dict]:
+    if config is not None and len(config) != 4:
+        raise ValueError(
+            f"config {tuple(config)}: the hybrid layout takes (BM, BK, num_warps, num_stages); "
+            "(tile, num_warps) is the packed layout's"
+        )
     bm, bk, warps, stages = config or default_q2_config(b, packed.dtype)
-    if bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8):
+    if (
+        bm not in (16, 32, 64, 128) or bk not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8)
+        or type(stages) is not int or stages < 1
+    ):  # fmt: skip
         raise ValueError(
             f"hybrid CNP config (BM, BK, warps, stages) = {(bm, bk, warps, stages)}: BM and BK "
-            "16/32/64/128, warps 1/2/4/8"
+            "16/32/64/128, warps 1/2/4/8, stages an int >= 1"
         )
     meta = {
         "UPCAST": _UPCAST, "IEEE": packed.dtype == torch.float32, "BM": bm, "BK": bk,
@@ -214,6 +222,14 @@ _SKEW_BM = 16 if _UPCAST else 64
 
 
 def _chunks(nb: int, b: int, elt: int, chunk_bytes: int) -> int:
+    """Blocks per chunk: as many ``b×b`` matrices of ``elt`` bytes as fit ``chunk_bytes``, at
+    least one, at most ``nb``.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is not a positive int.
+    """
+    if type(chunk_bytes) is not int or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int (bytes), got {chunk_bytes!r}")
     return max(1, min(nb, chunk_bytes // (b * b * elt)))
 
 
@@ -251,13 +267,15 @@ def cnp_forward_hybrid(
         block_size: ``b ≥ 2``.
         config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
             :func:`default_q2_config`.
-        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer.
+        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer (a chunk holds at least one block,
+            so a buffer is at least ``b²`` elements).
 
     Returns:
         ``G`` ``[nb, b, b]`` in ``packed.dtype``.
 
     Raises:
-        ValueError: as :func:`quant_kernels.cnp_triton.cnp_forward`, or a bad ``config``.
+        ValueError: as :func:`quant_kernels.cnp_triton.cnp_forward`, a bad ``config`` or
+            ``chunk_bytes``.
     """
     _check(packed, block_size)
     b, nb = block_size, packed.shape[0]
@@ -311,13 +329,14 @@ def cnp_backward_hybrid(
         block_size: ``b ≥ 2``.
         config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
             :func:`default_q2_config`.
-        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer.
+        chunk_bytes: bytes of one ``[chunk, b, b]`` buffer (at least one block per chunk).
 
     Returns:
         ``d_packed`` ``[nb, b(b-1)/2]`` in ``packed.dtype``.
 
     Raises:
-        ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, or a bad ``config``.
+        ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, a bad ``config`` or
+            ``chunk_bytes``.
     """
     packed, d_g = _backward_inputs(packed, d_g, block_size)
     b, nb = block_size, packed.shape[0]

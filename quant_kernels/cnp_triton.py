@@ -408,6 +408,11 @@ def _backward_inputs(
 def _launch_params(
     packed: torch.Tensor, b: int, config: tuple[int, int] | None
 ) -> tuple[int, int, dict]:
+    if config is not None and len(config) != 2:
+        raise ValueError(
+            f"config {tuple(config)}: the packed layout takes (tile, num_warps); "
+            "(BM, BK, num_warps, num_stages) is the hybrid layout's"
+        )
     tile, warps = config or default_config(b, packed.dtype)
     if tile not in (16, 32, 64, 128) or warps not in (1, 2, 4, 8, 16):
         raise ValueError(
@@ -546,7 +551,7 @@ def cayley_neumann_fused(
     terms: int = 3,
     *,
     config: tuple[int, ...] | None = None,
-    layout: str = "packed",
+    layout: str = "hybrid",
 ) -> torch.Tensor:
     """Fused Triton :func:`~quant_kernels.reference.cayley_neumann` for ``k = 3`` (POET,
     arXiv 2506.08001): ``G = I + 2(Q + Q² + Q³) + Q⁴`` with ``Q = U − Uᵀ``.
@@ -562,15 +567,17 @@ def cayley_neumann_fused(
         config: the kernels' tiling: ``(tile, num_warps)`` for ``packed``
             (:func:`default_config`), ``(BM, BK, num_warps, num_stages)`` of the ``Q²`` kernel
             for ``hybrid`` (:func:`quant_kernels.cnp_hybrid.default_q2_config`).
-        layout: ``packed``: every kernel reads ``Q`` from ``packed`` (this module);
-            ``hybrid``: Triton writes ``Q``, ``Q²`` and the elementwise terms, cuBLAS runs the
-            full products, chunk by chunk of blocks (:mod:`quant_kernels.cnp_hybrid`).
+        layout: ``hybrid`` (default, faster on the H200): Triton writes ``Q``, ``Q²`` and the
+            elementwise terms, cuBLAS runs the full products, chunk by chunk of blocks
+            (:mod:`quant_kernels.cnp_hybrid`); ``packed``: every kernel reads ``Q`` from
+            ``packed`` (this module).
 
     Returns:
         ``G`` ``[nb, b, b]`` in ``packed.dtype``; differentiable w.r.t. ``packed``.
 
     Raises:
-        ValueError: ``terms != 3``, an unknown ``layout``, or as :func:`cnp_forward`.
+        ValueError: ``terms != 3``, an unknown ``layout``, a ``config`` not of that layout, or
+            as :func:`cnp_forward`.
     """
     if terms != 3:
         raise ValueError(f"the fused CNP implements k = 3 Neumann terms only, got {terms}")

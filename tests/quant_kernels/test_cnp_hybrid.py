@@ -92,6 +92,16 @@ def test_errors():
         cnp_forward_hybrid(p, 8, config=(24, 16, 4, 1))
     with pytest.raises(ValueError, match="d_g"):
         cnp_backward_hybrid(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
+    # a config of the other layout, or stages < 1, named as such
+    with pytest.raises(ValueError, match="hybrid layout takes \\(BM, BK, num_warps"):
+        cayley_neumann_fused(p, 8, config=(16, 4))
+    with pytest.raises(ValueError, match="packed layout takes \\(tile, num_warps\\)"):
+        cayley_neumann_fused(p, 8, config=(16, 16, 4, 1), layout="packed")
+    with pytest.raises(ValueError, match="stages an int >= 1"):
+        cnp_forward_hybrid(p, 8, config=(16, 16, 4, 0))
+    for bad in (0, -5, True, 2.5, None):
+        with pytest.raises(ValueError, match="chunk_bytes must be a positive int"):
+            cnp_forward_hybrid(p, 8, chunk_bytes=bad)
 
 
 def test_hybrid_products_ignore_an_enclosing_autocast(gen):

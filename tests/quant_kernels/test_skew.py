@@ -67,3 +67,7 @@ def test_backward_into_out_slice_equals_reference(gen):
     assert (buf[0] == 7).all() and (buf[4] == 7).all()
     with pytest.raises(ValueError, match="out must be"):
         skew_backward(d_q, out=buf[:2])
+    with pytest.raises(ValueError, match=r"floating-point .* torch.int32"):
+        skew_backward(d_q, out=torch.zeros(3, b * (b - 1) // 2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="not contiguous"):
+        skew_backward(d_q, out=torch.zeros(b * (b - 1) // 2, 3, device=DEVICE).t())
