@@ -39,7 +39,7 @@ from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
-from poetxq.fuse import fuse_elementwise, fuse_wanted
+from poetxq.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
 from poetxq.loss import training_loss
 from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.optim import build_optimizer
@@ -111,14 +111,6 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
-    # torch.compile of RMSNorm / rotary, decided for the first setting measured (one build
-    # serves both settings; --set train.fuse_elementwise=true|false to A/B)
-    first = recipe.model_copy(deep=True)
-    first.train.gradient_checkpointing = args.settings[0]
-    first.train.cuda_graph = args.cuda_graph
-    fused = fuse_wanted(first.train, dev)
-    if fused:
-        fuse_elementwise(model)
     optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
@@ -168,7 +160,16 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         r = recipe.model_copy(deep=True)
         r.train.gradient_checkpointing = ckpt
         r.train.offload_activations = offload
-        r.train.fuse_elementwise = fused  # what this build did, whatever "auto" would say
+        r.train.cuda_graph = args.cuda_graph
+        # torch.compile of RMSNorm / rotary / SwiGLU as train.fuse_elementwise decides for this
+        # setting ("auto": not for eager checkpointing); --set train.fuse_elementwise to A/B
+        fused = fuse_wanted(r.train, dev)
+        if fused:
+            fuse_elementwise(model)
+        else:
+            unfuse_elementwise(model)
+        graphed = None  # capture again: the fusion may have changed
+        r.train.fuse_elementwise = fused  # what this setting ran
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
         step()  # warm-up: Adam states, allocator, autotuning
         _sync(dev)

@@ -84,6 +84,37 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     if not getattr(rope, "_poetxq_compiled", False):
         compiled = torch.compile(rope, backend=backend, dynamic=False)
         compiled._poetxq_compiled = True  # type: ignore[attr-defined]
+        compiled._poetxq_original = rope  # type: ignore[attr-defined]
         modeling_llama.apply_rotary_pos_emb = compiled
+        done += 1
+    return done
+
+
+def unfuse_elementwise(model: nn.Module) -> int:
+    """Undo :func:`fuse_elementwise`: ``model``'s RMSNorm modules run eagerly again, and the
+    process-wide rotary function and SwiGLU maps are the plain ones again (for every model).
+
+    For measurements that compare settings on one built model (``evals/gpu_memory.py``, where
+    ``train.fuse_elementwise=auto`` decides per setting). Returns the number of modules and
+    functions restored (0 when nothing was compiled).
+    """
+    done = 0
+    for module in model.modules():
+        if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is not None:
+            module._compiled_call_impl = None
+            done += 1
+    from poetxq import layer
+
+    for key, fn in (("forward", layer.swiglu), ("grads", layer.swiglu_grads)):
+        if layer.SWIGLU_OPS[key] is not fn:
+            layer.SWIGLU_OPS[key] = fn
+            done += 1
+    try:
+        from transformers.models.llama import modeling_llama
+    except ImportError:  # pragma: no cover - transformers without Llama
+        return done
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "_poetxq_original", None)
+    if original is not None:
+        modeling_llama.apply_rotary_pos_emb = original
         done += 1
     return done

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from poetxq.fuse import fuse_elementwise
+from poetxq.fuse import fuse_elementwise, unfuse_elementwise
 from poetxq.recipe import ModelConfig, POETConfig
 from poetxq.surgery import build_llama, convert_to_poetx
 
@@ -51,6 +51,25 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
     for (name, a), b in zip(eager.named_parameters(), fused.parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_unfuse_restores_the_eager_model(restore_rope):
+    from poetxq import layer
+
+    plain_rope = restore_rope.apply_rotary_pos_emb
+    model = build_llama(CFG, vocab_size=97)
+    convert_to_poetx(model, POETConfig(block_size=16, bits=8), generator=torch.Generator())
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = model(input_ids=ids, labels=ids).loss.detach()
+    n = fuse_elementwise(model, backend="aot_eager")
+    assert unfuse_elementwise(model) == n
+    assert restore_rope.apply_rotary_pos_emb is plain_rope
+    assert {"forward": layer.swiglu, "grads": layer.swiglu_grads} == layer.SWIGLU_OPS
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert norms and all(m._compiled_call_impl is None for m in norms)
+    assert unfuse_elementwise(model) == 0  # nothing left to undo
+    assert torch.equal(model(input_ids=ids, labels=ids).loss.detach(), before)
+    assert fuse_elementwise(model, backend="aot_eager") == n  # and it can be fused again
 
 
 def test_fuse_wanted_follows_the_recipe():
