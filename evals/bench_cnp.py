@@ -166,31 +166,22 @@ def bench_dtype(
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
             res["profile"][name] = table
             print(f"--- {name}\n{table}", flush=True)
-    res["ratio_fused_vs_reference"] = {
-        k: ms["fused"][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
-    }
     res["ratio_fused_vs_lean"] = {k: ms["fused"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")}
-    for name in fused_paths[1:]:
+    for name in fused_paths:
         res[f"ratio_{name}_vs_reference"] = {
             k: ms[name][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
         }
     if sweep:
         res["sweep_fwd_bwd_ms"] = {}
-        for cfg in SWEEP[packed.dtype]:
-            fn = lambda p, b_, k, cfg=cfg: fused_packed(p, b_, k, config=cfg)  # noqa: E731
+        tried = [(fused_packed, cfg, "tile{}_warps{}".format(*cfg)) for cfg in SWEEP[packed.dtype]]
+        tried += [(fused_hybrid, cfg, "hybrid_bm{}_bk{}_warps{}_stages{}".format(*cfg))
+                  for cfg in SWEEP_HYBRID[packed.dtype]]  # fmt: skip
+        for path, cfg, key in tried:
+            fn = lambda p, b_, k, path=path, cfg=cfg: path(p, b_, k, config=cfg)  # noqa: E731
             try:
                 t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
             except Exception as exc:  # a configuration that does not compile or fit: report it
                 t = f"{type(exc).__name__}: {str(exc)[:200]}"
-            res["sweep_fwd_bwd_ms"][f"tile{cfg[0]}_warps{cfg[1]}"] = t
-            torch.cuda.empty_cache()
-        for cfg in SWEEP_HYBRID[packed.dtype]:
-            fn = lambda p, b_, k, cfg=cfg: fused_hybrid(p, b_, k, config=cfg)  # noqa: E731
-            try:
-                t = cuda_time_ms(fwd_bwd(fn), warmup=warmup, iters=reps)
-            except Exception as exc:
-                t = f"{type(exc).__name__}: {str(exc)[:200]}"
-            key = "hybrid_bm{}_bk{}_warps{}_stages{}".format(*cfg)
             res["sweep_fwd_bwd_ms"][key] = t
             torch.cuda.empty_cache()
     return res

@@ -151,7 +151,6 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         offload = ckpt and args.offload
         if ckpt:
             enable_activation_checkpointing(model, offload=offload)
-            graphed = None  # capture again: checkpointing changes the graph
             if args.cuda_graph:
                 for p in model.parameters():  # and frees the first graph's gradient tensors
                     p.grad = None
@@ -168,7 +167,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             fuse_elementwise(model)
         else:
             unfuse_elementwise(model)
-        graphed = None  # capture again: the fusion may have changed
+        graphed = None  # capture again: checkpointing and the fusion change the graph
         r.train.fuse_elementwise = fused  # what this setting ran
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
         step()  # warm-up: Adam states, allocator, autotuning

@@ -40,7 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels.cnp_triton import _backward_inputs, _block_and_pair, _check, _pairs
+from quant_kernels.cnp_triton import (
+    _backward_inputs,
+    _block_and_pair,
+    _check,
+    _pairs,
+    _plus_eye,
+    _tile,
+)
 from quant_kernels.dequant_matmul import _dot, _interpreting
 
 __all__ = [
@@ -49,23 +56,6 @@ __all__ = [
 ]  # fmt: skip
 
 _UPCAST = _interpreting()
-
-
-@triton.jit
-def _tile(base, r0, c0, b, BR: tl.constexpr, BC: tl.constexpr):
-    """Rows ``r0…r0+BR`` × columns ``c0…c0+BC`` of a dense row-major ``b×b`` matrix at ``base``
-    (zero outside it), in its stored dtype."""
-    r = r0 + tl.arange(0, BR)[:, None]
-    c = c0 + tl.arange(0, BC)[None, :]
-    return tl.load(base + r * b + c, mask=(r < b) & (c < b), other=0.0)
-
-
-@triton.jit
-def _plus_eye(x, r0, c0, alpha, BR: tl.constexpr, BC: tl.constexpr):
-    """``x + alpha·I`` for the tile at rows ``r0…``, columns ``c0…``."""
-    r = r0 + tl.arange(0, BR)[:, None]
-    c = c0 + tl.arange(0, BC)[None, :]
-    return tl.where(r == c, x + alpha, x)
 
 
 @triton.jit

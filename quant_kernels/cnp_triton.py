@@ -114,19 +114,32 @@ def _q_tile(base, t_row, t_col, b, WHERE: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _tile(base, r0, c0, b, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows ``r0…r0+BR`` × columns ``c0…c0+BC`` of a dense row-major ``b×b`` matrix at ``base``
+    (zero outside it), in its stored dtype."""
+    r = r0 + tl.arange(0, BR)[:, None]
+    c = c0 + tl.arange(0, BC)[None, :]
+    return tl.load(base + r * b + c, mask=(r < b) & (c < b), other=0.0)
+
+
+@triton.jit
+def _plus_eye(x, r0, c0, alpha, BR: tl.constexpr, BC: tl.constexpr):
+    """``x + alpha·I`` for the tile at rows ``r0…``, columns ``c0…``."""
+    r = r0 + tl.arange(0, BR)[:, None]
+    c = c0 + tl.arange(0, BC)[None, :]
+    return tl.where(r == c, x + alpha, x)
+
+
+@triton.jit
 def _load_tile(base, t_row, t_col, b, BLOCK: tl.constexpr):
     """Tile ``(t_row, t_col)`` of a dense row-major ``b×b`` matrix at ``base`` (zero-padded)."""
-    r = t_row * BLOCK + tl.arange(0, BLOCK)[:, None]
-    c = t_col * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return tl.load(base + r * b + c, mask=(r < b) & (c < b), other=0.0)
+    return _tile(base, t_row * BLOCK, t_col * BLOCK, b, BLOCK, BLOCK)
 
 
 @triton.jit
 def _eye_plus(x, t_row, t_col, alpha, BLOCK: tl.constexpr):
     """``x + alpha·I`` on tile ``(t_row, t_col)``."""
-    r = t_row * BLOCK + tl.arange(0, BLOCK)[:, None]
-    c = t_col * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return tl.where(r == c, x + alpha, x)
+    return _plus_eye(x, t_row * BLOCK, t_col * BLOCK, alpha, BLOCK, BLOCK)
 
 
 @triton.jit

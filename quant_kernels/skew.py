@@ -84,28 +84,17 @@ def skew_forward(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     return q
 
 
-def skew_backward(d_q: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def skew_backward(d_q: torch.Tensor) -> torch.Tensor:
     """``∂packed [nb, b(b-1)/2]`` from ``∂Q [nb, b, b]``: the strict upper triangle of
-    ``∂Q − ∂Qᵀ``, row-major, written into ``out`` (contiguous, ``[nb, b(b-1)/2]``, any float
-    dtype) when given.
-
-    Raises:
-        ValueError: ``out`` of the wrong shape, not contiguous or not floating-point.
-    """
+    ``∂Q − ∂Qᵀ``, row-major."""
     d_q = d_q.contiguous()
     nb, b, _ = d_q.shape
     npk = b * (b - 1) // 2
-    if out is None:
-        out = d_q.new_empty(nb, npk)
-    elif out.shape != (nb, npk) or not out.is_contiguous() or not out.is_floating_point():
-        raise ValueError(
-            f"out must be a contiguous floating-point [{nb}, {npk}] tensor, got "
-            f"{tuple(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}"
-        )
+    d_packed = d_q.new_empty(nb, npk)
     if nb:
         grid, n_tiles = _grid(nb, b)
-        _skew_bwd_kernel[grid](d_q, out, b, npk, n_tiles, BLOCK=_BLOCK)
-    return out
+        _skew_bwd_kernel[grid](d_q, d_packed, b, npk, n_tiles, BLOCK=_BLOCK)
+    return d_packed
 
 
 class _SkewFromPacked(torch.autograd.Function):

@@ -50,24 +50,3 @@ def test_hand_built_block(gen):
 def test_wrong_width_is_an_error():
     with pytest.raises(ValueError, match=r"packed must be \[nb, 6\] for b=4, got \(2, 5\)"):
         skew_from_packed_triton(torch.zeros(2, 5, device=DEVICE), 4)
-
-
-def test_backward_into_out_slice_equals_reference(gen):
-    """``skew_backward(out=...)`` fills a row slice of a larger buffer with the reference's
-    gradient (the hybrid CNP writes its chunks that way) and refuses a wrongly shaped one."""
-    from quant_kernels.skew import skew_backward
-
-    b = 20
-    d_q = torch.randn(3, b, b, generator=gen).to(DEVICE)
-    leaf = torch.zeros(3, b * (b - 1) // 2, requires_grad=True)
-    (ref,) = torch.autograd.grad(skew_from_packed(leaf, b), leaf, d_q.cpu())
-    buf = torch.full((5, b * (b - 1) // 2), 7.0, device=DEVICE)
-    assert skew_backward(d_q, out=buf[1:4]).data_ptr() == buf[1:4].data_ptr()
-    assert torch.equal(buf[1:4].cpu(), ref)
-    assert (buf[0] == 7).all() and (buf[4] == 7).all()
-    with pytest.raises(ValueError, match="out must be"):
-        skew_backward(d_q, out=buf[:2])
-    with pytest.raises(ValueError, match=r"floating-point .* torch.int32"):
-        skew_backward(d_q, out=torch.zeros(3, b * (b - 1) // 2, dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match="not contiguous"):
-        skew_backward(d_q, out=torch.zeros(b * (b - 1) // 2, 3, device=DEVICE).t())
