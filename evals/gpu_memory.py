@@ -64,22 +64,11 @@ def _sync(dev: torch.device) -> None:
 
 
 def _profile(step, dev: torch.device, path: Path) -> None:
-    """One more step under torch.profiler; the top operators by self device and CPU time."""
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if dev.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as prof:
-        step()
-        _sync(dev)
-    ka = prof.key_averages()
-    sort = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        ka.table(sort_by=sort, row_limit=70)
-        + "\n"
-        + ka.table(sort_by="self_cpu_time_total", row_limit=20)
-        + "\n"
-    )
+    """One more step under torch.profiler: the GPU-time breakdown and the top operators."""
+    from poetxq.bench import write_text
+    from poetxq.profiling import profile_steps
+
+    write_text(profile_steps(step, dev, steps=1, row_limit=70)[0], path)
 
 
 def recipe_for(name: str, args: argparse.Namespace):

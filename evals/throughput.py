@@ -22,6 +22,7 @@ import gc
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--profile-dir", default=None, metavar="DIR",
+                    help="profile two more steps per run into "
+                    "DIR/profile_<model>_<seq>_<method>.txt (GPU time per kind of work; also in "
+                    "the JSON as gpu_time_ms)")  # fmt: skip
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
                     help="set a quant_kernels.*_MEASURED_FASTER flag for every run (A/B timing "
                     "of an opt-in path)")  # fmt: skip
@@ -97,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             for method in args.methods.split(","):
                 recipe = recipe_for(model, method, seq)
                 try:
+                    prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{method}.txt"
+                            if args.profile_dir else None)  # fmt: skip
                     res = run_bench(recipe, args.steps, warmup=args.warmup, vocab_size=VOCAB,
-                                    device=args.device, echo=lambda _s: None)  # fmt: skip
+                                    device=args.device, profile=prof,
+                                    echo=lambda _s: None)  # fmt: skip
                 except BenchError as exc:  # e.g. a device this torch cannot use
                     print(f"throughput: error: {exc}", file=sys.stderr)
                     return 2

@@ -78,6 +78,8 @@ class BenchResult:
     #: CUDA reserved-memory peak; with a CUDA graph the activations live in its private pool,
     #: which ``peak_memory_bytes`` (allocated) does not count
     peak_reserved_bytes: int | None = None
+    #: GPU time per step by kind of work, in ms (``profile=``; :mod:`poetxq.profiling`)
+    gpu_time_ms: dict[str, float] | None = None
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -173,6 +175,7 @@ def run_bench(
     peak_tflops: float | None = None,
     device: str | None = None,
     command: str | None = None,
+    profile: Path | None = None,
     echo: Callable[[str], None] = print,
 ) -> BenchResult:
     """Time ``steps`` training steps of ``recipe`` on random tokens.
@@ -186,6 +189,9 @@ def run_bench(
             the CPU).
         device: ``"cuda"``/``"cpu"`` (default: CUDA when available).
         command: the command line, recorded in the result.
+        profile: after the timed steps, profile two more with torch.profiler and write the
+            tables and the GPU-time breakdown (:mod:`poetxq.profiling`) to this text file; the
+            breakdown also goes into the result (``gpu_time_ms``).
         echo: where the progress lines go (model build time, first step done).
 
     Returns:
@@ -279,6 +285,16 @@ def run_bench(
     _sync(dev)
     elapsed = time.perf_counter() - start
     tps = steps * tokens_per_step / elapsed
+    peak_alloc = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    peak_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
+    breakdown = None
+    if profile is not None:  # after the peaks are read: the profiler's own buffers stay out
+        from poetxq.profiling import profile_steps
+
+        text, breakdown = profile_steps(step, dev)
+        write_text(f"{run_label(recipe)}: {elapsed / steps * 1e3:.1f} ms/step timed\n\n{text}",
+                   Path(profile))  # fmt: skip
+        echo(f"bench: profile written to {profile}")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     peak = peak_tflops if peak_tflops is not None else (
         peak_tflops_for(name) if dev.type == "cuda" else None
@@ -293,26 +309,31 @@ def run_bench(
         tokens_per_step=tokens_per_step, step_time_s=elapsed / steps, tokens_per_s=tps,
         n_params_dense=n_dense, peak_tflops=peak,
         mfu=6 * n_dense * tps / (peak * 1e12) if peak else None,
-        peak_memory_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None,
+        peak_memory_bytes=peak_alloc,
         peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=tc.cuda_graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
         loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev),
         state_bits=recipe.optim.state_bits,
-        peak_reserved_bytes=torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None,
+        peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
     )  # fmt: skip
 
 
-def write_json(obj: dict, path: Path) -> None:
-    """Write ``obj`` as indented JSON to ``path`` atomically (temp file + rename)."""
+def write_text(text: str, path: Path) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file + rename), creating its folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_json(obj: dict, path: Path) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`write_text`)."""
+    write_text(json.dumps(obj, indent=2) + "\n", path)
 
 
 def bench_to_dict(result: BenchResult) -> dict:

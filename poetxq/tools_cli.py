@@ -77,6 +77,12 @@ def add_tool_parsers(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", metavar="JSON", help="write the result here")
+    p.add_argument(
+        "--profile", metavar="TXT",
+        help="after the timed steps, profile two more (torch.profiler) and write the top "
+        "operators and the GPU time per kind of work (GEMMs, block multiplies, Cayley-Neumann, "
+        "weight decode, ...) to this file",
+    )  # fmt: skip
 
     p = sub.add_parser(
         "report", help="Markdown + PNG comparison of runs",
@@ -155,11 +161,14 @@ def run_tool(args: argparse.Namespace) -> int:
     check_kernels_env()
     if args.out:  # the benchmark can take minutes: do not find out only when writing
         check_output_file(Path(args.out), "--out", BenchError)
+    if args.profile:
+        check_output_file(Path(args.profile), "--profile", BenchError)
 
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,
         peak_tflops=args.peak_tflops, device=args.device,
-        command="poetxq " + shlex.join(sys.argv[1:]), echo=print,
+        command="poetxq " + shlex.join(sys.argv[1:]),
+        profile=Path(args.profile) if args.profile else None, echo=print,
     )  # fmt: skip
     print(result.summary_line())
     if args.out:
