@@ -59,8 +59,8 @@ def gpu_time_breakdown(rows: Iterable[Any], steps: int = 1) -> dict[str, float]:
     """Device time per step by category, in milliseconds.
 
     Args:
-        rows: ``prof.key_averages()`` (or any rows with ``name``, ``device_type`` and
-            ``self_device_time_total`` in microseconds). Device rows (kernels, memcpy) are
+        rows: ``prof.key_averages()`` (or any rows with ``key`` (the name), ``device_type``
+            and ``self_device_time_total`` in microseconds). Device rows (kernels, memcpy) are
             categorized by :func:`kernel_category`; of the CPU operator rows only the GEMM
             operators of :data:`GEMM_OPS` are read, for the ``"of which ..."`` split.
         steps: steps the profile covered; every figure is divided by it.
@@ -82,10 +82,10 @@ def gpu_time_breakdown(rows: Iterable[Any], steps: int = 1) -> dict[str, float]:
         if us <= 0:
             continue
         if _is_device_row(row):
-            cat = kernel_category(row.name)
+            cat = kernel_category(row.key)
             by_cat[cat] = by_cat.get(cat, 0.0) + us
-        elif row.name in GEMM_OPS:
-            split[GEMM_OPS[row.name]] += us
+        elif row.key in GEMM_OPS:
+            split[GEMM_OPS[row.key]] += us
     out = {k: v / steps / 1e3 for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])}
     out["total"] = sum(by_cat.values()) / steps / 1e3
     if split["mm"]:

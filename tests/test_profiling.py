@@ -15,7 +15,7 @@ ATEN = "aten elementwise / copy / reduce"
 
 
 def _row(name: str, us: float, device=CUDA):
-    return SimpleNamespace(name=name, device_type=device, self_device_time_total=us)
+    return SimpleNamespace(key=name, device_type=device, self_device_time_total=us)
 
 
 @pytest.mark.parametrize(
@@ -72,6 +72,15 @@ def test_breakdown_sums_kernel_rows_per_step_and_splits_gemm_operators():
     assert "cuBLAS GEMM" in text and " 74.1%" in text and "2.70" in text
     with pytest.raises(ValueError, match="steps must be >= 1"):
         gpu_time_breakdown(rows, steps=0)
+
+
+def test_breakdown_reads_real_profiler_rows():
+    a, b = torch.randn(64, 64), torch.randn(4, 64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a @ a, b @ b, a + 1
+    rows = prof.key_averages()
+    assert {"aten::mm", "aten::bmm", "aten::add"} <= {r.key for r in rows}
+    assert gpu_time_breakdown(rows) == {"total": 0.0}  # CPU only: no device time anywhere
 
 
 def test_bench_profile_on_cpu_writes_the_operator_tables(tmp_path, capsys, monkeypatch):
