@@ -69,7 +69,18 @@ def build_optimizer(
             if flatten and g["name"] in ("poet", "no_decay") and len(params) > 1 and one_kind:
                 opt.flatten_group(i)
         return opt
-    return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps)
+    return adamw(groups, betas=cfg.betas, eps=cfg.eps)
+
+
+def adamw(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+    """torch's AdamW over ``groups``, with its fused CUDA kernels (``fused=True``: one launch
+    per dtype for all tensors) when every parameter is a floating-point CUDA tensor, and the
+    default (``foreach``) implementation otherwise. Same update, same state layout; on an H200
+    the foreach step of Llama-1B's 1.36 B fp32 parameters spent ~30 ms of GPU time, ~3× its
+    memory-traffic floor."""
+    params = [p for g in groups for p in g["params"]]
+    fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=True if fused else None)
 
 
 def is_bnb_8bit(optimizer: torch.optim.Optimizer) -> bool:

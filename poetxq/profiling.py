@@ -38,6 +38,9 @@ KERNEL_CATEGORIES: tuple[tuple[str, str], ...] = (
         r"|softmax|norm|where|arange|distribution",
     ),
 )
+#: device rows that are ranges, not kernels: record_function annotations the profiler also puts
+#: on the GPU timeline (the optimizer's step spans its own kernels; counting it would count twice)
+ANNOTATION = r"^(Optimizer\.\w+#|ProfilerStep#)"
 #: operator rows whose self device time is cuBLAS work launched for a dense or batched GEMM
 GEMM_OPS = {"aten::mm": "mm", "aten::addmm": "mm", "aten::bmm": "bmm", "aten::baddbmm": "bmm"}
 
@@ -82,6 +85,8 @@ def gpu_time_breakdown(rows: Iterable[Any], steps: int = 1) -> dict[str, float]:
         if us <= 0:
             continue
         if _is_device_row(row):
+            if re.match(ANNOTATION, row.key):
+                continue
             cat = kernel_category(row.key)
             by_cat[cat] = by_cat.get(cat, 0.0) + us
         elif row.key in GEMM_OPS:

@@ -371,16 +371,14 @@ def permute_last(
     On CUDA with :data:`TRITON_PERMUTE_MEASURED_FASTER` (or ``POETXQ_KERNELS=fused``) the Triton
     kernels of :mod:`quant_kernels.permute` (exact copies; the backward is the inverse permutation
     ``inv_perm``, computed by ``argsort`` when not given); otherwise
-    :func:`quant_kernels.reference.permute_last` (torch ``index_select``). Differentiable w.r.t.
-    ``x``.
+    :func:`quant_kernels.reference.permute_last` (torch ``index_select``, whose backward gathers
+    by ``inv_perm`` too). Differentiable w.r.t. ``x``.
     """
     if opt_in_kernel(x, TRITON_PERMUTE_MEASURED_FASTER):
         from quant_kernels.permute import permute_last_triton
 
-        if inv_perm is None and torch.is_grad_enabled() and x.requires_grad:
-            inv_perm = torch.argsort(perm)
         return permute_last_triton(x, perm, inv_perm)
-    return reference.permute_last(x, perm)
+    return reference.permute_last(x, perm, inv_perm)
 
 
 def _fused_cnp(packed: torch.Tensor, terms: int) -> bool:

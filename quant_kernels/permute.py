@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels.reference import PermuteLast
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _BLOCK_T, _BLOCK_J = (2, 32) if _INTERPRET else (4, 1024)
 
@@ -80,23 +82,12 @@ def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape)
 
 
-class _PermuteLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inv_perm)
-        return permute_last_nograd(x, perm)
-
-    @staticmethod
-    def backward(ctx, d_out: torch.Tensor):  # type: ignore[override]
-        (inv_perm,) = ctx.saved_tensors
-        return permute_last_nograd(d_out, inv_perm), None, None
-
-
 def permute_last_triton(
-    x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor
+    x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Differentiable ``x[..., perm]``; ``inv_perm = argsort(perm)`` serves the backward
-    (``dx = dy[..., inv_perm]``). Shapes, devices and errors as :func:`permute_last_nograd`."""
+    """Differentiable ``x[..., perm]``; ``inv_perm = argsort(perm)`` (computed in the backward
+    when not given) serves the backward (``dx = dy[..., inv_perm]``). Shapes, devices and
+    errors as :func:`permute_last_nograd`."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _PermuteLast.apply(x, perm, inv_perm)
+        return PermuteLast.apply(x, perm, inv_perm, permute_last_nograd)
     return permute_last_nograd(x, perm)

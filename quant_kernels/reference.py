@@ -179,11 +179,43 @@ def cnp_from_skew(q: torch.Tensor, terms: int = 3) -> torch.Tensor:
     return eye + 2.0 * acc + power
 
 
-def permute_last(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """``x[..., perm]`` (``x [..., d]``, ``perm [d]`` int64) via a 2-D ``index_select``, which is
-    several times faster than N-D indexing on the CPU; differentiable."""
+def _index_permute(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1]).index_select(1, perm)
     return flat.view(*x.shape[:-1], perm.numel())
+
+
+class PermuteLast(torch.autograd.Function):
+    """``gather(x, perm)`` (= ``x[..., perm]``) whose backward is ``gather(dy, inv_perm)``, with
+    ``inv_perm = argsort(perm)`` when ``None`` is passed. ``gather`` is this module's
+    ``index_select`` or the Triton kernel of :mod:`quant_kernels.permute`. ``index_select``'s own
+    backward is a scatter-add (``index_add_``), which on CUDA runs an atomic kernel: 315 µs per
+    [8192, 5632] bf16 gradient on an H200 against ~25 µs for a gather."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inv_perm, gather):  # type: ignore[override]
+        ctx.save_for_backward(perm if inv_perm is None else inv_perm)
+        ctx.inverted, ctx.gather = inv_perm is not None, gather
+        return gather(x, perm)
+
+    @staticmethod
+    def backward(ctx, d_out: torch.Tensor):  # type: ignore[override]
+        (p,) = ctx.saved_tensors
+        return ctx.gather(d_out, p if ctx.inverted else torch.argsort(p)), None, None, None
+
+
+def permute_last(
+    x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x[..., perm]`` (``x [..., d]``, ``perm [d]`` int64 permutation of ``range(d)``) via a
+    2-D ``index_select``, which is several times faster than N-D indexing on the CPU.
+
+    Differentiable w.r.t. ``x``: the backward is ``dy[..., inv_perm]`` (a gather, no
+    scatter-add), with ``inv_perm = argsort(perm)`` computed when not given. ``perm`` must be a
+    permutation (not checked): for repeated indices the gradient would be wrong.
+    """
+    if torch.is_grad_enabled() and x.requires_grad:
+        return PermuteLast.apply(x, perm, inv_perm, _index_permute)
+    return _index_permute(x, perm)
 
 
 def block_diag_matmul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

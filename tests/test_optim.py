@@ -168,3 +168,25 @@ def test_bitsandbytes_optional_cpu_gemm_warning_is_quiet():
     import poetxq  # noqa: F401
 
     assert logging.getLogger("bitsandbytes.backends.cpu.ops").getEffectiveLevel() == logging.ERROR
+
+
+def test_adamw_is_fused_only_where_every_parameter_is_on_cuda():
+    from poetxq.optim import adamw
+
+    cpu = [{"params": [nn.Parameter(torch.ones(3))]}]
+    assert not adamw(cpu, betas=(0.9, 0.95), eps=1e-8).defaults["fused"]
+    if torch.cuda.is_available():
+        gpu = [{"params": [nn.Parameter(torch.ones(3, device="cuda"))]}]
+        opt = adamw(gpu, betas=(0.9, 0.95), eps=1e-8)
+        assert opt.defaults["fused"] is True
+        # the fused step equals the foreach step on the same gradient
+        ref = torch.optim.AdamW(
+            [nn.Parameter(torch.ones(3, device="cuda"))], betas=(0.9, 0.95), eps=1e-8, foreach=True
+        )
+        for o in (opt, ref):
+            p = o.param_groups[0]["params"][0]
+            p.grad = torch.tensor([0.5, -1.0, 2.0], device="cuda")
+            o.step()
+        torch.testing.assert_close(
+            opt.param_groups[0]["params"][0], ref.param_groups[0]["params"][0]
+        )

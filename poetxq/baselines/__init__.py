@@ -33,6 +33,7 @@ from poetxq.baselines.qlinear import (
     quantize_groupwise,
     quantize_linears,
 )
+from poetxq.optim import adamw
 from poetxq.recipe import BaselineConfig, OptimConfig
 
 __all__ = [
@@ -161,7 +162,7 @@ def build_baseline_optimizer(
     for g in groups:
         g["initial_lr"] = g["lr"]
     if report.method == "adamw":
-        return torch.optim.AdamW(groups, betas=optim.betas, eps=optim.eps)
+        return adamw(groups, betas=optim.betas, eps=optim.eps)
     return LowRankAdamW(groups, betas=optim.betas, eps=optim.eps,
                         quant_modules=quant_modules(model), rounding_seed=cfg.seed)  # fmt: skip
 

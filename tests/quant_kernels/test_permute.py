@@ -11,6 +11,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
+from quant_kernels import reference
 from quant_kernels.permute import permute_last_nograd, permute_last_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,3 +50,22 @@ def test_transposed_input_is_copied_first(gen):
 def test_bad_perm_is_an_error():
     with pytest.raises(ValueError, match=r"perm must be 1-D of length 8 \(x's last dim\)"):
         permute_last_nograd(torch.zeros(2, 8, device=DEVICE), torch.arange(7, device=DEVICE))
+
+
+@pytest.mark.parametrize("impl", [reference.permute_last, permute_last_triton])
+@pytest.mark.parametrize("give_inverse", [True, False])
+def test_backward_gathers_by_the_inverse_permutation(impl, give_inverse, gen):
+    # float64 against the hand scatter d x[..., perm[j]] = d y[..., j]; the graph holds one
+    # PermuteLast node (a gather backward), not index_select's scatter-add (index_add_)
+    x = torch.randn(3, 4, 29, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_(True)
+    perm = torch.randperm(29, generator=gen).to(DEVICE)
+    y = impl(x, perm, torch.argsort(perm) if give_inverse else None)
+    assert type(y.grad_fn).__name__ == "PermuteLastBackward"
+    assert torch.equal(y.detach(), x.detach()[..., perm])
+    d_y = torch.randn(3, 4, 29, generator=gen, dtype=torch.float64).to(DEVICE)
+    y.backward(d_y)
+    want = torch.zeros_like(d_y)
+    want[..., perm] = d_y
+    assert torch.equal(x.grad, want)
+    with torch.no_grad():  # no autograd node without grad
+        assert impl(x, perm).grad_fn is None
