@@ -33,6 +33,20 @@ from poetxq.recipe import RecipeError, load_recipe, parse_override
 VOCAB = 32000
 
 
+def target_ratios(tps: dict[str, float]) -> dict[str, float | bool]:
+    """The issue's ratios from tokens/s by run key (``poetxq``, ``poetxq_graph``, ``qgalore``,
+    ``adamw``...): ``<key>_over_qgalore`` (target >= 1.3) and ``<key>_over_adamw`` (>= 0.9) for
+    POET-XQ eager and in a CUDA graph, with ``meets_*`` flags for the eager run."""
+    row: dict[str, float | bool] = {}
+    for key in ("poetxq", "poetxq_graph"):
+        for base, target in (("qgalore", 1.3), ("adamw", 0.9)):
+            if key in tps and base in tps:
+                row[f"{key}_over_{base}"] = tps[key] / tps[base]
+                if key == "poetxq":
+                    row[f"meets_{base}_target"] = row[f"{key}_over_{base}"] >= target
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -43,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default=None)
+    ap.add_argument("--graph-methods", default="", metavar="M1,M2",
+                    help="also run these POET methods with train.cuda_graph=true (forward and "
+                    "backward replayed from a CUDA graph), recorded with cuda_graph true and "
+                    "their own ratios (e.g. poetxq_graph_over_adamw)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None, metavar="DIR",
                     help="profile two more steps per run into "
                     "DIR/profile_<model>_<seq>_<method>.txt (GPU time per kind of work; also in "
@@ -62,12 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         ap.error(f"--device {args.device!r}: {str(exc).splitlines()[0]}")
 
-    def recipe_for(model: str, method: str, seq: int):
+    graph_methods = [m for m in args.graph_methods.split(",") if m]
+    runs_of = [(m, False) for m in args.methods.split(",")] + [(m, True) for m in graph_methods]
+
+    def recipe_for(model: str, method: str, seq: int, graph: bool = False):
         over = {"train.seq_len": seq, "train.batch_size": max(1, args.tokens // seq),
                 "train.grad_accum": 1}  # fmt: skip
         for text in args.set:
             k, v = parse_override(text)
             over[k] = v
+        if graph:
+            over["train.cuda_graph"] = True
         return load_recipe(f"{model}:{method}", over)
 
     seqs = []
@@ -75,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         seqs = [int(s) for s in args.seqs.split(",")]
         for model in args.models.split(","):
             for seq in seqs:
-                for method in args.methods.split(","):
-                    recipe_for(model, method, seq)
+                for method, graph in runs_of:
+                    recipe_for(model, method, seq, graph)
     except (RecipeError, ValueError) as exc:
         ap.error(str(exc).splitlines()[0])
     for seq in seqs:
@@ -99,10 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         for seq in seqs:
             tps: dict[str, float] = {}
-            for method in args.methods.split(","):
-                recipe = recipe_for(model, method, seq)
+            for method, graph in runs_of:
+                recipe = recipe_for(model, method, seq, graph)
+                key = f"{method}_graph" if graph else method
                 try:
-                    prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{method}.txt"
+                    prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{key}.txt"
                             if args.profile_dir else None)  # fmt: skip
                     res = run_bench(recipe, args.steps, warmup=args.warmup, vocab_size=VOCAB,
                                     device=args.device, profile=prof,
@@ -112,25 +136,19 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 except torch.OutOfMemoryError as exc:
                     runs.append({"model": model, "seq_len": seq, "method": method,
+                                 "cuda_graph": graph,
                                  "error": str(exc).splitlines()[0]})  # fmt: skip
-                    print(f"{model} seq {seq} {method}: out of memory", flush=True)
+                    print(f"{model} seq {seq} {key}: out of memory", flush=True)
                     continue
                 finally:
                     gc.collect()
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                 print(res.summary_line(), flush=True)
-                tps[method] = res.tokens_per_s
+                tps[key] = res.tokens_per_s
                 runs.append({"model": model, "seq_len": seq, **asdict(res)})
-            row = {"model": model, "seq_len": seq}
-            if "poetxq" in tps and "qgalore" in tps:
-                row["poetxq_over_qgalore"] = tps["poetxq"] / tps["qgalore"]
-                row["meets_qgalore_target"] = row["poetxq_over_qgalore"] >= 1.3
-            if "poetxq" in tps and "adamw" in tps:
-                row["poetxq_over_adamw"] = tps["poetxq"] / tps["adamw"]
-                row["meets_adamw_target"] = row["poetxq_over_adamw"] >= 0.9
-            ratios.append(row)
-            print(json.dumps(row), flush=True)
+            ratios.append({"model": model, "seq_len": seq, **target_ratios(tps)})
+            print(json.dumps(ratios[-1]), flush=True)
             save()
     print(f"wrote {save()}")
     return 0

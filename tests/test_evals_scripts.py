@@ -142,3 +142,20 @@ def test_eval_scripts_refuse_bad_arguments_in_one_line_before_work(script, bad, 
     err = capsys.readouterr().err.strip().splitlines()
     assert ": error: " in err[-1] and "Traceback" not in "\n".join(err)  # argparse's one line
     assert not (tmp_path / "x.json").exists()
+
+
+def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
+    mod = _load("throughput")
+    tps = {"poetxq": 30.0, "poetxq_graph": 45.0, "qgalore": 20.0, "adamw": 50.0, "poetx": 1.0}
+    assert mod.target_ratios(tps) == {
+        "poetxq_over_qgalore": 1.5, "meets_qgalore_target": True,
+        "poetxq_over_adamw": 0.6, "meets_adamw_target": False,
+        "poetxq_graph_over_qgalore": 2.25, "poetxq_graph_over_adamw": 0.9,
+    }  # fmt: skip
+    assert mod.target_ratios({"poetxq": 1.0}) == {}
+    # a CUDA graph is for the POET methods: a baseline named there is refused before any run
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--out", str(tmp_path / "x.json"), "--graph-methods", "adamw"])
+    assert exc.value.code == 2
+    assert "train.cuda_graph applies to the POET methods" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
