@@ -261,32 +261,75 @@ def _kernels() -> list[str]:
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
+def _run_label(r: dict[str, Any]) -> str:
+    return LABELS.get(r["method"], r["method"]) + (", CUDA graph" if r.get("cuda_graph") else "")
+
+
 def _tokens_table(name: str, heading: str) -> list[str]:
-    """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines."""
+    """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines.
+    CUDA-graph rows show the reserved peak (their activations live in the graph's pool, which
+    the allocated peak does not count)."""
     d = _load(name)
     if d is None:
         return []
     lines = [
         heading,
         "",
-        "| seq | method | tokens/s | peak memory (GiB) | build (s) |",
-        "|---:|---|---:|---:|---:|",
+        "| seq | method | tokens/s | step (s) | peak memory (GiB) | build (s) |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
     for r in d["runs"]:
         if "tokens_per_s" not in r:
             continue
+        graph = r.get("cuda_graph")
+        peak = r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]
         lines.append(
-            f"| {r['seq_len']} | {LABELS.get(r['method'], r['method'])} | "
-            f"{r['tokens_per_s']:,.0f} | {r['peak_memory_bytes'] / 2**30:.1f} | "
+            f"| {r['seq_len']} | {_run_label(r)} | {r['tokens_per_s']:,.0f} | "
+            f"{r['step_time_s']:.3f} | {peak / 2**30:.1f}{' (reserved)' if graph else ''} | "
             f"{r.get('build_s') or float('nan'):.1f} |"
         )
     lines.append("")
     for row in d["ratios"]:
-        lines.append(
+        text = (
             f"- seq {row['seq_len']}: POET-XQ / Q-GaLore = {row['poetxq_over_qgalore']:.2f} "
             f"(target ≥ 1.3), POET-XQ / AdamW = {row['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
         )
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+        if "poetxq_graph_over_adamw" in row:
+            text += (
+                f"; in a CUDA graph {row['poetxq_graph_over_qgalore']:.2f} and "
+                f"{row['poetxq_graph_over_adamw']:.2f}"
+            )
+        lines.append(text)
+    note = [f"Note: {d['note']}", ""] if d.get("note") else []
+    return [*lines, "", _provenance(name, d), "", *note]
+
+
+def _gpu_time_table(name: str, heading: str) -> list[str]:
+    """GPU time per step by kind of work (``gpu_time_ms`` of ``throughput.py --profile-dir``),
+    one column per run."""
+    d = _load(name)
+    if d is None:
+        return []
+    runs = [r for r in d["runs"] if r.get("gpu_time_ms")]
+    keys = list(dict.fromkeys(k for r in runs for k in r["gpu_time_ms"]))
+    keys = [k for k in keys if k != "total" and not k.startswith("of which")] + [
+        k for k in keys if k == "total" or k.startswith("of which")
+    ]
+    lines = [
+        heading,
+        "",
+        "| ms per step | " + " | ".join(_run_label(r) for r in runs) + " |",
+        "|---|" + "---:|" * len(runs),
+    ]
+    for k in keys:
+        cells = [f"{r['gpu_time_ms'][k]:.1f}" if k in r["gpu_time_ms"] else "–" for r in runs]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| wall time of a step (not profiled) | "
+        + " | ".join(f"{1e3 * r['step_time_s']:.1f}" for r in runs)
+        + " |"
+    )
+    return [*lines, "", _provenance(name, d), ""]
 
 
 def _throughput_now() -> list[str]:
@@ -578,6 +621,19 @@ def main(argv: list[str] | None = None) -> int:
         lines += _memory_state8(name, when)
     lines += _tokens_table(
         "throughput_1b_hybrid_autocast_h200.json", "### Llama-1B tokens/s with the hybrid CNP"
+    )
+    lines += [
+        "## Tokens/s of the five methods, eager and in a CUDA graph",
+        "",
+        "Fused torch AdamW for AdamW and for POET's non-orthogonal parameters; permutation "
+        "gradients by gather. 8,192 tokens per step (one micro-batch).",
+        "",
+    ]
+    lines += _tokens_table("throughput_1b_h200_54e0272.json", "### Llama-1B")
+    lines += _tokens_table("throughput_3b_h200_54e0272.json", "### Llama-3B")
+    lines += _gpu_time_table(
+        "throughput_1b_profiled_h200_5448cae.json",
+        "### Where the GPU time of a Llama-1B step goes (seq 256, eager, torch.profiler)",
     )
     lines += _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")

@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.set:
             k, v = parse_override(text)
             over[k] = v
-        if graph:
-            over["train.cuda_graph"] = True
+        over["train.cuda_graph"] = graph  # eager runs stay eager (the default is auto)
         return load_recipe(f"{model}:{method}", over)
 
     seqs = []

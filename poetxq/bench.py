@@ -202,7 +202,7 @@ def run_bench(
             non-positive ``peak_tflops``, or CUDA asked for but absent.
     """
     from poetxq.baselines import clip_grad_norm_all, quant_modules
-    from poetxq.cudagraph import GraphedMicroStep
+    from poetxq.cudagraph import GraphedMicroStep, graph_wanted
     from poetxq.estimate import estimate_memory
     from poetxq.fuse import fuse_wanted
     from poetxq.loss import training_loss
@@ -222,8 +222,9 @@ def run_bench(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")
     tc, oc = recipe.train, recipe.optim
-    if tc.cuda_graph and dev.type != "cuda":  # before the model is built
+    if tc.cuda_graph is True and dev.type != "cuda":  # before the model is built
         raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
+    graph = graph_wanted(recipe, dev)
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
@@ -250,7 +251,7 @@ def run_bench(
         for _ in range(tc.grad_accum):
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
-            if tc.cuda_graph:
+            if graph:
                 if graphed is None:
                     graphed = GraphedMicroStep(
                         micro_loss, batch, list(model.parameters()),
@@ -312,9 +313,9 @@ def run_bench(
         peak_memory_bytes=peak_alloc,
         peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
-        torch=torch.__version__, command=command, build_s=build_s, cuda_graph=tc.cuda_graph,
+        torch=torch.__version__, command=command, build_s=build_s, cuda_graph=graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
-        loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev),
+        loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev, graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
     )  # fmt: skip

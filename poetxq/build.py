@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baseline
+from poetxq.cudagraph import graph_wanted
 from poetxq.fuse import fuse_elementwise, fuse_wanted
 from poetxq.pretrained import build_model
 from poetxq.recipe import Recipe
@@ -142,6 +143,7 @@ def build_for_training(
     generator: torch.Generator,
     echo: Callable[[str], None] = print,
     meta_init: bool | None = None,
+    cuda_graph: bool | None = None,
 ) -> BuiltModel:
     """The recipe's model on ``device``, converted (POET methods) or prepared (baselines).
 
@@ -153,6 +155,8 @@ def build_for_training(
         echo: where notes go (the ``--model`` line).
         meta_init: build on the meta device and materialize on ``device`` (module docstring);
             default :func:`use_meta_init`. Not available with ``model.pretrained``.
+        cuda_graph: whether the run replays a CUDA graph (it decides ``fuse_elementwise:
+            auto``); default :func:`poetxq.cudagraph.graph_wanted` for one process.
 
     Returns:
         :class:`BuiltModel` (the optimizer is built by the caller).
@@ -193,7 +197,9 @@ def build_for_training(
                 model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
-    if fuse_wanted(recipe.train, dev):  # torch.compile of RMSNorm, rotary embedding, SwiGLU
+    if cuda_graph is None:
+        cuda_graph = graph_wanted(recipe, dev)
+    if fuse_wanted(recipe.train, dev, cuda_graph):  # torch.compile of RMSNorm, rotary, SwiGLU
         fuse_elementwise(model)
     _sync(dev)
     return BuiltModel(

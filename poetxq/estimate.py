@@ -64,6 +64,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
+from poetxq.cudagraph import graph_wanted
 from poetxq.flat import BNB_STATE_BLOCK
 from poetxq.fuse import fuse_wanted
 from poetxq.recipe import Recipe, method_label
@@ -383,7 +384,7 @@ def estimate_memory(
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
     head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
-    if precision != "fp32" and fuse_wanted(tc, "cuda"):
+    if precision != "fp32" and fuse_wanted(tc, "cuda", graph_wanted(recipe, "cuda")):
         # poetxq.fuse: a compiled RMSNorm keeps its input and the per-row scale, not an fp32
         # copy of its input beside the normalized rows (4d bytes per token less per norm)
         layer_tok -= 2 * 4 * d

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 
-def fuse_wanted(train: Any, device: torch.device | str) -> bool:
+def fuse_wanted(train: Any, device: torch.device | str, graph: bool | None = None) -> bool:
     """Whether ``train.fuse_elementwise`` (a recipe's ``train`` section) asks for
-    :func:`fuse_elementwise` on ``device``.
+    :func:`fuse_elementwise` on ``device``; ``graph``: whether the run replays a CUDA graph
+    (:func:`poetxq.cudagraph.graph_wanted`; default: ``train.cuda_graph is True``).
 
     ``True``/``False`` are obeyed on CUDA; ``"auto"`` is on, except with
     ``gradient_checkpointing`` outside a CUDA graph: there each compiled call runs twice (forward
@@ -38,8 +39,10 @@ def fuse_wanted(train: Any, device: torch.device | str) -> bool:
     """
     if torch.device(device).type != "cuda":
         return False
+    if graph is None:
+        graph = train.cuda_graph is True
     if train.fuse_elementwise == "auto":
-        return not (train.gradient_checkpointing and not train.cuda_graph)
+        return not (train.gradient_checkpointing and not graph)
     return bool(train.fuse_elementwise)
 
 

@@ -155,8 +155,10 @@ class TrainConfig(_Section):
     keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
-    # one process, fixed shapes; `poetxq bench` only for now
-    cuda_graph: bool = False
+    # one process, fixed shapes. auto: on for the POET methods on one CUDA device without
+    # offload_activations / loss_chunk_tokens / optimizer_in_backward, else off
+    # (poetxq.cudagraph.graph_wanted); true refuses what it cannot serve
+    cuda_graph: bool | Literal["auto"] = "auto"
     # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
     # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing
     # outside a CUDA graph, where the recomputed compiled calls cost more host time than the
@@ -211,7 +213,7 @@ class Recipe(_Section):
                 "train.offload_activations moves the checkpointed layer inputs to the host; "
                 "set train.gradient_checkpointing: true as well (or offload_activations: false)"
             )
-        if tc.cuda_graph and (tc.offload_activations or tc.loss_chunk_tokens):
+        if tc.cuda_graph is True and (tc.offload_activations or tc.loss_chunk_tokens):
             raise ValueError(
                 "train.cuda_graph is not combined with offload_activations or "
                 "loss_chunk_tokens yet; turn the graph or those options off"
@@ -227,7 +229,7 @@ class Recipe(_Section):
             if tc.grad_accum != 1 else "",
             f"optim.grad_clip: 0 (not {self.optim.grad_clip}; no global gradient norm exists "
             "when a parameter is updated)" if self.optim.grad_clip else "",
-            "train.cuda_graph: false" if tc.cuda_graph else "",
+            "train.cuda_graph: false (or auto)" if tc.cuda_graph is True else "",
         ]  # fmt: skip
         needs = [n for n in needs if n]
         if needs:
@@ -257,10 +259,10 @@ class Recipe(_Section):
                 if note not in self._notes:
                     self._notes.append(note)
             m.max_position_embeddings = self.train.seq_len
-        if self.train.cuda_graph and self.method not in ("poetxq", "poetx"):
+        if self.train.cuda_graph is True and self.method not in ("poetxq", "poetx"):
             raise ValueError(
                 f"train.cuda_graph applies to the POET methods, not {self.method}; set "
-                "train.cuda_graph: false"
+                "train.cuda_graph: false or auto"
             )
         self._check_memory_options()
         if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):

@@ -37,7 +37,7 @@ from poetxq.checkpoint import (
     save_training_checkpoint,
     write_tensors,
 )
-from poetxq.cudagraph import GraphedMicroStep
+from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
     ShardedBatches,
@@ -57,7 +57,7 @@ from poetxq.optim import (
     merge_and_reset,
 )
 from poetxq.paths import nearest_existing, writable_dir
-from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
+from poetxq.recipe import Recipe, TrainConfig, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -207,6 +207,36 @@ def _keep_metrics_until(path: Path, step: int) -> None:
     _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
 
 
+def _capture(
+    micro_loss: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tc: TrainConfig,
+    say: Callable[[str], None],
+) -> GraphedMicroStep | None:
+    """Capture the first micro-batch's forward+backward (:class:`GraphedMicroStep`). With
+    ``train.cuda_graph: auto`` a capture that fails is reported in one note and the run goes on
+    eagerly (``None``); with ``true`` the :class:`CUDAGraphError` stands."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        graphed = GraphedMicroStep(
+            micro_loss, batch, trainable, flat_groups=getattr(optimizer, "flat_groups", ())
+        )
+    except CUDAGraphError as exc:
+        if tc.cuda_graph is True:
+            raise
+        for p in trainable:  # what the warm-up passes accumulated
+            p.grad = None
+        say(f"note: {exc}; with train.cuda_graph auto the run continues eagerly")
+        return None
+    say(
+        "cuda graph: each micro-batch's forward+backward replays one CUDA graph "
+        "(train.cuda_graph; set it to false to run eagerly)"
+    )
+    return graphed
+
+
 def train(
     recipe: Recipe,
     run_dir: Path,
@@ -257,7 +287,7 @@ def train(
     )
     main = accelerator.is_main_process
     world = accelerator.num_processes
-    if tc.cuda_graph:
+    if tc.cuda_graph is True:
         why = (  # the method is checked by the recipe schema
             "needs a CUDA device" if not cuda
             else "runs in one process only (DDP all-reduces outside the graph)" if world > 1
@@ -265,6 +295,7 @@ def train(
         )  # fmt: skip
         if why:
             raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
+    graph = graph_wanted(recipe, accelerator.device, world)
     for key, off in (("optimizer_in_backward", "false"), ("loss_chunk_tokens", "0")):
         if world > 1 and getattr(tc, key):  # both act on the unwrapped model, past DDP's sync
             raise RunDirError(f"train.{key} runs in one process only; set train.{key}: {off}")
@@ -295,7 +326,12 @@ def train(
     is_poet = recipe.method in ("poetxq", "poetx")
     # CUDA: built on the device (meta init, W0 drawn and quantized there); CPU: as always
     built = build_for_training(
-        recipe, data.vocab_size, accelerator.device, generator=poet_gen, echo=say
+        recipe,
+        data.vocab_size,
+        accelerator.device,
+        generator=poet_gen,
+        echo=say,
+        cuda_graph=graph,
     )  # --model: pretrained
     model = built.model
     say(built.summary(recipe))
@@ -448,13 +484,10 @@ def train(
             batch = next(batches).to(device)
             position += 1
             with accelerator.accumulate(model):
-                if tc.cuda_graph:
-                    if graphed is None:
-                        trainable = [p for p in model.parameters() if p.requires_grad]
-                        graphed = GraphedMicroStep(
-                            micro_loss, batch, trainable,
-                            flat_groups=getattr(raw_optimizer, "flat_groups", ()),
-                        )  # fmt: skip
+                if graph and graphed is None:
+                    graphed = _capture(micro_loss, batch, model, raw_optimizer, tc, say)
+                    graph = graphed is not None
+                if graph:
                     loss = graphed(batch) * tc.grad_accum
                 else:
                     loss = batch_loss(batch)

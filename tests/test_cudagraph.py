@@ -99,3 +99,55 @@ def test_recipe_refuses_cuda_graph_for_a_baseline():
 
     with pytest.raises(RecipeError, match=r"train\.cuda_graph applies to the POET methods"):
         load_recipe(None, {"method": "adamw", "train.cuda_graph": True})
+
+
+@pytest.mark.parametrize(
+    "over,device,world,want",
+    [
+        ({}, "cuda", 1, True),  # auto: a POET method on one CUDA device
+        ({"method": "poetx"}, "cuda", 1, True),
+        ({}, "cpu", 1, False),
+        ({}, "cuda", 2, False),  # DDP all-reduces outside the graph
+        ({"method": "adamw"}, "cuda", 1, False),
+        ({"method": "qgalore"}, "cuda", 1, False),
+        ({"train.gradient_checkpointing": True, "train.offload_activations": True}, "cuda", 1,
+         False),
+        ({"train.loss_chunk_tokens": 512}, "cuda", 1, False),
+        ({"train.optimizer_in_backward": True, "optim.grad_clip": 0.0}, "cuda", 1, False),
+        ({"train.cuda_graph": False}, "cuda", 1, False),
+        ({"train.cuda_graph": True}, "cuda", 1, True),
+        ({"train.gradient_checkpointing": True}, "cuda", 1, True),
+    ],
+)  # fmt: skip
+def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, want):
+    from poetxq.cudagraph import graph_wanted
+
+    recipe = load_recipe(None, over)
+    assert recipe.train.cuda_graph == over.get("train.cuda_graph", "auto")
+    assert graph_wanted(recipe, device, world) is want
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_a_failed_capture_goes_on_eagerly_under_auto_only(setting, monkeypatch):
+    import poetxq.train as train_mod
+    from poetxq.cudagraph import CUDAGraphError
+
+    def fail(*_a, **_k):
+        raise CUDAGraphError("CUDA graph capture failed (boom); set train.cuda_graph: false")
+
+    monkeypatch.setattr(train_mod, "GraphedMicroStep", fail)
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.ones(2, 3)  # as the warm-up passes leave it
+    said = []
+    tc = load_recipe(None, {"train.cuda_graph": setting}).train
+    args = (lambda b: b.sum(), torch.zeros(1), model, None, tc, said.append)
+    if setting is True:
+        with pytest.raises(CUDAGraphError, match="boom"):
+            train_mod._capture(*args)
+        return
+    assert train_mod._capture(*args) is None
+    assert model.weight.grad is None and model.bias.grad is None
+    assert said == [
+        "note: CUDA graph capture failed (boom); set train.cuda_graph: false; with "
+        "train.cuda_graph auto the run continues eagerly"
+    ]
