@@ -156,8 +156,8 @@ class TrainConfig(_Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # one process, fixed shapes. auto: on for the POET methods on one CUDA device without
-    # offload_activations / loss_chunk_tokens / optimizer_in_backward, else off
-    # (poetxq.cudagraph.graph_wanted); true refuses what it cannot serve
+    # gradient_checkpointing / offload_activations / loss_chunk_tokens / optimizer_in_backward,
+    # else off (poetxq.cudagraph.graph_wanted); true refuses what it cannot serve
     cuda_graph: bool | Literal["auto"] = "auto"
     # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
     # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing

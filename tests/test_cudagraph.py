@@ -116,7 +116,8 @@ def test_recipe_refuses_cuda_graph_for_a_baseline():
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0.0}, "cuda", 1, False),
         ({"train.cuda_graph": False}, "cuda", 1, False),
         ({"train.cuda_graph": True}, "cuda", 1, True),
-        ({"train.gradient_checkpointing": True}, "cuda", 1, True),
+        ({"train.gradient_checkpointing": True}, "cuda", 1, False),  # saving memory first
+        ({"train.gradient_checkpointing": True, "train.cuda_graph": True}, "cuda", 1, True),
     ],
 )  # fmt: skip
 def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, want):
