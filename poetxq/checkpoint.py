@@ -68,6 +68,8 @@ RESUMABLE_KEYS = frozenset(
         "train.loss_chunk_tokens",
         # the same math in fused kernels (poetxq.fuse; bf16 rounding may differ in the last bit)
         "train.fuse_elementwise",
+        # the same kernels replayed from a CUDA graph (equal losses: cuda_graph_auto_h200.json)
+        "train.cuda_graph",
     }
 )
 

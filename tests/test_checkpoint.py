@@ -305,6 +305,17 @@ def test_resume_recipe_mismatch(saved_run, capsys):
     assert _snapshot(saved_run) == before
 
 
+def test_how_a_step_is_run_is_not_a_recipe_difference():
+    from poetxq.checkpoint import recipe_differences
+
+    saved = {"train": {"cuda_graph": False, "fuse_elementwise": "auto", "max_steps": 4}}
+    now = {"train": {"cuda_graph": "auto", "fuse_elementwise": True, "max_steps": 4}}
+    assert recipe_differences(saved, now) == []
+    assert recipe_differences(saved, {"train": {**now["train"], "max_steps": 8}}) == [
+        "train.max_steps: 4 -> 8"
+    ]
+
+
 def test_resume_with_another_process_count_is_refused(saved_run, tmp_path, capsys):
     run = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(saved_run), str(run)], check=True)
