@@ -116,13 +116,20 @@ def _forward_fused(
 
 
 def _feature_major(
-    x: torch.Tensor, frozen: FrozenWeight, side_p: OrthogonalSide, side_r: OrthogonalSide
+    x: torch.Tensor,
+    frozen: FrozenWeight,
+    side_p: OrthogonalSide,
+    side_r: OrthogonalSide,
+    *,
+    fast: bool = False,
 ) -> bool:
     """Whether the feature-major path serves this call: allowed for ``x``
-    (:func:`quant_kernels.feature_major_layer`), no ragged block on either side, and a store
+    (:func:`quant_kernels.feature_major_layer`, or for the ``fast`` variant's training forward
+    :func:`quant_kernels.fast_feature_major_layer`), no ragged block on either side, and a store
     that multiplies feature-major itself (not the 4-bit input-order wrapper)."""
+    allowed = quant_kernels.fast_feature_major_layer if fast else quant_kernels.feature_major_layer
     return (
-        quant_kernels.feature_major_layer(x)
+        allowed(x)
         and not isinstance(frozen, _InputOrderStore)
         and side_p.padded_dim == side_p.dim
         and side_r.padded_dim == side_r.dim
@@ -268,6 +275,21 @@ def _mem_backward_fm(
     else:  # G_R frozen: h is not needed at all
         dzt = frozen.matmul_t_fm(dht)
     del dut, du_blocks, dht
+    return (*_input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape), dg_r)
+
+
+def _input_side_backward_fm(
+    dzt: torch.Tensor,
+    xpt: torch.Tensor,
+    g_p: torch.Tensor,
+    sp: OrthogonalSide,
+    needs: tuple[bool, ...],
+    x_shape: torch.Size,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dG_P)`` of a feature-major backward from ``dzᵀ [n, T]`` and ``x'ᵀ [n, T]``:
+    ``dG_P = dz x'ᵀ`` per block and ``dx = (dz @ BD(G_P))[..., inv_perm_P]`` (``x_shape``), None
+    where ``needs[1]`` / ``needs[0]`` is False."""
+    t = dzt.shape[1]
     dz_blocks = dzt.view(sp.nb, sp.block_size, t)
     dg_p = (
         torch.bmm(dz_blocks, xpt.view(sp.nb, sp.block_size, t).transpose(1, 2))
@@ -275,10 +297,61 @@ def _mem_backward_fm(
         else None
     )
     dx = None
-    if needs[0]:  # dx = (dz @ BD(G_P))[..., inv_perm_P]
-        dxpt = torch.bmm(g_p.transpose(1, 2), dz_blocks).view(n, t)
-        dx = kern.permute_to_row_major(dxpt, sp.inv_perm).view(x.shape)
-    return dx, dg_p, dg_r
+    if needs[0]:
+        dxpt = torch.bmm(g_p.transpose(1, 2), dz_blocks).view(sp.dim, t)
+        dx = quant_kernels.permute_to_row_major(dxpt, sp.inv_perm).view(x_shape)
+    return dx, dg_p
+
+
+class _POETXFastFmFn(torch.autograd.Function):
+    """The ``fast`` variant feature-major: the forward of :func:`_forward_fm`, keeping the
+    permuted input ``x'ᵀ [n, T]`` and the GEMM output ``hᵀ = W' zᵀ [m, T]`` for backward (what
+    the autograd ``fast`` path keeps, there row-major), so ``dG_R`` comes from ``hᵀ`` and the
+    backward runs one weight GEMM (dX) where ``mem`` runs two (the recompute and dX). Five
+    permutations, each fused with a layout change (:mod:`quant_kernels.transpose_perm`), replace
+    the autograd path's five ``index_select`` gathers (and their scatter-free gather
+    backwards)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: torch.Tensor,
+        g_p: torch.Tensor,
+        g_r: torch.Tensor,
+        frozen: FrozenWeight,
+        sp: OrthogonalSide,
+        sr: OrthogonalSide,
+    ) -> torch.Tensor:
+        t = x.numel() // sp.dim
+        xpt = quant_kernels.permute_to_feature_major(x.reshape(t, sp.dim), sp.inv_perm)
+        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(sp.dim, t)
+        ht = frozen.matmul_fm(zt)
+        del zt
+        ut = torch.bmm(g_r, ht.view(sr.nb, sr.block_size, t)).view(sr.dim, t)
+        ctx.save_for_backward(xpt, ht, g_p, g_r)
+        ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape = frozen, sp, sr, x.shape
+        return quant_kernels.permute_to_row_major(ut, sr.inv_perm).view(*x.shape[:-1], sr.dim)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        xpt, ht, g_p, g_r = ctx.saved_tensors
+        sp, sr, needs = ctx.sp, ctx.sr, ctx.needs_input_grad[:3]
+        t = xpt.shape[1]
+        dy = dy.to(xpt.dtype).reshape(t, sr.dim)
+        du_blocks = quant_kernels.permute_to_feature_major(dy, sr.inv_perm).view(
+            sr.nb, sr.block_size, t
+        )  # du = dy[..., Ψ_m]
+        dg_r = (
+            torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2))
+            if needs[2]
+            else None
+        )
+        dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(sr.dim, t)
+        del du_blocks
+        dzt = ctx.frozen.matmul_t_fm(dht)
+        del dht
+        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, ctx.x_shape)
+        return dx, dg_p, dg_r, None, None, None
 
 
 def _mem_backward_fused(
@@ -481,10 +554,13 @@ class POETXLinear(nn.Module):
         with torch.autocast(dev, enabled=False):  # CNP in the parameters' precision, then cast
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
+            store = self._store_op()
             if self.variant == "mem" and torch.is_grad_enabled():
-                y = _POETXMemFn.apply(x, g_p, g_r, self._store_op(), self.P, self.R)
+                y = _POETXMemFn.apply(x, g_p, g_r, store, self.P, self.R)
+            elif torch.is_grad_enabled() and _feature_major(x, store, self.P, self.R, fast=True):
+                y = _POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R)
             else:
-                y = _forward(x, g_p, g_r, self._store_op(), self.P, self.R)
+                y = _forward(x, g_p, g_r, store, self.P, self.R)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -139,6 +139,22 @@ FEATURE_MAJOR_LAYER_MEASURED_FASTER = True
 ONE_DECODE_BACKWARD_MEASURED_FASTER = True
 
 
+#: The ``fast`` variant's training forward feature-major too (``poetxq.layer._POETXFastFmFn``):
+#: the same permute-transposes and ``bmm``s as the measured ``mem`` path in place of the
+#: autograd path's ``index_select`` gathers, which ran at 4–5× their HBM floor against
+#: 1.8–3.3× (``evals/results/bench_gather_h200.json``) and took ~48 ms of a Llama-1B POET-X step
+#: (``profiles/profile_1b_poetx_h200_5448cae.txt``). False until a whole step is timed both ways
+#: on a GPU; ``POETXQ_KERNELS=fused`` turns it on.
+FAST_FEATURE_MAJOR_MEASURED_FASTER = False
+
+
+def fast_feature_major_layer(x: torch.Tensor) -> bool:
+    """Whether a ``fast`` POET-X(Q) layer's training forward may take the feature-major path for
+    ``x``: a Triton dtype, and :data:`FAST_FEATURE_MAJOR_MEASURED_FASTER` or
+    ``POETXQ_KERNELS=fused``."""
+    return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FAST_FEATURE_MAJOR_MEASURED_FASTER)
+
+
 def feature_major_layer(x: torch.Tensor) -> bool:
     """Whether a POET-X(Q) ``mem`` layer may take the feature-major path for ``x``: a Triton
     dtype, and :data:`FEATURE_MAJOR_LAYER_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""

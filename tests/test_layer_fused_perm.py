@@ -36,9 +36,9 @@ def _run(layer, x, gate_up=None):
     return y.detach(), grads
 
 
-def _case(n, m, bits, swiglu, gen):
-    """A mem layer with non-trivial Q, an input (or gate/up pair): the arguments of _run."""
-    layer = POETXLinear(n, m, block_size=16, bits=bits, variant="mem", generator=gen)
+def _case(n, m, bits, swiglu, gen, variant="mem"):
+    """A layer with non-trivial Q, an input (or gate/up pair): the arguments of _run."""
+    layer = POETXLinear(n, m, block_size=16, bits=bits, variant=variant, generator=gen)
     with torch.no_grad():
         for side in (layer.P, layer.R):
             side.Q.copy_(0.1 * torch.randn(side.Q.shape, generator=gen))
@@ -132,3 +132,50 @@ def test_one_decode_backward_equals_torch_path(freeze_r, monkeypatch, gen):
     assert bands == ([] if freeze_r else [(0, 128), (128, 128), (256, 16)])
     _assert_same((y, g), (y_ref, g_ref))
     assert (g[2] is None) == freeze_r
+
+
+def _count_calls(monkeypatch, owner, names):
+    calls = []
+    for name in names:
+        real = getattr(owner, name)
+
+        def counting(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(owner, name, counting)
+    return calls
+
+
+# as above: (32 -> 48) takes the path, ragged sides and the 4-bit input-order store fall back;
+# with a side frozen its block gradient is skipped
+@pytest.mark.parametrize(
+    "n,m,bits,taken", [(32, 48, 8, True), (32, 48, 16, True), (40, 56, 8, False),
+                       (32, 48, 4, False)],
+)  # fmt: skip
+@pytest.mark.parametrize("frozen_side", [None, "P", "R"])
+def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_side, monkeypatch,
+                                                   gen):  # fmt: skip
+    layer, x, _ = _case(n, m, bits, False, gen, variant="fast")
+    if frozen_side:
+        getattr(layer, frozen_side).Q.requires_grad_(False)
+    y_ref, g_ref = _run(layer, x)
+    perms = _count_calls(monkeypatch, quant_kernels,
+                         ("permute_to_feature_major", "permute_to_row_major"))  # fmt: skip
+    store = type(layer.frozen)
+    gemms = _count_calls(monkeypatch, store, ("matmul_fm", "matmul_t_fm", "backward_fm"))
+    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
+    y, g = _run(layer, x)
+    # forward: x in, y out; backward: dy in, dx out; one forward GEMM and one dX GEMM (the
+    # saved hᵀ serves dG_R: no recompute)
+    counts = (perms.count("permute_to_feature_major"), perms.count("permute_to_row_major"))
+    assert counts == ((2, 2) if taken else (0, 0))
+    assert gemms == (["matmul_fm", "matmul_t_fm"] if taken else [])
+    _assert_same((y, g), (y_ref, g_ref))
+    assert (g[1 if frozen_side == "P" else 2] is None) == (frozen_side is not None)
+
+
+def test_fast_feature_major_path_is_off_by_default_and_keeps_mem_layers_as_they_were(gen):
+    x = torch.randn(4, 32, generator=gen)
+    assert quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER is False
+    assert not quant_kernels.fast_feature_major_layer(x)  # the CPU: never without the opt-in
