@@ -136,6 +136,33 @@ def _feature_major(
     )
 
 
+def _forward_fm_parts(
+    x: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    side_p: OrthogonalSide,
+    side_r: OrthogonalSide,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_forward_autograd` without autograd, feature-major (``[dim, T]``) between its two
+    permutations, each of which also changes the layout in one coalesced pass
+    (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``).
+
+    Returns:
+        ``(y [..., m], x'ᵀ [n, T], hᵀ = W' zᵀ [m, T])``: the output and what the ``fast``
+        variant keeps for backward.
+    """
+    x2 = x.reshape(-1, side_p.dim)
+    t = x2.shape[0]
+    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm)  # x'ᵀ = x[..., Ψ_n]ᵀ
+    zt = torch.bmm(g_p, xpt.view(side_p.nb, side_p.block_size, t)).view(side_p.dim, t)
+    ht = frozen.matmul_fm(zt)  # W' zᵀ
+    del zt
+    ut = torch.bmm(g_r, ht.view(side_r.nb, side_r.block_size, t)).view(side_r.dim, t)
+    y = quant_kernels.permute_to_row_major(ut, side_r.inv_perm)  # y = u[..., inv_perm_R]
+    return y.view(*x.shape[:-1], side_r.dim), xpt, ht
+
+
 def _forward_fm(
     x: torch.Tensor,
     g_p: torch.Tensor,
@@ -144,17 +171,8 @@ def _forward_fm(
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
-    """:func:`_forward_autograd` without autograd, feature-major (``[dim, T]``) between its two
-    permutations, each of which also changes the layout in one coalesced pass
-    (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``)."""
-    x2 = x.reshape(-1, side_p.dim)
-    t = x2.shape[0]
-    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm)  # x'ᵀ = x[..., Ψ_n]ᵀ
-    zt = torch.bmm(g_p, xpt.view(side_p.nb, side_p.block_size, t)).view(side_p.dim, t)
-    ht = frozen.matmul_fm(zt)  # W' zᵀ
-    ut = torch.bmm(g_r, ht.view(side_r.nb, side_r.block_size, t)).view(side_r.dim, t)
-    y = quant_kernels.permute_to_row_major(ut, side_r.inv_perm)  # y = u[..., inv_perm_R]
-    return y.view(*x.shape[:-1], side_r.dim)
+    """The output of :func:`_forward_fm_parts`."""
+    return _forward_fm_parts(x, g_p, g_r, frozen, side_p, side_r)[0]
 
 
 def _forward(
@@ -322,15 +340,10 @@ class _POETXFastFmFn(torch.autograd.Function):
         sp: OrthogonalSide,
         sr: OrthogonalSide,
     ) -> torch.Tensor:
-        t = x.numel() // sp.dim
-        xpt = quant_kernels.permute_to_feature_major(x.reshape(t, sp.dim), sp.inv_perm)
-        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(sp.dim, t)
-        ht = frozen.matmul_fm(zt)
-        del zt
-        ut = torch.bmm(g_r, ht.view(sr.nb, sr.block_size, t)).view(sr.dim, t)
+        y, xpt, ht = _forward_fm_parts(x, g_p, g_r, frozen, sp, sr)
         ctx.save_for_backward(xpt, ht, g_p, g_r)
         ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape = frozen, sp, sr, x.shape
-        return quant_kernels.permute_to_row_major(ut, sr.inv_perm).view(*x.shape[:-1], sr.dim)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
