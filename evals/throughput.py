@@ -29,6 +29,7 @@ from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.bench import BenchError, run_bench
 from poetxq.recipe import RecipeError, load_recipe, parse_override
+from poetxq.tools_cli import check_output_file
 
 VOCAB = 32000
 
@@ -59,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None)
     ap.add_argument("--graph-methods", default="", metavar="M1,M2",
                     help="also run these POET methods with train.cuda_graph=true (forward and "
-                    "backward replayed from a CUDA graph), recorded with cuda_graph true and "
-                    "their own ratios (e.g. poetxq_graph_over_adamw)")  # fmt: skip
+                    "backward replayed from a CUDA graph; CUDA only), recorded with cuda_graph "
+                    "true; POET-XQ's get their own ratios (poetxq_graph_over_*). The --methods "
+                    "runs are pinned to train.cuda_graph=false")  # fmt: skip
     ap.add_argument("--profile-dir", default=None, metavar="DIR",
                     help="profile two more steps per run into "
                     "DIR/profile_<model>_<seq>_<method>.txt (GPU time per kind of work; also in "
@@ -101,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                     recipe_for(model, method, seq, graph)
     except (RecipeError, ValueError) as exc:
         ap.error(str(exc).splitlines()[0])
+    if graph_methods and dev.type != "cuda":
+        ap.error(f"--graph-methods needs a CUDA device (CUDA graphs), got {dev.type}; drop it")
+    if args.profile_dir:
+        try:  # a profile is written after each run: find a bad folder before the first
+            check_output_file(Path(args.profile_dir) / "profile.txt", "--profile-dir", ValueError)
+        except ValueError as exc:
+            ap.error(str(exc))
     for seq in seqs:
         if args.tokens < seq:
             print(f"note: --tokens {args.tokens} < seq {seq}: one sequence ({seq} tokens) per step")

@@ -202,7 +202,7 @@ def run_bench(
             non-positive ``peak_tflops``, or CUDA asked for but absent.
     """
     from poetxq.baselines import clip_grad_norm_all, quant_modules
-    from poetxq.cudagraph import GraphedMicroStep, graph_wanted
+    from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
     from poetxq.estimate import estimate_memory
     from poetxq.fuse import fuse_wanted
     from poetxq.loss import training_loss
@@ -247,16 +247,14 @@ def run_bench(
             return training_loss(model, batch, tc.loss_chunk_tokens) / tc.grad_accum
 
     def step() -> None:
-        nonlocal graphed
+        nonlocal graphed, graph
         for _ in range(tc.grad_accum):
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
-            if graph:
-                if graphed is None:
-                    graphed = GraphedMicroStep(
-                        micro_loss, batch, list(model.parameters()),
-                        flat_groups=getattr(optimizer, "flat_groups", ()),
-                    )  # fmt: skip
+            if graph and graphed is None:  # under auto a failed capture goes on eagerly
+                graphed = capture_micro_step(micro_loss, batch, model, optimizer, tc, echo)
+                graph = graphed is not None
+            if graphed is not None:
                 graphed(batch)
             else:
                 micro_loss(batch).backward()
@@ -288,6 +286,7 @@ def run_bench(
     tps = steps * tokens_per_step / elapsed
     peak_alloc = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     peak_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
+    peak_rss = peak_rss_bytes()
     breakdown = None
     if profile is not None:  # after the peaks are read: the profiler's own buffers stay out
         from poetxq.profiling import profile_steps
@@ -311,7 +310,7 @@ def run_bench(
         n_params_dense=n_dense, peak_tflops=peak,
         mfu=6 * n_dense * tps / (peak * 1e12) if peak else None,
         peak_memory_bytes=peak_alloc,
-        peak_rss_bytes=peak_rss_bytes(), estimated_peak_bytes=est.peak,
+        peak_rss_bytes=peak_rss, estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,

@@ -144,3 +144,47 @@ class GraphedMicroStep:
             if p.grad is not g:
                 p.grad = g
         return self.static_loss
+
+
+def capture_micro_step(
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    train: Any,
+    say: Callable[[str], None],
+) -> GraphedMicroStep | None:
+    """Capture the first micro-batch's forward+backward for the trainer and ``poetxq bench``.
+
+    Args:
+        loss_fn, batch: as :class:`GraphedMicroStep`'s ``loss_fn`` and ``example_batch``.
+        model: its trainable parameters are the graph's (``.grad`` created and reused).
+        optimizer: its ``flat_groups`` (if any) lay out the gradients.
+        train: the recipe's ``train`` section; ``train.cuda_graph`` decides what a failure does.
+        say: where the one line about the graph (or its failure) goes.
+
+    Returns:
+        The :class:`GraphedMicroStep`, or ``None`` when the capture failed under
+        ``train.cuda_graph: auto``: the failure is one note and the caller runs eagerly (the
+        warm-up passes' gradients are dropped).
+
+    Raises:
+        CUDAGraphError: the capture failed and ``train.cuda_graph`` is ``true``.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    try:
+        graphed = GraphedMicroStep(
+            loss_fn, batch, trainable, flat_groups=getattr(optimizer, "flat_groups", ())
+        )
+    except CUDAGraphError as exc:
+        if train.cuda_graph is True:
+            raise
+        for p in trainable:  # what the warm-up passes accumulated
+            p.grad = None
+        say(f"note: {exc}; with train.cuda_graph auto the run continues eagerly")
+        return None
+    say(
+        "cuda graph: each micro-batch's forward+backward replays one CUDA graph "
+        "(train.cuda_graph; set it to false to run eagerly)"
+    )
+    return graphed

@@ -76,8 +76,9 @@ def adamw(groups: list[dict], betas: tuple[float, float], eps: float) -> torch.o
     """torch's AdamW over ``groups``, with its fused CUDA kernels (``fused=True``: one launch
     per dtype for all tensors) when every parameter is a floating-point CUDA tensor, and the
     default (``foreach``) implementation otherwise. Same update, same state layout; on an H200
-    the foreach step of Llama-1B's 1.36 B fp32 parameters spent ~30 ms of GPU time, ~3× its
-    memory-traffic floor."""
+    the foreach step of Llama-1B's 1.36 B fp32 parameters spent ~26 ms of GPU time, ~3× its
+    memory-traffic floor, and the fused one ~11 ms."""
+    groups = [{**g, "params": list(g["params"])} for g in groups]  # a generator is read once
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
     return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=True if fused else None)

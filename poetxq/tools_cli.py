@@ -163,6 +163,8 @@ def run_tool(args: argparse.Namespace) -> int:
         check_output_file(Path(args.out), "--out", BenchError)
     if args.profile:
         check_output_file(Path(args.profile), "--profile", BenchError)
+        if args.out and Path(args.profile).resolve() == Path(args.out).resolve():
+            raise BenchError(f"--profile and --out are the same file '{args.out}'; give two paths")
 
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,

@@ -37,7 +37,7 @@ from poetxq.checkpoint import (
     save_training_checkpoint,
     write_tensors,
 )
-from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
+from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
     ShardedBatches,
@@ -57,7 +57,7 @@ from poetxq.optim import (
     merge_and_reset,
 )
 from poetxq.paths import nearest_existing, writable_dir
-from poetxq.recipe import Recipe, TrainConfig, dump_recipe, method_label, run_label
+from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -205,36 +205,6 @@ def _keep_metrics_until(path: Path, step: int) -> None:
         if isinstance(record, dict) and record.get("step", step + 1) <= step:
             kept.append(line + "\n")
     _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
-
-
-def _capture(
-    micro_loss: Callable[[torch.Tensor], torch.Tensor],
-    batch: torch.Tensor,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    tc: TrainConfig,
-    say: Callable[[str], None],
-) -> GraphedMicroStep | None:
-    """Capture the first micro-batch's forward+backward (:class:`GraphedMicroStep`). With
-    ``train.cuda_graph: auto`` a capture that fails is reported in one note and the run goes on
-    eagerly (``None``); with ``true`` the :class:`CUDAGraphError` stands."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    try:
-        graphed = GraphedMicroStep(
-            micro_loss, batch, trainable, flat_groups=getattr(optimizer, "flat_groups", ())
-        )
-    except CUDAGraphError as exc:
-        if tc.cuda_graph is True:
-            raise
-        for p in trainable:  # what the warm-up passes accumulated
-            p.grad = None
-        say(f"note: {exc}; with train.cuda_graph auto the run continues eagerly")
-        return None
-    say(
-        "cuda graph: each micro-batch's forward+backward replays one CUDA graph "
-        "(train.cuda_graph; set it to false to run eagerly)"
-    )
-    return graphed
 
 
 def train(
@@ -485,7 +455,7 @@ def train(
             position += 1
             with accelerator.accumulate(model):
                 if graph and graphed is None:
-                    graphed = _capture(micro_loss, batch, model, raw_optimizer, tc, say)
+                    graphed = capture_micro_step(micro_loss, batch, model, raw_optimizer, tc, say)
                     graph = graphed is not None
                 if graph:
                     loss = graphed(batch) * tc.grad_accum

@@ -193,14 +193,17 @@ class PermuteLast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, perm, inv_perm, gather):  # type: ignore[override]
-        ctx.save_for_backward(perm if inv_perm is None else inv_perm)
-        ctx.inverted, ctx.gather = inv_perm is not None, gather
+        ctx.save_for_backward(perm, inv_perm)
+        ctx.gather = gather
         return gather(x, perm)
 
     @staticmethod
     def backward(ctx, d_out: torch.Tensor):  # type: ignore[override]
-        (p,) = ctx.saved_tensors
-        return ctx.gather(d_out, p if ctx.inverted else torch.argsort(p)), None, None, None
+        perm, inv_perm = ctx.saved_tensors
+        if inv_perm is None:
+            inv_perm = torch.argsort(perm)
+        # through apply again, so that a double backward (create_graph=True) sees a gather too
+        return PermuteLast.apply(d_out, inv_perm, perm, ctx.gather), None, None, None
 
 
 def permute_last(

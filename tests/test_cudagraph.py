@@ -130,13 +130,12 @@ def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, 
 
 @pytest.mark.parametrize("setting", ["auto", True])
 def test_a_failed_capture_goes_on_eagerly_under_auto_only(setting, monkeypatch):
-    import poetxq.train as train_mod
-    from poetxq.cudagraph import CUDAGraphError
+    import poetxq.cudagraph as cg
 
     def fail(*_a, **_k):
         raise CUDAGraphError("CUDA graph capture failed (boom); set train.cuda_graph: false")
 
-    monkeypatch.setattr(train_mod, "GraphedMicroStep", fail)
+    monkeypatch.setattr(cg, "GraphedMicroStep", fail)
     model = torch.nn.Linear(3, 2)
     model.weight.grad = torch.ones(2, 3)  # as the warm-up passes leave it
     said = []
@@ -144,9 +143,9 @@ def test_a_failed_capture_goes_on_eagerly_under_auto_only(setting, monkeypatch):
     args = (lambda b: b.sum(), torch.zeros(1), model, None, tc, said.append)
     if setting is True:
         with pytest.raises(CUDAGraphError, match="boom"):
-            train_mod._capture(*args)
+            cg.capture_micro_step(*args)
         return
-    assert train_mod._capture(*args) is None
+    assert cg.capture_micro_step(*args) is None
     assert model.weight.grad is None and model.bias.grad is None
     assert said == [
         "note: CUDA graph capture failed (boom); set train.cuda_graph: false; with "

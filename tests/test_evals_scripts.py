@@ -153,9 +153,17 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
         "poetxq_graph_over_qgalore": 2.25, "poetxq_graph_over_adamw": 0.9,
     }  # fmt: skip
     assert mod.target_ratios({"poetxq": 1.0}) == {}
-    # a CUDA graph is for the POET methods: a baseline named there is refused before any run
-    with pytest.raises(SystemExit) as exc:
-        mod.main(["--out", str(tmp_path / "x.json"), "--graph-methods", "adamw"])
-    assert exc.value.code == 2
-    assert "train.cuda_graph applies to the POET methods" in capsys.readouterr().err
+    # refused before any run, in one line: a CUDA graph for a baseline, a CUDA graph on the CPU,
+    # a profile folder that is a file
+    (tmp_path / "afile").write_text("x")
+    for flags, why in [
+        (["--graph-methods", "adamw"], "train.cuda_graph applies to the POET methods"),
+        (["--graph-methods", "poetxq", "--device", "cpu"], "--graph-methods needs a CUDA device"),
+        (["--profile-dir", str(tmp_path / "afile"), "--device", "cpu"], "is a file"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            mod.main(["--out", str(tmp_path / "x.json"), *flags])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert why in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "x.json").exists()

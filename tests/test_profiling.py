@@ -31,7 +31,7 @@ def _row(name: str, us: float, device=CUDA):
         ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "cuBLAS GEMM"),
         ("sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize128x128", "cuBLAS GEMM"),
         ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
-        ("void kOptimizer32bit2State<__nv_bfloat16, 2, 1024>", "optimizer"),
+        ("void kOptimizer32bit2State<__nv_bfloat16, 2, 1024>", "optimizer and gradient clipping"),
         ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>", ATEN),
         ("void at::native::_scatter_gather_elementwise_kernel<128, 8>", ATEN),
         ("Memcpy DtoD (Device -> Device)", "memcpy / memset"),
@@ -99,7 +99,13 @@ def test_bench_profile_on_cpu_writes_the_operator_tables(tmp_path, capsys, monke
     assert text.startswith("tiny-poetxq: ") and "ms/step timed" in text
     assert "Self CPU" in text and "aten::mm" in text  # the CPU operator table
     assert f"profile written to {prof}" in capsys.readouterr().out
-    # a directory as the profile path: one line, before any work
+    # a directory as the profile path, or the --out file: one line, before any work
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--profile", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--profile" in err[0] and "is a directory" in err[0]
+    same = str(tmp_path / "same.txt")
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--profile", same,
+                 "--out", same]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--profile and --out are the same file" in err[0]
+    assert not (tmp_path / "same.txt").exists()

@@ -69,3 +69,11 @@ def test_backward_gathers_by_the_inverse_permutation(impl, give_inverse, gen):
     assert torch.equal(x.grad, want)
     with torch.no_grad():  # no autograd node without grad
         assert impl(x, perm).grad_fn is None
+
+
+@pytest.mark.parametrize("impl", [reference.permute_last, permute_last_triton])
+def test_double_backward_is_a_gather_too(impl, gen):
+    x = torch.randn(2, 9, generator=gen, dtype=torch.float64).to(DEVICE).requires_grad_(True)
+    perm = torch.randperm(9, generator=gen).to(DEVICE)
+    assert torch.autograd.gradcheck(lambda t: impl(t, perm), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: impl(t, perm).square(), (x,))
