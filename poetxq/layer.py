@@ -136,7 +136,7 @@ def _feature_major(
     )
 
 
-def _forward_fm_parts(
+def _forward_fm(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
@@ -163,18 +163,6 @@ def _forward_fm_parts(
     return y.view(*x.shape[:-1], side_r.dim), xpt, ht
 
 
-def _forward_fm(
-    x: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-) -> torch.Tensor:
-    """The output of :func:`_forward_fm_parts`."""
-    return _forward_fm_parts(x, g_p, g_r, frozen, side_p, side_r)[0]
-
-
 def _forward(
     x: torch.Tensor,
     g_p: torch.Tensor,
@@ -186,7 +174,7 @@ def _forward(
     """The layer's forward: fused without grad where :func:`quant_kernels.fused_perm_block_diag`
     allows, else from autograd ops."""
     if not torch.is_grad_enabled() and _feature_major(x, frozen, side_p, side_r):
-        return _forward_fm(x, g_p, g_r, frozen, side_p, side_r)
+        return _forward_fm(x, g_p, g_r, frozen, side_p, side_r)[0]
     if not torch.is_grad_enabled() and quant_kernels.fused_perm_block_diag(x):
         return _forward_fused(x, g_p, g_r, frozen, side_p, side_r)
     return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
@@ -340,7 +328,7 @@ class _POETXFastFmFn(torch.autograd.Function):
         sp: OrthogonalSide,
         sr: OrthogonalSide,
     ) -> torch.Tensor:
-        y, xpt, ht = _forward_fm_parts(x, g_p, g_r, frozen, sp, sr)
+        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, sp, sr)
         ctx.save_for_backward(xpt, ht, g_p, g_r)
         ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape = frozen, sp, sr, x.shape
         return y
