@@ -266,9 +266,8 @@ def _run_label(r: dict[str, Any]) -> str:
 
 
 def _tokens_table(name: str, heading: str) -> list[str]:
-    """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines.
-    CUDA-graph rows show the reserved peak (their activations live in the graph's pool, which
-    the allocated peak does not count)."""
+    """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines
+    (peak memory: :func:`_peak_cell`)."""
     d = _load(name)
     if d is None:
         return []
@@ -281,11 +280,9 @@ def _tokens_table(name: str, heading: str) -> list[str]:
     for r in d["runs"]:
         if "tokens_per_s" not in r:
             continue
-        graph = r.get("cuda_graph")
-        peak = r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]
         lines.append(
             f"| {r['seq_len']} | {_run_label(r)} | {r['tokens_per_s']:,.0f} | "
-            f"{r['step_time_s']:.3f} | {peak / 2**30:.1f}{' (reserved)' if graph else ''} | "
+            f"{r['step_time_s']:.3f} | {_peak_cell(r, 1)} | "
             f"{r.get('build_s') or float('nan'):.1f} |"
         )
     lines.append("")
@@ -371,15 +368,21 @@ def _memory_state8(name: str = "gpu_memory_state8_h200.json", when: str = "") ->
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
-def _setting_cells(r: dict[str, Any]) -> tuple[str, str, str]:
-    """Checkpointing, CUDA-graph and peak-memory cells of an ``evals/gpu_memory.py`` row (a
-    graph's activations live in its pool: its reserved peak, an upper bound)."""
+def _peak_cell(r: dict[str, Any], digits: int) -> str:
+    """Peak memory in GiB of a run: allocated, or for a CUDA-graph run its reserved peak (the
+    graph's activations live in its pool, which the allocated peak does not count; an upper
+    bound), marked so."""
     graph = r.get("cuda_graph", False)
     peak = (r["peak_reserved_bytes"] if graph else r["peak_memory_bytes"]) / 2**30
+    return f"{peak:.{digits}f}{' (reserved)' if graph else ''}"
+
+
+def _setting_cells(r: dict[str, Any]) -> tuple[str, str, str]:
+    """Checkpointing, CUDA-graph and peak-memory cells of an ``evals/gpu_memory.py`` row."""
     return (
         "yes" if r["gradient_checkpointing"] else "no",
-        "yes" if graph else "no",
-        f"{peak:.2f}{' (reserved)' if graph else ''}",
+        "yes" if r.get("cuda_graph", False) else "no",
+        _peak_cell(r, 2),
     )
 
 

@@ -384,7 +384,8 @@ def estimate_memory(
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
     head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
-    if precision != "fp32" and fuse_wanted(tc, "cuda", graph_wanted(recipe, "cuda")):
+    graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
+    if precision != "fp32" and fuse_wanted(tc, "cuda", graph):
         # poetxq.fuse: a compiled RMSNorm keeps its input and the per-row scale, not an fp32
         # copy of its input beside the normalized rows (4d bytes per token less per norm)
         layer_tok -= 2 * 4 * d
@@ -433,7 +434,7 @@ def estimate_memory(
         opt_tmp = max(q_bytes, params - q_bytes)
     if precision == "fp32":
         notes.append("fp32: CPU training; compare with the process RSS, not CUDA memory")
-    elif graph_wanted(recipe, "cuda"):
+    elif graph:
         notes.append(
             "CUDA graph (train.cuda_graph): the activations live in the graph's private pool; "
             "at Llama-8B/13B the H200's reserved peak ran 16-18 % above this estimate "
