@@ -213,6 +213,9 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
         if variant == "mem" and bits == 8:  # the default path against its alternatives
             for flag, value, suffix in OTHER_LAYER_PATHS:
                 rows.append((f"bits8_mem_{suffix}", layer, (flag, value)))
+        if variant == "fast":  # the opt-in feature-major fast path beside the autograd one
+            flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", True)
+            rows.append((f"bits{bits}_fast_feature_major", layer, flag))
     base = None
     for name, mod, flag in rows:
         ctx = _opt_in(*flag) if flag else contextlib.nullcontext()

@@ -262,7 +262,19 @@ def _kernels() -> list[str]:
 
 
 def _run_label(r: dict[str, Any]) -> str:
-    return LABELS.get(r["method"], r["method"]) + (", CUDA graph" if r.get("cuda_graph") else "")
+    variant = f", {r['variant']}" if r.get("variant") else ""
+    return (
+        LABELS.get(r["method"], r["method"])
+        + variant
+        + (", CUDA graph" if r.get("cuda_graph") else "")
+    )
+
+
+def _ratio_key_label(key: str) -> str:
+    """How a ratio line names a POET-XQ run key of ``throughput.py`` other than ``poetxq``:
+    ``poetxq_graph`` -> ``in a CUDA graph``, ``poetxq_fast_graph`` -> ``fast in a CUDA graph``."""
+    words = key.removeprefix("poetxq").strip("_").split("_")
+    return " ".join("in a CUDA graph" if w == "graph" else w for w in words if w)
 
 
 def _tokens_table(name: str, heading: str) -> list[str]:
@@ -291,11 +303,16 @@ def _tokens_table(name: str, heading: str) -> list[str]:
             f"- seq {row['seq_len']}: POET-XQ / Q-GaLore = {row['poetxq_over_qgalore']:.2f} "
             f"(target ≥ 1.3), POET-XQ / AdamW = {row['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
         )
-        if "poetxq_graph_over_adamw" in row:
-            text += (
-                f"; in a CUDA graph {row['poetxq_graph_over_qgalore']:.2f} and "
-                f"{row['poetxq_graph_over_adamw']:.2f}"
-            )
+        others = sorted(
+            (k.removesuffix("_over_adamw") for k in row if k.endswith("_over_adamw")),
+            key=lambda k: (k != "poetxq_graph", k),  # the graph first, then the variants
+        )
+        for key in others:
+            if key != "poetxq" and f"{key}_over_qgalore" in row:
+                text += (
+                    f"; {_ratio_key_label(key)} {row[f'{key}_over_qgalore']:.2f} and "
+                    f"{row[f'{key}_over_adamw']:.2f}"
+                )
         lines.append(text)
     note = [f"Note: {d['note']}", ""] if d.get("note") else []
     return [*lines, "", _provenance(name, d), "", *note]

@@ -28,24 +28,40 @@ import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.bench import BenchError, run_bench
-from poetxq.recipe import RecipeError, load_recipe, parse_override
+from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, parse_override
 from poetxq.tools_cli import check_output_file
 
 VOCAB = 32000
 
 
 def target_ratios(tps: dict[str, float]) -> dict[str, float | bool]:
-    """The issue's ratios from tokens/s by run key (``poetxq``, ``poetxq_graph``, ``qgalore``,
-    ``adamw``...): ``<key>_over_qgalore`` (target >= 1.3) and ``<key>_over_adamw`` (>= 0.9) for
-    POET-XQ eager and in a CUDA graph, with ``meets_*`` flags for the eager run."""
+    """The issue's ratios from tokens/s by run key (``poetxq``, ``poetxq_graph``,
+    ``poetxq_fast``, ``qgalore``, ``adamw``...): ``<key>_over_qgalore`` (target >= 1.3) and
+    ``<key>_over_adamw`` (>= 0.9) for every POET-XQ run key (eager, in a CUDA graph, another
+    variant), with ``meets_*`` flags for the plain eager ``poetxq`` run."""
     row: dict[str, float | bool] = {}
-    for key in ("poetxq", "poetxq_graph"):
+    for key in sorted(k for k in tps if k.startswith("poetxq")):
         for base, target in (("qgalore", 1.3), ("adamw", 0.9)):
-            if key in tps and base in tps:
+            if base in tps:
                 row[f"{key}_over_{base}"] = tps[key] / tps[base]
                 if key == "poetxq":
                     row[f"meets_{base}_target"] = row[f"{key}_over_{base}"] >= target
     return row
+
+
+def split_method(spec: str) -> tuple[str, str | None, str]:
+    """``METHOD[+VARIANT]`` -> (recipe method file, POET variant or None, run key): ``poetxq+fast``
+    is ``poetxq`` with ``poet.variant=fast``, keyed ``poetxq_fast``.
+
+    Raises:
+        ValueError: a variant other than ``fast``/``mem``.
+    """
+    method, plus, variant = spec.partition("+")
+    if not plus:
+        return method, None, method
+    if variant not in ("fast", "mem"):
+        raise ValueError(f"method {spec!r}: the variant after '+' is fast or mem")
+    return method, variant, f"{method}_{variant}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--models", default="llama-1b,llama-3b")
     ap.add_argument("--seqs", default="256,1024")
-    ap.add_argument("--methods", default="poetxq,poetx,qgalore,qapollo,adamw")
+    ap.add_argument("--methods", default="poetxq,poetx,qgalore,qapollo,adamw",
+                    help="recipe method files; METHOD+fast or METHOD+mem runs a POET method with "
+                    "that layer variant (run key METHOD_fast), e.g. poetxq+fast")  # fmt: skip
     ap.add_argument("--tokens", type=int, default=8192, help="tokens per step (one micro-batch)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
@@ -85,14 +103,21 @@ def main(argv: list[str] | None = None) -> int:
     graph_methods = [m for m in args.graph_methods.split(",") if m]
     runs_of = [(m, False) for m in args.methods.split(",")] + [(m, True) for m in graph_methods]
 
-    def recipe_for(model: str, method: str, seq: int, graph: bool = False):
+    def recipe_for(model: str, spec: str, seq: int, graph: bool = False):
+        method, variant, _ = split_method(spec)
         over = {"train.seq_len": seq, "train.batch_size": max(1, args.tokens // seq),
                 "train.grad_accum": 1}  # fmt: skip
         for text in args.set:
             k, v = parse_override(text)
             over[k] = v
+        if variant:
+            over["poet.variant"] = variant
         over["train.cuda_graph"] = graph  # eager runs stay eager (the default is auto)
-        return load_recipe(f"{model}:{method}", over)
+        recipe = load_recipe(f"{model}:{method}", over)
+        if variant and recipe.method not in POET_METHODS:
+            raise ValueError(f"method {spec!r}: only the POET methods have a variant; drop "
+                             f"'+{variant}'")  # fmt: skip
+        return recipe
 
     seqs = []
     try:  # every recipe once before any run: a bad model, method or --set stops here
@@ -132,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             tps: dict[str, float] = {}
             for method, graph in runs_of:
                 recipe = recipe_for(model, method, seq, graph)
-                key = f"{method}_graph" if graph else method
+                key = split_method(method)[2] + ("_graph" if graph else "")
                 try:
                     prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{key}.txt"
                             if args.profile_dir else None)  # fmt: skip

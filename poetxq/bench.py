@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from poetxq.recipe import Recipe, method_label, run_label
+from poetxq.recipe import POET_METHODS, Recipe, method_label, run_label
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
@@ -80,6 +80,9 @@ class BenchResult:
     peak_reserved_bytes: int | None = None
     #: GPU time per step by kind of work, in ms (``profile=``; :mod:`poetxq.profiling`)
     gpu_time_ms: dict[str, float] | None = None
+    #: the POET layer variant (``fast`` keeps the GEMM output, ``mem`` recomputes it); None for
+    #: the baselines
+    variant: str | None = None
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -317,6 +320,7 @@ def run_bench(
         loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev, graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
+        variant=recipe.poet.variant if recipe.method in POET_METHODS else None,
     )  # fmt: skip
 
 

@@ -48,7 +48,7 @@ from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baselin
 from poetxq.cudagraph import graph_wanted
 from poetxq.fuse import fuse_elementwise, fuse_wanted
 from poetxq.pretrained import build_model
-from poetxq.recipe import Recipe
+from poetxq.recipe import POET_METHODS, Recipe
 from poetxq.surgery import (
     SurgeryReport,
     build_empty_llama,
@@ -59,8 +59,6 @@ from poetxq.surgery import (
 
 #: environment switch of :func:`use_meta_init`: ``0`` never, ``1`` always (CPU too), unset: CUDA
 META_INIT_ENV = "POETXQ_META_INIT"
-#: methods whose decoder linears become POET-X(Q) layers
-POET_METHODS: tuple[str, ...] = ("poetxq", "poetx")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from poetxq.recipe import RecipeError, load_recipe, parse_override
+from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, parse_override
 
 # flag dest -> recipe key
 _FLAG_KEYS = {
@@ -335,7 +335,7 @@ def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
         RecipeError: one line naming the flag, why it does not apply and what to do instead.
     """
     given = [d for d in _POET_FLAGS if getattr(args, d, None) not in (None, False)]
-    if recipe.method not in ("poetxq", "poetx") and given:
+    if recipe.method not in POET_METHODS and given:
         raise RecipeError(
             f"{', '.join(map(_flag, given))} appl{'ies' if len(given) == 1 else 'y'} to the POET "
             f"methods (poetxq and poetx) only, not --method {recipe.method}; drop "
@@ -472,7 +472,7 @@ def _run_validate(args: argparse.Namespace) -> int:
             continue
         detail = (
             f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
-            if recipe.method in ("poetxq", "poetx")
+            if recipe.method in POET_METHODS
             else f"rank={recipe.baseline.rank}"
         )
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from poetxq.flat import FlatParams
+from poetxq.recipe import POET_METHODS
 
 
 def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> bool:
@@ -57,7 +58,7 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     )
     return (
         torch.device(device).type == "cuda"
-        and recipe.method in ("poetxq", "poetx")
+        and recipe.method in POET_METHODS
         and world == 1
         and not memory_options
     )

@@ -67,7 +67,7 @@ from dataclasses import asdict, dataclass, field
 from poetxq.cudagraph import graph_wanted
 from poetxq.flat import BNB_STATE_BLOCK
 from poetxq.fuse import fuse_wanted
-from poetxq.recipe import Recipe, method_label
+from poetxq.recipe import POET_METHODS, Recipe, method_label
 
 Precision = str  # "bf16" | "autocast" | "fp32"
 PRECISIONS = ("bf16", "autocast", "fp32")
@@ -274,7 +274,7 @@ def estimate_memory(
     p = 2 if precision == "bf16" else 4  # parameter (and Q) bytes
     c = 4 if precision == "fp32" else 2  # compute (activation) bytes
     r = p  # residual stream follows the embedding output dtype
-    is_poet = recipe.method in ("poetxq", "poetx")
+    is_poet = recipe.method in POET_METHODS
     quantized = recipe.method in ("qgalore", "qapollo")
     lowrank = recipe.method in ("galore", "apollo", "qgalore", "qapollo")
     targets = set(pc.target_modules if is_poet else recipe.baseline.target_modules)

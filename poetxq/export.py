@@ -62,7 +62,7 @@ from torch import nn
 import quant_kernels
 from poetxq.layer import POETXLinear
 from poetxq.quant import INT8_ROW_FORMAT, Blockwise4bitWeight, Int8RowwiseWeight
-from poetxq.recipe import Recipe, RecipeError, load_recipe
+from poetxq.recipe import POET_METHODS, Recipe, RecipeError, load_recipe
 from quant_kernels import reference_4bit as q4
 
 FORMATS: tuple[str, ...] = ("hf-bf16", "hf-bnb8", "hf-bnb4")
@@ -369,7 +369,7 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
         recipe = load_recipe(run / "recipe.yaml")
     except RecipeError as exc:
         raise ExportError(f"{run}: {exc}") from None
-    if recipe.method not in ("poetxq", "poetx"):
+    if recipe.method not in POET_METHODS:
         raise ExportError(
             f"{run} was trained with method {recipe.method!r}; export takes poetxq and poetx runs"
         )

@@ -107,6 +107,8 @@ class OptimConfig(_Section):
 
 
 METHODS = ("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo")
+#: methods whose decoder linears become POET-X(Q) layers
+POET_METHODS: tuple[str, ...] = ("poetxq", "poetx")
 Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"]
 
 

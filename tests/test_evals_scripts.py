@@ -38,6 +38,27 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
     assert (tmp_path / "img" / "compare_60m_val_ppl.png").stat().st_size > 1000
 
 
+def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path, monkeypatch):
+    render = _load("render_results")
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    run = {"seq_len": 256, "tokens_per_s": 1000.0, "step_time_s": 8.192, "build_s": 1.0,
+           "peak_memory_bytes": 2 << 30, "peak_reserved_bytes": 3 << 30}  # fmt: skip
+    doc = {
+        "date": "2026-12-01", "gpu": "cpu", "commit": "abc", "command": "x",
+        "runs": [{**run, "method": "poetxq", "variant": "fast", "cuda_graph": True},
+                 {**run, "method": "adamw", "variant": None}],
+        "ratios": [{"seq_len": 256, "poetxq_over_qgalore": 1.5, "poetxq_over_adamw": 0.7,
+                    "poetxq_fast_graph_over_qgalore": 2.0, "poetxq_fast_graph_over_adamw": 0.95,
+                    "poetxq_graph_over_qgalore": 1.9, "poetxq_graph_over_adamw": 0.8}],
+    }  # fmt: skip
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    page = "\n".join(render._tokens_table("t.json", "## t"))
+    assert "| 256 | POET-XQ (int8 W0), fast, CUDA graph | 1,000 |" in page
+    assert "| 256 | AdamW | 1,000 |" in page
+    assert ("POET-XQ / AdamW = 0.70 (target ≥ 0.9); in a CUDA graph 1.90 and 0.80; "
+            "fast in a CUDA graph 2.00 and 0.95") in page  # fmt: skip
+
+
 def test_comparison_recipes_share_everything_but_the_method_settings():
     compare = _load("compare_methods")
     args = argparse.Namespace(
@@ -153,6 +174,12 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
         "poetxq_graph_over_qgalore": 2.25, "poetxq_graph_over_adamw": 0.9,
     }  # fmt: skip
     assert mod.target_ratios({"poetxq": 1.0}) == {}
+    fast = mod.target_ratios({"poetxq_fast_graph": 45.0, "adamw": 50.0, "qgalore": 15.0})
+    assert fast == {"poetxq_fast_graph_over_adamw": 0.9, "poetxq_fast_graph_over_qgalore": 3.0}
+    assert mod.split_method("poetxq+fast") == ("poetxq", "fast", "poetxq_fast")
+    assert mod.split_method("adamw") == ("adamw", None, "adamw")
+    with pytest.raises(ValueError, match="fast or mem"):
+        mod.split_method("poetxq+quick")
     # refused before any run, in one line: a CUDA graph for a baseline, a CUDA graph on the CPU,
     # a profile folder that is a file
     (tmp_path / "afile").write_text("x")
@@ -160,6 +187,8 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
         (["--graph-methods", "adamw"], "train.cuda_graph applies to the POET methods"),
         (["--graph-methods", "poetxq", "--device", "cpu"], "--graph-methods needs a CUDA device"),
         (["--profile-dir", str(tmp_path / "afile"), "--device", "cpu"], "is a file"),
+        (["--methods", "adamw+fast", "--device", "cpu"], "only the POET methods have a variant"),
+        (["--methods", "poetxq+", "--device", "cpu"], "fast or mem"),
     ]:
         with pytest.raises(SystemExit) as exc:
             mod.main(["--out", str(tmp_path / "x.json"), *flags])
