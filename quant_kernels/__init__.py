@@ -141,17 +141,20 @@ ONE_DECODE_BACKWARD_MEASURED_FASTER = True
 
 #: The ``fast`` variant's training forward feature-major too (``poetxq.layer._POETXFastFmFn``):
 #: the same permute-transposes and ``bmm``s as the measured ``mem`` path in place of the
-#: autograd path's ``index_select`` gathers, which ran at 4–5× their HBM floor against
-#: 1.8–3.3× (``evals/results/bench_gather_h200.json``) and took ~48 ms of a Llama-1B POET-X step
-#: (``profiles/profile_1b_poetx_h200_5448cae.txt``). False until a whole step is timed both ways
-#: on a GPU; ``POETXQ_KERNELS=fused`` turns it on.
-FAST_FEATURE_MAJOR_MEASURED_FASTER = False
+#: autograd path's ``index_select`` gathers (4–5× their HBM floor against 1.8–3.3×,
+#: ``evals/results/bench_gather_h200.json``). True since it was timed both ways on the H200
+#: (``evals/results/fast_feature_major_h200.json``, ac87b34): the layer's GPU time at the 8B MLP
+#: shapes fell from 1.40 / 1.38 to 1.07 / 1.09 ms (int8) and from 1.28 / 1.30 to 0.97 / 0.97 ms
+#: (bf16), and a Llama-1B POET-X step at 8,192 tokens from 0.234 to 0.184 s eager (0.214 to
+#: 0.181 s in a CUDA graph). Non-Triton dtypes, ragged sides and the 4-bit input-order store
+#: keep the autograd path.
+FAST_FEATURE_MAJOR_MEASURED_FASTER = True
 
 
 def fast_feature_major_layer(x: torch.Tensor) -> bool:
     """Whether a ``fast`` POET-X(Q) layer's training forward may take the feature-major path for
-    ``x``: a Triton dtype, and :data:`FAST_FEATURE_MAJOR_MEASURED_FASTER` or
-    ``POETXQ_KERNELS=fused``."""
+    ``x``: a CUDA tensor of a Triton dtype, Triton enabled, and
+    :data:`FAST_FEATURE_MAJOR_MEASURED_FASTER` (on) or ``POETXQ_KERNELS=fused``."""
     return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FAST_FEATURE_MAJOR_MEASURED_FASTER)
 
 

@@ -35,6 +35,7 @@ def _configs() -> list[triton.Config]:
         (128, 128, 128, 8, 4),
         (128, 128, 64, 4, 4),
         (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 3),  # small M (evaluation batches, short sequences)
     ):
         cfgs.append(
             triton.Config(
@@ -44,6 +45,37 @@ def _configs() -> list[triton.Config]:
             )
         )
     return cfgs
+
+
+def prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Triton ``early_config_prune`` of the dequant-matmul autotuners: the configs worth
+    compiling for one call.
+
+    Drops tiles more than one power of two taller than the ``M`` rows (a 256-row tile for a
+    33-row evaluation batch only adds masked work), and for fp32 activations (``IEEE``) the tiles
+    above 128 × 128 × 64, whose fp32 operands overflow shared memory or spill registers and take
+    ptxas minutes to compile (a CUDA test at fp32 spent > 50 s there). Each new ``M`` re-runs the
+    autotuner, so fewer configs also mean shorter pauses when the batch shape changes.
+
+    Args:
+        configs: the autotuner's configs (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` in ``kwargs``).
+        named_args, kwargs: the launch arguments by name (``M`` and ``IEEE`` are read).
+
+    Returns:
+        The kept configs; never empty (the smallest tile when every config was dropped).
+    """
+    args = {**named_args, **kwargs}
+    tallest = max(64, triton.next_power_of_2(int(args["M"])))
+    fp32 = bool(args.get("IEEE", False))
+
+    def fits(c: triton.Config) -> bool:
+        bm, bn, bk = (c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        return bm <= tallest and not (fp32 and (bm * bn > 128 * 128 or bk > 64))
+
+    def size(c: triton.Config) -> int:
+        return c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"]
+
+    return [c for c in configs if fits(c)] or [min(configs, key=size)]
 
 
 def _small_configs() -> list[triton.Config]:
@@ -104,7 +136,9 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.autotune(
+    configs=_CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_configs}
+)
 @triton.jit
 def _int8_mm_nt_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr,
@@ -137,7 +171,9 @@ def _int8_mm_nt_kernel(
     )
 
 
-@triton.autotune(configs=_CONFIGS, key=["M", "N", "K"])
+@triton.autotune(
+    configs=_CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_configs}
+)
 @triton.jit
 def _int8_mm_nn_kernel(
     g_ptr, w_ptr, s_ptr, out_ptr,
@@ -185,7 +221,11 @@ def _decode_4bit(
     return (val * scale).to(DTYPE)
 
 
-@triton.autotune(configs=_CONFIGS_4BIT, key=["M", "N", "K"])
+@triton.autotune(
+    configs=_CONFIGS_4BIT,
+    key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": prune_configs},
+)
 @triton.jit
 def _4bit_mm_nt_kernel(
     x_ptr, packed_ptr, absmax_ptr, qmap_ptr, y_ptr,
@@ -216,7 +256,11 @@ def _4bit_mm_nt_kernel(
     )
 
 
-@triton.autotune(configs=_CONFIGS_4BIT, key=["M", "N", "K"])
+@triton.autotune(
+    configs=_CONFIGS_4BIT,
+    key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": prune_configs},
+)
 @triton.jit
 def _4bit_mm_nn_kernel(
     g_ptr, packed_ptr, absmax_ptr, qmap_ptr, out_ptr,

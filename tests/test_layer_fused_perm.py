@@ -175,7 +175,14 @@ def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_sid
     assert (g[1 if frozen_side == "P" else 2] is None) == (frozen_side is not None)
 
 
-def test_fast_feature_major_path_is_off_by_default_and_keeps_mem_layers_as_they_were(gen):
+def test_fast_feature_major_path_is_on_by_default_on_cuda_only(gen, monkeypatch):
     x = torch.randn(4, 32, generator=gen)
-    assert quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER is False
-    assert not quant_kernels.fast_feature_major_layer(x)  # the CPU: never without the opt-in
+    assert quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER is True  # measured on the H200
+    assert not quant_kernels.fast_feature_major_layer(x)  # CPU tensors keep the autograd path
+    from quant_kernels import _policy
+
+    monkeypatch.setattr(_policy, "triton_enabled", lambda _t: True)  # as on a GPU
+    assert quant_kernels.fast_feature_major_layer(x)
+    assert not quant_kernels.fast_feature_major_layer(x.double())  # not a Triton dtype
+    monkeypatch.setattr(quant_kernels, "FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
+    assert not quant_kernels.fast_feature_major_layer(x)

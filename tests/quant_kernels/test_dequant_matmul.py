@@ -124,3 +124,26 @@ def test_4bit_rejects_nested_absmax_codes(gen):
     with pytest.raises(ValueError, match="absmax"):
         blockwise_4bit_matmul(torch.randn(2, 64, device=DEVICE), packed, absmax.to(torch.uint8),
                               code, 64, (4, 64))  # fmt: skip
+
+
+def test_autotune_pruning_keeps_tiles_near_m_and_small_fp32_tiles():
+    from quant_kernels.dequant_matmul import _configs, prune_configs
+
+    cfgs = _configs()
+
+    def tiles(kept):
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in kept}
+
+    every = tiles(cfgs)
+    assert tiles(prune_configs(cfgs, {"M": 8192}, IEEE=False)) == every
+    # 33 rows (an evaluation batch): no tile taller than 64 rows
+    small = tiles(prune_configs(cfgs, {"M": 33, "IEEE": False}))
+    assert small == {t for t in every if t[0] <= 64} and small
+    # 100 rows: up to 128-row tiles
+    assert max(t[0] for t in tiles(prune_configs(cfgs, {"M": 100}, IEEE=False))) == 128
+    # fp32 (IEEE products): at most 128 x 128 x 64
+    fp32 = tiles(prune_configs(cfgs, {"M": 8192}, IEEE=True))
+    assert fp32 == {t for t in every if t[0] * t[1] <= 128 * 128 and t[2] <= 64} and fp32
+    # nothing fits: the smallest tile rather than none
+    big = [c for c in cfgs if c.kwargs["BLOCK_M"] == 256]
+    assert tiles(prune_configs(big, {"M": 1}, IEEE=True)) == {(256, 128, 64)}
