@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 from _common import cuda_peak_extra_mib, cuda_time_ms, git_commit
@@ -48,10 +50,19 @@ def _dense_side(side, dtype=torch.float64) -> torch.Tensor:
 
 
 def correctness(
-    n: int, m: int, b: int, bits: int, gen: torch.Generator, dev: str = "cuda", tokens: int = 2048
+    n: int,
+    m: int,
+    b: int,
+    bits: int,
+    gen: torch.Generator,
+    dev: str = "cuda",
+    tokens: int = 2048,
+    variant: str = "mem",
 ) -> dict:
-    """Output and dX of a POET-X(Q) mem layer vs a dense float64 ``x @ (R·W0·P)ᵀ``."""
-    layer = POETXLinear(n, m, block_size=b, bits=bits, variant="mem", generator=gen, device=dev)
+    """Output and dX of a POET-X(Q) layer vs a dense float64 ``x @ (R·W0·P)ᵀ``; in fp32 also its
+    block gradients (``Q_P``, ``Q_R``) vs the same layer on the torch path
+    (``POETXQ_KERNELS=torch``: reference ops, no Triton)."""  # fmt: skip
+    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
     with torch.no_grad():
         for side in (layer.P, layer.R):
             side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
@@ -63,7 +74,7 @@ def correctness(
     w_dense = _dense_side(layer.R) @ w0 @ _dense_side(layer.P)
     y_ref = x.double() @ w_dense.t()
     dx_ref = dy.double() @ w_dense
-    out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits}
+    out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits, "variant": variant}
     for dtype in (torch.float32, torch.bfloat16):
         xx = x.detach().to(dtype).requires_grad_()
         layer.zero_grad(set_to_none=True)
@@ -75,6 +86,13 @@ def correctness(
         y.backward(dy.to(y.dtype))
         key = "fp32" if dtype == torch.float32 else "bf16_autocast"
         out[key] = {"y_rel_err": _rel(y, y_ref), "dx_rel_err": _rel(xx.grad, dx_ref)}
+        if dtype == torch.float32:
+            grads = [layer.P.Q.grad.clone(), layer.R.Q.grad.clone()]
+            layer.zero_grad(set_to_none=True)
+            with mock.patch.dict(os.environ, {"POETXQ_KERNELS": "torch"}):
+                layer(x.detach().clone().requires_grad_()).backward(dy)
+            for name, got, side in (("dq_p", grads[0], layer.P), ("dq_r", grads[1], layer.R)):
+                out[key][f"{name}_rel_err_vs_torch_path"] = _rel(got, side.Q.grad)
     del w_dense, w0
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -328,6 +346,12 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 report["correctness"].append({"shape": f"{n}->{m}", "bits": bits,
                                               "error": repr(exc)})  # fmt: skip
+        for n, m, bits in ((4096, 14336, 8), (14336, 4096, 16), (2736, 1024, 8)):
+            try:  # the fast variant (feature-major where the sides are not ragged)
+                row = correctness(n, m, 256, bits, gen, variant="fast")
+            except Exception as exc:
+                row = {"shape": f"{n}->{m}", "bits": bits, "variant": "fast", "error": repr(exc)}
+            report["correctness"].append(row)
         for flag, value, suffix in OTHER_LAYER_PATHS:  # the other layer paths at real sizes
             with _opt_in(flag, value):
                 for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):
