@@ -84,10 +84,14 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
     from poetxq.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    # fuse_elementwise off: under pytest on the H200 the torch.compile of the fused maps waited
+    # > 100 s on inductor's compile workers inside the capture (the CLI takes seconds); the
+    # compiled maps are compared with eager in tests/test_fuse.py
     common = [*TINY, "--output-dir", str(tmp_path), "--max-steps", "7",
               "--set", "poet.merge_interval=2", "--set", "train.precision=fp32",
-              "--set", "train.grad_accum=2"]  # fmt: skip
-    assert main(["train", *common, "--run-name", "eager"]) == 0
+              "--set", "train.grad_accum=2", "--set", "train.fuse_elementwise=false"]  # fmt: skip
+    # eager pinned: the default (auto) takes the graph on a GPU
+    assert main(["train", *common, "--run-name", "eager", "--set", "train.cuda_graph=false"]) == 0
     assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
     eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
     assert len(eager) == len(graph) == 7
