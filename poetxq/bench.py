@@ -87,14 +87,18 @@ class BenchResult:
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
         mfu = f"MFU {self.mfu:.1%}" if self.mfu is not None else "MFU n/a"
-        if self.peak_memory_bytes is not None:
+        if self.cuda_graph and self.peak_reserved_bytes is not None:
+            # the graph's activations live in its private pool, which allocated peaks miss
+            mem = f"peak memory {self.peak_reserved_bytes / 2**30:.2f} GiB reserved (CUDA graph)"
+        elif self.peak_memory_bytes is not None:
             mem = f"peak memory {self.peak_memory_bytes / 2**30:.2f} GiB"
         elif self.peak_rss_bytes is not None:
             mem = f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB"
         else:
             mem = "peak memory n/a"
         return (
-            f"bench {self.run_label}: {self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
+            f"bench {self.run_label}{f' ({self.variant})' if self.variant else ''}: "
+            f"{self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
             f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), {self.steps} steps of "
             f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
             f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
@@ -291,12 +295,13 @@ def run_bench(
     peak_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
     peak_rss = peak_rss_bytes()
     breakdown = None
+    variant = recipe.poet.variant if recipe.method in POET_METHODS else None
     if profile is not None:  # after the peaks are read: the profiler's own buffers stay out
         from poetxq.profiling import profile_steps
 
         text, breakdown = profile_steps(step, dev)
-        write_text(f"{run_label(recipe)}: {elapsed / steps * 1e3:.1f} ms/step timed\n\n{text}",
-                   Path(profile))  # fmt: skip
+        head = f"{run_label(recipe)} ({variant or recipe.method}): {elapsed / steps * 1e3:.1f}"
+        write_text(f"{head} ms/step timed\n\n{text}", Path(profile))
         echo(f"bench: profile written to {profile}")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     peak = peak_tflops if peak_tflops is not None else (
@@ -320,7 +325,7 @@ def run_bench(
         loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev, graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
-        variant=recipe.poet.variant if recipe.method in POET_METHODS else None,
+        variant=variant,
     )  # fmt: skip
 
 

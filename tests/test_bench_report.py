@@ -1,6 +1,7 @@
 """``poetxq bench`` (CPU, random tokens), whole-layer checkpointing, and ``poetxq report`` built
 from two real tiny CPU runs of different methods."""
 
+import dataclasses
 import json
 import math
 import re
@@ -45,6 +46,9 @@ def test_bench_cpu_measures_tokens_and_mfu(method):
     assert math.isclose(res.mfu, 6 * dense_param_count(r, 300) * res.tokens_per_s / 1e12)
     assert res.peak_memory_bytes is None and res.peak_rss_bytes > 0
     assert res.run_label == f"tiny-{method}" and res.estimated_peak_bytes > 0
+    assert res.variant == ("mem" if method in ("poetxq", "poetx") else None)
+    graphed = dataclasses.replace(res, cuda_graph=True, peak_reserved_bytes=3 << 30)
+    assert "peak memory 3.00 GiB reserved (CUDA graph)" in graphed.summary_line()
 
 
 def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
@@ -56,7 +60,8 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
     line = printed[-1]
     assert sum(p.startswith("model: built in ") and p.endswith(" s on cpu") for p in printed) == 1
     data = json.loads(out.read_text())
-    assert line.startswith("bench tiny-poetxq: ") and "MFU n/a" in line and "peak RSS" in line
+    assert line.startswith("bench tiny-poetxq (mem): ") and "MFU n/a" in line and "peak RSS" in line
+    assert data["variant"] == "mem"
     assert f"{data['tokens_per_s']:,.0f} tok/s" in line
     assert data["gradient_checkpointing"] is True and data["steps"] == 2
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--steps", "0"]) == 2

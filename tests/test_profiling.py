@@ -96,7 +96,7 @@ def test_bench_profile_on_cpu_writes_the_operator_tables(tmp_path, capsys, monke
     args = ["--steps", "1", "--device", "cpu", "--profile", str(prof)]
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, *args]) == 0
     text = prof.read_text()
-    assert text.startswith("tiny-poetxq: ") and "ms/step timed" in text
+    assert text.startswith("tiny-poetxq (mem): ") and "ms/step timed" in text
     assert "Self CPU" in text and "aten::mm" in text  # the CPU operator table
     assert f"profile written to {prof}" in capsys.readouterr().out
     # a directory as the profile path, or the --out file: one line, before any work
