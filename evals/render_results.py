@@ -346,6 +346,41 @@ def _gpu_time_table(name: str, heading: str) -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
+def _fast_layer_table() -> list[str]:
+    """GPU time of one layer forward+backward per path (``fast_feature_major_h200.json``), with
+    its ratio to ``nn.Linear`` measured in the same call."""
+    name = "fast_feature_major_h200.json"
+    d = _load(name)
+    if d is None:
+        return []
+    cols = [("bits8_mem", "POET-XQ int8 mem"), ("bits8_fast", "POET-XQ int8 fast, autograd"),
+            ("bits8_fast_feature_major", "POET-XQ int8 fast, feature-major"),
+            ("bits16_mem", "POET-X bf16 mem"), ("bits16_fast", "POET-X bf16 fast, autograd"),
+            ("bits16_fast_feature_major", "POET-X bf16 fast, feature-major")]  # fmt: skip
+    lines = [
+        "### One layer at the Llama-8B MLP shapes: GPU time against `nn.Linear`",
+        "",
+        "Input [1, 2048, d] bf16, b = 256, forward+backward replayed from a CUDA graph (GPU time; "
+        "an eager call of one layer measures the host, see the JSON's `eager_ms`). Milliseconds, "
+        "and the ratio to `nn.Linear` (targets: int8 mem ≤ 1.15, bf16 fast ≤ 0.9).",
+        "",
+        "| shape | nn.Linear | " + " | ".join(label for _, label in cols) + " |",
+        "|---|---:|" + "---:|" * len(cols),
+    ]
+    for row in d["layer_overhead"]:
+        runs = [row.get(k, {}) for k, _ in cols]
+        cells = [
+            f"{r['gpu_ms_graph']:.3f} ({r['gpu_ratio']:.2f}×)" if "gpu_ratio" in r else "–"
+            for r in runs
+        ]
+        lines.append(
+            f"| {row['shape']} | {row['nn_linear']['gpu_ms_graph']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return [*lines, "", _provenance(name, d), ""]
+
+
 def _throughput_now() -> list[str]:
     return _tokens_table(
         "throughput_1b_h200_da2e9d8.json",
@@ -654,6 +689,28 @@ def main(argv: list[str] | None = None) -> int:
     lines += _gpu_time_table(
         "throughput_1b_profiled_h200_5448cae.json",
         "### Where the GPU time of a Llama-1B step goes (seq 256, eager, torch.profiler)",
+    )
+    lines += [
+        "## The fast variant feature-major: POET-XQ at AdamW's tokens/s",
+        "",
+        "The `fast` layer variant keeps the GEMM output for backward (no recompute: two weight "
+        "GEMMs per layer instead of the `mem` variant's three) and, since cc98250, runs "
+        "feature-major like `mem` (`FAST_FEATURE_MAJOR_MEASURED_FASTER`). *POET-XQ (int8 W0), "
+        "fast*: the poetxq recipe with `poet.variant=fast` (`evals/throughput.py --methods "
+        "poetxq+fast`); the recipe's default stays `mem`, which holds less memory. 8,192 tokens "
+        "per step; a CUDA-graph run's memory is its reserved peak.",
+        "",
+    ]
+    lines += _fast_layer_table()
+    lines += _tokens_table(
+        "throughput_1b_h200_cc98250.json", "### Llama-1B tokens/s with the fast variant"
+    )
+    lines += _tokens_table(
+        "throughput_3b_h200_51993ff.json", "### Llama-3B tokens/s with the fast variant"
+    )
+    lines += _gpu_time_table(
+        "throughput_1b_profiled_h200_ac87b34.json",
+        "### Where the GPU time of a Llama-1B step goes, fast variant (seq 256, torch.profiler)",
     )
     lines += _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
