@@ -1,8 +1,9 @@
 """All GPU checks and benchmarks of the project in one run; writes JSON to ``--out-dir``.
 
-1. Correctness at real sizes: POET-XQ (int8) and POET-X (unquantized) layers at Llama-8B/350M
-   MLP shapes; output and input gradient against a dense float64 ``x @ (R·W0·P)ᵀ`` built on the
-   GPU from the same blocks and permutations, in fp32 and under bf16 autocast.
+1. Correctness at real sizes: POET-XQ (int8, NF4) and POET-X (unquantized) layers, mem and fast
+   variants, at Llama-8B/350M MLP shapes; output and input gradient against a dense float64
+   ``x @ (R·W0·P)ᵀ`` built on the GPU from the same blocks and permutations, in fp32 and under
+   bf16 autocast; in fp32 the block gradients against the torch path.
 2. The int8 / NF4 weight GEMMs (fused, slab-streamed, torch, bnb) vs bf16 cuBLAS at the 8B/13B
    MLP shapes (``evals/bench_dequant_matmul.py``).
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
@@ -61,7 +62,7 @@ def correctness(
 ) -> dict:
     """Output and dX of a POET-X(Q) layer vs a dense float64 ``x @ (R·W0·P)ᵀ``; in fp32 also its
     block gradients (``Q_P``, ``Q_R``) vs the same layer on the torch path
-    (``POETXQ_KERNELS=torch``: reference ops, no Triton)."""  # fmt: skip
+    (``POETXQ_KERNELS=torch``: reference ops, no Triton)."""
     layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
     with torch.no_grad():
         for side in (layer.P, layer.R):
@@ -231,9 +232,9 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
         if variant == "mem" and bits == 8:  # the default path against its alternatives
             for flag, value, suffix in OTHER_LAYER_PATHS:
                 rows.append((f"bits8_mem_{suffix}", layer, (flag, value)))
-        if variant == "fast":  # the opt-in feature-major fast path beside the autograd one
-            flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", True)
-            rows.append((f"bits{bits}_fast_feature_major", layer, flag))
+        if variant == "fast":  # the autograd fast path beside the default feature-major one
+            flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
+            rows.append((f"bits{bits}_fast_autograd", layer, flag))
     base = None
     for name, mod, flag in rows:
         ctx = _opt_in(*flag) if flag else contextlib.nullcontext()
