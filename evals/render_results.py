@@ -19,6 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from poetxq.tools_cli import check_output_file
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evals" / "results"
 LABELS = {
@@ -622,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "RESULTS.md"))
     args = ap.parse_args(argv)
     out = Path(args.out)
+    try:  # before any plot is drawn or folder made
+        check_output_file(out, "--out", ValueError)
+    except ValueError as exc:
+        ap.error(str(exc))
     img = out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     lines = [

@@ -28,7 +28,7 @@ import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.bench import BenchError, run_bench
-from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, parse_override
+from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, method_label, parse_override
 from poetxq.tools_cli import check_output_file
 
 VOCAB = 32000
@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc).splitlines()[0])
     if graph_methods and dev.type != "cuda":
         ap.error(f"--graph-methods needs a CUDA device (CUDA graphs), got {dev.type}; drop it")
+    try:  # the JSON is written after the first (model, seq): find a bad path before any run
+        check_output_file(Path(args.out), "--out", ValueError)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.profile_dir:
         try:  # a profile is written after each run: find a bad folder before the first
             check_output_file(Path(args.profile_dir) / "profile.txt", "--profile-dir", ValueError)
@@ -157,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             tps: dict[str, float] = {}
             for method, graph in runs_of:
                 recipe = recipe_for(model, method, seq, graph)
-                key = split_method(method)[2] + ("_graph" if graph else "")
+                key = split_method(method)[2]
+                variant = recipe.poet.variant if recipe.method in POET_METHODS else None
+                key += "_graph" if graph else ""
                 try:
                     prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{key}.txt"
                             if args.profile_dir else None)  # fmt: skip
@@ -168,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"throughput: error: {exc}", file=sys.stderr)
                     return 2
                 except torch.OutOfMemoryError as exc:
-                    runs.append({"model": model, "seq_len": seq, "method": method,
-                                 "cuda_graph": graph,
+                    runs.append({"model": model, "seq_len": seq, "method": method_label(recipe),
+                                 "variant": variant, "cuda_graph": graph,
                                  "error": str(exc).splitlines()[0]})  # fmt: skip
                     print(f"{model} seq {seq} {key}: out of memory", flush=True)
                     continue

@@ -38,6 +38,17 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
     assert (tmp_path / "img" / "compare_60m_val_ppl.png").stat().st_size > 1000
 
 
+def test_results_page_refuses_an_unwritable_out_before_drawing(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    render = _load("render_results")
+    (tmp_path / "afile").write_text("x")
+    for out, why in [(tmp_path, "is a directory"), (tmp_path / "afile" / "R.md", "is a file")]:
+        with pytest.raises(SystemExit) as exc:
+            render.main(["--out", str(out)])
+        assert exc.value.code == 2 and why in capsys.readouterr().err.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # no img/ made
+
+
 def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path, monkeypatch):
     render = _load("render_results")
     monkeypatch.setattr(render, "RESULTS", tmp_path)
@@ -189,6 +200,8 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
         (["--profile-dir", str(tmp_path / "afile"), "--device", "cpu"], "is a file"),
         (["--methods", "adamw+fast", "--device", "cpu"], "only the POET methods have a variant"),
         (["--methods", "poetxq+", "--device", "cpu"], "fast or mem"),
+        (["--out", str(tmp_path), "--device", "cpu"], "is a directory"),
+        (["--out", str(tmp_path / "afile" / "x.json"), "--device", "cpu"], "is a file"),
     ]:
         with pytest.raises(SystemExit) as exc:
             mod.main(["--out", str(tmp_path / "x.json"), *flags])
