@@ -148,13 +148,17 @@ def _forward_fm(
     permutations, each of which also changes the layout in one coalesced pass
     (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``).
 
+    ``x`` may come in another dtype than the blocks ``g_p`` (the compute dtype): the first
+    permutation casts it (:func:`quant_kernels.fused_input_cast`).
+
     Returns:
         ``(y [..., m], x'ᵀ [n, T], hᵀ = W' zᵀ [m, T])``: the output and what the ``fast``
-        variant keeps for backward.
+        variant keeps for backward, in ``g_p``'s dtype.
     """
     x2 = x.reshape(-1, side_p.dim)
     t = x2.shape[0]
-    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm)  # x'ᵀ = x[..., Ψ_n]ᵀ
+    # x'ᵀ = x[..., Ψ_n]ᵀ, in the compute dtype
+    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm, out_dtype=g_p.dtype)
     zt = torch.bmm(g_p, xpt.view(side_p.nb, side_p.block_size, t)).view(side_p.dim, t)
     ht = frozen.matmul_fm(zt)  # W' zᵀ
     del zt
@@ -219,7 +223,7 @@ def _mem_backward(
     """Backward of the ``mem`` forward from its saved input: ``(dx, dG_P, dG_R)`` (None where
     ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
     n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
-    dy = dy.to(x.dtype)
+    dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: quant_kernels.fused_input_cast)
     if _feature_major(x, frozen, sp, sr):
         return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
     if quant_kernels.fused_perm_block_diag(x):
@@ -267,7 +271,7 @@ def _mem_backward_fm(
     fused with a layout change, instead of five gathers."""
     kern = quant_kernels
     n, m, t, b_r = sp.dim, sr.dim, x.numel() // sp.dim, sr.block_size
-    xpt = kern.permute_to_feature_major(x.reshape(t, n), sp.inv_perm)
+    xpt = kern.permute_to_feature_major(x.reshape(t, n), sp.inv_perm, out_dtype=g_p.dtype)
     dut = kern.permute_to_feature_major(dy.reshape(t, m), sr.inv_perm)  # du = dy[..., Ψ_m]
     du_blocks = dut.view(sr.nb, b_r, t)
     dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(m, t)  # dhᵀ (needs no h)
@@ -281,7 +285,7 @@ def _mem_backward_fm(
     else:  # G_R frozen: h is not needed at all
         dzt = frozen.matmul_t_fm(dht)
     del dut, du_blocks, dht
-    return (*_input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape), dg_r)
+    return (*_input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape, x.dtype), dg_r)
 
 
 def _input_side_backward_fm(
@@ -291,10 +295,12 @@ def _input_side_backward_fm(
     sp: OrthogonalSide,
     needs: tuple[bool, ...],
     x_shape: torch.Size,
+    x_dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(dx, dG_P)`` of a feature-major backward from ``dzᵀ [n, T]`` and ``x'ᵀ [n, T]``:
-    ``dG_P = dz x'ᵀ`` per block and ``dx = (dz @ BD(G_P))[..., inv_perm_P]`` (``x_shape``), None
-    where ``needs[1]`` / ``needs[0]`` is False."""
+    ``dG_P = dz x'ᵀ`` per block and ``dx = (dz @ BD(G_P))[..., inv_perm_P]`` (``x_shape``,
+    ``x_dtype``: cast in the last permutation), None where ``needs[1]`` / ``needs[0]`` is
+    False."""
     t = dzt.shape[1]
     dz_blocks = dzt.view(sp.nb, sp.block_size, t)
     dg_p = (
@@ -305,7 +311,8 @@ def _input_side_backward_fm(
     dx = None
     if needs[0]:
         dxpt = torch.bmm(g_p.transpose(1, 2), dz_blocks).view(sp.dim, t)
-        dx = quant_kernels.permute_to_row_major(dxpt, sp.inv_perm).view(x_shape)
+        dx = quant_kernels.permute_to_row_major(dxpt, sp.inv_perm, out_dtype=x_dtype)
+        dx = dx.view(x_shape)
     return dx, dg_p
 
 
@@ -330,7 +337,7 @@ class _POETXFastFmFn(torch.autograd.Function):
     ) -> torch.Tensor:
         y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, sp, sr)
         ctx.save_for_backward(xpt, ht, g_p, g_r)
-        ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape = frozen, sp, sr, x.shape
+        ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape, ctx.x_dtype = frozen, sp, sr, x.shape, x.dtype
         return y
 
     @staticmethod
@@ -351,7 +358,7 @@ class _POETXFastFmFn(torch.autograd.Function):
         del du_blocks
         dzt = ctx.frozen.matmul_t_fm(dht)
         del dht
-        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, ctx.x_shape)
+        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, ctx.x_shape, ctx.x_dtype)
         return dx, dg_p, dg_r, None, None, None
 
 
@@ -551,11 +558,12 @@ class POETXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dev = x.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-        x = x.to(cdtype)
+        store = self._store_op()
+        if not self._casts_inside(x, cdtype, store):
+            x = x.to(cdtype)
         with torch.autocast(dev, enabled=False):  # CNP in the parameters' precision, then cast
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
-            store = self._store_op()
             if self.variant == "mem" and torch.is_grad_enabled():
                 y = _POETXMemFn.apply(x, g_p, g_r, store, self.P, self.R)
             elif torch.is_grad_enabled() and _feature_major(x, store, self.P, self.R, fast=True):
@@ -565,6 +573,19 @@ class POETXLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
+
+    def _casts_inside(
+        self, x: torch.Tensor, cdtype: torch.dtype, store: FrozenWeight | _InputOrderStore
+    ) -> bool:
+        """Whether this call passes ``x`` uncast and lets the feature-major path cast it in its
+        first permutation (:func:`quant_kernels.fused_input_cast`): only when every path this
+        call can take is feature-major (the ``fast`` training path asks its own switch)."""
+        if not quant_kernels.fused_input_cast(x, cdtype):
+            return False
+        fm = _feature_major(x, store, self.P, self.R)
+        if self.variant == "fast" and torch.is_grad_enabled():
+            fm = fm and _feature_major(x, store, self.P, self.R, fast=True)
+        return fm
 
     def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``

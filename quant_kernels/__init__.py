@@ -58,6 +58,7 @@ __all__ = [
     "cayley_neumann_lean",
     "dequant_int8_rowwise",
     "feature_major_layer",
+    "fused_input_cast",
     "fused_perm_block_diag",
     "int8_rowwise_backward_fm",
     "int8_rowwise_matmul",
@@ -158,24 +159,54 @@ def fast_feature_major_layer(x: torch.Tensor) -> bool:
     return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FAST_FEATURE_MAJOR_MEASURED_FASTER)
 
 
+#: whether a POET-X(Q) layer on the feature-major path takes an input of another dtype than its
+#: compute dtype (fp32 activations under bf16 autocast: the norm outputs that feed q/k/v and
+#: gate/up) as it is, casting it inside the permute-transpose that reads it anyway
+#: (``out_dtype``), and returns ``dx`` in the input's dtype from the permute-transpose that
+#: writes it. Removes one cast pass forward and one backward per such projection (~240 casts of
+#: [8192, 2048] per Llama-1B step, part of the ~20 ms of ``copy_`` in
+#: ``profiles/profile_1b_256_poetxq_fast_ac87b34.txt``); the values are the same (the cast
+#: rounds as ``.to()`` does). The ``mem`` variant then keeps the shared fp32 input instead of a
+#: 16-bit copy per projection (q/k/v: 4 bytes per element in all instead of 3 × 2; the
+#: estimator books the copies). False until timed on a GPU: ``evals/throughput.py --kernel-flag
+#: FUSED_INPUT_CAST_MEASURED_FASTER=1`` against the same run without it.
+FUSED_INPUT_CAST_MEASURED_FASTER = False
+
+
+def fused_input_cast(x: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    """Whether a feature-major POET-X(Q) layer takes ``x`` uncast (see
+    :data:`FUSED_INPUT_CAST_MEASURED_FASTER`): ``x`` is not yet in ``compute_dtype``, both are
+    Triton dtypes, and the flag or ``POETXQ_KERNELS=fused``."""
+    return (
+        x.dtype != compute_dtype
+        and x.dtype in _FUSED_CNP_DTYPES
+        and compute_dtype in _FUSED_CNP_DTYPES
+        and opt_in_kernel(x, FUSED_INPUT_CAST_MEASURED_FASTER)
+    )
+
+
 def feature_major_layer(x: torch.Tensor) -> bool:
     """Whether a POET-X(Q) ``mem`` layer may take the feature-major path for ``x``: a Triton
     dtype, and :data:`FEATURE_MAJOR_LAYER_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""
     return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FEATURE_MAJOR_LAYER_MEASURED_FASTER)
 
 
-def permute_to_feature_major(x: torch.Tensor, inv_perm: torch.Tensor) -> torch.Tensor:
+def permute_to_feature_major(
+    x: torch.Tensor, inv_perm: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`quant_kernels.transpose_perm.permute_to_feature_major` (imported on first use)."""
     from quant_kernels import transpose_perm
 
-    return transpose_perm.permute_to_feature_major(x, inv_perm)
+    return transpose_perm.permute_to_feature_major(x, inv_perm, out_dtype=out_dtype)
 
 
-def permute_to_row_major(xt: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+def permute_to_row_major(
+    xt: torch.Tensor, perm: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """:func:`quant_kernels.transpose_perm.permute_to_row_major` (imported on first use)."""
     from quant_kernels import transpose_perm
 
-    return transpose_perm.permute_to_row_major(xt, perm)
+    return transpose_perm.permute_to_row_major(xt, perm, out_dtype=out_dtype)
 
 
 def fused_perm_block_diag(x: torch.Tensor) -> bool:

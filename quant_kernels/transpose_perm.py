@@ -45,7 +45,8 @@ def _to_feature_major_kernel(
     v = tl.load(x_ptr + t.to(tl.int64)[:, None] * stride_x + c[None, :],
                 mask=t_ok[:, None] & c_ok[None, :])  # [BT, BC], contiguous along c  # fmt: skip
     dst = tl.load(inv_ptr + c, mask=c_ok, other=0).to(tl.int64)  # column c goes to row inv[c]
-    tl.store(out_ptr + dst[:, None] * stride_o + t[None, :], tl.trans(v),
+    tl.store(out_ptr + dst[:, None] * stride_o + t[None, :],
+             tl.trans(v).to(out_ptr.dtype.element_ty),
              mask=c_ok[:, None] & t_ok[None, :])  # fmt: skip
 
 
@@ -60,7 +61,8 @@ def _to_row_major_kernel(
     src = tl.load(perm_ptr + j, mask=j_ok, other=0).to(tl.int64)
     v = tl.load(xt_ptr + src[:, None] * stride_xt + t[None, :],
                 mask=j_ok[:, None] & t_ok[None, :])  # [BJ, BT], contiguous along t  # fmt: skip
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + j[None, :], tl.trans(v),
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + j[None, :],
+             tl.trans(v).to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & j_ok[None, :])  # fmt: skip
 
 
@@ -76,14 +78,14 @@ def _check(a: torch.Tensor, perm: torch.Tensor, axis_len: int, what: str) -> Non
 
 def _launch(
     kernel: Any, a: torch.Tensor, perm: torch.Tensor, tile: tuple[int, int], *,
-    feature_major_in: bool,
+    feature_major_in: bool, out_dtype: torch.dtype | None,
 ) -> torch.Tensor:  # fmt: skip
     """Run one of the two kernels over a ``(tokens, features)`` grid of tiles; the output is
-    ``a``'s transpose in shape, contiguous."""
+    ``a``'s transpose in shape, contiguous, in ``out_dtype`` (default ``a``'s)."""
     if a.stride(-1) != 1:
         a = a.contiguous()
     rows, cols = (a.shape[1], a.shape[0]) if feature_major_in else (a.shape[0], a.shape[1])
-    out = torch.empty(a.shape[1], a.shape[0], dtype=a.dtype, device=a.device)
+    out = torch.empty(a.shape[1], a.shape[0], dtype=out_dtype or a.dtype, device=a.device)
     if rows and cols:
         grid = (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
         kernel[grid](a, perm, out, rows, cols, a.stride(0), out.stride(0), tile[0], tile[1])
@@ -91,7 +93,10 @@ def _launch(
 
 
 def permute_to_feature_major(
-    x: torch.Tensor, inv_perm: torch.Tensor, tile: tuple[int, int] = TILE
+    x: torch.Tensor,
+    inv_perm: torch.Tensor,
+    tile: tuple[int, int] = TILE,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``(x[:, perm])ᵀ`` — ``out[j, t] = x[t, perm[j]]`` — given ``inv_perm = argsort(perm)``.
 
@@ -100,19 +105,25 @@ def permute_to_feature_major(
             or the CPU under ``TRITON_INTERPRET=1``.
         inv_perm: ``[d]`` integer inverse permutation on ``x``'s device (not checked to be one).
         tile: ``(tokens, features)`` per program, powers of two.
+        out_dtype: the output's dtype (default ``x``'s): the cast is done in the same pass, as
+            ``x.to(out_dtype)`` rounds (round to nearest even on a GPU).
 
     Returns:
-        ``[d, T]`` contiguous, ``x``'s dtype.
+        ``[d, T]`` contiguous, ``out_dtype``.
 
     Raises:
         ValueError: ``x`` is not 2-D or ``inv_perm`` is not ``[d]``.
     """
     _check(x, inv_perm, x.shape[-1] if x.dim() == 2 else -1, "x")
-    return _launch(_to_feature_major_kernel, x, inv_perm, tile, feature_major_in=False)
+    return _launch(_to_feature_major_kernel, x, inv_perm, tile, feature_major_in=False,
+                   out_dtype=out_dtype)  # fmt: skip
 
 
 def permute_to_row_major(
-    xt: torch.Tensor, perm: torch.Tensor, tile: tuple[int, int] = TILE
+    xt: torch.Tensor,
+    perm: torch.Tensor,
+    tile: tuple[int, int] = TILE,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``(xt[perm])ᵀ`` — ``out[t, j] = xt[perm[j], t]``: from feature-major back to row-major.
 
@@ -120,12 +131,14 @@ def permute_to_row_major(
         xt: ``[d, T]`` feature-major (unit stride along ``T``; else a contiguous copy is made).
         perm: ``[d]`` integer permutation on ``xt``'s device (not checked to be one).
         tile: ``(tokens, features)`` per program, powers of two.
+        out_dtype: the output's dtype (default ``xt``'s), cast in the same pass.
 
     Returns:
-        ``[T, d]`` contiguous, ``xt``'s dtype.
+        ``[T, d]`` contiguous, ``out_dtype``.
 
     Raises:
         ValueError: ``xt`` is not 2-D or ``perm`` is not ``[d]``.
     """
     _check(xt, perm, xt.shape[0] if xt.dim() == 2 else -1, "xt")
-    return _launch(_to_row_major_kernel, xt, perm, tile, feature_major_in=True)
+    return _launch(_to_row_major_kernel, xt, perm, tile, feature_major_in=True,
+                   out_dtype=out_dtype)  # fmt: skip

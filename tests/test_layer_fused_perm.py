@@ -189,3 +189,53 @@ def test_fast_feature_major_path_is_on_by_default_on_cuda_only(gen, monkeypatch)
     assert not quant_kernels.fast_feature_major_layer(x.double())  # not a Triton dtype
     monkeypatch.setattr(quant_kernels, "FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
     assert not quant_kernels.fast_feature_major_layer(x)
+
+
+@pytest.mark.parametrize("variant", ["mem", "fast"])
+@pytest.mark.parametrize("bits", [8, 16])
+def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen):
+    """fp32 activations under bf16 autocast: the feature-major path takes x uncast and casts it
+    in its first permutation (quant_kernels.fused_input_cast), and returns dx in fp32 from its
+    last one. x holds bf16-representable values, so both casts are exact and the two runs must
+    agree to the bit (the interpreter truncates where torch rounds)."""
+    layer, _, _ = _case(32, 48, bits, False, gen, variant=variant)
+    x = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16).float()
+    for switch in ("feature_major_layer", "fast_feature_major_layer"):
+        monkeypatch.setattr(quant_kernels, switch, lambda _x: True)
+    seen = []
+    real = quant_kernels.permute_to_feature_major
+
+    def recording(a, inv, out_dtype=None):
+        seen.append((a.dtype, out_dtype))
+        return real(a, inv, out_dtype=out_dtype)
+
+    monkeypatch.setattr(quant_kernels, "permute_to_feature_major", recording)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, g = _run(layer, x)
+        return y, g
+
+    y_ref, g_ref = run()
+    assert all(a == torch.bfloat16 for a, _ in seen)  # cast by torch before the layer's path
+    seen.clear()
+    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda _x, _c: True)
+    y, g = run()
+    assert (torch.float32, torch.bfloat16) in seen  # x went in uncast
+    assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
+    assert torch.equal(y, y_ref)
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_input_cast_needs_every_path_feature_major(gen, monkeypatch):
+    """A ragged layer (40 -> 56) cannot take x uncast: its autograd path needs the cast."""
+    layer, _, _ = _case(40, 56, 8, False, gen)
+    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda _x, _c: True)
+    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    x = torch.randn(3, 40, generator=gen)
+    assert not layer._casts_inside(x, torch.bfloat16, layer._store_op())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, g = _run(layer, x)
+    assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
+    assert not quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER  # opt-in until timed on a GPU

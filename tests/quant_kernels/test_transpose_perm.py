@@ -51,3 +51,25 @@ def test_bad_shapes_are_one_line():
         permute_to_feature_major(x.to(DEVICE), torch.arange(5).to(DEVICE))
     with pytest.raises(ValueError, match="xt must be 2-D"):
         permute_to_row_major(torch.zeros(2, 3, 4).to(DEVICE), torch.arange(3).to(DEVICE))
+
+
+@pytest.mark.parametrize("shape", [(37, 50), (1, 33)])
+def test_the_cast_rides_along_in_both_directions(shape, gen):
+    t, d = shape
+    x = torch.randn(t, d, generator=gen)
+    perm = torch.randperm(d, generator=gen)
+    inv = torch.argsort(perm)
+    # fp32 -> bf16 into feature-major: torch's .to() rounds to nearest even, as the GPU does;
+    # Triton's CPU interpreter truncates, so there each value is the rounded or the truncated one
+    got = permute_to_feature_major(x.to(DEVICE), inv.to(DEVICE), out_dtype=torch.bfloat16).cpu()
+    src = x[:, perm].T.contiguous()
+    rounded = src.to(torch.bfloat16).float()
+    truncated = (src.view(torch.int32) & -65536).view(torch.float32)  # top 16 bits kept
+    assert got.dtype == torch.bfloat16 and got.shape == (d, t)
+    if DEVICE == "cuda":
+        assert torch.equal(got.float(), rounded)
+    else:
+        assert ((got.float() == rounded) | (got.float() == truncated)).all()
+    # bf16 -> fp32 back to row-major: exact everywhere
+    back = permute_to_row_major(got.to(DEVICE), inv.to(DEVICE), out_dtype=torch.float32).cpu()
+    assert back.dtype == torch.float32 and torch.equal(back, got.float().T[:, inv])
