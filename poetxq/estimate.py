@@ -169,6 +169,14 @@ def parse_bytes(text: str) -> int:
     return size
 
 
+def _lean_fast_swiglu() -> bool:
+    """Whether a GPU run takes the lean ``fast`` SwiGLU down projection
+    (:func:`quant_kernels.lean_fast_swiglu`): its flag, or ``POETXQ_KERNELS=fused``."""
+    import quant_kernels
+
+    return quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER or quant_kernels.kernel_mode() == "fused"
+
+
 def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:
     """``(name, out m, in n)`` of one decoder layer's projections."""
     mc = recipe.model
@@ -383,6 +391,11 @@ def estimate_memory(
         saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
+        if _lean_fast_swiglu() and "down_proj" in targets and f % b == 0 and d % b == 0:
+            # poetxq.layer._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
+            # permuted input is kept (both recomputed in backward)
+            layer_tok -= 2 * c * f
+            notes.append("lean fast SwiGLU (quant_kernels.lean_fast_swiglu): 2·f fewer saved")
     head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
     graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
     if precision != "fp32" and fuse_wanted(tc, "cuda", graph):

@@ -343,23 +343,35 @@ class _POETXFastFmFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         xpt, ht, g_p, g_r = ctx.saved_tensors
-        sp, sr, needs = ctx.sp, ctx.sr, ctx.needs_input_grad[:3]
-        t = xpt.shape[1]
-        dy = dy.to(xpt.dtype).reshape(t, sr.dim)
-        du_blocks = quant_kernels.permute_to_feature_major(dy, sr.inv_perm).view(
-            sr.nb, sr.block_size, t
-        )  # du = dy[..., Ψ_m]
-        dg_r = (
-            torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2))
-            if needs[2]
-            else None
-        )
-        dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(sr.dim, t)
-        del du_blocks
-        dzt = ctx.frozen.matmul_t_fm(dht)
-        del dht
-        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, ctx.x_shape, ctx.x_dtype)
+        needs = ctx.needs_input_grad[:3]
+        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.sr, needs[2])
+        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, ctx.sp, needs, ctx.x_shape, ctx.x_dtype)
         return dx, dg_p, dg_r, None, None, None
+
+
+def _output_side_backward_fm(
+    dy: torch.Tensor,
+    ht: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenWeight,
+    sr: OrthogonalSide,
+    needs_r: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dzᵀ [n, T], dG_R)`` of a ``fast`` feature-major backward from ``dy [..., m]`` and the
+    kept GEMM output ``hᵀ [m, T]``: ``du = dy[..., Ψ_m]``, ``dG_R = du hᵀ`` per block (None
+    unless ``needs_r``), ``dhᵀ = BD(G_R)ᵀ duᵀ`` and the dX GEMM ``dzᵀ = W'ᵀ dhᵀ``; all in
+    ``hᵀ``'s dtype."""
+    t = ht.shape[1]
+    dy = dy.to(ht.dtype).reshape(t, sr.dim)
+    du_blocks = quant_kernels.permute_to_feature_major(dy, sr.inv_perm).view(
+        sr.nb, sr.block_size, t
+    )  # du = dy[..., Ψ_m]
+    dg_r = (
+        torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2)) if needs_r else None
+    )
+    dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(sr.dim, t)
+    del du_blocks
+    return frozen.matmul_t_fm(dht), dg_r
 
 
 def _mem_backward_fused(
@@ -442,6 +454,54 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
         dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, needs)
         del x
         d_gate = d_up = None
+        if dx is not None:
+            d_gate, d_up = SWIGLU_OPS["grads"](gate, up, dx)
+        return d_gate, d_up, dg_p, dg_r, None, None, None
+
+
+class _SwiGLUDownFastFmFn(torch.autograd.Function):
+    """``down(SiLU(gate) · up)`` with a ``fast`` feature-major down projection, keeping ``gate``,
+    ``up`` and the GEMM output ``hᵀ [m, T]`` only.
+
+    The autograd composition keeps ``SiLU(gate)`` (for the product's backward) and the down
+    layer's permuted input ``x'ᵀ`` beside them: two more ``[T, f]`` tensors. Here the product
+    and ``x'ᵀ`` are recomputed in backward (one elementwise map, one permute-transpose) and the
+    SwiGLU gradients come from :data:`SWIGLU_OPS` as in the ``mem`` MLP; ``hᵀ`` still spares the
+    GEMM recompute. Opt-in: :func:`quant_kernels.lean_fast_swiglu`.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        gate: torch.Tensor,
+        up: torch.Tensor,
+        g_p: torch.Tensor,
+        g_r: torch.Tensor,
+        frozen: FrozenWeight,
+        side_p: OrthogonalSide,
+        side_r: OrthogonalSide,
+    ) -> torch.Tensor:
+        x = SWIGLU_OPS["forward"](gate, up)
+        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, side_p, side_r)
+        del x, xpt
+        ctx.save_for_backward(gate, up, ht, g_p, g_r)
+        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        gate, up, ht, g_p, g_r = ctx.saved_tensors
+        sp = ctx.side_p
+        needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
+        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.side_r, needs[2])
+        dx = dg_p = d_gate = d_up = None
+        if needs[0] or needs[1]:
+            x = SWIGLU_OPS["forward"](gate, up)
+            xpt = quant_kernels.permute_to_feature_major(
+                x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
+            )
+            dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape, x.dtype)
+            del x, xpt
         if dx is not None:
             d_gate, d_up = SWIGLU_OPS["grads"](gate, up, dx)
         return d_gate, d_up, dg_p, dg_r, None, None, None
@@ -589,7 +649,9 @@ class POETXLinear(nn.Module):
 
     def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``
-        for backward (the ``mem`` variant; otherwise the plain composition).
+        for backward (the ``mem`` variant), or ``gate``, ``up`` and the GEMM output (the ``fast``
+        variant on its feature-major path with :func:`quant_kernels.lean_fast_swiglu`);
+        otherwise the plain composition.
 
         Args:
             gate, up: ``[..., in_features]`` outputs of the gate and up projections.
@@ -597,16 +659,23 @@ class POETXLinear(nn.Module):
         Returns:
             ``[..., out_features]``, equal to ``self(F.silu(gate) * up)``.
         """
-        if self.variant != "mem" or self.bias is not None or not torch.is_grad_enabled():
+        if self.bias is not None or not torch.is_grad_enabled():
+            return self(F.silu(gate) * up)
+        store = self._store_op()
+        if self.variant == "mem":
+            fn: Any = _SwiGLUDownMemFn
+        elif quant_kernels.lean_fast_swiglu(gate) and _feature_major(
+            gate, store, self.P, self.R, fast=True
+        ):
+            fn = _SwiGLUDownFastFmFn
+        else:
             return self(F.silu(gate) * up)
         dev = gate.device.type
         cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate.dtype
         with torch.autocast(dev, enabled=False):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
-            return _SwiGLUDownMemFn.apply(
-                gate.to(cdtype), up.to(cdtype), g_p, g_r, self._store_op(), self.P, self.R
-            )
+            return fn.apply(gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R)
 
     @torch.no_grad()
     def effective_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -646,8 +715,8 @@ class POETXLinear(nn.Module):
 
 class POETXSwiGLUMLP(nn.Module):
     """A Llama MLP ``down(SiLU(gate(x)) · up(x))`` over POET-X(Q) projections whose down
-    projection keeps only ``gate(x)`` and ``up(x)`` for backward
-    (:meth:`POETXLinear.forward_swiglu`).
+    projection keeps what :meth:`POETXLinear.forward_swiglu` keeps for backward (``mem``: only
+    ``gate(x)`` and ``up(x)``).
 
     Holds the same ``gate_proj`` / ``up_proj`` / ``down_proj`` submodules as the transformers
     ``LlamaMLP`` it replaces, so state-dict keys are unchanged. Input ``[..., hidden]`` →

@@ -39,7 +39,7 @@ class SurgeryReport:
     bits: int = 8
     variant: str = "mem"
     quant_type: str = "nf4"
-    fused_mlps: int = 0  # MLPs replaced by POETXSwiGLUMLP (mem variant)
+    fused_mlps: int = 0  # MLPs replaced by POETXSwiGLUMLP
 
     def ragged(self) -> list[ConvertedLayer]:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
@@ -273,15 +273,18 @@ def convert_to_poetx(
 
 
 def fuse_swiglu_mlps(model: nn.Module) -> int:
-    """Replace each SiLU-gated MLP whose three projections are ``mem`` POET-X(Q) layers by a
-    :class:`POETXSwiGLUMLP` (same submodules and state-dict keys; keeps two ``[T, f]`` tensors
-    for backward instead of four). Returns how many MLPs were replaced."""
+    """Replace each SiLU-gated MLP whose three projections are POET-X(Q) layers of one variant
+    by a :class:`POETXSwiGLUMLP` (same submodules and state-dict keys). ``mem``: keeps two
+    ``[T, f]`` tensors for backward instead of four; ``fast``: the plain composition, or with
+    :func:`quant_kernels.lean_fast_swiglu` three instead of four plus the permuted input.
+    Returns how many MLPs were replaced."""
     count = 0
     for name, mod in list(model.named_modules()):
         projs = [getattr(mod, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
         act = getattr(mod, "act_fn", None)
         if (
-            all(isinstance(p, POETXLinear) and p.variant == "mem" for p in projs)
+            all(isinstance(p, POETXLinear) for p in projs)
+            and len({p.variant for p in projs}) == 1
             and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
             and projs[2].bias is None
         ):

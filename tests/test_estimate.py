@@ -254,3 +254,26 @@ def test_gpu_mem_help_says_gb_is_gib(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "GB and GiB are both read as GiB (2^30 bytes)" in text
     assert parse_bytes("80GB") == parse_bytes("80GiB") == 80 * 2**30
+
+
+@pytest.mark.parametrize("lean", [False, True])
+def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypatch):
+    """The fast variant on its feature-major path (the GPU default; forced here, the Triton
+    kernels run in the interpreter), with and without the lean SwiGLU down projection
+    (quant_kernels.lean_fast_swiglu), against the estimate; d = 64, f = 192, b = 32."""
+    import quant_kernels
+
+    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
+    monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: lean)
+    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", lean)  # estimator
+    recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
+                        "poet.variant": "fast"})  # fmt: skip
+    est = estimate_memory(recipe, vocab_size=V, precision="fp32")
+    torch.manual_seed(0)
+    model, _ = _build(recipe, torch.float32)
+    model.train()
+    assert _saved_bytes(model, torch.randint(0, V, (2, 17))) == est.activations
+    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", False)
+    plain = estimate_memory(recipe, vocab_size=V, precision="fp32")
+    # SiLU(gate) and the down projection's permuted input: 2 x [T = 32, f = 192] fp32 per layer
+    assert plain.activations - est.activations == (2 * 2 * 32 * 192 * 4 if lean else 0)

@@ -239,3 +239,41 @@ def test_fused_input_cast_needs_every_path_feature_major(gen, monkeypatch):
         y, g = _run(layer, x)
     assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
     assert not quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER  # opt-in until timed on a GPU
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("frozen_side", [None, "P", "R"])
+def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_side, monkeypatch,
+                                                                gen):  # fmt: skip
+    """The fast down projection under SwiGLU (quant_kernels.lean_fast_swiglu): the same values
+    and gradients as down(SiLU(gate) · up) on the fast feature-major path, with SiLU(gate) and
+    the permuted input (2 · T · f fp32 elements here) no longer saved."""
+    layer, _, gate_up = _case(32, 48, bits, True, gen, variant="fast")
+    if frozen_side:
+        getattr(layer, frozen_side).Q.requires_grad_(False)
+    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
+
+    def run():
+        saved, fns = [], []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        layer.zero_grad(set_to_none=True)
+        gate, up = (t.clone().requires_grad_(True) for t in gate_up)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer.forward_swiglu(gate, up)
+        fns.append(type(y.grad_fn).__name__)
+        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+        grads = [gate.grad, up.grad, layer.P.Q.grad, layer.R.Q.grad]
+        return y.detach(), grads, sum(saved), fns
+
+    y_ref, g_ref, bytes_ref, fns_ref = run()
+    assert not quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER  # opt-in until timed on a GPU
+    monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: True)  # as on a GPU
+    y, g, bytes_lean, fns = run()
+    assert fns_ref == ["_POETXFastFmFnBackward"] and fns == ["_SwiGLUDownFastFmFnBackward"]
+    assert bytes_ref - bytes_lean == 2 * 10 * 32 * 4  # SiLU(gate) and x'ᵀ: [10 tokens, f = 32]
+    _assert_same((y, g), (y_ref, g_ref))
+    assert (g[2 if frozen_side == "P" else 3] is None) == (frozen_side is not None)
