@@ -392,7 +392,7 @@ def estimate_memory(
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
         if _lean_fast_swiglu() and "down_proj" in targets and f % b == 0 and d % b == 0:
-            # poetxq.layer._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
+            # poetxq.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
             # permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
             notes.append("lean fast SwiGLU (quant_kernels.lean_fast_swiglu): 2·f fewer saved")

@@ -53,7 +53,7 @@ def _is_rms_norm(module: nn.Module) -> bool:
 def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     """Compile every RMSNorm module of ``model`` in place (``nn.Module.compile``: names and
     ``state_dict`` unchanged), transformers' Llama ``apply_rotary_pos_emb`` and the SwiGLU maps
-    of the fused POET ``mem`` MLP (:data:`poetxq.layer.SWIGLU_OPS`).
+    of the fused POET ``mem`` MLP (:data:`poetxq.swiglu.SWIGLU_OPS`).
 
     Args:
         model: a transformers Llama (or any model with ``*RMSNorm`` modules).
@@ -73,11 +73,11 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
         if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is None:
             module.compile(backend=backend, dynamic=False)
             done += 1
-    from poetxq import layer
+    from poetxq import swiglu as maps
 
-    for key, fn in (("forward", layer.swiglu), ("grads", layer.swiglu_grads)):
-        if layer.SWIGLU_OPS[key] is fn:  # the fused mem MLP's elementwise maps (process-wide)
-            layer.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=False)
+    for key, fn in (("forward", maps.swiglu), ("grads", maps.swiglu_grads)):
+        if maps.SWIGLU_OPS[key] is fn:  # the fused MLPs' elementwise maps (process-wide)
+            maps.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=False)
             done += 1
     try:
         from transformers.models.llama import modeling_llama
@@ -106,11 +106,11 @@ def unfuse_elementwise(model: nn.Module) -> int:
         if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
             done += 1
-    from poetxq import layer
+    from poetxq import swiglu as maps
 
-    for key, fn in (("forward", layer.swiglu), ("grads", layer.swiglu_grads)):
-        if layer.SWIGLU_OPS[key] is not fn:
-            layer.SWIGLU_OPS[key] = fn
+    for key, fn in (("forward", maps.swiglu), ("grads", maps.swiglu_grads)):
+        if maps.SWIGLU_OPS[key] is not fn:
+            maps.SWIGLU_OPS[key] = fn
             done += 1
     try:
         from transformers.models.llama import modeling_llama

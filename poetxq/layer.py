@@ -21,6 +21,10 @@ Variants:
 * ``mem`` saves only the layer input ``x`` and recomputes ``x'``, ``z`` and ``h`` in backward, in
   its own autograd Function: 3 big GEMMs per step, no ``[N, m]`` activation kept. POET-XQ uses mem.
 
+On a GPU both variants run feature-major between their two permutations where no side is
+ragged (:mod:`poetxq.layer_fm`); this module holds the row-major path, which is the CPU path and
+the oracle, and chooses between the two (``_feature_major``).
+
 ``merge_then_reinitialize()`` folds ``R`` and ``P`` into the stored weight (in fp32, then
 re-quantized), draws new permutations and resets ``Q`` to zero; the layer's function is unchanged
 (up to re-quantization error for low-bit stores).
@@ -28,7 +32,6 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import torch
@@ -36,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import quant_kernels
+from poetxq import swiglu as maps
+from poetxq.layer_fm import _forward_fm, _mem_backward_fm, _POETXFastFmFn, _SwiGLUDownFastFmFn
 from poetxq.orthogonal import OrthogonalSide
 from poetxq.quant import FrozenWeight, make_frozen_weight
 
@@ -136,37 +141,6 @@ def _feature_major(
     )
 
 
-def _forward_fm(
-    x: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_forward_autograd` without autograd, feature-major (``[dim, T]``) between its two
-    permutations, each of which also changes the layout in one coalesced pass
-    (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``).
-
-    ``x`` may come in another dtype than the blocks ``g_p`` (the compute dtype): the first
-    permutation casts it (:func:`quant_kernels.fused_input_cast`).
-
-    Returns:
-        ``(y [..., m], x'ᵀ [n, T], hᵀ = W' zᵀ [m, T])``: the output and what the ``fast``
-        variant keeps for backward, in ``g_p``'s dtype.
-    """
-    x2 = x.reshape(-1, side_p.dim)
-    t = x2.shape[0]
-    # x'ᵀ = x[..., Ψ_n]ᵀ, in the compute dtype
-    xpt = quant_kernels.permute_to_feature_major(x2, side_p.inv_perm, out_dtype=g_p.dtype)
-    zt = torch.bmm(g_p, xpt.view(side_p.nb, side_p.block_size, t)).view(side_p.dim, t)
-    ht = frozen.matmul_fm(zt)  # W' zᵀ
-    del zt
-    ut = torch.bmm(g_r, ht.view(side_r.nb, side_r.block_size, t)).view(side_r.dim, t)
-    y = quant_kernels.permute_to_row_major(ut, side_r.inv_perm)  # y = u[..., inv_perm_R]
-    return y.view(*x.shape[:-1], side_r.dim), xpt, ht
-
-
 def _forward(
     x: torch.Tensor,
     g_p: torch.Tensor,
@@ -246,134 +220,6 @@ def _mem_backward(
     return dx, dg_p, dg_r
 
 
-def _block_grad_rows(
-    du_blocks: torch.Tensor, dg: torch.Tensor, row0: int, ht_rows: torch.Tensor
-) -> None:
-    """``dg[k] = du_k h_kᵀ`` for the blocks ``k`` that the rows ``row0 …`` of ``hᵀ`` cover
-    (``du_blocks [nb, b, T]``, ``ht_rows [c·b, T]``, ``dg [nb, b, b]`` written in place)."""
-    _, b, t = du_blocks.shape
-    k0, kc = row0 // b, ht_rows.shape[0] // b
-    hb = ht_rows.view(kc, b, t).transpose(1, 2)
-    torch.bmm(du_blocks[k0 : k0 + kc], hb, out=dg[k0 : k0 + kc])
-
-
-def _mem_backward_fm(
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    sp: OrthogonalSide,
-    sr: OrthogonalSide,
-    needs: tuple[bool, ...],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`_mem_backward` feature-major (see :func:`_forward_fm`): four permutations, each
-    fused with a layout change, instead of five gathers."""
-    kern = quant_kernels
-    n, m, t, b_r = sp.dim, sr.dim, x.numel() // sp.dim, sr.block_size
-    xpt = kern.permute_to_feature_major(x.reshape(t, n), sp.inv_perm, out_dtype=g_p.dtype)
-    dut = kern.permute_to_feature_major(dy.reshape(t, m), sr.inv_perm)  # du = dy[..., Ψ_m]
-    du_blocks = dut.view(sr.nb, b_r, t)
-    dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(m, t)  # dhᵀ (needs no h)
-    dg_r = None
-    if needs[2]:  # dG_R = du hᵀ per block, from h = W' z recomputed band by band
-        dg_r = dut.new_empty(sr.nb, b_r, b_r)
-        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(n, t)
-        on_rows = functools.partial(_block_grad_rows, du_blocks, dg_r)
-        dzt = frozen.backward_fm(zt, dht, b_r, on_rows)  # W'ᵀ dhᵀ, h recomputed alongside
-        del zt, on_rows
-    else:  # G_R frozen: h is not needed at all
-        dzt = frozen.matmul_t_fm(dht)
-    del dut, du_blocks, dht
-    return (*_input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape, x.dtype), dg_r)
-
-
-def _input_side_backward_fm(
-    dzt: torch.Tensor,
-    xpt: torch.Tensor,
-    g_p: torch.Tensor,
-    sp: OrthogonalSide,
-    needs: tuple[bool, ...],
-    x_shape: torch.Size,
-    x_dtype: torch.dtype,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(dx, dG_P)`` of a feature-major backward from ``dzᵀ [n, T]`` and ``x'ᵀ [n, T]``:
-    ``dG_P = dz x'ᵀ`` per block and ``dx = (dz @ BD(G_P))[..., inv_perm_P]`` (``x_shape``,
-    ``x_dtype``: cast in the last permutation), None where ``needs[1]`` / ``needs[0]`` is
-    False."""
-    t = dzt.shape[1]
-    dz_blocks = dzt.view(sp.nb, sp.block_size, t)
-    dg_p = (
-        torch.bmm(dz_blocks, xpt.view(sp.nb, sp.block_size, t).transpose(1, 2))
-        if needs[1]
-        else None
-    )
-    dx = None
-    if needs[0]:
-        dxpt = torch.bmm(g_p.transpose(1, 2), dz_blocks).view(sp.dim, t)
-        dx = quant_kernels.permute_to_row_major(dxpt, sp.inv_perm, out_dtype=x_dtype)
-        dx = dx.view(x_shape)
-    return dx, dg_p
-
-
-class _POETXFastFmFn(torch.autograd.Function):
-    """The ``fast`` variant feature-major: the forward of :func:`_forward_fm`, keeping the
-    permuted input ``x'ᵀ [n, T]`` and the GEMM output ``hᵀ = W' zᵀ [m, T]`` for backward (what
-    the autograd ``fast`` path keeps, there row-major), so ``dG_R`` comes from ``hᵀ`` and the
-    backward runs one weight GEMM (dX) where ``mem`` runs two (the recompute and dX). Five
-    permutations, each fused with a layout change (:mod:`quant_kernels.transpose_perm`), replace
-    the autograd path's five ``index_select`` gathers (and their scatter-free gather
-    backwards)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        x: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        frozen: FrozenWeight,
-        sp: OrthogonalSide,
-        sr: OrthogonalSide,
-    ) -> torch.Tensor:
-        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, sp, sr)
-        ctx.save_for_backward(xpt, ht, g_p, g_r)
-        ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape, ctx.x_dtype = frozen, sp, sr, x.shape, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        xpt, ht, g_p, g_r = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
-        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.sr, needs[2])
-        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, ctx.sp, needs, ctx.x_shape, ctx.x_dtype)
-        return dx, dg_p, dg_r, None, None, None
-
-
-def _output_side_backward_fm(
-    dy: torch.Tensor,
-    ht: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    sr: OrthogonalSide,
-    needs_r: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dzᵀ [n, T], dG_R)`` of a ``fast`` feature-major backward from ``dy [..., m]`` and the
-    kept GEMM output ``hᵀ [m, T]``: ``du = dy[..., Ψ_m]``, ``dG_R = du hᵀ`` per block (None
-    unless ``needs_r``), ``dhᵀ = BD(G_R)ᵀ duᵀ`` and the dX GEMM ``dzᵀ = W'ᵀ dhᵀ``; all in
-    ``hᵀ``'s dtype."""
-    t = ht.shape[1]
-    dy = dy.to(ht.dtype).reshape(t, sr.dim)
-    du_blocks = quant_kernels.permute_to_feature_major(dy, sr.inv_perm).view(
-        sr.nb, sr.block_size, t
-    )  # du = dy[..., Ψ_m]
-    dg_r = (
-        torch.bmm(du_blocks, ht.view(sr.nb, sr.block_size, t).transpose(1, 2)) if needs_r else None
-    )
-    dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(sr.dim, t)
-    del du_blocks
-    return frozen.matmul_t_fm(dht), dg_r
-
-
 def _mem_backward_fused(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -405,24 +251,6 @@ def _mem_backward_fused(
     return dx, dg_p, dg_r
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``SiLU(gate) · up`` (same shapes and dtype as the inputs)."""
-    return F.silu(gate) * up
-
-
-def swiglu_grads(
-    gate: torch.Tensor, up: torch.Tensor, dx: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(∂gate, ∂up)`` of ``x = SiLU(gate) · up`` given ``dx = ∂L/∂x``: ``SiLU'(gate)·dx·up``
-    (torch's own SiLU backward, fp32 math for 16-bit inputs) and ``dx·SiLU(gate)``."""
-    return torch.ops.aten.silu_backward(dx * up, gate), dx * F.silu(gate)
-
-
-#: the SwiGLU elementwise maps used by the fused ``mem`` MLP; :func:`poetxq.fuse.fuse_elementwise`
-#: swaps in ``torch.compile``'d versions (one kernel each instead of two and five)
-SWIGLU_OPS: dict[str, Any] = {"forward": swiglu, "grads": swiglu_grads}
-
-
 class _SwiGLUDownMemFn(torch.autograd.Function):
     """``down(SiLU(gate) · up)`` with a ``mem`` down projection, saving ``gate`` and ``up`` only.
 
@@ -443,67 +271,19 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(gate, up, g_p, g_r)
         ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        x = SWIGLU_OPS["forward"](gate, up)
+        x = maps.SWIGLU_OPS["forward"](gate, up)
         return _forward(x, g_p, g_r, frozen, side_p, side_r)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         gate, up, g_p, g_r = ctx.saved_tensors
-        x = SWIGLU_OPS["forward"](gate, up)
+        x = maps.SWIGLU_OPS["forward"](gate, up)
         needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
         dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, needs)
         del x
         d_gate = d_up = None
         if dx is not None:
-            d_gate, d_up = SWIGLU_OPS["grads"](gate, up, dx)
-        return d_gate, d_up, dg_p, dg_r, None, None, None
-
-
-class _SwiGLUDownFastFmFn(torch.autograd.Function):
-    """``down(SiLU(gate) · up)`` with a ``fast`` feature-major down projection, keeping ``gate``,
-    ``up`` and the GEMM output ``hᵀ [m, T]`` only.
-
-    The autograd composition keeps ``SiLU(gate)`` (for the product's backward) and the down
-    layer's permuted input ``x'ᵀ`` beside them: two more ``[T, f]`` tensors. Here the product
-    and ``x'ᵀ`` are recomputed in backward (one elementwise map, one permute-transpose) and the
-    SwiGLU gradients come from :data:`SWIGLU_OPS` as in the ``mem`` MLP; ``hᵀ`` still spares the
-    GEMM recompute. Opt-in: :func:`quant_kernels.lean_fast_swiglu`.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        frozen: FrozenWeight,
-        side_p: OrthogonalSide,
-        side_r: OrthogonalSide,
-    ) -> torch.Tensor:
-        x = SWIGLU_OPS["forward"](gate, up)
-        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, side_p, side_r)
-        del x, xpt
-        ctx.save_for_backward(gate, up, ht, g_p, g_r)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        gate, up, ht, g_p, g_r = ctx.saved_tensors
-        sp = ctx.side_p
-        needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
-        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.side_r, needs[2])
-        dx = dg_p = d_gate = d_up = None
-        if needs[0] or needs[1]:
-            x = SWIGLU_OPS["forward"](gate, up)
-            xpt = quant_kernels.permute_to_feature_major(
-                x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
-            )
-            dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape, x.dtype)
-            del x, xpt
-        if dx is not None:
-            d_gate, d_up = SWIGLU_OPS["grads"](gate, up, dx)
+            d_gate, d_up = maps.SWIGLU_OPS["grads"](gate, up, dx)
         return d_gate, d_up, dg_p, dg_r, None, None, None
 
 

@@ -141,7 +141,7 @@ FEATURE_MAJOR_LAYER_MEASURED_FASTER = True
 ONE_DECODE_BACKWARD_MEASURED_FASTER = True
 
 
-#: The ``fast`` variant's training forward feature-major too (``poetxq.layer._POETXFastFmFn``):
+#: The ``fast`` variant's training forward feature-major too (``poetxq.layer_fm._POETXFastFmFn``):
 #: the same permute-transposes and ``bmm``s as the measured ``mem`` path in place of the
 #: autograd path's ``index_select`` gathers (4–5× their HBM floor against 1.8–3.3×,
 #: ``evals/results/bench_gather_h200.json``). True since it was timed both ways on the H200
@@ -175,7 +175,7 @@ FUSED_INPUT_CAST_MEASURED_FASTER = False
 
 
 #: whether a ``fast`` feature-major down projection under SwiGLU keeps only ``gate``, ``up`` and
-#: its GEMM output (``poetxq.layer._SwiGLUDownFastFmFn``), recomputing the product and its
+#: its GEMM output (``poetxq.layer_fm._SwiGLUDownFastFmFn``), recomputing the product and its
 #: permuted copy in backward, instead of the autograd composition that also keeps ``SiLU(gate)``
 #: and the permuted input: ``2·f`` fewer saved elements per token and layer (Llama-1B at 8,192
 #: tokens: 4.4 GB, the estimate 35.3 → 31.2 GiB against 34.5 GiB measured). The bytes moved are

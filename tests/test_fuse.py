@@ -22,10 +22,10 @@ def restore_rope(monkeypatch):
     undo it afterwards."""
     from transformers.models.llama import modeling_llama
 
-    from poetxq import layer
+    from poetxq import swiglu as maps
 
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
-    monkeypatch.setattr(layer, "SWIGLU_OPS", dict(layer.SWIGLU_OPS))
+    monkeypatch.setattr(maps, "SWIGLU_OPS", dict(maps.SWIGLU_OPS))
     return modeling_llama
 
 
@@ -54,7 +54,7 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
 
 
 def test_unfuse_restores_the_eager_model(restore_rope):
-    from poetxq import layer
+    from poetxq import swiglu as maps
 
     plain_rope = restore_rope.apply_rotary_pos_emb
     model = build_llama(CFG, vocab_size=97)
@@ -64,7 +64,7 @@ def test_unfuse_restores_the_eager_model(restore_rope):
     n = fuse_elementwise(model, backend="aot_eager")
     assert unfuse_elementwise(model) == n
     assert restore_rope.apply_rotary_pos_emb is plain_rope
-    assert {"forward": layer.swiglu, "grads": layer.swiglu_grads} == layer.SWIGLU_OPS
+    assert {"forward": maps.swiglu, "grads": maps.swiglu_grads} == maps.SWIGLU_OPS
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(m._compiled_call_impl is None for m in norms)
     assert unfuse_elementwise(model) == 0  # nothing left to undo
