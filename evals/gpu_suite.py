@@ -76,18 +76,18 @@ def correctness(
     y_ref = x.double() @ w_dense.t()
     dx_ref = dy.double() @ w_dense
     out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits, "variant": variant}
-    for dtype in (torch.float32, torch.bfloat16):
+    # (key, input dtype, autocast): fp32; bf16 input under autocast; fp32 input under autocast,
+    # as the norm outputs arrive in training (quant_kernels.fused_input_cast's case)
+    for key, dtype, amp in (("fp32", torch.float32, False),
+                            ("bf16_autocast", torch.bfloat16, True),
+                            ("bf16_autocast_fp32_input", torch.float32, True)):  # fmt: skip
         xx = x.detach().to(dtype).requires_grad_()
         layer.zero_grad(set_to_none=True)
-        if dtype == torch.bfloat16:
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                y = layer(xx)
-        else:
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=amp):
             y = layer(xx)
         y.backward(dy.to(y.dtype))
-        key = "fp32" if dtype == torch.float32 else "bf16_autocast"
         out[key] = {"y_rel_err": _rel(y, y_ref), "dx_rel_err": _rel(xx.grad, dx_ref)}
-        if dtype == torch.float32:
+        if not amp:
             grads = [layer.P.Q.grad.clone(), layer.R.Q.grad.clone()]
             layer.zero_grad(set_to_none=True)
             with mock.patch.dict(os.environ, {"POETXQ_KERNELS": "torch"}):
@@ -97,6 +97,34 @@ def correctness(
     del w_dense, w0
     if dev == "cuda":
         torch.cuda.empty_cache()
+    return out
+
+
+def swiglu_correctness(
+    f: int, d: int, b: int, bits: int, gen: torch.Generator, variant: str, dev: str = "cuda",
+    tokens: int = 2048,
+) -> dict:  # fmt: skip
+    """A down projection under SwiGLU (``POETXLinear.forward_swiglu``, the path of
+    ``POETXSwiGLUMLP``) in fp32: output and the gradients of ``gate`` and ``up`` against float64
+    autograd of ``(SiLU(gate) · up) @ (R·W0·P)ᵀ``."""
+    layer = POETXLinear(f, d, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
+    gate, up = (torch.randn(tokens, f, device=dev) for _ in range(2))
+    dy = torch.randn(tokens, d, device=dev)
+    w_dense = _dense_side(layer.R) @ layer.stored_w0(torch.float64) @ _dense_side(layer.P)
+    g64, u64 = (t.double().requires_grad_() for t in (gate, up))
+    y_ref = (torch.nn.functional.silu(g64) * u64) @ w_dense.t()
+    y_ref.backward(dy.double())
+    g32, u32 = (t.clone().requires_grad_() for t in (gate, up))
+    y = layer.forward_swiglu(g32, u32)
+    y.backward(dy)
+    out = {"shape": f"{f}->{d}", "b": b, "bits": bits, "variant": variant,
+           "y_rel_err": _rel(y, y_ref), "d_gate_rel_err": _rel(g32.grad, g64.grad),
+           "d_up_rel_err": _rel(u32.grad, u64.grad)}  # fmt: skip
+    del w_dense
+    torch.cuda.empty_cache()
     return out
 
 
@@ -273,7 +301,8 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
 #: decodes per int8 backward (the one-decode one switched off)
 OTHER_LAYER_PATHS = (
     ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", True, "fused_perm"),
-    # (only the correctness part's fp32 input under bf16 autocast has a cast to fuse)
+    # (only the correctness part's fp32 input under bf16 autocast has a cast to fuse; the timed
+    # parts feed bf16 inputs, where these rows equal the default path)
     ("FUSED_INPUT_CAST_MEASURED_FASTER", True, "fused_cast"),
     ("FEATURE_MAJOR_LAYER_MEASURED_FASTER", False, "row_major"),
     ("ONE_DECODE_BACKWARD_MEASURED_FASTER", False, "two_decodes"),
@@ -356,6 +385,13 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:
                 row = {"shape": f"{n}->{m}", "bits": bits, "variant": "fast", "error": repr(exc)}
             report["correctness"].append(row)
+        for variant, lean in (("mem", False), ("fast", False), ("fast", True)):
+            with _opt_in("LEAN_FAST_SWIGLU_MEASURED_FASTER", lean):
+                try:  # the SwiGLU down projection (the lean fast one with the flag)
+                    row = swiglu_correctness(14336, 4096, 256, 8, gen, variant)
+                except Exception as exc:
+                    row = {"shape": "14336->4096", "variant": variant, "error": repr(exc)}
+            report["correctness"].append({**row, "swiglu": True, "lean": lean})
         for flag, value, suffix in OTHER_LAYER_PATHS:  # the other layer paths at real sizes
             with _opt_in(flag, value):
                 for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):

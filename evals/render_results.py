@@ -274,9 +274,12 @@ def _run_label(r: dict[str, Any]) -> str:
 
 def _ratio_key_label(key: str) -> str:
     """How a ratio line names a POET-XQ run key of ``throughput.py`` other than ``poetxq``:
-    ``poetxq_graph`` -> ``in a CUDA graph``, ``poetxq_fast_graph`` -> ``fast in a CUDA graph``."""
-    words = key.removeprefix("poetxq").strip("_").split("_")
-    return " ".join("in a CUDA graph" if w == "graph" else w for w in words if w)
+    ``poetxq_graph`` -> ``in a CUDA graph``, ``poetxq_fast_graph`` -> ``fast in a CUDA graph``,
+    ``poetxq4_graph`` -> ``4-bit in a CUDA graph``."""
+    head, *rest = key.split("_")
+    words = [] if head == "poetxq" else ["4-bit" if head == "poetxq4" else head]
+    words += ["in a CUDA graph" if w == "graph" else w for w in rest]
+    return " ".join(words)
 
 
 def _tokens_table(name: str, heading: str) -> list[str]:
@@ -350,7 +353,9 @@ def _gpu_time_table(name: str, heading: str) -> list[str]:
 
 def _fast_layer_table() -> list[str]:
     """GPU time of one layer forward+backward per path (``fast_feature_major_h200.json``), with
-    its ratio to ``nn.Linear`` measured in the same call."""
+    its ratio to ``nn.Linear`` measured in the same call. The row keys are that file's (ac87b34):
+    ``bits*_fast`` the autograd path, ``bits*_fast_feature_major`` the feature-major one; later
+    ``gpu_suite.py`` files name them ``bits*_fast_autograd`` and ``bits*_fast``."""
     name = "fast_feature_major_h200.json"
     d = _load(name)
     if d is None:

@@ -171,10 +171,12 @@ def parse_bytes(text: str) -> int:
 
 def _lean_fast_swiglu() -> bool:
     """Whether a GPU run takes the lean ``fast`` SwiGLU down projection
-    (:func:`quant_kernels.lean_fast_swiglu`): its flag, or ``POETXQ_KERNELS=fused``."""
+    (:func:`quant_kernels.lean_fast_swiglu`): its flag or ``POETXQ_KERNELS=fused``, and not
+    ``POETXQ_KERNELS=torch`` (which takes no feature-major path)."""
     import quant_kernels
 
-    return quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER or quant_kernels.kernel_mode() == "fused"
+    mode = quant_kernels.kernel_mode()
+    return mode == "fused" or (quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER and mode != "torch")
 
 
 def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:
@@ -391,7 +393,9 @@ def estimate_memory(
         saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
-        if _lean_fast_swiglu() and "down_proj" in targets and f % b == 0 and d % b == 0:
+        mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
+        # the lean path needs the feature-major one: no ragged side, not the 4-bit store
+        if _lean_fast_swiglu() and mlp and bits != 4 and f % b == 0 and d % b == 0:
             # poetxq.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
             # permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f

@@ -21,9 +21,10 @@ Variants:
 * ``mem`` saves only the layer input ``x`` and recomputes ``x'``, ``z`` and ``h`` in backward, in
   its own autograd Function: 3 big GEMMs per step, no ``[N, m]`` activation kept. POET-XQ uses mem.
 
-On a GPU both variants run feature-major between their two permutations where no side is
-ragged (:mod:`poetxq.layer_fm`); this module holds the row-major path, which is the CPU path and
-the oracle, and chooses between the two (``_feature_major``).
+On a GPU both variants run feature-major between their two permutations (:mod:`poetxq.layer_fm`)
+when no side is ragged, the store is not the 4-bit input-order one and the compute dtype is one
+Triton takes (fp32, bf16, fp16); this module holds the row-major path, which is the CPU path, the
+fallback and the oracle, and chooses between the two (``_feature_major``).
 
 ``merge_then_reinitialize()`` folds ``R`` and ``P`` into the stored weight (in fp32, then
 re-quantized), draws new permutations and resets ``Q`` to zero; the layer's function is unchanged
@@ -200,6 +201,7 @@ def _mem_backward(
     dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: quant_kernels.fused_input_cast)
     if _feature_major(x, frozen, sp, sr):
         return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
+    x = x.to(g_p.dtype)  # an uncast x whose forward was feature-major (the switches changed)
     if quant_kernels.fused_perm_block_diag(x):
         return _mem_backward_fused(x, dy, g_p, g_r, frozen, sp, sr, needs)
     xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)

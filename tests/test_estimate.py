@@ -261,8 +261,12 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
     """The fast variant on its feature-major path (the GPU default; forced here, the Triton
     kernels run in the interpreter), with and without the lean SwiGLU down projection
     (quant_kernels.lean_fast_swiglu), against the estimate; d = 64, f = 192, b = 32."""
+    import os
+
     import quant_kernels
 
+    if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton interpreter
+        pytest.skip("forces the Triton paths on CPU tensors: needs TRITON_INTERPRET=1")
     monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
     monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: lean)
     monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", lean)  # estimator
@@ -277,3 +281,20 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
     plain = estimate_memory(recipe, vocab_size=V, precision="fp32")
     # SiLU(gate) and the down projection's permuted input: 2 x [T = 32, f = 192] fp32 per layer
     assert plain.activations - est.activations == (2 * 2 * 32 * 192 * 4 if lean else 0)
+
+
+def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
+    """2·f·c fewer bytes per token and layer with the flag; none for a 4-bit store (input-order,
+    never feature-major), a ragged intermediate size (176 = 5·32 + 16) or POETXQ_KERNELS=torch."""
+    import quant_kernels
+
+    def acts(flag: bool, **over) -> int:
+        monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", flag)
+        r = _recipe(**{"model.intermediate_size": 192, "poet.variant": "fast", **over})
+        return estimate_memory(r, vocab_size=V, precision="bf16").activations
+
+    assert acts(False) - acts(True) == 2 * 32 * 2 * 192 * 2  # L = 2, T = 32, 2·f, bf16
+    for over in ({"poet.bits": 4}, {"model.intermediate_size": 176}):
+        assert acts(False, **over) == acts(True, **over)
+    monkeypatch.setenv("POETXQ_KERNELS", "torch")
+    assert acts(False) == acts(True)

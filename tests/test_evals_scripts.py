@@ -188,6 +188,9 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
     fast = mod.target_ratios({"poetxq_fast_graph": 45.0, "adamw": 50.0, "qgalore": 15.0})
     assert fast == {"poetxq_fast_graph_over_adamw": 0.9, "poetxq_fast_graph_over_qgalore": 3.0}
     assert mod.split_method("poetxq+fast") == ("poetxq", "fast", "poetxq_fast")
+    render = _load("render_results")
+    assert render._ratio_key_label("poetxq_fast_graph") == "fast in a CUDA graph"
+    assert render._ratio_key_label("poetxq4_graph") == "4-bit in a CUDA graph"
     assert mod.split_method("adamw") == ("adamw", None, "adamw")
     with pytest.raises(ValueError, match="fast or mem"):
         mod.split_method("poetxq+quick")

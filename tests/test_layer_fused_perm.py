@@ -202,14 +202,20 @@ def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen
     x = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16).float()
     for switch in ("feature_major_layer", "fast_feature_major_layer"):
         monkeypatch.setattr(quant_kernels, switch, lambda _x: True)
-    seen = []
-    real = quant_kernels.permute_to_feature_major
+    seen, written = [], []
+    real_in, real_out = quant_kernels.permute_to_feature_major, quant_kernels.permute_to_row_major
 
     def recording(a, inv, out_dtype=None):
         seen.append((a.dtype, out_dtype))
-        return real(a, inv, out_dtype=out_dtype)
+        return real_in(a, inv, out_dtype=out_dtype)
+
+    def recording_out(a, perm, out_dtype=None):
+        out = real_out(a, perm, out_dtype=out_dtype)
+        written.append(out.dtype)
+        return out
 
     monkeypatch.setattr(quant_kernels, "permute_to_feature_major", recording)
+    monkeypatch.setattr(quant_kernels, "permute_to_row_major", recording_out)
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -218,10 +224,13 @@ def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen
 
     y_ref, g_ref = run()
     assert all(a == torch.bfloat16 for a, _ in seen)  # cast by torch before the layer's path
+    assert written == [torch.bfloat16, torch.bfloat16]  # y, and dx (autograd casts it back)
     seen.clear()
+    written.clear()
     monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda _x, _c: True)
     y, g = run()
     assert (torch.float32, torch.bfloat16) in seen  # x went in uncast
+    assert written == [torch.bfloat16, torch.float32]  # y; dx written in fp32 by the kernel
     assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
     assert torch.equal(y, y_ref)
     for a, b in zip(g, g_ref, strict=True):
