@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from poetxq.cudagraph import graph_wanted
 from poetxq.flat import BNB_STATE_BLOCK
@@ -472,6 +473,23 @@ def estimate_memory(
 
 def _gib(x: int) -> str:
     return f"{x / 2**30:9.3f} GiB"
+
+
+def other_variant_line(recipe: Recipe, **kwargs: Any) -> str | None:
+    """For a POET recipe, one line with the predicted peak of the other layer variant (``mem``
+    <-> ``fast``), so a user can see what the faster ``fast`` variant would need; None for the
+    baselines. ``kwargs`` are :func:`estimate_memory`'s (vocab size, batch, seq, precision)."""
+    if recipe.method not in POET_METHODS:
+        return None
+    other = "fast" if recipe.poet.variant == "mem" else "mem"
+    alt = recipe.model_copy(update={"poet": recipe.poet.model_copy(update={"variant": other})})
+    peak = estimate_memory(alt, **kwargs).peak
+    why = (
+        "keeps each layer's GEMM output: one weight GEMM less per layer and step"
+        if other == "fast"
+        else "recomputes each layer's GEMM output in backward: less memory, slower"
+    )
+    return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {why}"
 
 
 def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:

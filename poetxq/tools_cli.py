@@ -145,13 +145,21 @@ def run_tool(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     if args.command == "estimate-memory":
-        from poetxq.estimate import estimate_memory, format_estimate, parse_bytes
+        from poetxq.estimate import (
+            estimate_memory,
+            format_estimate,
+            other_variant_line,
+            parse_bytes,
+        )
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
         print(format_estimate(est, gpu))
+        alt = other_variant_line(recipe, vocab_size=args.vocab_size, precision=args.precision)
+        if alt:
+            print(alt)
         if args.json:
             write_json(est.to_dict(), Path(args.json))
         return 0

@@ -212,6 +212,12 @@ def test_estimate_memory_cli(tmp_path, capsys):
     ref = estimate_memory(load_recipe("llama-60m:poetxq", {"train.batch_size": 4}))
     assert json.loads(out.read_text())["peak"] == ref.peak
     assert f"{ref.peak / 2**30:9.3f} GiB" in text and "fits in 80.0 GiB" in text
+    fast = estimate_memory(load_recipe("llama-60m:poetxq", {"train.batch_size": 4,
+                                                            "poet.variant": "fast"}))  # fmt: skip
+    line = next(x for x in text.splitlines() if "peak with poet.variant=fast" in x)
+    assert f"{fast.peak / 2**30:9.3f} GiB" in line and fast.peak > ref.peak
+    assert main(["estimate-memory", "--recipe", "llama-60m:adamw"]) == 0
+    assert "poet.variant" not in capsys.readouterr().out  # baselines have no variant
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read memory size 'x'" in err[0]
