@@ -475,21 +475,29 @@ def _gib(x: int) -> str:
     return f"{x / 2**30:9.3f} GiB"
 
 
-def other_variant_line(recipe: Recipe, **kwargs: Any) -> str | None:
-    """For a POET recipe, one line with the predicted peak of the other layer variant (``mem``
-    <-> ``fast``), so a user can see what the faster ``fast`` variant would need; None for the
+def other_variant(recipe: Recipe, **kwargs: Any) -> tuple[str, int] | None:
+    """For a POET recipe, the other layer variant (``mem`` <-> ``fast``) and its predicted peak
+    in bytes, so a user can see what the faster ``fast`` variant would need; None for the
     baselines. ``kwargs`` are :func:`estimate_memory`'s (vocab size, batch, seq, precision)."""
     if recipe.method not in POET_METHODS:
         return None
     other = "fast" if recipe.poet.variant == "mem" else "mem"
     alt = recipe.model_copy(update={"poet": recipe.poet.model_copy(update={"variant": other})})
-    peak = estimate_memory(alt, **kwargs).peak
+    return other, estimate_memory(alt, **kwargs).peak
+
+
+def format_other_variant(other: str, peak: int, gpu_mem: int | None = None) -> str:
+    """The line :func:`format_estimate`'s table ends with for a POET recipe (see
+    :func:`other_variant`), with fits / does not fit against ``gpu_mem`` bytes."""
     why = (
         "keeps each layer's GEMM output: one weight GEMM less per layer and step"
         if other == "fast"
         else "recomputes each layer's GEMM output in backward: less memory, slower"
     )
-    return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {why}"
+    fits = ""
+    if gpu_mem is not None:
+        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {gpu_mem / 2**30:.1f} GiB; "
+    return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {fits}{why}"
 
 
 def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:

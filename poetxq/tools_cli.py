@@ -148,7 +148,8 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.estimate import (
             estimate_memory,
             format_estimate,
-            other_variant_line,
+            format_other_variant,
+            other_variant,
             parse_bytes,
         )
 
@@ -157,11 +158,12 @@ def run_tool(args: argparse.Namespace) -> int:
             check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
         print(format_estimate(est, gpu))
-        alt = other_variant_line(recipe, vocab_size=args.vocab_size, precision=args.precision)
+        alt = other_variant(recipe, vocab_size=args.vocab_size, precision=args.precision)
         if alt:
-            print(alt)
+            print(format_other_variant(*alt, gpu))
         if args.json:
-            write_json(est.to_dict(), Path(args.json))
+            extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
+            write_json({**est.to_dict(), **extra}, Path(args.json))
         return 0
     from poetxq.bench import bench_to_dict, run_bench
     from poetxq.cli import check_kernels_env

@@ -216,6 +216,8 @@ def test_estimate_memory_cli(tmp_path, capsys):
                                                             "poet.variant": "fast"}))  # fmt: skip
     line = next(x for x in text.splitlines() if "peak with poet.variant=fast" in x)
     assert f"{fast.peak / 2**30:9.3f} GiB" in line and fast.peak > ref.peak
+    assert "fits in 80.0 GiB" in line
+    assert json.loads(out.read_text())["other_variant"] == {"variant": "fast", "peak": fast.peak}
     assert main(["estimate-memory", "--recipe", "llama-60m:adamw"]) == 0
     assert "poet.variant" not in capsys.readouterr().out  # baselines have no variant
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
