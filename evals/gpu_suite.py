@@ -50,6 +50,19 @@ def _dense_side(side, dtype=torch.float64) -> torch.Tensor:
     return side.dense(dtype)
 
 
+def _random_layer(
+    n: int, m: int, b: int, bits: int, gen: torch.Generator, variant: str, dev: str
+) -> tuple[POETXLinear, torch.Tensor]:
+    """A POET-X(Q) layer with small random ``Q`` on both sides, and its dense float64
+    ``R·W0·P`` ``[m, n]`` (``stored_w0`` undoes the store's own layout: 4-bit stores keep the
+    columns in input order, int8 permutes both sides)."""
+    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
+    return layer, _dense_side(layer.R) @ layer.stored_w0(torch.float64) @ _dense_side(layer.P)
+
+
 def correctness(
     n: int,
     m: int,
@@ -63,16 +76,9 @@ def correctness(
     """Output and dX of a POET-X(Q) layer vs a dense float64 ``x @ (R·W0·P)ᵀ``; in fp32 also its
     block gradients (``Q_P``, ``Q_R``) vs the same layer on the torch path
     (``POETXQ_KERNELS=torch``: reference ops, no Triton)."""
-    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
-    with torch.no_grad():
-        for side in (layer.P, layer.R):
-            side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
+    layer, w_dense = _random_layer(n, m, b, bits, gen, variant, dev)
     x = torch.randn(tokens, n, device=dev)
     dy = torch.randn(tokens, m, device=dev)
-    # dense float64 reference; stored_w0 undoes the store's own layout (4-bit stores keep the
-    # columns in input order, int8 permutes both sides)
-    w0 = layer.stored_w0(torch.float64)
-    w_dense = _dense_side(layer.R) @ w0 @ _dense_side(layer.P)
     y_ref = x.double() @ w_dense.t()
     dx_ref = dy.double() @ w_dense
     out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits, "variant": variant}
@@ -94,7 +100,7 @@ def correctness(
                 layer(x.detach().clone().requires_grad_()).backward(dy)
             for name, got, side in (("dq_p", grads[0], layer.P), ("dq_r", grads[1], layer.R)):
                 out[key][f"{name}_rel_err_vs_torch_path"] = _rel(got, side.Q.grad)
-    del w_dense, w0
+    del w_dense
     if dev == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -107,13 +113,9 @@ def swiglu_correctness(
     """A down projection under SwiGLU (``POETXLinear.forward_swiglu``, the path of
     ``POETXSwiGLUMLP``) in fp32: output and the gradients of ``gate`` and ``up`` against float64
     autograd of ``(SiLU(gate) · up) @ (R·W0·P)ᵀ``."""
-    layer = POETXLinear(f, d, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
-    with torch.no_grad():
-        for side in (layer.P, layer.R):
-            side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
+    layer, w_dense = _random_layer(f, d, b, bits, gen, variant, dev)
     gate, up = (torch.randn(tokens, f, device=dev) for _ in range(2))
     dy = torch.randn(tokens, d, device=dev)
-    w_dense = _dense_side(layer.R) @ layer.stored_w0(torch.float64) @ _dense_side(layer.P)
     g64, u64 = (t.double().requires_grad_() for t in (gate, up))
     y_ref = (torch.nn.functional.silu(g64) * u64) @ w_dense.t()
     y_ref.backward(dy.double())

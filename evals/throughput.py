@@ -28,7 +28,14 @@ import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
 
 from poetxq.bench import BenchError, run_bench
-from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, method_label, parse_override
+from poetxq.recipe import (
+    POET_METHODS,
+    RecipeError,
+    load_recipe,
+    method_label,
+    parse_override,
+    poet_variant,
+)
 from poetxq.tools_cli import check_output_file
 
 VOCAB = 32000
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             for method, graph in runs_of:
                 recipe = recipe_for(model, method, seq, graph)
                 key = split_method(method)[2]
-                variant = recipe.poet.variant if recipe.method in POET_METHODS else None
+                variant = poet_variant(recipe)
                 key += "_graph" if graph else ""
                 try:
                     prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{key}.txt"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from poetxq.recipe import POET_METHODS, Recipe, method_label, run_label
+from poetxq.recipe import Recipe, method_label, poet_variant, run_label
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
@@ -295,7 +295,7 @@ def run_bench(
     peak_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
     peak_rss = peak_rss_bytes()
     breakdown = None
-    variant = recipe.poet.variant if recipe.method in POET_METHODS else None
+    variant = poet_variant(recipe)
     if profile is not None:  # after the peaks are read: the profiler's own buffers stay out
         from poetxq.profiling import profile_steps
 

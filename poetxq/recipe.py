@@ -616,6 +616,11 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
 METHOD_LABELS = ("poetxq4", "poetxq", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
 
 
+def poet_variant(recipe: Recipe) -> str | None:
+    """The POET layer variant a recipe trains (``mem`` or ``fast``), None for the baselines."""
+    return recipe.poet.variant if recipe.method in POET_METHODS else None
+
+
 def method_label(recipe: Recipe) -> str:
     """Short label of what a recipe trains: ``poetxq`` (int8 W0), ``poetxq4`` (4-bit W0),
     ``poetx`` (unquantized W0) or the baseline's method name."""
