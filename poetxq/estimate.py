@@ -28,8 +28,12 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   only gate and up, :class:`poetxq.layer.POETXSwiGLUMLP`, so ``4f`` less, ``8f`` in fp32; with
   ``train.fuse_elementwise`` active, :mod:`poetxq.fuse`, a compiled RMSNorm keeps its input and a
   per-row scale only, ``8d`` less per layer and ``4d`` less for the final norm.) POET
-  ``mem`` layers keep only their input, the same tensor a ``nn.Linear`` keeps; ``fast`` also keeps
-  the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input. Each
+  ``mem`` layers keep only their input, the same tensor a ``nn.Linear`` keeps — on a GPU under
+  autocast the fp32 input that q/k/v (and gate/up) share, not a bf16 copy each
+  (:func:`quant_kernels.fused_input_cast`: ``2d`` less); ``fast`` also keeps
+  the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input
+  (and with :func:`quant_kernels.lean_fast_swiglu` neither ``SiLU(gate)`` nor the down
+  projection's permuted input: ``2c·f`` less). Each
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
   whole model, the concatenated ``Q`` of every side (:mod:`poetxq.blockcache`); under
@@ -170,14 +174,59 @@ def parse_bytes(text: str) -> int:
     return size
 
 
-def _lean_fast_swiglu() -> bool:
-    """Whether a GPU run takes the lean ``fast`` SwiGLU down projection
-    (:func:`quant_kernels.lean_fast_swiglu`): its flag or ``POETXQ_KERNELS=fused``, and not
-    ``POETXQ_KERNELS=torch`` (which takes no feature-major path)."""
+def _gpu_kernel_path(measured_faster: bool, precision: Precision) -> bool:
+    """Whether the run this estimate describes takes a GPU-only opt-in kernel path (its
+    ``*_MEASURED_FASTER`` flag, or ``POETXQ_KERNELS=fused``): never for ``fp32`` (CPU training:
+    CPU tensors take the torch path) nor under ``POETXQ_KERNELS=torch``."""
     import quant_kernels
 
     mode = quant_kernels.kernel_mode()
-    return mode == "fused" or (quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER and mode != "torch")
+    if precision == "fp32" or mode == "torch":
+        return False
+    return mode == "fused" or measured_faster
+
+
+def _lean_fast_swiglu(precision: Precision) -> bool:
+    """Whether the run takes the lean ``fast`` SwiGLU down projection
+    (:func:`quant_kernels.lean_fast_swiglu`; see :func:`_gpu_kernel_path`)."""
+    import quant_kernels
+
+    return _gpu_kernel_path(quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER, precision)
+
+
+def _fused_input_cast(precision: Precision) -> bool:
+    """Whether the run passes fp32 inputs uncast into feature-major POET layers
+    (:func:`quant_kernels.fused_input_cast`; see :func:`_gpu_kernel_path`): only under autocast,
+    where the inputs are fp32 and the compute bf16."""
+    import quant_kernels
+
+    flag = quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER
+    return precision == "autocast" and _gpu_kernel_path(flag, precision)
+
+
+#: projections of a decoder layer that read one shared input (the attention norm's, the MLP
+#: norm's output)
+_SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _fused_cast_saving(recipe: Recipe, targets: set[str], bits: int, b: int) -> int:
+    """Bytes per token and decoder layer that ``mem`` layers save less under bf16 autocast when
+    they take their fp32 input uncast (:func:`_fused_input_cast`): each feature-major projection
+    of a group keeps the group's one fp32 input (``4d``, shared) instead of its own bf16 copy
+    (``2d``). q/k/v: ``6d → 4d``; gate/up: ``4d → 4d``. Negative for a group with one such
+    projection. Feature-major: in ``targets``, no ragged side, not the 4-bit (input-order)
+    store."""
+    d = recipe.model.hidden_size
+    dims = {name: (m, n) for name, m, n in _projections(recipe)}
+    saving = 0
+    for group in _SHARED_INPUT_GROUPS:
+        fm = [
+            g for g in group
+            if g in targets and bits != 4 and dims[g][0] % b == 0 and dims[g][1] % b == 0
+        ]  # fmt: skip
+        if fm:
+            saving += 2 * d * len(fm) - 4 * d
+    return saving
 
 
 def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:
@@ -396,11 +445,19 @@ def estimate_memory(
         layer_tok += fast_extra - saved_inputs[precision]
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
         # the lean path needs the feature-major one: no ragged side, not the 4-bit store
-        if _lean_fast_swiglu() and mlp and bits != 4 and f % b == 0 and d % b == 0:
+        if _lean_fast_swiglu(precision) and mlp and bits != 4 and f % b == 0 and d % b == 0:
             # poetxq.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
             # permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
             notes.append("lean fast SwiGLU (quant_kernels.lean_fast_swiglu): 2·f fewer saved")
+    if is_poet and pc.variant == "mem" and _fused_input_cast(precision):
+        saving = _fused_cast_saving(recipe, targets, bits, b)
+        layer_tok -= saving
+        if saving:
+            notes.append(
+                f"fused input cast (quant_kernels.fused_input_cast): {saving} bytes less per "
+                "token and layer (fp32 inputs shared, no bf16 copy per projection)"
+            )
     head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
     graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
     if precision != "fp32" and fuse_wanted(tc, "cuda", graph):

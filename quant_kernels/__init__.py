@@ -169,9 +169,11 @@ def fast_feature_major_layer(x: torch.Tensor) -> bool:
 #: ``profiles/profile_1b_256_poetxq_fast_ac87b34.txt``); the values are the same (the cast
 #: rounds as ``.to()`` does). The ``mem`` variant then keeps the shared fp32 input instead of a
 #: 16-bit copy per projection (q/k/v: 4 bytes per element in all instead of 3 × 2; the
-#: estimator books the copies). False until timed on a GPU: ``evals/throughput.py --kernel-flag
-#: FUSED_INPUT_CAST_MEASURED_FASTER=1`` against the same run without it.
-FUSED_INPUT_CAST_MEASURED_FASTER = False
+#: estimator books the difference, ``poetxq.estimate``). Measured in one call on the H200
+#: (``evals/results/opt_in_ab_h200_d8a3ac2.json``): Llama-1B / 3B at 8,192 tokens in a CUDA
+#: graph, +2.8–3.5 % tokens/s for the ``fast`` variant and +1.8–2.4 % for ``mem`` at seq 256
+#: and 1024, 0.35–0.84 GiB less reserved for ``mem``; on since.
+FUSED_INPUT_CAST_MEASURED_FASTER = True
 
 
 #: whether a ``fast`` feature-major down projection under SwiGLU keeps only ``gate``, ``up`` and
@@ -180,9 +182,11 @@ FUSED_INPUT_CAST_MEASURED_FASTER = False
 #: and the permuted input: ``2·f`` fewer saved elements per token and layer (Llama-1B at 8,192
 #: tokens: 4.4 GB, the estimate 35.3 → 31.2 GiB against 34.5 GiB measured). The bytes moved are
 #: about the same (the recompute replaces the composition's separate SiLU-backward and product
-#: passes; with ``train.fuse_elementwise`` the maps are compiled as for ``mem``). False until a
-#: GPU A/B shows it costs no tokens/s.
-LEAN_FAST_SWIGLU_MEASURED_FASTER = False
+#: passes; with ``train.fuse_elementwise`` the maps are compiled as for ``mem``). Measured
+#: (``evals/results/opt_in_ab_h200_d8a3ac2.json``, CUDA graph, 8,192 tokens): tokens/s within
+#: +0.1–0.8 % of the composition at Llama-1B / 3B, seq 256 / 1024, and the reserved peak 37.9 →
+#: 34.3 GiB (1B) and 61.3 → 55.2 GiB (3B); on since.
+LEAN_FAST_SWIGLU_MEASURED_FASTER = True
 
 
 def lean_fast_swiglu(x: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from poetxq import estimate as estimate_mod
 from poetxq.baselines import (
     build_baseline_optimizer,
     optimizer_state_bytes,
@@ -52,7 +53,9 @@ def test_hand_computation_poetxq_int8_autocast():
     # keeps no intermediates); once, the concatenated fp32 Q of all sides (the batched CNP's
     # input); head: ids, fp32 cos/sin, final norm, bf16 lm_head copy
     blocks = sum(n // b + m // b for m, n in shapes)
-    layer = T * (34 * d + 4 * f + 8 + 16) + blocks * b * b * 2  # MLP keeps gate, up only
+    # MLP keeps gate, up only; q/k/v keep their shared fp32 input, not a bf16 copy each (a
+    # GPU's fused input cast: 6d -> 4d)
+    layer = T * (34 * d - 2 * d + 4 * f + 8 + 16) + blocks * b * b * 2
     assert est.layer_activations == layer
     head = 8 * 2 * 17 + 2 * 16 * 16 * 4 + T * (10 * d + 4) + 2 * V * d  # cos/sin [1, S, 16]
     assert est.activations == L * layer + head + 4 * q
@@ -156,8 +159,10 @@ ACT_CASES = [
 
 
 @pytest.mark.parametrize("method,precision,over", ACT_CASES, ids=lambda x: str(x))
-def test_activations_equal_what_autograd_saves(method, precision, over):
-    # the CPU model runs eager RMSNorms: the estimate without poetxq.fuse's compiled ones
+def test_activations_equal_what_autograd_saves(method, precision, over, monkeypatch):
+    # the CPU model runs eager RMSNorms and the torch layer path: the estimate without
+    # poetxq.fuse's compiled ones and without the GPU's kernel paths (POETXQ_KERNELS=torch)
+    monkeypatch.setenv("POETXQ_KERNELS", "torch")
     recipe = _recipe(
         method, **{"model.intermediate_size": 192, "train.fuse_elementwise": False, **over}
     )
@@ -277,7 +282,7 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
         pytest.skip("forces the Triton paths on CPU tensors: needs TRITON_INTERPRET=1")
     monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
     monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: lean)
-    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", lean)  # estimator
+    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _p: lean)  # fp32 = CPU there
     recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
                         "poet.variant": "fast"})  # fmt: skip
     est = estimate_memory(recipe, vocab_size=V, precision="fp32")
@@ -285,7 +290,7 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
     model, _ = _build(recipe, torch.float32)
     model.train()
     assert _saved_bytes(model, torch.randint(0, V, (2, 17))) == est.activations
-    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", False)
+    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _p: False)
     plain = estimate_memory(recipe, vocab_size=V, precision="fp32")
     # SiLU(gate) and the down projection's permuted input: 2 x [T = 32, f = 192] fp32 per layer
     assert plain.activations - est.activations == (2 * 2 * 32 * 192 * 4 if lean else 0)
@@ -306,3 +311,50 @@ def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
         assert acts(False, **over) == acts(True, **over)
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
     assert acts(False) == acts(True)
+
+
+def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
+    """q/k/v keep one shared fp32 input instead of three bf16 copies (6d -> 4d bytes per token
+    and layer); gate/up 4d -> 4d. Not for fast layers (they keep no input), bf16 or fp32
+    (CPU) runs, a 4-bit store, a ragged q/k/v side or POETXQ_KERNELS=torch."""
+    import quant_kernels
+
+    def acts(flag: bool, precision: str = "autocast", **over) -> int:
+        monkeypatch.setattr(quant_kernels, "FUSED_INPUT_CAST_MEASURED_FASTER", flag)
+        r = _recipe(**{"model.intermediate_size": 192, **over})
+        return estimate_memory(r, vocab_size=V, precision=precision).activations
+
+    assert quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER  # on by default since measured
+    d, L, T = 64, 2, 32
+    assert acts(False) - acts(True) == L * T * 2 * d
+    for precision in ("bf16", "fp32"):
+        assert acts(False, precision) == acts(True, precision)
+    for over in ({"poet.variant": "fast"}, {"poet.bits": 4}, {"poet.block_size": 48}):
+        assert acts(False, **over) == acts(True, **over)
+    # q/k only: two projections share the fp32 input, 2 x 2d -> 4d, no saving
+    assert acts(False, **{"poet.target_modules": ["q_proj", "k_proj"]}) == acts(
+        True, **{"poet.target_modules": ["q_proj", "k_proj"]}
+    )
+    monkeypatch.setenv("POETXQ_KERNELS", "torch")
+    assert acts(False) == acts(True)
+
+
+def test_fused_input_cast_activations_equal_what_autograd_saves(monkeypatch):
+    """The mem variant under bf16 autocast on its feature-major path with the fused input cast
+    (forced; the Triton kernels run in the interpreter) against the estimate."""
+    import os
+
+    import quant_kernels
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton interpreter
+        pytest.skip("forces the Triton paths on CPU tensors: needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda x, c: x.dtype != c)
+    monkeypatch.setattr(quant_kernels, "FUSED_INPUT_CAST_MEASURED_FASTER", True)  # estimator
+    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", False)
+    recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False})
+    est = estimate_memory(recipe, vocab_size=V, precision="autocast")
+    torch.manual_seed(0)
+    model, _ = _build(recipe, torch.float32)
+    model.train()
+    assert _saved_bytes(model, torch.randint(0, V, (2, 17)), autocast=True) == est.activations
