@@ -51,10 +51,15 @@ def _case(n, m, bits, swiglu, gen, variant="mem"):
 
 
 def _assert_same(got, want):
+    """Equal up to fp32 rounding in another summation order: relative 1e-5, and absolute 1e-6
+    of the tensor's largest magnitude (an element near zero may differ by an ulp of the terms
+    summed into it)."""
     (y, g), (y_ref, g_ref) = got, want
-    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g, g_ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip([y, *g], [y_ref, *g_ref], strict=True):
+        if b is None:
+            assert a is None
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()))
 
 
 # ragged on both sides (40 = 2·16 + 8, 56 = 3·16 + 8) and exact (32 → 48)

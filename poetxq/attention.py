@@ -1,0 +1,79 @@
+"""Causal attention without a materialized mask while a CUDA graph is captured.
+
+transformers' SDPA attention normally passes ``attn_mask=None, is_causal=True`` to
+``torch.nn.functional.scaled_dot_product_attention`` when nothing is padded and there is no cache
+(``transformers.masking_utils._ignore_causal_mask_sdpa``). While a CUDA stream is capturing it
+refuses that shortcut (it cannot read a padding mask's values then) and builds a boolean
+``[B, 1, S, S]`` mask instead. The graph replays whatever the capture recorded, so every step of a
+graphed run then computed attention with an explicit mask: no causal tile skipping, and cuDNN's
+masked kernels. On the H200 the Llama-1B attention in a POET-XQ graph took 25.6 ms of GPU time
+per step at seq 1024 against 12.1 ms in the eager AdamW step (``evals/results/profiles/
+profile_llama-1b_1024_*_5ee40a3.txt``), while SDPA alone at that shape costs the same eagerly
+and in a graph (``evals/results/bench_attention_h200.json``).
+
+Two of its checks read tensor values, which a capture forbids, so both answer "mask needed":
+whether the position ids hold several packed sequences (``find_packed_sequence_indices``), and
+whether the padding mask can be dropped. Our training batches are whole windows of tokens — no
+padding, no cache, position ids ``0 … S−1`` that the model builds itself — so during the capture
+:func:`causal_mask_skipped` answers both as transformers does outside a capture for such a batch:
+no packed sequences, and the SDPA mask function returns ``None`` where the mask is the plain
+causal one (no attention mask, no cache offsets, queries as long as keys). Every other call goes
+to transformers' own functions, and after the block both are back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def _skippable(kwargs: dict[str, Any], causal_fn: Any) -> bool:
+    """Whether the mask of this call is the plain causal one, which ``is_causal=True`` gives."""
+    return (
+        kwargs.get("allow_is_causal_skip", False) is True
+        and kwargs.get("attention_mask") is None
+        and kwargs.get("mask_function") is causal_fn
+        and kwargs.get("local_size") is None
+        and kwargs.get("q_offset") == 0
+        and kwargs.get("kv_offset") == 0
+        and isinstance(kwargs.get("q_length"), int)
+        and kwargs.get("q_length") == kwargs.get("kv_length")
+    )
+
+
+@contextmanager
+def causal_mask_skipped() -> Iterator[bool]:
+    """Within the block, transformers sees no packed sequences in the position ids, and its
+    ``"sdpa"`` mask function returns ``None`` (so SDPA runs with ``is_causal=True``) for a plain
+    causal mask over unpadded windows without a cache, even while a CUDA graph is being
+    captured; any other mask is answered by the original function. Only for batches of whole,
+    unpacked windows (what :mod:`poetxq.train` and :mod:`poetxq.bench` capture).
+
+    Yields:
+        Whether the functions were replaced (``False`` when this transformers has no mask
+        interface of that form; the block then runs unchanged).
+    """
+    try:
+        from transformers import masking_utils
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+    except ImportError:  # transformers without the mask interface: nothing to change
+        yield False
+        return
+    original = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
+
+    def sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+        if not args and _skippable(kwargs, causal_mask_function):
+            return None
+        return original(*args, **kwargs)
+
+    ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = sdpa_mask
+    if find_packed is not None:
+        masking_utils.find_packed_sequence_indices = lambda *_a, **_k: None
+    try:
+        yield True
+    finally:
+        ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = original
+        if find_packed is not None:
+            masking_utils.find_packed_sequence_indices = find_packed
