@@ -1,12 +1,14 @@
 """Causal attention forward+backward: each SDPA backend, eagerly and replayed from a CUDA graph.
 
 Why: the Llama-1B profiles of POET-XQ in a CUDA graph (``evals/results/profiles/
-profile_1b_*_poetxq_fast_graph_5ee40a3.txt``) showed torch's cuDNN attention kernels taking 2.3×
-the GPU time per call of the same kernels in the eager AdamW step at the same shapes. This script
-times ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` + backward at the Llama shapes
+profile_1b_1024_poetxq_fast_graph_5ee40a3.txt``) showed torch's cuDNN attention taking 2.1× the
+GPU time per step of the eager AdamW step at the same shapes. This script times
+``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` + backward at the Llama shapes
 (``[B, H, S, hd]`` views of ``[B, S, H·hd]`` projection outputs, as transformers builds them, or
-contiguous ``[B, H, S, hd]`` as a compiled rotary embedding may return q and k) for each backend,
-eager and from a graph, and writes the GPU time per call (CUDA events) to JSON.
+contiguous ``[B, H, S, hd]`` q and k) for each backend, eager and from a graph, and writes the GPU
+time per call (CUDA events) to JSON. Its answer (``evals/results/bench_attention_h200.json``): the
+graph and the layout change nothing; the cause was the mask transformers builds while a graph is
+captured (:mod:`poetxq.attention`).
 
 Usage (GPU host, ~1 min):
     python evals/bench_attention.py --out $OUT/bench_attention_h200.json
