@@ -20,8 +20,10 @@ does outside a capture (:func:`poetxq.attention.causal_mask_skipped`): otherwise
 replay attention with a materialized ``[B, 1, S, S]`` mask, 2.1× the GPU time at Llama-1B,
 seq 1024.
 
-Not supported (refused by the trainer): DDP (its gradient hooks all-reduce outside the graph),
-shapes that change between steps, and code that reads tensor values on the host during forward.
+Several processes replay one graph each and average their gradients after the replay
+(``train.grad_sync: step``, :func:`grad_sync_mode`), not through DDP, whose gradient hooks would
+all-reduce outside the graph. Not supported (refused by the trainer): DDP with a graph, shapes
+that change between steps, and code that reads tensor values on the host during forward.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
 
     ``True`` / ``False`` are returned as set (``True`` where it cannot work is refused by the
     recipe schema, :func:`poetxq.bench.run_bench` and the trainer). ``"auto"`` is on for the POET
-    methods on a CUDA device in one process, without ``gradient_checkpointing`` and the other
+    methods on a CUDA device — with several processes only when ``train.grad_sync`` is not
+    ``ddp`` (the gradients are then all-reduced after the replay, :func:`grad_sync_mode`) —
+    without ``gradient_checkpointing`` and the other
     memory options (``offload_activations``, ``loss_chunk_tokens``, ``optimizer_in_backward``):
     there the step issues thousands of small launches, and replaying them took a Llama-1B step
     from 0.32 to 0.21 s and a Llama-8B one from 0.30 to 0.27 s on an H200
@@ -65,9 +69,21 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     return (
         torch.device(device).type == "cuda"
         and recipe.method in POET_METHODS
-        and world == 1
+        and (world == 1 or tc.grad_sync != "ddp")
         and not memory_options
     )
+
+
+def grad_sync_mode(train: Any, graph: bool, world: int) -> str:
+    """How a run averages its replicas' gradients (``train.grad_sync`` resolved): ``"none"``
+    in one process; ``"ddp"`` (DistributedDataParallel, all-reduce inside backward) or
+    ``"step"`` (one all-reduce of every gradient after the micro-steps; what a CUDA graph
+    needs). ``auto`` is ``step`` exactly when the micro-steps replay a CUDA graph."""
+    if world == 1:
+        return "none"
+    if train.grad_sync == "auto":
+        return "step" if graph else "ddp"
+    return train.grad_sync
 
 
 class CUDAGraphError(RuntimeError):

@@ -139,6 +139,19 @@ def all_reduce_float_grads(grads: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers into every other rank's ``module`` in place
+    (what DDP does when it wraps a model; :mod:`poetxq.train` calls it when
+    ``train.grad_sync`` is ``step`` and there is no DDP wrapper). Bool tensors travel as
+    ``uint8``. No-op without an initialized process group of more than one rank."""
+    if not _initialized():
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        data = t.data.view(torch.uint8) if t.dtype == torch.bool else t.data
+        dist.broadcast(data, src)
+
+
+@torch.no_grad()
 def replica_fingerprint(module: nn.Module) -> torch.Tensor:
     """A float64 ``[3·T]`` fingerprint of ``module``'s state dict (``T`` tensors).
 

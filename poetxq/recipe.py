@@ -157,10 +157,18 @@ class TrainConfig(_Section):
     keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
-    # one process, fixed shapes. auto: on for the POET methods on one CUDA device without
-    # gradient_checkpointing / offload_activations / loss_chunk_tokens / optimizer_in_backward,
-    # else off (poetxq.cudagraph.graph_wanted); true refuses what it cannot serve
+    # fixed shapes. auto: on for the POET methods on CUDA without gradient_checkpointing /
+    # offload_activations / loss_chunk_tokens / optimizer_in_backward, and with several
+    # processes only where grad_sync is not ddp; else off (poetxq.cudagraph.graph_wanted); true
+    # refuses what it cannot serve
     cuda_graph: bool | Literal["auto"] = "auto"
+    # how the replicas of a multi-process run (torchrun / accelerate launch) average gradients.
+    # ddp: DistributedDataParallel all-reduces them in buckets during backward; step: every
+    # rank runs its own forward+backward (from its CUDA graph, if any) and the gradients are
+    # all-reduced once per optimizer step (poetxq.distributed.all_reduce_float_grads), which
+    # is what a CUDA graph needs (DDP's hooks run outside it). auto: step when the micro-steps
+    # replay a CUDA graph, else ddp. One process: no effect
+    grad_sync: Literal["auto", "ddp", "step"] = "auto"
     # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
     # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing
     # outside a CUDA graph, where the recomputed compiled calls cost more host time than the

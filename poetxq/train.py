@@ -37,13 +37,14 @@ from poetxq.checkpoint import (
     save_training_checkpoint,
     write_tensors,
 )
-from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
+from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, grad_sync_mode, graph_wanted
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
     ShardedBatches,
     StopSignals,
     all_reduce_float_grads,
     any_rank,
+    broadcast_module,
     replicas_identical,
 )
 from poetxq.evaluate import evaluate_perplexity
@@ -258,18 +259,26 @@ def train(
     main = accelerator.is_main_process
     world = accelerator.num_processes
     if tc.cuda_graph is True:
-        why = (  # the method is checked by the recipe schema
-            "needs a CUDA device" if not cuda
-            else "runs in one process only (DDP all-reduces outside the graph)" if world > 1
-            else None
-        )  # fmt: skip
-        if why:
-            raise RunDirError(f"train.cuda_graph {why}; set train.cuda_graph: false")
+        if not cuda:  # the method is checked by the recipe schema
+            raise RunDirError("train.cuda_graph needs a CUDA device; set train.cuda_graph: false")
+        if world > 1 and tc.grad_sync == "ddp":
+            raise RunDirError(
+                "train.cuda_graph with train.grad_sync: ddp cannot work (DDP all-reduces inside "
+                "backward, outside the graph); set train.grad_sync: step (or auto)"
+            )
     graph = graph_wanted(recipe, accelerator.device, world)
+    sync = grad_sync_mode(tc, graph, world)  # "none", "ddp" or "step"
     for key, off in (("optimizer_in_backward", "false"), ("loss_chunk_tokens", "0")):
         if world > 1 and getattr(tc, key):  # both act on the unwrapped model, past DDP's sync
             raise RunDirError(f"train.{key} runs in one process only; set train.{key}: {off}")
     say = echo if main else (lambda _s: None)
+    if sync != "none":
+        say(
+            f"grad sync: {sync} across {world} processes ("
+            + ("DistributedDataParallel, all-reduce during backward" if sync == "ddp" else
+               "one all-reduce of every gradient per step, after the micro-steps")
+            + "; train.grad_sync)"
+        )  # fmt: skip
     if resume_from is not None:  # before any work: the global batch and data order depend on it
         check_world_size(Path(resume_from), world)
     for note in recipe.notes:  # what recipe validation adjusted
@@ -321,8 +330,14 @@ def train(
     )  # fmt: skip
     with warnings.catch_warnings():  # torch >= 2.13 renames broadcast_buffers; same meaning
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        if sync == "step":  # no DDP wrapper: autocast and device placement only
+            model = accelerator.prepare_model(model, evaluation_mode=True)
+            optimizer = accelerator.prepare_optimizer(optimizer)
+            broadcast_module(model)  # the replicas start from rank 0's weights, as DDP's do
+        else:
+            model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)
+    trainable = [p for p in raw_model.parameters() if p.requires_grad]
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
     # train.optimizer_in_backward: the optimizer steps each parameter inside backward
@@ -464,6 +479,8 @@ def train(
                     accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
+        if sync == "step":  # every gradient averaged once, after the (graphed) micro-steps
+            all_reduce_float_grads([p.grad for p in trainable if p.grad is not None])
         if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
             all_reduce_float_grads([q.float_grad for q in qmods if q.float_grad is not None])
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)

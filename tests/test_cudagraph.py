@@ -6,7 +6,7 @@ from test_checkpoint import TINY  # the tiny real run the resume tests use
 
 from poetxq.bench import BenchError, run_bench
 from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep
-from poetxq.recipe import load_recipe
+from poetxq.recipe import RecipeError, load_recipe
 
 
 def test_refused_without_cuda():
@@ -111,7 +111,10 @@ def test_recipe_refuses_cuda_graph_for_a_baseline():
         ({}, "cuda", 1, True),  # auto: a POET method on one CUDA device
         ({"method": "poetx"}, "cuda", 1, True),
         ({}, "cpu", 1, False),
-        ({}, "cuda", 2, False),  # DDP all-reduces outside the graph
+        ({}, "cuda", 2, True),  # grad_sync auto: all-reduce after the replay, not DDP
+        ({"train.grad_sync": "step"}, "cuda", 2, True),
+        ({"train.grad_sync": "ddp"}, "cuda", 2, False),  # DDP all-reduces outside the graph
+        ({"train.grad_sync": "ddp"}, "cuda", 1, True),  # one process: no sync at all
         ({"method": "adamw"}, "cuda", 1, False),
         ({"method": "qgalore"}, "cuda", 1, False),
         ({"train.gradient_checkpointing": True, "train.offload_activations": True}, "cuda", 1,
@@ -130,6 +133,23 @@ def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, 
     recipe = load_recipe(None, over)
     assert recipe.train.cuda_graph == over.get("train.cuda_graph", "auto")
     assert graph_wanted(recipe, device, world) is want
+
+
+@pytest.mark.parametrize(
+    "setting,graph,world,want",
+    [("auto", True, 2, "step"), ("auto", False, 2, "ddp"), ("ddp", False, 4, "ddp"),
+     ("step", False, 2, "step"), ("step", True, 1, "none"), ("auto", True, 1, "none")],
+)  # fmt: skip
+def test_grad_sync_mode(setting, graph, world, want):
+    from poetxq.cudagraph import grad_sync_mode
+
+    train = load_recipe(None, {"train.grad_sync": setting}).train
+    assert grad_sync_mode(train, graph, world) == want
+
+
+def test_recipe_refuses_an_unknown_grad_sync():
+    with pytest.raises(RecipeError, match="grad_sync"):
+        load_recipe(None, {"train.grad_sync": "allreduce"})
 
 
 @pytest.mark.parametrize("setting", ["auto", True])
