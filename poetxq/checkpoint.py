@@ -70,6 +70,9 @@ RESUMABLE_KEYS = frozenset(
         "train.fuse_elementwise",
         # the same kernels replayed from a CUDA graph (equal losses: cuda_graph_auto_h200.json)
         "train.cuda_graph",
+        # the same average of the replicas' gradients, all-reduced during backward or after it
+        # (equal losses: tests/test_distributed.py)
+        "train.grad_sync",
     }
 )
 

@@ -111,8 +111,9 @@ def test_recipe_refuses_cuda_graph_for_a_baseline():
         ({}, "cuda", 1, True),  # auto: a POET method on one CUDA device
         ({"method": "poetx"}, "cuda", 1, True),
         ({}, "cpu", 1, False),
-        ({}, "cuda", 2, True),  # grad_sync auto: all-reduce after the replay, not DDP
-        ({"train.grad_sync": "step"}, "cuda", 2, True),
+        ({}, "cuda", 2, False),  # grad_sync auto: DDP, eager, until timed on several GPUs
+        ({"train.grad_sync": "step"}, "cuda", 2, True),  # all-reduce after the replay
+        ({"train.cuda_graph": True}, "cuda", 2, True),  # and grad_sync auto resolves to step
         ({"train.grad_sync": "ddp"}, "cuda", 2, False),  # DDP all-reduces outside the graph
         ({"train.grad_sync": "ddp"}, "cuda", 1, True),  # one process: no sync at all
         ({"method": "adamw"}, "cuda", 1, False),
