@@ -12,14 +12,17 @@ profile_1b_1024_*_5ee40a3.txt``), while SDPA alone at that shape costs the same 
 and in a graph (``evals/results/bench_attention_h200.json``). With the mask skipped during the
 capture the graph's attention took 11.8 ms (``profile_1b_1024_poetxq_fast_graph_f0ed639.txt``).
 
-Two of its checks read tensor values, which a capture forbids, so both answer "mask needed":
-whether the position ids hold several packed sequences (``find_packed_sequence_indices``), and
-whether the padding mask can be dropped. Our training batches are whole windows of tokens — no
-padding, no cache, position ids ``0 … S−1`` that the model builds itself — so during the capture
-:func:`causal_mask_skipped` answers both as transformers does outside a capture for such a batch:
-no packed sequences, and the SDPA mask function returns ``None`` where the mask is the plain
-causal one (no attention mask, no cache offsets, queries as long as keys). Every other call goes
-to transformers' own functions, and after the block both are back.
+Checks that read tensor values, which a capture forbids, answer "mask needed" then: whether the
+position ids hold several packed sequences (``find_packed_sequence_indices``; this one decides
+with transformers 5.24) and, in some versions (5.17 on the H200), whether the causal mask may be
+dropped at all (``_ignore_causal_mask_sdpa``). Our training batches are whole windows of tokens
+— no padding, no cache, and no position ids passed (the model builds ``0 … S−1`` itself) — so
+during the capture :func:`causal_mask_skipped` answers as transformers does outside a capture
+for such a batch: no packed sequences, and the SDPA mask function returns ``None`` where the mask
+is the plain causal one (no attention mask, no cache offsets, queries as long as keys). Other
+masks (padding, a cache, sliding windows) go to transformers' own function; **packed position
+ids passed by the caller are not detected inside the block** (it is only for the trainer's and
+the benchmarks' whole windows). After the block both functions are back.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ def causal_mask_skipped() -> Iterator[bool]:
     """Within the block, transformers sees no packed sequences in the position ids, and its
     ``"sdpa"`` mask function returns ``None`` (so SDPA runs with ``is_causal=True``) for a plain
     causal mask over unpadded windows without a cache, even while a CUDA graph is being
-    captured; any other mask is answered by the original function. Only for batches of whole,
-    unpacked windows (what :mod:`poetxq.train` and :mod:`poetxq.bench` capture).
+    captured; padding, cache and sliding-window masks are answered by the original function.
+    Only for batches of whole windows with no caller-given position ids (what :mod:`poetxq.train`
+    and :mod:`poetxq.bench` capture): packed position ids are not detected inside the block.
 
     Yields:
         Whether the functions were replaced (``False`` when this transformers has no mask
@@ -62,6 +66,8 @@ def causal_mask_skipped() -> Iterator[bool]:
         yield False
         return
     original = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    local = getattr(ALL_MASK_ATTENTION_FUNCTIONS, "_local_mapping", {})
+    had_local = "sdpa" in local  # restore exactly: a local override, or none at all
     find_packed = getattr(masking_utils, "find_packed_sequence_indices", None)
 
     def sdpa_mask(*args: Any, **kwargs: Any) -> Any:
@@ -75,6 +81,9 @@ def causal_mask_skipped() -> Iterator[bool]:
     try:
         yield True
     finally:
-        ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = original
+        if had_local or "sdpa" not in local:
+            ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = original
+        else:  # the key was global only: drop our local entry
+            del local["sdpa"]
         if find_packed is not None:
             masking_utils.find_packed_sequence_indices = find_packed

@@ -140,10 +140,11 @@ def all_reduce_float_grads(grads: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers into every other rank's ``module`` in place
-    (what DDP does when it wraps a model; :mod:`poetxq.train` calls it when
-    ``train.grad_sync`` is ``step`` and there is no DDP wrapper). Bool tensors travel as
-    ``uint8``. No-op without an initialized process group of more than one rank."""
+    """Copy rank ``src``'s parameters and buffers into every other rank's ``module`` in place,
+    one tensor at a time. DDP syncs the parameters when it wraps a model; :mod:`poetxq.train`
+    calls this instead when ``train.grad_sync`` is ``step`` (no DDP wrapper), and sends the
+    buffers too (the frozen ``W0`` codes: about 13 GB at Llama-13B, once at start). Bool tensors
+    travel as ``uint8``. No-op without an initialized process group of more than one rank."""
     if not _initialized():
         return
     for t in [*module.parameters(), *module.buffers()]:

@@ -177,7 +177,10 @@ def parse_bytes(text: str) -> int:
 def _gpu_kernel_path(measured_faster: bool, precision: Precision) -> bool:
     """Whether the run this estimate describes takes a GPU-only opt-in kernel path (its
     ``*_MEASURED_FASTER`` flag, or ``POETXQ_KERNELS=fused``): never for ``fp32`` (CPU training:
-    CPU tensors take the torch path) nor under ``POETXQ_KERNELS=torch``."""
+    CPU tensors take the torch path) nor under ``POETXQ_KERNELS=torch``. The precision stands
+    for the device: ``autocast`` / ``bf16`` estimates describe a GPU run (a CPU run in bf16 takes
+    no such path and keeps a little more; a GPU run in fp32 takes them and keeps a little
+    less)."""
     import quant_kernels
 
     mode = quant_kernels.kernel_mode()
@@ -191,7 +194,10 @@ def _lean_fast_swiglu(precision: Precision) -> bool:
     (:func:`quant_kernels.lean_fast_swiglu`; see :func:`_gpu_kernel_path`)."""
     import quant_kernels
 
-    return _gpu_kernel_path(quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER, precision)
+    flags = quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER
+    # the lean path runs inside the fast variant's feature-major path, behind its own switch
+    flags = flags and quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER
+    return _gpu_kernel_path(flags, precision)
 
 
 def _fused_input_cast(precision: Precision) -> bool:
@@ -200,7 +206,11 @@ def _fused_input_cast(precision: Precision) -> bool:
     where the inputs are fp32 and the compute bf16."""
     import quant_kernels
 
-    flag = quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER
+    # taken only where the mem layer is feature-major (quant_kernels.feature_major_layer)
+    flag = (
+        quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER
+        and quant_kernels.FEATURE_MAJOR_LAYER_MEASURED_FASTER
+    )
     return precision == "autocast" and _gpu_kernel_path(flag, precision)
 
 

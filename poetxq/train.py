@@ -333,7 +333,7 @@ def train(
         if sync == "step":  # no DDP wrapper: autocast and device placement only
             model = accelerator.prepare_model(model, evaluation_mode=True)
             optimizer = accelerator.prepare_optimizer(optimizer)
-            broadcast_module(model)  # the replicas start from rank 0's weights, as DDP's do
+            broadcast_module(model)  # rank 0's parameters (as DDP's wrap) and buffers
         else:
             model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)

@@ -172,7 +172,7 @@ def fast_feature_major_layer(x: torch.Tensor) -> bool:
 #: estimator books the difference, ``poetxq.estimate``). Measured in one call on the H200
 #: (``evals/results/opt_in_ab_h200_d8a3ac2.json``): Llama-1B / 3B at 8,192 tokens in a CUDA
 #: graph, +2.8–3.5 % tokens/s for the ``fast`` variant and +1.8–2.4 % for ``mem`` at seq 256
-#: and 1024, 0.35–0.84 GiB less reserved for ``mem``; on since.
+#: and 1024, 0.34–0.84 GiB less reserved for ``mem``; on since.
 FUSED_INPUT_CAST_MEASURED_FASTER = True
 
 

@@ -80,5 +80,8 @@ def test_other_masks_go_to_transformers():
             mine = fns["sdpa"](**{**base, **over})
             assert mine is not None or over.get("q_length") == 1
         got = fns["sdpa"](**{**base, "attention_mask": padding})
+    # restored exactly: no local override left behind, the packed-sequence check is back
+    assert "sdpa" not in getattr(fns, "_local_mapping", {})
+    assert masking_utils.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"
     want = fns["sdpa"](**{**base, "attention_mask": padding})
     assert torch.equal(got, want) and not want[0, 0, :, 0].any()  # the padded key is masked

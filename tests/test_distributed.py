@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from poetxq.distributed import ShardedBatches, all_reduce_float_grads, replicas_identical
+from poetxq.distributed import (
+    ShardedBatches,
+    all_reduce_float_grads,
+    broadcast_module,
+    replicas_identical,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,6 +88,29 @@ def test_float_grads_are_averaged_once(tmp_path):
         assert torch.equal(res["grads"][0], torch.full((3, 5), 6.0))  # (1 + 11) / 2
         assert torch.equal(res["grads"][1], torch.arange(7.0) * 1.5)  # (1x + 2x) / 2
         assert res["same"] and res["differ"]  # the replica check tells equal from unequal
+
+
+def _broadcast_worker(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(rank)  # the ranks start different
+    module = torch.nn.Linear(4, 3)
+    module.register_buffer("codes", torch.randint(-127, 127, (5,), dtype=torch.int8))
+    module.register_buffer("mask", torch.rand(6) > 0.5)
+    broadcast_module(module)
+    torch.save(module.state_dict(), f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_broadcast_module_copies_rank0(tmp_path):
+    """Parameters and buffers (int8, bool) of rank 0 reach rank 1 (train.grad_sync: step)."""
+    out = str(tmp_path / "res")
+    mp.spawn(_broadcast_worker, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
+    s0, s1 = (torch.load(f"{out}.{r}", weights_only=True) for r in (0, 1))
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    assert torch.equal(s0["weight"], ref.weight.detach())  # rank 0 unchanged
+    for key in ("weight", "bias", "codes", "mask"):
+        assert torch.equal(s0[key], s1[key]), key
 
 
 # ------------------------------------------------------------------------------------------------

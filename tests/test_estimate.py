@@ -335,6 +335,10 @@ def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
     assert acts(False, **{"poet.target_modules": ["q_proj", "k_proj"]}) == acts(
         True, **{"poet.target_modules": ["q_proj", "k_proj"]}
     )
+    # the cast is fused only on the mem layers' feature-major path, behind its own switch
+    monkeypatch.setattr(quant_kernels, "FEATURE_MAJOR_LAYER_MEASURED_FASTER", False)
+    assert acts(False) == acts(True)
+    monkeypatch.setattr(quant_kernels, "FEATURE_MAJOR_LAYER_MEASURED_FASTER", True)
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
     assert acts(False) == acts(True)
 
