@@ -479,10 +479,12 @@ def train(
                     accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
-        if sync == "step":  # every gradient averaged once, after the (graphed) micro-steps
-            all_reduce_float_grads([p.grad for p in trainable if p.grad is not None])
-        if qmods and world > 1:  # DDP averages .grad only; int8 weights' grads once per step
-            all_reduce_float_grads([q.float_grad for q in qmods if q.float_grad is not None])
+        # grad_sync step: every gradient averaged once, after the (graphed) micro-steps; DDP
+        # averages .grad only, so the int8 weights' float_grad always goes here (no-op in one
+        # process)
+        to_average = [p.grad for p in trainable if p.grad is not None] if sync == "step" else []
+        to_average += [q.float_grad for q in qmods if q.float_grad is not None]
+        all_reduce_float_grads(to_average)
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
         if in_backward is not None:  # updated and freed during backward: no norm to log
             grad_norm = float("nan")
