@@ -193,6 +193,28 @@ def _overrides(method: str, *, size: dict, model: dict, steps: int, batch: int, 
     return o
 
 
+def method_spec(spec: str, extra: dict) -> tuple[str, dict]:
+    """``"poetxq@step"`` -> ``("poetxq", {..extra, "train.grad_sync": "step"})``: a method name
+    with an optional ``@ddp`` / ``@step`` gradient synchronisation (``train.grad_sync``)."""
+    method, _, sync = spec.partition("@")
+    if sync and sync not in ("ddp", "step"):
+        raise SystemExit(f"multi_gpu.py: {spec!r}: the part after @ must be ddp or step")
+    return method, {**extra, **({"train.grad_sync": sync} if sync else {})}
+
+
+def parse_sets(pairs: list[str]) -> dict:
+    """``--set KEY=VALUE`` pairs (VALUE read as YAML) into an overrides dict."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"multi_gpu.py: --set {pair!r}: expected KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def launch(name: str, overrides: dict, nproc: int, work: Path, *, vocab: int,
            resume_from: str | None = None, run_dir: Path | None = None,
            deterministic: bool = False, timeout: float = 600,
@@ -256,7 +278,13 @@ def main() -> None:
     ap.add_argument("--parts", default="equivalence,throughput,merge",
                     help="comma-separated subset of equivalence,throughput,merge")  # fmt: skip
     ap.add_argument("--tput-methods", default="poetxq,adamw",
-                    help="methods timed at 1 and 2 GPUs")  # fmt: skip
+                    help="methods timed at 1 and 2 GPUs; METHOD@step or METHOD@ddp also sets "
+                    "train.grad_sync (e.g. poetxq@step,poetxq@ddp,adamw)")  # fmt: skip
+    ap.add_argument("--equiv-methods", default="poetxq,qapollo",
+                    help="methods whose 1- and 2-GPU losses are compared (METHOD@step allowed; "
+                    "the first POET one is also resumed)")  # fmt: skip
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override for every run (repeatable)")  # fmt: skip
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     if not parts <= {"equivalence", "throughput", "merge"}:
@@ -301,30 +329,38 @@ def main() -> None:
     v = size["vocab"]
 
     # 1 + 2: equivalence in fp32 at the 1B width, then resume under DDP
-    for method, merge in (("poetxq", 4), ("qapollo", 10**6)):
-        if "equivalence" not in parts:
-            break
+    sets = parse_sets(args.set)
+    report["overrides"] = sets
+    resumed = False
+    for spec in args.equiv_methods.split(",") if "equivalence" in parts else []:
+        method, extra = method_spec(spec, sets)
+        merge = 4 if method in ("poetxq", "poetx") else 10**6
+        tag = spec.replace("@", "_")
         if n_dev < 2 or left() < 120:
-            report["skipped"].append(f"equivalence {method}")
+            report["skipped"].append(f"equivalence {spec}")
             continue
         kw = {"model": small, "steps": args.equiv_steps, "precision": "fp32", "log_every": 1,
               "merge_interval": merge, "size": size}  # fmt: skip
-        save_kw = {"save": True, "save_every": 5} if method == "poetxq" else {}
+        resume_this = method in ("poetxq", "poetx") and not resumed
+        save_kw = {"save": True, "save_every": 5} if resume_this else {}
         cap = {"timeout": max(min(left() - 60, 200), 30)}  # a hung launch must not eat it all
-        one = launch(f"eq_{method}_1", _overrides(method, batch=8, **kw), 1, work, vocab=v, **cap)
-        two = launch(f"eq_{method}_2", _overrides(method, batch=4, **kw, **save_kw), 2, work,
-                     vocab=v, deterministic=True, **cap)  # fmt: skip
+        one = launch(f"eq_{tag}_1", {**_overrides(method, batch=8, **kw), **extra}, 1, work,
+                     vocab=v, **cap)  # fmt: skip
+        two = launch(f"eq_{tag}_2", {**_overrides(method, batch=4, **kw, **save_kw), **extra},
+                     2, work, vocab=v, deterministic=True, **cap)  # fmt: skip
         cmp = compare(one, two, args.rtol)
         cmp["replicas_identical"] = two.get("summary", {}).get("replicas_identical")
         cmp["ok"] = bool(cmp["ok"] and cmp["replicas_identical"])
         cmp["runs"] = {"1gpu": one, "2gpu": two}
-        report["equivalence"][method] = cmp
+        report["equivalence"][spec] = cmp
         save()
-        if method == "poetxq" and "error" not in two and left() > 90:
-            ckpt = work / f"eq_{method}_2" / "checkpoints" / "step-00000005"
-            again = launch("resume_poetxq_2", _overrides(method, batch=4, **kw, **save_kw), 2,
+        if resume_this and "error" not in two and left() > 90:
+            resumed = True
+            ckpt = work / f"eq_{tag}_2" / "checkpoints" / "step-00000005"
+            again = launch(f"resume_{tag}_2",
+                           {**_overrides(method, batch=4, **kw, **save_kw), **extra}, 2,
                            work, vocab=v, resume_from=str(ckpt),
-                           run_dir=work / f"eq_{method}_2", deterministic=True,
+                           run_dir=work / f"eq_{tag}_2", deterministic=True,
                            timeout=max(min(left() - 60, 200), 30))  # fmt: skip
             if "error" in again:
                 report["resume"] = {"ok": False, "error": again["error"]}
@@ -333,36 +369,40 @@ def main() -> None:
                 got = {s: again["losses"][s] for s in tail}
                 diffs = [abs(got[s] - tail[s]) for s in tail]
                 report["resume"] = {
-                    "resumed_at_step": 5, "steps_compared": len(tail),
+                    "method": spec, "resumed_at_step": 5, "steps_compared": len(tail),
                     "bit_exact": got == tail, "max_abs_diff": max(diffs),
                     "losses_uninterrupted": tail, "losses_resumed": got,
                 }  # fmt: skip
             save()
 
     # 3: throughput at Llama-1B, bf16
-    for method in args.tput_methods.split(",") if "throughput" in parts else []:
+    for spec in args.tput_methods.split(",") if "throughput" in parts else []:
+        method, extra = method_spec(spec, sets)
         res = {}
         for nproc in (1, 2):
             if nproc > max(n_dev, 1) or left() < 100:
-                report["skipped"].append(f"throughput {method} x{nproc}")
+                report["skipped"].append(f"throughput {spec} x{nproc}")
                 continue
             o = _overrides(method, size=size, model=size["model"], steps=args.tput_steps,
                            batch=16, precision="fp32" if args.smoke else "bf16", log_every=5,
                            merge_interval=10**6)  # fmt: skip
-            r = launch(f"tput_{method}_{nproc}", o, nproc, work, vocab=v,
-                       timeout=max(left(), 60))  # fmt: skip
+            r = launch(f"tput_{spec.replace('@', '_')}_{nproc}", {**o, **extra}, nproc, work,
+                       vocab=v, timeout=max(left(), 60))  # fmt: skip
             res[f"{nproc}gpu"] = {k: v for k, v in r.items() if k != "losses"}
-            report["throughput"][method] = res
+            report["throughput"][spec] = res
             save()
         t1 = res.get("1gpu", {}).get("tokens_per_s_median")
         t2 = res.get("2gpu", {}).get("tokens_per_s_median")
         if t1 and t2:
             res["scaling_2_over_1"] = t2 / t1
-    p, a = (report["throughput"].get(m, {}) for m in ("poetxq", "adamw"))
-    for n in ("1gpu", "2gpu"):
-        tp, ta = p.get(n, {}).get("tokens_per_s_median"), a.get(n, {}).get("tokens_per_s_median")
-        if tp and ta:
-            report["throughput"][f"poetxq_over_adamw_{n}"] = tp / ta
+    a = report["throughput"].get("adamw", {})
+    for spec in [s for s in report["throughput"] if s.split("@")[0] == "poetxq"]:
+        p = report["throughput"][spec]
+        for n in ("1gpu", "2gpu"):
+            tp = p.get(n, {}).get("tokens_per_s_median")
+            ta = a.get(n, {}).get("tokens_per_s_median")
+            if tp and ta:
+                report["throughput"][f"{spec}_over_adamw_{n}"] = tp / ta
     # 4: merge on every rank (what the loop does) vs rank-0 merge + broadcast, 4 layers at 1B
     if "merge" in parts and n_dev >= 2 and left() > 60:
         four = {**size["model"], "num_hidden_layers": 4}

@@ -111,6 +111,8 @@ class TrainResult:
     replicas_identical: bool | None = None  # multi-process: all ranks ended with equal weights
     # the memory settings in use, e.g. ["gradient_checkpointing", "loss_chunk_tokens=256"]
     memory_options: list[str] = field(default_factory=list)
+    cuda_graph: bool = False  # the micro-steps replayed a CUDA graph (train.cuda_graph resolved)
+    grad_sync: str = "none"  # "none" (one process), "ddp" or "step" (train.grad_sync resolved)
 
 
 def _finite(record: dict) -> dict:
@@ -594,6 +596,8 @@ def train(
             resumed_from=resumed_from,
             replicas_identical=same,
             memory_options=tc.memory_options(),
+            cuda_graph=graph,
+            grad_sync=sync,
         )
         if main:
             if tc.save_checkpoint and not interrupted:
