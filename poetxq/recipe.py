@@ -159,7 +159,7 @@ class TrainConfig(_Section):
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # fixed shapes. auto: on for the POET methods on CUDA without gradient_checkpointing /
     # offload_activations / loss_chunk_tokens / optimizer_in_backward, and with several
-    # processes only under grad_sync: step; else off (poetxq.cudagraph.graph_wanted); true
+    # processes unless grad_sync: ddp; else off (poetxq.cudagraph.graph_wanted); true
     # refuses what it cannot serve
     cuda_graph: bool | Literal["auto"] = "auto"
     # how the replicas of a multi-process run (torchrun / accelerate launch) average gradients.
@@ -167,8 +167,8 @@ class TrainConfig(_Section):
     # rank runs its own forward+backward (from its CUDA graph, if any) and the gradients are
     # all-reduced once per optimizer step (poetxq.distributed.all_reduce_float_grads), which
     # is what a CUDA graph needs (DDP's hooks run outside it). auto: step when the micro-steps
-    # replay a CUDA graph (cuda_graph: true), else ddp; step also lets cuda_graph: auto take the
-    # graph with several processes (not yet timed on several GPUs). One process: no effect
+    # replay a CUDA graph (cuda_graph: auto takes it for the POET methods, see above), else ddp.
+    # One process: no effect
     grad_sync: Literal["auto", "ddp", "step"] = "auto"
     # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
     # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing

@@ -111,8 +111,10 @@ def test_recipe_refuses_cuda_graph_for_a_baseline():
         ({}, "cuda", 1, True),  # auto: a POET method on one CUDA device
         ({"method": "poetx"}, "cuda", 1, True),
         ({}, "cpu", 1, False),
-        ({}, "cuda", 2, False),  # grad_sync auto: DDP, eager, until timed on several GPUs
         ({"train.grad_sync": "step"}, "cuda", 2, True),  # all-reduce after the replay
+        ({}, "cuda", 2, True),  # grad_sync auto: step, as timed on two H200s
+        ({"method": "adamw"}, "cuda", 2, False),  # baselines keep DDP
+        ({"train.gradient_checkpointing": True}, "cuda", 2, False),
         ({"train.cuda_graph": True}, "cuda", 2, True),  # and grad_sync auto resolves to step
         ({"train.grad_sync": "ddp"}, "cuda", 2, False),  # DDP all-reduces outside the graph
         ({"train.grad_sync": "ddp"}, "cuda", 1, True),  # one process: no sync at all
