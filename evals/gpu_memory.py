@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -159,8 +160,11 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         graphed = None  # capture again: checkpointing and the fusion change the graph
         r.train.fuse_elementwise = fused  # what this setting ran
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
-        step()  # warm-up: Adam states, allocator, autotuning
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        step()  # warm-up: Adam states, allocator, autotuning (and the graph's capture)
         _sync(dev)
+        warmup_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         alloc_before = _allocator_counts(dev)
@@ -201,6 +205,9 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             # a CUDA graph's activations live in its private pool, freed at capture: with
             # --cuda-graph the allocated peak misses them; the reserved peak holds them
             "peak_reserved_bytes": reserved,
+            # the warm-up step's allocated peak: with --cuda-graph it includes the capture,
+            # when the pool's blocks are allocated (its first optimizer step creates states)
+            "warmup_peak_bytes": warmup_peak,
             "peak_memory_gib": None if peak is None else peak / GIB,
             "estimated_peak_bytes": est.peak,
             "estimated_peak_gib": est.peak / GIB,
@@ -208,14 +215,19 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "estimate_breakdown_bytes": est.to_dict(),
             "build_s": build_s,
             "cuda_graph": bool(args.cuda_graph),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
         if official:
             row["official_peak_gib"], row["official_step_s"] = official
             row["speedup_vs_official"] = official[1] / row["step_time_s"]
         target = TARGET_GIB.get(name, {}).get(key)
         if target is not None and peak is not None:
+            # a graph's activations sit in its pool, outside the allocated peak: judge the
+            # reserved bytes there, the allocated peak eagerly (as the official code was)
+            judged = reserved if args.cuda_graph else peak
             row["target_peak_gib"] = target
-            row["meets_memory_target"] = peak / GIB <= target
+            row["target_judged_on"] = "reserved" if args.cuda_graph else "allocated"
+            row["meets_memory_target"] = judged / GIB <= target
             row["meets_speed_target"] = row.get("speedup_vs_official", 0) >= 1.5
         out.append(row)
         mem = "n/a" if peak is None else f"{peak / GIB:.2f} GiB"

@@ -224,10 +224,10 @@ class Recipe(_Section):
                 "train.offload_activations moves the checkpointed layer inputs to the host; "
                 "set train.gradient_checkpointing: true as well (or offload_activations: false)"
             )
-        if tc.cuda_graph is True and (tc.offload_activations or tc.loss_chunk_tokens):
+        if tc.cuda_graph is True and tc.offload_activations:
             raise ValueError(
-                "train.cuda_graph is not combined with offload_activations or "
-                "loss_chunk_tokens yet; turn the graph or those options off"
+                "train.cuda_graph is not combined with offload_activations (host copies); "
+                "turn the graph or the offload off"
             )
         if not tc.optimizer_in_backward:
             return

@@ -80,7 +80,10 @@ def _losses(run) -> list[float]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "extra", [[], ["--set", "train.loss_chunk_tokens=24"]], ids=["whole", "chunked"]
+)
+def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkeypatch, extra):
     from poetxq.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
@@ -89,13 +92,24 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
     # compiled maps are compared with eager in tests/test_fuse.py
     common = [*TINY, "--output-dir", str(tmp_path), "--max-steps", "7",
               "--set", "poet.merge_interval=2", "--set", "train.precision=fp32",
-              "--set", "train.grad_accum=2", "--set", "train.fuse_elementwise=false"]  # fmt: skip
+              "--set", "train.grad_accum=2", "--set", "train.fuse_elementwise=false",
+              *extra]  # fmt: skip
     # eager pinned: the default (auto) takes the graph on a GPU
     assert main(["train", *common, "--run-name", "eager", "--set", "train.cuda_graph=false"]) == 0
     assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
     eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
     assert len(eager) == len(graph) == 7
     assert graph == pytest.approx(eager, rel=1e-5)
+
+
+def test_recipe_takes_a_cuda_graph_with_the_chunked_loss_but_not_with_offload():
+    from poetxq.recipe import RecipeError
+
+    recipe = load_recipe(None, {"train.cuda_graph": True, "train.loss_chunk_tokens": 256})
+    assert recipe.train.loss_chunk_tokens == 256
+    with pytest.raises(RecipeError, match=r"train\.cuda_graph is not combined with offload"):
+        load_recipe(None, {"train.cuda_graph": True, "train.gradient_checkpointing": True,
+                           "train.offload_activations": True})  # fmt: skip
 
 
 def test_recipe_refuses_cuda_graph_for_a_baseline():
