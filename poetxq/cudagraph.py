@@ -131,6 +131,8 @@ class GraphedMicroStep:
             for _ in range(max(warmup, 1)):
                 loss_fn(self.static_batch).backward()
         torch.cuda.current_stream().wait_stream(side)
+        for p in self.params:  # the warm-up's gradients are zeroed below anyway: dropped before
+            p.grad = None  # the flat buffers exist, so the two never coexist
         for group in flat_groups:  # gradients laid out like the optimizer's flat buffers
             group.attach_grads()
         for p in self.params:  # accumulate into existing tensors during capture and replay
@@ -138,6 +140,10 @@ class GraphedMicroStep:
                 p.grad = torch.zeros_like(p)
         self.grads = [p.grad for p in self.params]
         self.zero_grad()
+        # the warm-up's freed activations stay cached in the default pool, which the capture's
+        # private pool cannot use: hand them back so the pool reuses that memory
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
         try:  # whole windows, no cache: attention stays is_causal=True (poetxq.attention)
             with causal_mask_skipped(), torch.cuda.graph(self.graph):

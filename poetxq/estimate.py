@@ -53,6 +53,8 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
 Peak = frozen + buffers + parameters + optimizer states + the largest of: the start of backward
 (activations + logits + workspace + ``lm_head`` gradient), its end (all gradients + one layer's
 activations + workspace) and the optimizer step (all gradients + the optimizer's temporaries).
+In a CUDA graph (``train.cuda_graph`` on a GPU) every gradient is a static tensor made before the
+capture, so the start of backward holds all gradients, not only ``lm_head``'s.
 The memory options of :mod:`poetxq.lowmem` and :mod:`poetxq.loss` change three terms:
 ``train.offload_activations`` moves the checkpointed layer inputs to host memory
 (``host_offloaded``), ``train.optimizer_in_backward`` leaves at most one decoder layer's gradients
@@ -122,6 +124,9 @@ class MemoryEstimate:
     #: train.offload_activations: the checkpointed layer inputs, in pinned host memory
     host_offloaded: int = 0
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
+    #: train.cuda_graph on a GPU: the gradients are static tensors made before the capture
+    #: (poetxq.cudagraph.GraphedMicroStep), so all of them exist from the start of backward
+    cuda_graph: bool = False
     peak: int = 0
     #: when the peak happens: "start of backward", "end of backward" or "optimizer step"
     peak_phase: str = ""
@@ -133,6 +138,8 @@ class MemoryEstimate:
         # backward starts with every activation saved and ends with every gradient made while
         # the last layer's activations (or its recomputation) are still alive
         start = self.activations + self.logits + self.workspace + self.lm_head_grad
+        if self.cuda_graph and not self.optimizer_in_backward:
+            start += self.gradients - self.lm_head_grad  # every gradient, lm_head's included
         if self.optimizer_in_backward:
             # updated as they complete: lm_head's gradient (and its update's temporary) at the
             # start, at most one layer's gradients later; no separate optimizer step
@@ -521,9 +528,9 @@ def estimate_memory(
         notes.append("fp32: CPU training; compare with the process RSS, not CUDA memory")
     elif graph:
         notes.append(
-            "CUDA graph (train.cuda_graph): the activations live in the graph's private pool; "
-            "at Llama-8B/13B the H200's reserved peak ran 16-18 % above this estimate "
-            "(gpu_memory_{8b,13b}_graph_hybrid_h200.json); train.cuda_graph=false avoids it"
+            "CUDA graph (train.cuda_graph): the activations live in the graph's private pool, "
+            "the gradients exist for the whole step; compare with the reserved peak "
+            "(train.cuda_graph=false: eager, gradients made during backward)"
         )
     return MemoryEstimate(
         recipe=recipe.name, method=method_label(recipe), precision=precision, batch_size=B,
@@ -535,6 +542,7 @@ def estimate_memory(
         optimizer_in_backward=tc.optimizer_in_backward, in_backward_gradients=in_backward_grads,
         in_backward_transient=lm_head_grad if oc.state_bits == 32 else 0,
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
+        cuda_graph=graph and precision != "fp32",
     )  # fmt: skip
 
 
@@ -581,7 +589,13 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
                 f"alive at once, optimizer in backward (all: {est.gradients / 2**30:.3f} GiB)",
             )
             if est.optimizer_in_backward
-            else ("gradients", est.gradients, "all present at the optimizer step")
+            else (
+                "gradients",
+                est.gradients,
+                "static in the CUDA graph: all present from the start of backward"
+                if est.cuda_graph
+                else "all present at the optimizer step",
+            )
         ),
         ("optimizer states", est.optimizer_states, ""),
         ("activations", est.activations, f"checkpointing {ckpt}"),

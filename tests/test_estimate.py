@@ -62,10 +62,21 @@ def test_hand_computation_poetxq_int8_autocast():
     assert est.logits == 12 * T * V
     assert est.workspace == 4 * 2 * T * f + f * d * 2
     persistent = est.frozen_weights + est.buffers + est.trainable_params + est.optimizer_states
-    start = est.activations + est.logits + est.workspace + 4 * V * d
+    # a GPU run of this recipe replays a CUDA graph (train.cuda_graph auto): every gradient is a
+    # static tensor made before the capture, alive from the start of backward
+    assert est.cuda_graph
+    start = est.activations + est.logits + est.workspace + est.gradients
     end = est.gradients + layer + est.workspace
     step = est.gradients + max(4 * q, 4 * other)
-    assert est.peak == persistent + max(start, end, step)
+    assert est.peak == persistent + max(start, end, step) == persistent + start
+    # eager: only lm_head's gradient (fp32 [V, d]) exists when backward starts
+    eager = estimate_memory(
+        _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
+                   "train.cuda_graph": False}), vocab_size=V, precision="autocast",
+    )  # fmt: skip
+    assert not eager.cuda_graph and eager.activations == est.activations
+    start = est.activations + est.logits + est.workspace + 4 * V * d
+    assert eager.peak == persistent + max(start, end, step)
     # poetxq.fuse (on by default on a GPU): a compiled RMSNorm keeps its input and the per-row
     # scale, not an fp32 copy beside the normalized rows: 4d bytes per token less per norm
     fused = estimate_memory(_recipe(**{"model.intermediate_size": 192}), vocab_size=V)
