@@ -152,7 +152,6 @@ def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
          "applies to poetxq, poetx and adamw"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True},
          "needs train.cuda_graph: false"),
-        ({"train.cuda_graph": True, "train.loss_chunk_tokens": 64}, "not combined with"),
         ({"train.cuda_graph": True, "train.gradient_checkpointing": True,
           "train.offload_activations": True}, "not combined with"),
         ({"train.loss_chunk_tokens": -1}, "loss_chunk_tokens"),
