@@ -300,8 +300,8 @@ def _ratio_line(row: dict) -> str:
             continue
         if f"{key}_over_qgalore" in row:
             parts.append(
-                f"{_ratio_key_label(key)} {row[f'{key}_over_qgalore']:.2f} and "
-                f"{row[f'{key}_over_adamw']:.2f}"
+                f"POET-XQ {_ratio_key_label(key)}: {row[f'{key}_over_qgalore']:.2f}× Q-GaLore, "
+                f"{row[f'{key}_over_adamw']:.2f}× AdamW"
             )
         else:
             parts.append(f"{_ratio_key_label(key)} / AdamW = {row[f'{key}_over_adamw']:.2f}")
@@ -536,6 +536,47 @@ def _memory_lowmem() -> list[str]:
                       for i, c in enumerate(d["calls"]))  # fmt: skip
     return [*lines, "", f"Source: `evals/results/{name}` ({d['gpu']}); {calls}.", "",
             f"Note: {d['note']}", ""]  # fmt: skip
+
+
+def _memory_options_table(names: list[str], title: str) -> list[str]:
+    """Llama-8B / 13B rows of several ``evals/gpu_memory.py`` files, with their memory options:
+    a CUDA-graph row's peak is its reserved peak (:func:`_peak_cell`), and the warm-up step's
+    allocated peak (which holds the capture) is shown beside it where recorded."""
+    files = [(n, d) for n in names if (d := _load(n)) is not None]
+    if not files:
+        return []
+    lines = [
+        title,
+        "",
+        "Batch 1 × 2,048 tokens, POET-XQ int8, b = 256, mem variant, bf16, 8-bit Adam states. "
+        "*chunk*: `train.loss_chunk_tokens`; *in backward*: `train.optimizer_in_backward` (no "
+        "clipping); *offload*: `train.offload_activations`; *warm-up peak*: the allocated peak "
+        "of the untimed first step, which includes a graph's capture.",
+        "",
+        "| file | model | checkpointing | CUDA graph | chunk | in backward | offload | peak (GiB) "
+        "| warm-up peak (GiB) | estimate (GiB) | target (GiB) | step (s) | speed-up (≥ 1.5) |",
+        "|---|---|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def yn(x: object) -> str:
+        return "yes" if x else "no"
+
+    for i, (_, d) in enumerate(files, 1):
+        for r in d["results"]:
+            ckpt, graph, peak = _setting_cells(r)
+            warm = r.get("warmup_peak_bytes")
+            lines.append(
+                f"| {i} | {r['model']} | {ckpt} | {graph} | {r.get('loss_chunk_tokens') or '-'} "
+                f"| {yn(r.get('optimizer_in_backward'))} | {yn(r.get('offload_activations'))} | "
+                f"{peak} | {'–' if warm is None else f'{warm / 2**30:.2f}'} | "
+                f"{r['estimated_peak_gib']:.2f} | {r['target_peak_gib']} | "
+                f"{r['step_time_s']:.3f} | {r['speedup_vs_official']:.2f} |"
+            )
+    lines.append("")
+    for i, (name, d) in enumerate(files, 1):
+        note = f" {d['note']}" if d.get("note") else ""
+        lines.append(f"{i}. {_provenance(name, d)}{note}")
+    return [*lines, ""]
 
 
 def _cnp() -> list[str]:
@@ -841,6 +882,28 @@ def main(argv: list[str] | None = None) -> int:
         ("gpu_memory_8b_graph_h200_f0ed639.json", " (attention without a mask)"),
     ):
         lines += _memory_state8(name, when)
+    lines += [
+        "## Every method after the attention fix; the memory options in a CUDA graph",
+        "",
+        "The five methods side by side at the session-11 defaults (the baselines eager, the POET "
+        "runs in a CUDA graph, 8,192 tokens per step), then Llama-8B / 13B with checkpointing "
+        "and the memory options, eager and in a graph.",
+        "",
+    ]
+    lines += _tokens_table("throughput_1b_h200_90a76c3.json", "### Llama-1B, every method")
+    lines += _tokens_table("throughput_3b_h200_90a76c3.json", "### Llama-3B, every method")
+    lines += _memory_options_table(
+        [
+            "gpu_memory_graph_h200_90a76c3.json",
+            "gpu_memory_graph_ckpt_chunk_h200_90a76c3.json",
+            "gpu_memory_ckpt_chunk_graph_h200_3b707b2.json",
+            "gpu_memory_ckpt_chunk_graph_expseg_h200_3b707b2.json",
+            "gpu_memory_ckpt_chunk_eager_h200_3b707b2.json",
+            "gpu_memory_ckpt_chunk_oib_eager_h200_3b707b2.json",
+            "gpu_memory_13b_ckpt_chunk_oib_off_h200_3b707b2.json",
+        ],
+        "### Llama-8B / 13B: checkpointing with the memory options, eager and in a CUDA graph",
+    )
     lines += _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")

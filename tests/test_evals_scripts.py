@@ -66,8 +66,23 @@ def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path
     page = "\n".join(render._tokens_table("t.json", "## t"))
     assert "| 256 | POET-XQ (int8 W0), fast, CUDA graph | 1,000 |" in page
     assert "| 256 | AdamW | 1,000 |" in page
-    assert ("POET-XQ / AdamW = 0.70 (target ≥ 0.9); in a CUDA graph 1.90 and 0.80; "
-            "fast in a CUDA graph 2.00 and 0.95") in page  # fmt: skip
+    assert (
+        "POET-XQ / AdamW = 0.70 (target ≥ 0.9); POET-XQ in a CUDA graph: 1.90× Q-GaLore, "
+        "0.80× AdamW; POET-XQ fast in a CUDA graph: 2.00× Q-GaLore, 0.95× AdamW"
+    ) in page
+    # the memory-options table: a graph row's peak is its reserved one, beside the warm-up peak
+    row = {"model": "llama-8b", "gradient_checkpointing": True, "cuda_graph": True,
+           "loss_chunk_tokens": 256, "peak_memory_bytes": 10 << 30,
+           "peak_reserved_bytes": 12 << 30, "warmup_peak_bytes": 11 << 30,
+           "estimated_peak_gib": 11.5, "target_peak_gib": 11, "step_time_s": 0.34,
+           "speedup_vs_official": 2.6}  # fmt: skip
+    (tmp_path / "m.json").write_text(json.dumps({**doc, "results": [row], "note": "n."}))
+    page = "\n".join(render._memory_options_table(["m.json", "absent.json"], "## m"))
+    assert (
+        "| 1 | llama-8b | yes | yes | 256 | no | no | 12.00 (reserved) | 11.00 | 11.50 | 11 "
+        "| 0.340 | 2.60 |"
+    ) in page
+    assert "1. Source: `evals/results/m.json` (cpu, 2026-12-01, commit abc). n." in page
 
 
 def test_comparison_recipes_share_everything_but_the_method_settings():
