@@ -80,11 +80,13 @@ def grad_sync_mode(train: Any, graph: bool, world: int) -> str:
     """How a run averages its replicas' gradients (``train.grad_sync`` resolved): ``"none"``
     in one process; ``"ddp"`` (DistributedDataParallel, all-reduce inside backward) or
     ``"step"`` (one all-reduce of every gradient after the micro-steps; what a CUDA graph
-    needs). ``auto`` is ``step`` exactly when the micro-steps replay a CUDA graph."""
+    needs). ``auto`` is ``step`` when the micro-steps replay a CUDA graph or the loss is
+    chunked (``train.loss_chunk_tokens``, which calls the bare model past any DDP wrapper),
+    else ``ddp``."""
     if world == 1:
         return "none"
     if train.grad_sync == "auto":
-        return "step" if graph else "ddp"
+        return "step" if graph or train.loss_chunk_tokens else "ddp"
     return train.grad_sync
 
 

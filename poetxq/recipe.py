@@ -167,8 +167,8 @@ class TrainConfig(_Section):
     # rank runs its own forward+backward (from its CUDA graph, if any) and the gradients are
     # all-reduced once per optimizer step (poetxq.distributed.all_reduce_float_grads), which
     # is what a CUDA graph needs (DDP's hooks run outside it). auto: step when the micro-steps
-    # replay a CUDA graph (cuda_graph: auto takes it for the POET methods, see above), else ddp.
-    # One process: no effect
+    # replay a CUDA graph (cuda_graph: auto takes it for the POET methods, see above) or the
+    # loss is chunked (loss_chunk_tokens), else ddp. One process: no effect
     grad_sync: Literal["auto", "ddp", "step"] = "auto"
     # CUDA: RMSNorm and the rotary embedding compiled by torch.compile into fused kernels
     # (poetxq.fuse; the first step compiles). auto: on, except with gradient_checkpointing

@@ -270,9 +270,16 @@ def train(
             )
     graph = graph_wanted(recipe, accelerator.device, world)
     sync = grad_sync_mode(tc, graph, world)  # "none", "ddp" or "step"
-    for key, off in (("optimizer_in_backward", "false"), ("loss_chunk_tokens", "0")):
-        if world > 1 and getattr(tc, key):  # both act on the unwrapped model, past DDP's sync
-            raise RunDirError(f"train.{key} runs in one process only; set train.{key}: {off}")
+    if world > 1 and tc.optimizer_in_backward:  # updates before any all-reduce could run
+        raise RunDirError(
+            "train.optimizer_in_backward runs in one process only; set "
+            "train.optimizer_in_backward: false"
+        )
+    if sync == "ddp" and tc.loss_chunk_tokens:  # it calls the bare model, past DDP's hooks
+        raise RunDirError(
+            "train.loss_chunk_tokens cannot run under DDP; set train.grad_sync: step (or auto), "
+            "or train.loss_chunk_tokens: 0"
+        )
     say = echo if main else (lambda _s: None)
     if sync != "none":
         say(

@@ -85,3 +85,33 @@ def test_other_masks_go_to_transformers():
     assert masking_utils.find_packed_sequence_indices.__name__ == "find_packed_sequence_indices"
     want = fns["sdpa"](**{**base, "attention_mask": padding})
     assert torch.equal(got, want) and not want[0, 0, :, 0].any()  # the padded key is masked
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_real_capture_runs_sdpa_without_a_mask(model, monkeypatch):
+    """Inside :class:`poetxq.cudagraph.GraphedMicroStep`'s real capture, every SDPA call gets
+    ``attn_mask=None, is_causal=True`` (a transformers change that moves its mask logic would
+    show here), and the replayed loss equals the eager one."""
+    from poetxq.cudagraph import GraphedMicroStep
+    from poetxq.evaluate import causal_lm_loss
+
+    net = model.cuda().train()
+    real = F.scaled_dot_product_attention
+    captured = []
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            captured.append((attn_mask is None, bool(is_causal)))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    batch = torch.randint(0, 64, (2, 13), device="cuda", generator=gen)
+    params = [p for p in net.parameters() if p.requires_grad]
+    step = GraphedMicroStep(lambda b: causal_lm_loss(net, b), batch, params)
+    assert len(captured) == 2 and all(c == (True, True) for c in captured)  # one per layer
+    other = torch.randint(0, 64, (2, 13), device="cuda", generator=gen)
+    replayed = step(other).item()
+    with torch.no_grad():
+        eager = causal_lm_loss(net, other).item()
+    assert replayed == pytest.approx(eager, rel=1e-5)

@@ -162,6 +162,10 @@ def test_grad_sync_mode(setting, graph, world, want):
 
     train = load_recipe(None, {"train.grad_sync": setting}).train
     assert grad_sync_mode(train, graph, world) == want
+    # a chunked loss calls the bare model: auto takes step (no DDP wrapper) for it too
+    chunked = load_recipe(None, {"train.grad_sync": setting, "train.loss_chunk_tokens": 64})
+    want_chunked = "step" if (setting == "auto" and world > 1) else want
+    assert grad_sync_mode(chunked.train, graph, world) == want_chunked
 
 
 def test_recipe_refuses_an_unknown_grad_sync():

@@ -133,9 +133,11 @@ METHODS = {
     # no DDP wrapper: each rank's gradients all-reduced once per step after its micro-steps
     # (what a CUDA graph needs on a GPU; here on gloo), with merges and 2 micro-batches
     "poetxq_step": ["--set", "train.grad_sync=step", "--grad-accum", "2"],
+    # the chunked loss calls the bare model: grad_sync auto resolves to step for it
+    "poetxq_chunked": ["--set", "train.loss_chunk_tokens=24"],
 }  # fmt: skip
 #: the grad sync each 2-process run reports
-SYNC = {"poetxq": "ddp", "qapollo": "ddp", "poetxq_step": "step"}
+SYNC = {"poetxq": "ddp", "qapollo": "ddp", "poetxq_step": "step", "poetxq_chunked": "step"}
 #: per-step relative loss difference allowed between 1 and 2 processes: the same math, but the
 #: 2-process gradient is the mean of two half-batch means (fp32 sums in another order); measured
 #: <= 1.4e-6 over 8 steps

@@ -276,23 +276,27 @@ def test_offload_on_cuda_gives_the_plain_gradients_and_keeps_less():
 
 
 @pytest.mark.parametrize(
-    "option,off",
-    [("train.optimizer_in_backward=true", "train.optimizer_in_backward: false"),
-     ("train.loss_chunk_tokens=64", "train.loss_chunk_tokens: 0")],
+    "options,line",
+    [(["train.optimizer_in_backward=true"],
+      "runs in one process only; set train.optimizer_in_backward: false"),
+     (["train.loss_chunk_tokens=64", "train.grad_sync=ddp"],
+      "cannot run under DDP; set train.grad_sync: step (or auto), or train.loss_chunk_tokens: 0")],
 )  # fmt: skip
-def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, option, off):
-    """Both act on the unwrapped model, outside DDP's gradient all-reduce: with more than one
-    process the run stops with one line before writing anything."""
+def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, options, line):
+    """The optimizer in backward updates before any all-reduce, and the chunked loss calls the
+    bare model past DDP's hooks: with more than one process (the chunked loss: under DDP) the
+    run stops with one line before writing anything."""
     import accelerate
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
     code = main(["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
                  "--max-steps", "1", "--no-progress", "--output-dir", str(tmp_path),
-                 "--run-name", "d", "--set", "optim.grad_clip=0", "--set", option])  # fmt: skip
+                 "--run-name", "d", "--set", "optim.grad_clip=0",
+                 *[a for o in options for a in ("--set", o)]])  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0
-    assert err[-1].endswith(f"runs in one process only; set {off}")
+    assert err[-1].endswith(line)
     assert not (tmp_path / "d").exists()
 
 
