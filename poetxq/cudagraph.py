@@ -143,7 +143,9 @@ class GraphedMicroStep:
         self.grads = [p.grad for p in self.params]
         self.zero_grad()
         # the warm-up's freed activations stay cached in the default pool, which the capture's
-        # private pool cannot use: hand them back so the pool reuses that memory
+        # private pool cannot use: hand them back to the driver before the pool grows (the
+        # steady-state reserved peak on the H200 stayed the same, the pool's own fragmentation
+        # dominates: evals/results/gpu_memory_graph_h200_90a76c3.json)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self.graph = torch.cuda.CUDAGraph()
