@@ -310,10 +310,20 @@ def load_model_tensors(model: nn.Module, path: Path) -> tuple[list[str], list[st
     return missing, unexpected
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` with ``{"format": "pt"}`` metadata, then the file's mode
+    set as ``open()`` would under the process umask (safetensors 0.8 creates files ``0600``,
+    which leaves shared checkpoints and exports unreadable to the group)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """``safetensors.torch.save_file`` (a separate function so tests can interrupt it); tied
-    tensors are written as copies (:func:`distinct_storage`)."""
-    save_file(distinct_storage(tensors), str(path), metadata={"format": "pt"})
+    """:func:`save_safetensors` (a separate function so tests can interrupt it); tied tensors
+    are written as copies (:func:`distinct_storage`)."""
+    save_safetensors(distinct_storage(tensors), path)
 
 
 def save_training_checkpoint(
@@ -587,7 +597,8 @@ def plan_resume(
         if ckpt is None:
             raise CheckpointError(
                 f"--resume: '{resume}' holds no checkpoint (checkpoints/step-*); the run saved "
-                "none (train with --save-every N) or this is not a run directory"
+                "none (train with --save-every N; '--resume auto --run-name NAME' starts or "
+                "continues a run by name) or this is not a run directory"
             )
         read_checkpoint(ckpt)  # fail on corruption before loading the recipe from it
         recipe = load_recipe(recipe_path or ckpt / "recipe.yaml", overrides)
@@ -598,7 +609,8 @@ def plan_resume(
     if diff:
         raise CheckpointError(
             f"--resume: the recipe differs from the checkpoint's in {'; '.join(diff)}; resume "
-            "with the run's own recipe (only save/log/eval and memory settings may change) or "
+            "with the run's own recipe (only save/log/eval, memory, fuse_elementwise, "
+            "cuda_graph and grad_sync settings may change) or "
             "start a new run"
         )
     if meta["step"] >= recipe.train.max_steps:

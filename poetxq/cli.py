@@ -328,6 +328,24 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _note_method_switch(args: argparse.Namespace, recipe: Any) -> None:
+    """``--method M`` on a recipe written for another method keeps that recipe's optimizer and
+    baseline settings: say so in a note (printed by the trainer) naming the recipe with M's own
+    settings, as the baselines' authors tuned them."""
+    if args.method is None:
+        return
+    own = load_recipe(args.recipe).method
+    if own == args.method:
+        return
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny" / f"{args.method}.yaml"
+    where = f"; recipes/tiny/{args.method}.yaml has {args.method}'s own" if tiny.is_file() else ""
+    recipe.add_note(
+        f"--method {args.method} replaces the method of a {own} recipe and keeps its optimizer "
+        f"and baseline settings (optim.lr {recipe.optim.lr:g}, optim.grad_clip "
+        f"{recipe.optim.grad_clip:g}){where}"
+    )
+
+
 def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
     """Flags that do not apply to the resolved recipe are an error, not silently ignored.
 
@@ -409,6 +427,7 @@ def _run_train(args: argparse.Namespace) -> int:
     else:
         recipe = load_recipe(args.recipe, _overrides(args))
         _absolute_paths(recipe)
+        _note_method_switch(args, recipe)
     _check_flags(args, recipe)
     if recipe.model.pretrained is not None:  # fail before any work; a hub id becomes a local dir
         from poetxq.pretrained import check_pretrained_config, resolve_pretrained

@@ -172,7 +172,8 @@ def parse_bytes(text: str) -> int:
         raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
     if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
         raise EstimateError(
-            f"memory size '{text}' has no unit; write e.g. {m.group(1)}GB (bare numbers are bytes)"
+            f"memory size '{text}' has no unit; write e.g. {m.group(1)}GB (a bare number is "
+            "bytes and must be at least 1 MiB)"
         )
     scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
     size = int(float(m.group(1)) * scale)

@@ -358,8 +358,7 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
         if (run / "checkpoints").is_dir():  # an interrupted run: its checkpoints hold the model
             raise ExportError(
                 f"'{run}' is a run that has not finished (no model.safetensors, only "
-                f"checkpoints); finish it with 'poetxq train --resume {run}' (add --max-steps N "
-                "to stop sooner), then export it"
+                f"checkpoints); finish it with 'poetxq train --resume {run}', then export it"
             )
         raise ExportError(
             f"'{run}' is not a finished run directory (needs recipe.yaml and model.safetensors); "
@@ -564,7 +563,7 @@ def export_run(
     Raises:
         ExportError: bad format, unusable output directory or run directory (one line).
     """
-    from safetensors.torch import save_file
+    from poetxq.checkpoint import save_safetensors
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -610,7 +609,7 @@ def export_run(
         gen_cfg = getattr(model, "generation_config", None)
         if gen_cfg is not None and getattr(model, "can_generate", lambda: False)():
             gen_cfg.save_pretrained(str(tmp))
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(state, tmp / "model.safetensors")
         run.tokenizer.save_pretrained(str(tmp))
         (tmp / "poetxq_export.json").write_text(
             json.dumps(

@@ -215,6 +215,11 @@ class Recipe(_Section):
         ``model.max_position_embeddings``); :func:`poetxq.train.train` prints them as notes."""
         return list(self._notes)
 
+    def add_note(self, note: str) -> None:
+        """Append ``note`` to :attr:`notes` (once)."""
+        if note not in self._notes:
+            self._notes.append(note)
+
     def _check_memory_options(self) -> None:
         """``train.offload_activations`` / ``optimizer_in_backward`` / ``loss_chunk_tokens``:
         what they need (every unmet need in one message)."""

@@ -119,6 +119,33 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+#: fields report reads as numbers (null allowed): summary.json's, and metrics.jsonl's per record
+SUMMARY_NUMBERS = (
+    "steps",
+    "tokens",
+    "tokens_per_s",
+    "train_seconds",
+    "merges",
+    "initial_val_ppl",
+    "final_val_ppl",
+    "unigram_val_ppl",
+    "peak_memory_bytes",
+    "peak_rss_bytes",
+)
+METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s")
+
+
+def _check_numbers(record: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """Raise :class:`ReportError` naming ``where`` and the key when one of ``keys`` holds
+    something other than a number or null (a hand-edited or foreign file)."""
+    for key in keys:
+        value = record.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ReportError(
+                f"{where}: '{key}' is {value!r}, not a number; fix or remove the file"
+            )
+
+
 def summary_from_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """What ``summary.json`` would say, as far as ``metrics.jsonl`` tells it (a run stopped
     without writing its summary): steps, tokens, mean logged tokens/s and the step-0 val ppl;
@@ -183,6 +210,12 @@ def read_run(path: str | Path) -> Run:
             summary = summary_from_metrics(metrics)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{files[name]}: bad JSON ({exc})") from None
+    for i, record in enumerate(metrics, 1):
+        if not isinstance(record, dict):
+            raise ReportError(f"{files['metrics.jsonl']} record {i}: not a JSON object")
+        _check_numbers(record, METRIC_NUMBERS, f"{files['metrics.jsonl']} record {i}")
+    if has_summary:
+        _check_numbers(summary, SUMMARY_NUMBERS, str(files["summary.json"]))
     return Run(p, recipe, summary, metrics, has_summary=has_summary)
 
 

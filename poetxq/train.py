@@ -96,8 +96,8 @@ class TrainResult:
     final_val_ppl: float
     unigram_val_ppl: float
     final_train_loss: float
-    tokens_per_s: float
-    train_seconds: float
+    tokens_per_s: float  # this session's steps (a resumed run's too): evals and saves left out
+    train_seconds: float  # wall seconds of the training loop over all sessions, evals included
     merges: int
     device: str
     method: str = ""  # label: poetxq, poetxq4, poetx or the baseline's name
@@ -421,6 +421,8 @@ def train(
     resumed_from = [*resumed.get("resumed_from", []), start_step] if resumed else []
     window_tokens, window_start = 0, time.perf_counter()
     train_start = time.perf_counter()
+    # seconds of evaluations and checkpoint writes: left out of every tokens/s figure
+    paused = 0.0
 
     def checkpoint(step: int) -> None:
         if main:
@@ -551,15 +553,21 @@ def train(
                 post["poet_lr"] = f"{lrs['poet']:.2e}"
             bar.set_postfix(**post, tok_s=f"{tps:,.0f}")
         if evaluating:
+            t0 = time.perf_counter()
             val_loss, val_ppl = evaluate()
             log({"step": step, "loss": loss_value, "val_loss": val_loss, "val_ppl": val_ppl})
             if main:
                 bar.write(f"step {step}: loss {loss_value:.3f}, val ppl {val_ppl:.1f}")
+            window_start += time.perf_counter() - t0
+            paused += time.perf_counter() - t0
         if any_rank(stop.received is not None, device):  # every rank stops at the same step
             loss_value = check_finite(step)  # the interrupt checkpoint must not hold NaNs
             break
         if saving:
+            t0 = time.perf_counter()
             checkpoint(step)
+            window_start += time.perf_counter() - t0
+            paused += time.perf_counter() - t0
     bar.close()
 
     def finish() -> TrainResult:
@@ -569,7 +577,8 @@ def train(
         if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
             checkpoint(step)
         same = replicas_identical(raw_model) if world > 1 else None
-        this_session = max(train_seconds - seconds_before, 1e-9)
+        # this session's training steps only: evaluations and checkpoint writes left out
+        this_session = max(train_seconds - seconds_before - paused, 1e-9)
         tokens_per_s = (step - start_step) * tokens_per_step / this_session
 
         if interrupted:

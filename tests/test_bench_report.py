@@ -210,7 +210,12 @@ def test_report_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeypatch
     assert not (tmp_path / "rep").exists()
 
 
-@pytest.mark.parametrize("text,why", [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON")])
+@pytest.mark.parametrize(
+    "text,why",
+    [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON"),
+     ('{"steps": "x", "tokens_per_s": 1.0}', "'steps' is 'x', not a number"),
+     ('{"steps": 3, "final_val_ppl": true}', "'final_val_ppl' is True, not a number")],
+)  # fmt: skip
 def test_report_bad_summary_is_one_line_naming_the_file(tmp_path, capsys, text, why):
     run = tmp_path / "r"
     run.mkdir()
@@ -220,6 +225,21 @@ def test_report_bad_summary_is_one_line_naming_the_file(tmp_path, capsys, text, 
     assert main(["report", str(run), "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "summary.json" in err[0] and why in err[0]
+    assert not out.exists()
+
+
+def test_report_bad_metrics_record_is_one_line(tmp_path, capsys):
+    from poetxq.recipe import dump_recipe
+
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(None, SMALL)))
+    lines = ['{"step": 0, "val_ppl": 400.0}', '{"step": "2", "loss": 5.0}']
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "rep"
+    assert main(["report", str(run), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl record 2: 'step' is '2', not a number" in err[0]
     assert not out.exists()
 
 

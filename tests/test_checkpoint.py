@@ -379,3 +379,21 @@ def test_gradient_accumulation_averages_like_one_big_batch(tmp_path, monkeypatch
     one, two = _step1(tmp_path / "one"), _step1(tmp_path / "two")
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+def test_saved_tensor_files_follow_the_umask(tmp_path):
+    """safetensors creates files 0600; ours get what open() would give under the umask."""
+    import os
+    import stat
+
+    from poetxq.checkpoint import write_tensors
+
+    old = os.umask(0o022)
+    try:
+        write_tensors({"w": torch.ones(3)}, tmp_path / "a.safetensors")
+        os.umask(0o077)
+        write_tensors({"w": torch.ones(3)}, tmp_path / "b.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "a.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "b.safetensors").stat().st_mode) == 0o600

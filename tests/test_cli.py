@@ -422,3 +422,47 @@ def test_progress_bar_shows_both_learning_rates(tmp_path, capsys):
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     row = [r for r in rows if "lr" in r][-1]  # the last logged step (eval rows have no lr)
     assert f"lr={row['lr']:.2e}," in last and f"poet_lr={row['poet_lr']:.2e}," in last
+
+
+def test_tokens_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
+    """A 1 s evaluation every 2 steps shows in no logged window and not in summary.json's
+    tokens/s (which counts training steps only), while train_seconds still holds it."""
+    import time
+
+    import poetxq.train
+
+    real = poetxq.train.evaluate_perplexity
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(poetxq.train, "evaluate_perplexity", slow)
+    assert _run(tmp_path, "--run-name", "e", "--max-steps", "4", "--eval-every", "2",
+                "--set", "train.log_every=1") == 0  # fmt: skip
+    rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
+    windows = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    per_step = summary["tokens"] / summary["steps"]
+    assert len(windows) == 4 and min(windows) > per_step / 0.9  # every window < 0.9 s
+    # the step-2 evaluation lies inside the loop's wall time (the last step's is the final one,
+    # after it): >= 1 s in train_seconds, none of it in tokens/s
+    assert summary["train_seconds"] >= 1.0
+    assert summary["tokens"] / summary["tokens_per_s"] < summary["train_seconds"] - 0.95
+
+
+def test_method_switch_names_the_kept_settings(tmp_path, capsys):
+    """--method on a recipe written for another method keeps that recipe's optimizer settings;
+    the run says so and names the method's own tiny recipe. The same method: no note."""
+    i = TINY.index("--block-size")
+    baseline = [*TINY[:i], *TINY[i + 2 :], "--set", "baseline.rank=8"]
+    assert main(["quantize-and-train", *baseline, "--output-dir", str(tmp_path), "--run-name",
+                 "q", "--max-steps", "1", "--method", "qgalore"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        "note: --method qgalore replaces the method of a poetxq recipe and keeps its "
+        "optimizer and baseline settings (optim.lr 0.005, optim.grad_clip 1)"
+    ) in out
+    assert "recipes/tiny/qgalore.yaml has qgalore's own" in out
+    assert _run(tmp_path, "--run-name", "p", "--max-steps", "1", "--method", "poetxq") == 0
+    assert "replaces the method" not in capsys.readouterr().out

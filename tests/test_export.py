@@ -380,7 +380,7 @@ def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, cap
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("safetensors.torch.save_file", boom)
+    monkeypatch.setattr("poetxq.checkpoint.save_file", boom)
     code = main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out), "--overwrite"])
     assert code == 2 and "disk full" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "poetxq_export.json"]
