@@ -61,11 +61,12 @@ resume after a crash or SIGTERM (exactly: same losses as an uninterrupted run):
   poetxq train --run-name long --save-every 100 --resume auto   # same line to start or continue
 
 lowest memory for a large model on one GPU (recipe keys; estimate-memory takes them too):
-  --set train.gradient_checkpointing=true --set train.offload_activations=true \
-  --set train.optimizer_in_backward=true --set optim.grad_clip=0 --set train.grad_accum=1 \
+  --set train.gradient_checkpointing=true --set train.offload_activations=true \\
+  --set train.optimizer_in_backward=true --set optim.grad_clip=0 --set train.grad_accum=1 \\
   --set train.loss_chunk_tokens=256
 
-multi-GPU (DDP; --batch-size is per process):
+multi-GPU (--batch-size is per process; POET: a CUDA graph per GPU and one all-reduce per
+step, train.grad_sync; the baselines: DDP):
   accelerate launch --multi_gpu --num_processes 2 -m poetxq.cli train --recipe R.yaml
   torchrun --nproc_per_node 2 -m poetxq.cli train --recipe R.yaml     # also on CPU (gloo)
 """

