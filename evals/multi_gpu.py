@@ -202,19 +202,6 @@ def method_spec(spec: str, extra: dict) -> tuple[str, dict]:
     return method, {**extra, **({"train.grad_sync": sync} if sync else {})}
 
 
-def parse_sets(pairs: list[str]) -> dict:
-    """``--set KEY=VALUE`` pairs (VALUE read as YAML) into an overrides dict."""
-    import yaml
-
-    out = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise SystemExit(f"multi_gpu.py: --set {pair!r}: expected KEY=VALUE")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def launch(name: str, overrides: dict, nproc: int, work: Path, *, vocab: int,
            resume_from: str | None = None, run_dir: Path | None = None,
            deterministic: bool = False, timeout: float = 600,
@@ -329,7 +316,9 @@ def main() -> None:
     v = size["vocab"]
 
     # 1 + 2: equivalence in fp32 at the 1B width, then resume under DDP
-    sets = parse_sets(args.set)
+    from poetxq.recipe import parse_override
+
+    sets = dict(parse_override(pair) for pair in args.set)
     report["overrides"] = sets
     resumed = False
     for spec in args.equiv_methods.split(",") if "equivalence" in parts else []:

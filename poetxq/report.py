@@ -107,7 +107,12 @@ class Run:
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``; a torn last line (a killed writer) is skipped."""
+    """The records of ``metrics.jsonl``; a torn last line (a killed writer) is skipped.
+
+    Raises:
+        json.JSONDecodeError: a bad line before the last. ReportError: a record that is not an
+            object, or whose numeric fields (:data:`METRIC_NUMBERS`) hold something else.
+    """
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     records = []
     for i, line in enumerate(lines):
@@ -116,6 +121,10 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             if i < len(lines) - 1:
                 raise
+    for i, record in enumerate(records, 1):
+        if not isinstance(record, dict):
+            raise ReportError(f"{path} record {i}: not a JSON object")
+        _check_numbers(record, METRIC_NUMBERS, f"{path} record {i}")
     return records
 
 
@@ -210,10 +219,6 @@ def read_run(path: str | Path) -> Run:
             summary = summary_from_metrics(metrics)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{files[name]}: bad JSON ({exc})") from None
-    for i, record in enumerate(metrics, 1):
-        if not isinstance(record, dict):
-            raise ReportError(f"{files['metrics.jsonl']} record {i}: not a JSON object")
-        _check_numbers(record, METRIC_NUMBERS, f"{files['metrics.jsonl']} record {i}")
     if has_summary:
         _check_numbers(summary, SUMMARY_NUMBERS, str(files["summary.json"]))
     return Run(p, recipe, summary, metrics, has_summary=has_summary)
