@@ -36,7 +36,11 @@ import triton.language as tl
 DEFAULT_SLAB_BYTES = 32 * 2**20
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_BLOCK_R, _BLOCK_C = (16, 32) if _INTERPRET else (32, 128)
+#: ``(BLOCK_R, BLOCK_C, num_warps)`` of a decode program: rows × columns of the slab it writes
+#: (for the 4-bit pair kernel, columns of the output: 2 per packed byte).
+Tile = tuple[int, int, int]
+INT8_TILE: Tile = (16, 32, 4) if _INTERPRET else (32, 128, 4)
+FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (32, 128, 4)
 
 
 @triton.jit
@@ -125,12 +129,13 @@ def _4bit_pair_slab_kernel(
     packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     row0, col0_half, rows, cols, half_cols,
     BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    SELECT_LUT: tl.constexpr,
+    SELECT_LUT: tl.constexpr, PACK32: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """:func:`_4bit_slab_kernel` a byte at a time, for an even column offset, width and row
-    length: each packed byte is loaded once (contiguous along the row), both nibbles are decoded,
-    and the two values are interleaved in registers (high nibble first) into one contiguous
-    store of ``2·BLOCK_P`` columns."""
+    length: each packed byte is loaded once (contiguous along the row) and both nibbles are
+    decoded. The two values are interleaved in registers (high nibble first) into one contiguous
+    store of ``2·BLOCK_P`` columns, or, with ``PACK32`` (16-bit ``OUT_DTYPE``, ``out_ptr`` the
+    slab viewed as int32), rounded and packed into one 32-bit word per byte."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask = (r[:, None] < rows) & (p[None, :] < cols // 2)
@@ -144,11 +149,18 @@ def _4bit_pair_slab_kernel(
         v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
     # both nibbles of a byte share one absmax block (BLOCKSIZE is even): element 2·byte_idx
     scale = tl.load(absmax_ptr + (2 * byte_idx) // BLOCKSIZE, mask=mask, other=0.0)
-    val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
-    c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
-    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
-    omask = (r[:, None] < rows) & (c[None, :] < cols)
-    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
+    if PACK32:  # out_ptr is the 16-bit slab viewed as int32: one store per byte, no interleave
+        h = (v_hi * scale).to(OUT_DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo16 = (v_lo * scale).to(OUT_DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
+        word = (h | (lo16 << 16)).to(tl.int32, bitcast=True)  # little-endian: high nibble first
+        dst = out_ptr + r.to(tl.int64)[:, None] * (cols // 2) + p[None, :]
+        tl.store(dst, word, mask=mask)
+    else:
+        val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
+        c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
+        dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+        omask = (r[:, None] < rows) & (c[None, :] < cols)
+        tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 # A slab decoder fills ``buf`` (contiguous, ``rows·cols`` elements) with W[row0:row0+rows,
@@ -156,24 +168,30 @@ def _4bit_pair_slab_kernel(
 _Decoder = Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
 
 
-def _launch_grid(rows: int, cols: int) -> tuple[int, int]:
-    return (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+def _grid(rows: int, cols: int, tile: Tile) -> tuple[int, int]:
+    return (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
 
 
-def int8_decoder(cb: torch.Tensor, scb: torch.Tensor) -> _Decoder:
+def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = None) -> _Decoder:
     """Slab decoder for a bitsandbytes int8 row-wise weight (``CB`` int8 ``[N, K]``, ``SCB``
-    fp32 ``[N]``)."""
+    fp32 ``[N]``). ``tile``: the decode program's ``(BLOCK_R, BLOCK_C, num_warps)``, default
+    :data:`INT8_TILE`."""
     scale = scb.float() / 127.0  # [N] fp32, the same rounding as reference.dequant_int8_rowwise
+    br, bc, warps = tile or INT8_TILE
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
-        _int8_slab_kernel[_launch_grid(rows, cols)](
+        _int8_slab_kernel[_grid(rows, cols, (br, bc, warps))](
             cb, scale, out, row0, col0, rows, cols, cb.stride(0),
-            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+            BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         )  # fmt: skip
         return out.view(rows, cols)
 
     return decode
+
+
+#: pack the 4-bit pair kernel's two 16-bit values into one 32-bit store (``fourbit_decoder``)
+FOURBIT_PACK32 = False
 
 
 def fourbit_decoder(
@@ -184,12 +202,17 @@ def fourbit_decoder(
     k: int,
     *,
     lut: str = "gather",
+    tile: Tile | None = None,
+    pack32: bool | None = None,
 ) -> _Decoder:
     """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32).
 
     ``lut``: how code values are looked up, ``"gather"`` (a load from ``quant_map`` per element;
     the H200 measured this) or ``"select"`` (a tree of selects over 16 scalars; same values,
-    not yet timed on a GPU — ``evals/bench_dequant_matmul.py`` compares the two).
+    ``evals/bench_dequant_matmul.py`` compares the two). ``tile``: ``(BLOCK_R, BLOCK_C,
+    num_warps)`` of the decode program, default :data:`FOURBIT_TILE`. ``pack32``: for 16-bit
+    slabs at even offsets, store each byte's two values as one 32-bit word (same values);
+    default :data:`FOURBIT_PACK32`.
 
     Raises:
         ValueError: unknown ``lut``.
@@ -197,21 +220,26 @@ def fourbit_decoder(
     if lut not in ("gather", "select"):
         raise ValueError(f"lut must be 'gather' or 'select', got {lut!r}")
     packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
-
     select = lut == "select"
+    br, bc, warps = tile or FOURBIT_TILE
+    want_pack = FOURBIT_PACK32 if pack32 is None else pack32
+    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
         if k % 2 == 0 and col0 % 2 == 0 and cols % 2 == 0 and blocksize % 2 == 0:
-            grid = (triton.cdiv(rows, _BLOCK_R), triton.cdiv(cols, _BLOCK_C))
+            pack = want_pack and buf.dtype in tl_dtype and out.data_ptr() % 4 == 0
+            grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
             _4bit_pair_slab_kernel[grid](
-                packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
-                BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_P=_BLOCK_C // 2, SELECT_LUT=select,
+                packed, absmax, qmap, out.view(torch.int32) if pack else out,
+                row0, col0 // 2, rows, cols, k // 2,
+                BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_P=bc // 2, SELECT_LUT=select,
+                PACK32=pack, OUT_DTYPE=tl_dtype.get(buf.dtype, tl.float32), num_warps=warps,
             )  # fmt: skip
         else:  # odd offsets / widths: one element at a time
-            _4bit_slab_kernel[_launch_grid(rows, cols)](
+            _4bit_slab_kernel[_grid(rows, cols, (br, bc, warps))](
                 packed, absmax, qmap, out, row0, col0, rows, cols, k,
-                BLOCKSIZE=blocksize, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, SELECT_LUT=select,
+                BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_C=bc, SELECT_LUT=select, num_warps=warps,
             )  # fmt: skip
         return out.view(rows, cols)
 
@@ -219,9 +247,14 @@ def fourbit_decoder(
 
 
 def _band(total: int, other: int, elem: int, slab_bytes: int, align: int) -> int:
-    """Rows (or columns) per slab: as many as fit ``slab_bytes``, a multiple of ``align``."""
-    per = max(slab_bytes // max(other * elem, 1), align) // align * align
-    return min(per, total)
+    """Rows (or columns) per slab: a multiple of ``align`` that fits ``slab_bytes`` (at least
+    ``align``), balanced so that the bands are about equal (no small last band: each band is one
+    cuBLAS call, and a thin one runs the tensor cores at a fraction of their rate)."""
+    most = max(slab_bytes // max(other * elem, 1), align) // align * align
+    if most >= total:
+        return total
+    even = -(-total // -(-total // most))  # ceil(total / number of bands)
+    return min(-(-even // align) * align, most)
 
 
 def _prepare(

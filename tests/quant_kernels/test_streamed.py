@@ -15,6 +15,7 @@ F = pytest.importorskip("bitsandbytes.functional")
 
 from quant_kernels.reference import dequant_int8_rowwise, quantize_int8_rowwise  # noqa: E402
 from quant_kernels.streamed import (  # noqa: E402
+    _band,
     fourbit_decoder,
     int8_decoder,
     streamed_matmul_fm,
@@ -31,6 +32,13 @@ TOL = {torch.float32: 1e-6 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+def _int8_parts(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' ``CB`` / ``SCB`` of a random fp16 weight, on DEVICE."""
+    w = torch.randn(n, k, generator=gen).to(torch.float16)
+    cb, scb, _ = F.int8_vectorwise_quant(w)
+    return cb.to(DEVICE), scb.to(DEVICE)
 
 
 def _int8(n: int, k: int, gen: torch.Generator):
@@ -81,6 +89,55 @@ def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, lut, gen
     for r0, rows, c0, cols in rects:
         slab = dec(buf, r0, rows, c0, cols)  # nibble order and block boundaries
         assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_4bit_pack32_stores_the_same_16bit_values(dtype, quant_type, gen):
+    """Packing both nibbles' values into one 32-bit word (high nibble in the low half, i.e. at
+    the lower address) gives the interleaving kernel's slab bit for bit; on a GPU also equal to
+    bnb's dequantized weight rounded to ``dtype`` (the interpreter truncates fp32 -> 16-bit)."""
+    n, k = 9, 192
+    w = torch.randn(n, k, generator=gen)
+    packed, st = F.quantize_4bit(w.clone(), blocksize=64, quant_type=quant_type)
+    deq = F.dequantize_4bit(packed, st).float()
+    args = (packed.to(DEVICE), st.absmax.float().to(DEVICE), st.code.float().to(DEVICE), 64, k)
+    packs = fourbit_decoder(*args, pack32=True, tile=(8, 64, 2))
+    plain = fourbit_decoder(*args, pack32=False)
+    for r0, rows, c0, cols in ((0, 9, 0, 192), (1, 3, 64, 128), (3, 6, 2, 62), (8, 1, 190, 2)):
+        nan = torch.full((n * k,), float("nan"), device=DEVICE, dtype=dtype)
+        a = packs(nan, r0, rows, c0, cols)
+        b = plain(torch.empty(n * k, device=DEVICE, dtype=dtype), r0, rows, c0, cols)
+        assert a.dtype == dtype and a.shape == (rows, cols)
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        if DEVICE == "cuda":
+            assert torch.equal(a.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols].to(dtype))
+
+
+def test_int8_slab_with_another_tile_equals_reference(gen):
+    cb, scb = _int8_parts(37, 300, gen)
+    deq = dequant_int8_rowwise(cb.cpu(), scb.cpu())
+    buf = torch.empty(37 * 300, device=DEVICE)
+    for tile in ((4, 64, 1), (8, 256, 8)):  # ragged in both directions
+        small = int8_decoder(cb, scb, tile=tile)
+        assert torch.equal(small(buf, 3, 30, 5, 290).cpu(), deq[3:33, 5:295])
+        assert torch.equal(small(buf, 0, 37, 0, 300).cpu(), deq)
+
+
+@pytest.mark.parametrize(
+    "total,other,slab,align,want",
+    [
+        (14336, 4096, 32 * 2**20, 128, 3584),  # 3.5 bands of 4096 rows -> 4 bands of 3584
+        (13824, 5120, 32 * 2**20, 128, 2816),  # at most 3200 rows -> 5 bands: 4 × 2816 + 2560
+        (4096, 14336, 32 * 2**20, 64, 1024),  # 1152 columns fit -> 4 bands of 1024
+        (300, 64, 1, 128, 128),  # the alignment floor
+        (300, 64, 10**9, 128, 300),  # one band
+    ],
+)
+def test_bands_are_balanced_and_fit_the_slab(total, other, slab, align, want):
+    band = _band(total, other, 2, slab, align)
+    assert band == want
+    assert band * other * 2 <= max(slab, align * other * 2)
 
 
 # slab_bytes small enough that every call streams several bands, the last one partial
