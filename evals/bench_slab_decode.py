@@ -1,14 +1,21 @@
-"""Slab decoders of the streamed dequant-GEMM: tile sweep, then the GEMM ratios they give (GPU).
+"""Slab decoders of the streamed dequant-GEMM: tile sweep, GEMM ratios and where the time goes.
 
-Part 1 times one 32 MiB slab decode (int8 row-wise; NF4 blocksize 64 with fp32 absmax) at the
-Llama-8B / 13B MLP weights, as a band of rows (forward) and as a band of columns (dX), for every
-candidate ``(BLOCK_R, BLOCK_C, num_warps)`` tile (and, for NF4, the gather / select code lookup
-and the interleaved / packed 32-bit store). It prints the rate against the HBM traffic of the
-decode (bytes read + bytes written) and picks the fastest setting per format, summed over shapes.
+Every time here is GPU time: the calls are captured in a CUDA graph and the replay timed
+(``_common.cuda_graph_ms``). A Triton launch costs 20–40 µs of Python, longer than a 32 MiB
+decode, so a CUDA-event time around one eager call measures the host, not the kernel. Each
+measurement is repeated over ``ROUNDS`` interleaved rounds (the H200's clocks move with power
+draw) and the median kept.
 
-Part 2 times ``x @ deq(W)ᵀ`` and ``g @ deq(W)`` (M = 8192 and 2048) side by side with bf16 cuBLAS:
-the current defaults, the picked tile, and both with equal-sized bands (``streamed._band``) or
-with the previous banding (full bands and a ragged last one), at 16 / 32 / 64 MiB slabs.
+Part 1 decodes a whole Llama-8B / 13B MLP weight (int8 row-wise; NF4 blocksize 64 with fp32
+absmax) in 32 MiB slabs, as bands of rows (forward) and of columns (dX), for every candidate
+``(BLOCK_R, BLOCK_C, num_warps)`` tile (NF4 also: gather / select code lookup, interleaved /
+packed 32-bit store), and prints the rate against the decode's HBM traffic (codes read + 16-bit
+slab written). The fastest setting per format, summed over shapes, is picked.
+
+Part 2 times ``x @ deq(W)ᵀ`` and ``g @ deq(W)`` (M = 8192 and 2048) beside bf16 cuBLAS, and splits
+the streamed call into its decodes alone and its slab GEMMs alone (on an already decoded slab),
+for the default and the picked decoder, at 32 / 64 MiB slabs, with equal-sized bands
+(``streamed._band``) and with the previous banding (full bands and a ragged last one).
 
 Usage:  python evals/bench_slab_decode.py --out FILE.json
 """
@@ -17,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import sys
 from collections.abc import Iterator
 
 import torch
-from _common import cuda_time_ms, provenance, write_json_atomic
+from _common import cuda_graph_ms, provenance, write_json_atomic
 
 from quant_kernels import reference, streamed
 from quant_kernels.streamed import (
@@ -38,6 +46,7 @@ INT8_TILES = [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8
 FOURBIT_TILES = [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
                  (8, 1024, 8), (4, 1024, 4)]  # fmt: skip
 SLAB = 32 * 2**20
+ROUNDS = 3
 GEMM_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 5120, 13824),
                (8192, 13824, 5120), (2048, 4096, 14336), (2048, 14336, 4096)]  # fmt: skip
 
@@ -87,28 +96,52 @@ def _decoders(wt: dict, k: int) -> dict[str, object]:
     return decs
 
 
+def _median_ms(fns: dict[str, object]) -> dict[str, float]:
+    """GPU ms of each zero-argument call, median over ROUNDS interleaved rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(ROUNDS):
+        for name, fn in fns.items():
+            times[name].append(cuda_graph_ms(fn, iters=20))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _decode_all(dec, buf: torch.Tensor, n: int, k: int, band: int, rows: bool) -> None:
+    """Decode the whole weight, one band of ``band`` rows (or columns) after another."""
+    total = n if rows else k
+    for o in range(0, total, band):
+        cnt = min(band, total - o)
+        dec(buf, o, cnt, 0, k) if rows else dec(buf, 0, n, o, cnt)
+
+
 def decode_sweep() -> dict:
-    """Part 1: ms and GB/s of one 32 MiB slab decode per setting, rows and columns bands."""
+    """Part 1: GPU ms and GB/s of decoding one whole weight in 32 MiB slabs, per setting."""
     res: dict = {}
     for n, k in WEIGHTS:
         wt = _weights(n, k)
         rows = min(n, SLAB // (2 * k)) // 128 * 128
         cols = min(k, SLAB // (2 * n)) // 64 * 64
         buf = torch.empty(SLAB // 2, device="cuda", dtype=torch.bfloat16)
-        ref_rows = wt["w_bf16"][:rows]
         entry: dict = {"N": n, "K": k, "rows_band": rows, "cols_band": cols}
-        for name, dec in _decoders(wt, k).items():
-            fmt_bytes = 1.0 if name.startswith("int8") else 0.5
-            r = {}
-            for band, args, count in (("rows", (0, rows, 0, k), rows * k),
-                                      ("cols", (0, n, 0, cols), n * cols)):  # fmt: skip
-                ms = cuda_time_ms(lambda d=dec, a=args: d(buf, *a), warmup=5, iters=30)  # noqa: B023
-                traffic = count * (2 + fmt_bytes)  # bytes written + bytes of codes read
-                r[band] = {"ms": ms, "gbps": traffic / ms / 1e6}
+        decs = _decoders(wt, k)
+        fns: dict = {}
+        for name, dec in decs.items():
+            for band, cnt, along_rows in (("rows", rows, True), ("cols", cols, False)):
+                fns[(name, band)] = functools.partial(_decode_all, dec, buf, n, k, cnt, along_rows)
+        view = buf[: rows * k].view(rows, k)
+        fns[("torch int8->bf16 copy", "rows")] = functools.partial(view.copy_, wt["cb"][:rows])
+        ms = _median_ms(fns)
+        ms[("torch int8->bf16 copy", "rows")] *= -(-n // rows)  # per whole weight
+        for name in [*decs, "torch int8->bf16 copy"]:
+            fmt_bytes = 0.5 if name.startswith("nf4") else 1.0
+            traffic = n * k * (2 + fmt_bytes)  # 16-bit slab written + codes read
+            r = {band: {"ms": ms[(name, band)], "gbps": traffic / ms[(name, band)] / 1e6}
+                 for band in ("rows", "cols") if (name, band) in ms}  # fmt: skip
             if name.startswith("int8"):  # exact against the reference dequantizer
-                r["exact"] = bool(torch.equal(dec(buf, 0, rows, 0, k), ref_rows))
-            print(f"{n}x{k} {name:40s} rows {r['rows']['gbps']:7.0f} GB/s  "
-                  f"cols {r['cols']['gbps']:7.0f} GB/s", flush=True)  # fmt: skip
+                got = decs[name](buf, 0, rows, 0, k)
+                r["exact"] = bool(torch.equal(got, wt["w_bf16"][:rows]))
+            print(f"{n}x{k} {name:40s} " + "  ".join(
+                f"{band} {v['ms'] * 1e3:6.1f} µs {v['gbps']:6.0f} GB/s"
+                for band, v in r.items() if isinstance(v, dict)), flush=True)  # fmt: skip
             entry[name] = r
         res[f"{n}x{k}"] = entry
     return res
@@ -118,7 +151,7 @@ def _best(sweep: dict, prefix: str) -> str | None:
     totals: dict[str, float] = {}
     for entry in sweep.values():
         for name, r in entry.items():
-            if isinstance(r, dict) and name.startswith(prefix):
+            if isinstance(r, dict) and name.startswith(prefix) and "cols" in r:
                 totals[name] = totals.get(name, 0.0) + r["rows"]["ms"] + r["cols"]["ms"]
     return min(totals, key=totals.get) if totals else None
 
@@ -135,22 +168,47 @@ def _parse(name: str) -> dict:
 
 def _gemm_table(side: str, acts: list[torch.Tensor], w_bf: torch.Tensor, settings: dict) -> dict:
     """One side (``forward`` x @ Wᵀ or ``dX`` g @ W) of one shape: bf16 cuBLAS, then every
-    decoder setting × slab size × banding, timed with the activations rotated over 3 buffers."""
+    decoder setting × slab size × banding: the streamed call, its decodes alone and its slab
+    GEMMs alone; each call made once per activation buffer (3) inside the timed graph."""
     n, k = w_bf.shape
-    it = itertools.cycle(acts)
     fwd = side == "forward"
-    t0 = cuda_time_ms(lambda: next(it) @ (w_bf.t() if fwd else w_bf))
-    table: dict = {"bf16_matmul_ms": t0}
+    m = acts[0].shape[0]
+    fns: dict = {"bf16_matmul": lambda: [a @ (w_bf.t() if fwd else w_bf) for a in acts]}
     run = streamed_matmul_nt if fwd else streamed_matmul_nn
     for (name, dec), mib, balanced in itertools.product(
-        settings.items(), (16, 32, 64), (False, True)
+        settings.items(), (32, 64), (False, True)
     ):
         sb = mib * 2**20
-        with _banding(balanced):
-            ms = cuda_time_ms(lambda d=dec, sb=sb: run(next(it), d, n, k, slab_bytes=sb))
+        band = (streamed._band if balanced else _old_band)(
+            n if fwd else k, k if fwd else n, 2, sb, 128 if fwd else 64
+        )
+        buf = torch.empty(band * (k if fwd else n), device="cuda", dtype=w_bf.dtype)
+        out = torch.empty(m, n if fwd else k, device="cuda", dtype=w_bf.dtype)
         key = f"{name} {mib}MiB {'balanced' if balanced else 'ragged'}"
-        table[key] = {"ms": ms, "ratio_vs_bf16": ms / t0}
-    return table
+
+        def call(d=dec, sb=sb, balanced=balanced) -> None:
+            with _banding(balanced):
+                for a in acts:
+                    run(a, d, n, k, slab_bytes=sb)
+
+        def decodes(d=dec, band=band, buf=buf) -> None:
+            for _ in acts:
+                _decode_all(d, buf, n, k, band, fwd)
+
+        def gemms(band=band, buf=buf, out=out) -> None:
+            total = n if fwd else k
+            for a in acts:
+                for o in range(0, total, band):
+                    c = min(band, total - o)
+                    if fwd:
+                        torch.mm(a, buf[: c * k].view(c, k).t(), out=out[:, o : o + c])
+                    else:
+                        torch.mm(a, buf[: n * c].view(n, c), out=out[:, o : o + c])
+
+        fns[key], fns[key + " decode only"], fns[key + " gemms only"] = call, decodes, gemms
+    ms = {name: t / len(acts) for name, t in _median_ms(fns).items()}
+    t0 = ms["bf16_matmul"]
+    return {name: {"ms": t, "ratio_vs_bf16": t / t0} for name, t in ms.items()}
 
 
 def gemm_ratios(best_int8: str, best_nf4: str | None) -> list[dict]:
@@ -172,9 +230,13 @@ def gemm_ratios(best_int8: str, best_nf4: str | None) -> list[dict]:
         for side, width in (("forward", k), ("dX", n)):
             acts = [torch.randn(m, width, device="cuda", dtype=bf) for _ in range(3)]
             table = _gemm_table(side, acts, wt["w_bf16"], settings)
-            best = min((v["ratio_vs_bf16"], kk) for kk, v in table.items() if isinstance(v, dict))
-            print(f"M={m} K={k} N={n} {side:7s} bf16 {table['bf16_matmul_ms']:.3f} ms, "
-                  f"best {best[1]} {best[0]:.3f}×", flush=True)  # fmt: skip
+            print(f"M={m} K={k} N={n} {side}: bf16 {table['bf16_matmul']['ms']:.3f} ms", flush=True)
+            for key, v in table.items():
+                if key.endswith("32MiB balanced") or key.endswith("32MiB ragged"):
+                    dec_ms = table[key + " decode only"]["ms"]
+                    gemm_ms = table[key + " gemms only"]["ms"]
+                    print(f"  {key:30s} {v['ratio_vs_bf16']:.3f}×  (decodes {dec_ms:.3f} ms, "
+                          f"slab GEMMs {gemm_ms:.3f} ms)", flush=True)  # fmt: skip
             row[side] = table
         out.append(row)
     return out

@@ -34,7 +34,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from _common import cuda_peak_extra_mib, cuda_time_ms, git_commit
+from _common import cuda_graph_ms, cuda_peak_extra_mib, cuda_time_ms, git_commit
 
 from poetxq.layer import POETXLinear
 
@@ -173,23 +173,6 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     return res
 
 
-def _graph_ms(fn: Callable[[], object]) -> float:
-    """GPU time of ``fn()`` (no host launch gaps): ``fn`` captured once as a CUDA graph and the
-    replay timed (median CUDA-event time, ms)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = cuda_time_ms(graph.replay)
-    del graph
-    return ms
-
-
 def _host_issue_ms(fn: Callable[[], object], iters: int = 30) -> float:
     """Median host time to *issue* ``fn()`` (no synchronisation inside the timed region), ms."""
     for _ in range(5):
@@ -272,7 +255,7 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
             with ctx:
                 fn = run(mod)
                 row = {"eager_ms": cuda_time_ms(fn), "host_issue_ms": _host_issue_ms(fn),
-                       "gpu_ms_graph": _graph_ms(fn)}  # fmt: skip
+                       "gpu_ms_graph": cuda_graph_ms(fn)}  # fmt: skip
         except Exception as exc:  # record and go on
             row = {"error": f"{type(exc).__name__}: {exc}"}
         if name == "nn_linear":
