@@ -40,7 +40,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: (for the 4-bit pair kernel, columns of the output: 2 per packed byte).
 Tile = tuple[int, int, int]
 INT8_TILE: Tile = (16, 32, 4) if _INTERPRET else (32, 128, 4)
-FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (32, 128, 4)
+FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (8, 512, 4)
 
 
 @triton.jit
@@ -129,38 +129,35 @@ def _4bit_pair_slab_kernel(
     packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     row0, col0_half, rows, cols, half_cols,
     BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    SELECT_LUT: tl.constexpr, PACK32: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    SELECT_LUT: tl.constexpr, PAIR_LUT: tl.constexpr,
 ):  # fmt: skip
     """:func:`_4bit_slab_kernel` a byte at a time, for an even column offset, width and row
     length: each packed byte is loaded once (contiguous along the row) and both nibbles are
     decoded. The two values are interleaved in registers (high nibble first) into one contiguous
-    store of ``2·BLOCK_P`` columns, or, with ``PACK32`` (16-bit ``OUT_DTYPE``, ``out_ptr`` the
-    slab viewed as int32), rounded and packed into one 32-bit word per byte."""
+    store of ``2·BLOCK_P`` columns. ``PAIR_LUT``: ``qmap_ptr`` is a 256-entry table of fp32
+    value pairs (:func:`_pair_table`) viewed as int64, one load per byte for both nibbles."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask = (r[:, None] < rows) & (p[None, :] < cols // 2)
     byte_idx = (row0 + r).to(tl.int64)[:, None] * half_cols + (col0_half + p)[None, :]
     byte = tl.load(packed_ptr + byte_idx, mask=mask, other=0).to(tl.int32)
     hi, lo = byte >> 4, byte & 15
-    if SELECT_LUT:
+    if PAIR_LUT:  # little-endian: the high nibble's value in the low 32 bits
+        pair = tl.load(qmap_ptr + byte, mask=mask, other=0)
+        v_hi = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        v_lo = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    elif SELECT_LUT:
         v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
     else:
         v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
         v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
     # both nibbles of a byte share one absmax block (BLOCKSIZE is even): element 2·byte_idx
     scale = tl.load(absmax_ptr + (2 * byte_idx) // BLOCKSIZE, mask=mask, other=0.0)
-    if PACK32:  # out_ptr is the 16-bit slab viewed as int32: one store per byte, no interleave
-        h = (v_hi * scale).to(OUT_DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
-        lo16 = (v_lo * scale).to(OUT_DTYPE).to(tl.uint16, bitcast=True).to(tl.uint32)
-        word = (h | (lo16 << 16)).to(tl.int32, bitcast=True)  # little-endian: high nibble first
-        dst = out_ptr + r.to(tl.int64)[:, None] * (cols // 2) + p[None, :]
-        tl.store(dst, word, mask=mask)
-    else:
-        val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
-        c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
-        dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
-        omask = (r[:, None] < rows) & (c[None, :] < cols)
-        tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
+    val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
+    c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
+    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+    omask = (r[:, None] < rows) & (c[None, :] < cols)
+    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 # A slab decoder fills ``buf`` (contiguous, ``rows·cols`` elements) with W[row0:row0+rows,
@@ -190,8 +187,12 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
     return decode
 
 
-#: pack the 4-bit pair kernel's two 16-bit values into one 32-bit store (``fourbit_decoder``)
-FOURBIT_PACK32 = False
+def _pair_table(qmap: torch.Tensor) -> torch.Tensor:
+    """``[256]`` int64: for each byte, ``(quant_map[byte >> 4], quant_map[byte & 15])`` as two
+    fp32 bit patterns, the high nibble's value in the low 32 bits (its lower address)."""
+    codes = torch.arange(256, device=qmap.device)
+    pairs = torch.stack([qmap[codes >> 4], qmap[codes & 15]], dim=1).float().contiguous()
+    return pairs.view(torch.int64).reshape(256)
 
 
 def fourbit_decoder(
@@ -203,38 +204,34 @@ def fourbit_decoder(
     *,
     lut: str = "gather",
     tile: Tile | None = None,
-    pack32: bool | None = None,
 ) -> _Decoder:
     """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32).
 
-    ``lut``: how code values are looked up, ``"gather"`` (a load from ``quant_map`` per element;
-    the H200 measured this) or ``"select"`` (a tree of selects over 16 scalars; same values,
-    ``evals/bench_dequant_matmul.py`` compares the two). ``tile``: ``(BLOCK_R, BLOCK_C,
-    num_warps)`` of the decode program, default :data:`FOURBIT_TILE`. ``pack32``: for 16-bit
-    slabs at even offsets, store each byte's two values as one 32-bit word (same values);
-    default :data:`FOURBIT_PACK32`.
+    ``lut``: how code values are looked up: ``"gather"`` (a load from the 16-entry
+    ``quant_map`` per element), ``"pair"`` (one load per byte from a 256-entry table of value
+    pairs) or ``"select"`` (a tree of selects over 16 scalars); the same values either way,
+    ``evals/bench_slab_decode.py`` times them. ``tile``: ``(BLOCK_R, BLOCK_C, num_warps)`` of
+    the decode program, default :data:`FOURBIT_TILE`.
 
     Raises:
         ValueError: unknown ``lut``.
     """
-    if lut not in ("gather", "select"):
-        raise ValueError(f"lut must be 'gather' or 'select', got {lut!r}")
+    if lut not in ("gather", "pair", "select"):
+        raise ValueError(f"lut must be 'gather', 'pair' or 'select', got {lut!r}")
     packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
     select = lut == "select"
+    pair_lut = _pair_table(qmap) if lut == "pair" else None
     br, bc, warps = tile or FOURBIT_TILE
-    want_pack = FOURBIT_PACK32 if pack32 is None else pack32
-    tl_dtype = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
         if k % 2 == 0 and col0 % 2 == 0 and cols % 2 == 0 and blocksize % 2 == 0:
-            pack = want_pack and buf.dtype in tl_dtype and out.data_ptr() % 4 == 0
             grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
             _4bit_pair_slab_kernel[grid](
-                packed, absmax, qmap, out.view(torch.int32) if pack else out,
+                packed, absmax, qmap if pair_lut is None else pair_lut, out,
                 row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_P=bc // 2, SELECT_LUT=select,
-                PACK32=pack, OUT_DTYPE=tl_dtype.get(buf.dtype, tl.float32), num_warps=warps,
+                PAIR_LUT=pair_lut is not None, num_warps=warps,
             )  # fmt: skip
         else:  # odd offsets / widths: one element at a time
             _4bit_slab_kernel[_grid(rows, cols, (br, bc, warps))](
