@@ -30,7 +30,7 @@ import sys
 from collections.abc import Iterator
 
 import torch
-from _common import cuda_graph_ms, provenance, write_json_atomic
+from _common import cuda_graph_ms, cuda_time_ms, provenance, write_json_atomic
 
 from quant_kernels import reference, streamed
 from quant_kernels.streamed import (
@@ -41,10 +41,11 @@ from quant_kernels.streamed import (
 )
 
 WEIGHTS = [(14336, 4096), (4096, 14336), (13824, 5120), (5120, 13824)]  # (N out, K in)
-INT8_TILES = [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8), (4, 1024, 4),
-              (8, 1024, 8), (64, 128, 8), (32, 512, 8), (16, 1024, 8)]  # fmt: skip
-FOURBIT_TILES = [(32, 128, 4), (16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8),
-                 (8, 1024, 8), (4, 1024, 4)]  # fmt: skip
+# (slab_decode_h200_*.json at 1d1d… has the wider sweep: int8 tiles within 10 % of each other,
+# the 32-bit packed NF4 store and the select lookup slower)
+INT8_TILES = [(32, 128, 4), (16, 256, 4), (64, 128, 8)]
+FOURBIT_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (4, 512, 2), (8, 256, 2), (2, 1024, 2)]
+FOURBIT_LUTS = ("gather", "pair")
 SLAB = 32 * 2**20
 ROUNDS = 3
 GEMM_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 5120, 13824),
@@ -72,6 +73,7 @@ def _weights(n: int, k: int) -> dict:
     w = torch.randn(n, k, device="cuda") / k**0.5
     cb, scb = reference.quantize_int8_rowwise(w)
     out = {"w_bf16": reference.dequant_int8_rowwise(cb, scb, torch.bfloat16), "cb": cb, "scb": scb}
+    out["w_f32"] = w
     try:
         import bitsandbytes.functional as F
 
@@ -89,19 +91,25 @@ def _decoders(wt: dict, k: int) -> dict[str, object]:
         decs[f"int8 {t}"] = int8_decoder(wt["cb"], wt["scb"], tile=t)
     if "nf4" in wt:
         packed, absmax, code = wt["nf4"]
-        for t, lut, pack in itertools.product(FOURBIT_TILES, ("gather", "select"), (False, True)):
-            decs[f"nf4 {t} {lut} {'pack32' if pack else 'join'}"] = fourbit_decoder(
-                packed, absmax, code, 64, k, lut=lut, tile=t, pack32=pack
-            )
+        for t, lut in itertools.product(FOURBIT_TILES, FOURBIT_LUTS):
+            decs[f"nf4 {t} {lut}"] = fourbit_decoder(packed, absmax, code, 64, k, lut=lut, tile=t)
     return decs
 
 
 def _median_ms(fns: dict[str, object]) -> dict[str, float]:
     """GPU ms of each zero-argument call, median over ROUNDS interleaved rounds."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    eager: set[str] = set()
     for _ in range(ROUNDS):
         for name, fn in fns.items():
-            times[name].append(cuda_graph_ms(fn, iters=20))
+            if name not in eager:
+                try:
+                    times[name].append(cuda_graph_ms(fn, iters=20))
+                    continue
+                except RuntimeError as exc:  # not capturable: CUDA-event time of eager calls
+                    print(f"{name}: no CUDA graph ({str(exc).splitlines()[0][:80]}); eager time")
+                    eager.add(name)
+            times[name].append(cuda_time_ms(fn, iters=20))
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
@@ -157,27 +165,30 @@ def _best(sweep: dict, prefix: str) -> str | None:
 
 
 def _parse(name: str) -> dict:
-    """'nf4 (8, 512, 4) select pack32' → decoder keyword arguments."""
+    """'nf4 (8, 512, 4) pair' → decoder keyword arguments."""
     tile = tuple(int(v) for v in name[name.index("(") + 1 : name.index(")")].split(","))
     kw: dict = {"tile": tile}
     rest = name[name.index(")") + 1 :].split()
     if rest:
-        kw["lut"], kw["pack32"] = rest[0], rest[1] == "pack32"
+        kw["lut"] = rest[0]
     return kw
 
 
-def _gemm_table(side: str, acts: list[torch.Tensor], w_bf: torch.Tensor, settings: dict) -> dict:
-    """One side (``forward`` x @ Wᵀ or ``dX`` g @ W) of one shape: bf16 cuBLAS, then every
-    decoder setting × slab size × banding: the streamed call, its decodes alone and its slab
-    GEMMs alone; each call made once per activation buffer (3) inside the timed graph."""
+def _gemm_table(
+    side: str, acts: list[torch.Tensor], w_bf: torch.Tensor, settings: dict, others: dict
+) -> dict:
+    """One side (``forward`` x @ Wᵀ or ``dX`` g @ W) of one shape: bf16 cuBLAS, ``others``
+    (name → call on one activation, e.g. bitsandbytes' path), then every decoder setting × slab
+    size × banding: the streamed call, its decodes alone and its slab GEMMs alone; each call
+    made once per activation buffer (3) inside the timed graph."""
     n, k = w_bf.shape
     fwd = side == "forward"
     m = acts[0].shape[0]
     fns: dict = {"bf16_matmul": lambda: [a @ (w_bf.t() if fwd else w_bf) for a in acts]}
+    for name, fn in others.items():
+        fns[name] = functools.partial(lambda f: [f(a) for a in acts], fn)
     run = streamed_matmul_nt if fwd else streamed_matmul_nn
-    for (name, dec), mib, balanced in itertools.product(
-        settings.items(), (32, 64), (False, True)
-    ):
+    for (name, dec), mib, balanced in itertools.product(settings.items(), (32, 64), (False, True)):
         sb = mib * 2**20
         band = (streamed._band if balanced else _old_band)(
             n if fwd else k, k if fwd else n, 2, sb, 128 if fwd else 64
@@ -211,6 +222,20 @@ def _gemm_table(side: str, acts: list[torch.Tensor], w_bf: torch.Tensor, setting
     return {name: {"ms": t, "ratio_vs_bf16": t / t0} for name, t in ms.items()}
 
 
+def _bnb_nf4(w: torch.Tensor) -> dict:
+    """bitsandbytes' own NF4 paths on the same weight (blocksize 64, no double quant, as the
+    decoders above): ``matmul_4bit`` forward (``Linear4bit``'s), and its backward's dX, a full
+    ``dequantize_4bit`` then a bf16 GEMM."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    packed, st = F.quantize_4bit(w.to(torch.bfloat16), blocksize=64, quant_type="nf4")
+    return {
+        "forward": {"bnb_matmul_4bit": lambda x: bnb.matmul_4bit(x, packed.t(), quant_state=st)},
+        "dX": {"bnb_dequantize_then_matmul": lambda g: g @ F.dequantize_4bit(packed, st)},
+    }
+
+
 def gemm_ratios(best_int8: str, best_nf4: str | None) -> list[dict]:
     """Part 2: streamed GEMMs against bf16 cuBLAS, defaults against the picked settings."""
     out = []
@@ -222,17 +247,21 @@ def gemm_ratios(best_int8: str, best_nf4: str | None) -> list[dict]:
             "int8 default": int8_decoder(cb, scb),
             "int8 picked": int8_decoder(cb, scb, **_parse(best_int8)),
         }
+        others: dict = {"forward": {}, "dX": {}}
         if best_nf4 and "nf4" in wt:
             p, a, c = wt["nf4"]
             settings["nf4 default"] = fourbit_decoder(p, a, c, 64, k)
             settings["nf4 picked"] = fourbit_decoder(p, a, c, 64, k, **_parse(best_nf4))
+            others = _bnb_nf4(wt["w_f32"])
         row: dict = {"M": m, "K": k, "N": n}
         for side, width in (("forward", k), ("dX", n)):
             acts = [torch.randn(m, width, device="cuda", dtype=bf) for _ in range(3)]
-            table = _gemm_table(side, acts, wt["w_bf16"], settings)
+            table = _gemm_table(side, acts, wt["w_bf16"], settings, others[side])
             print(f"M={m} K={k} N={n} {side}: bf16 {table['bf16_matmul']['ms']:.3f} ms", flush=True)
             for key, v in table.items():
-                if key.endswith("32MiB balanced") or key.endswith("32MiB ragged"):
+                if key.startswith("bnb"):
+                    print(f"  {key:30s} {v['ratio_vs_bf16']:.3f}×", flush=True)
+                elif key.endswith("32MiB balanced") or key.endswith("32MiB ragged"):
                     dec_ms = table[key + " decode only"]["ms"]
                     gemm_ms = table[key + " gemms only"]["ms"]
                     print(f"  {key:30s} {v['ratio_vs_bf16']:.3f}×  (decodes {dec_ms:.3f} ms, "
