@@ -8,9 +8,9 @@ draw) and the median kept.
 
 Part 1 decodes a whole Llama-8B / 13B MLP weight (int8 row-wise; NF4 blocksize 64 with fp32
 absmax) in 32 MiB slabs, as bands of rows (forward) and of columns (dX), for every candidate
-``(BLOCK_R, BLOCK_C, num_warps)`` tile (NF4 also: gather / select code lookup, interleaved /
-packed 32-bit store), and prints the rate against the decode's HBM traffic (codes read + 16-bit
-slab written). The fastest setting per format, summed over shapes, is picked.
+``(BLOCK_R, BLOCK_C, num_warps)`` tile (NF4 also: absmax loaded per byte or per block), and
+prints the rate against the decode's HBM traffic (codes read + 16-bit slab written). The fastest
+setting per format, summed over shapes, is picked.
 
 Part 2 times ``x @ deq(W)ᵀ`` and ``g @ deq(W)`` (M = 8192 and 2048) beside bf16 cuBLAS, and splits
 the streamed call into its decodes alone and its slab GEMMs alone (on an already decoded slab),
@@ -41,11 +41,12 @@ from quant_kernels.streamed import (
 )
 
 WEIGHTS = [(14336, 4096), (4096, 14336), (13824, 5120), (5120, 13824)]  # (N out, K in)
-# (slab_decode_h200_*.json at 1d1d… has the wider sweep: int8 tiles within 10 % of each other,
-# the 32-bit packed NF4 store and the select lookup slower)
+# evals/results/slab_decode_sweep_h200_d59ade3.json has a wider sweep (int8 tiles within 10 % of
+# each other; the 32-bit packed NF4 store and the select lookup slower), and
+# slab_decode_h200_c30093d.json a 256-entry pair lookup (no faster)
 INT8_TILES = [(32, 128, 4), (16, 256, 4), (64, 128, 8)]
 FOURBIT_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (4, 512, 2), (8, 256, 2), (2, 1024, 2)]
-FOURBIT_LUTS = ("gather", "pair")
+FOURBIT_PER_BLOCK = (False, True)  # absmax loaded per byte / per block
 SLAB = 32 * 2**20
 ROUNDS = 3
 GEMM_SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 5120, 13824),
@@ -91,8 +92,10 @@ def _decoders(wt: dict, k: int) -> dict[str, object]:
         decs[f"int8 {t}"] = int8_decoder(wt["cb"], wt["scb"], tile=t)
     if "nf4" in wt:
         packed, absmax, code = wt["nf4"]
-        for t, lut in itertools.product(FOURBIT_TILES, FOURBIT_LUTS):
-            decs[f"nf4 {t} {lut}"] = fourbit_decoder(packed, absmax, code, 64, k, lut=lut, tile=t)
+        for t, pb in itertools.product(FOURBIT_TILES, FOURBIT_PER_BLOCK):
+            decs[f"nf4 {t} {'block' if pb else 'byte'}"] = fourbit_decoder(
+                packed, absmax, code, 64, k, tile=t, per_block=pb
+            )
     return decs
 
 
@@ -165,12 +168,12 @@ def _best(sweep: dict, prefix: str) -> str | None:
 
 
 def _parse(name: str) -> dict:
-    """'nf4 (8, 512, 4) pair' → decoder keyword arguments."""
+    """'nf4 (8, 512, 4) block' → decoder keyword arguments."""
     tile = tuple(int(v) for v in name[name.index("(") + 1 : name.index(")")].split(","))
     kw: dict = {"tile": tile}
     rest = name[name.index(")") + 1 :].split()
     if rest:
-        kw["lut"] = rest[0]
+        kw["per_block"] = rest[0] == "block"
     return kw
 
 

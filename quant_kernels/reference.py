@@ -81,7 +81,17 @@ def dequant_int8_rowwise(
 
     The product is formed in fp32 and then cast, as bitsandbytes' ``int8_vectorwise_dequant``.
     """
-    return (cb * (scb.float() / 127.0).unsqueeze(1)).to(dtype)  # int8 * fp32 -> fp32, one pass
+    return (cb * int8_row_scale(scb).unsqueeze(1)).to(dtype)  # int8 * fp32 -> fp32, one pass
+
+
+def int8_row_scale(scb: torch.Tensor) -> torch.Tensor:
+    """``SCB / 127`` in fp32 (``[m]``), correctly rounded on every device.
+
+    A Python-scalar divisor would let torch's CUDA kernel multiply by the rounded reciprocal
+    ``1/127`` instead, one ulp off for some ``SCB``; dividing by a tensor is IEEE division on the
+    CPU and the GPU alike, so the dequantized weight is bit-identical across devices."""
+    scb = scb.float()
+    return scb / torch.full_like(scb, 127.0)
 
 
 def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quant_kernels.reference import int8_row_scale
+
 #: bytes of 16-bit weight decoded per slab (forward rows / dX columns); see the module docstring
 DEFAULT_SLAB_BYTES = 32 * 2**20
 
@@ -129,24 +131,19 @@ def _4bit_pair_slab_kernel(
     packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     row0, col0_half, rows, cols, half_cols,
     BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    SELECT_LUT: tl.constexpr, PAIR_LUT: tl.constexpr,
+    SELECT_LUT: tl.constexpr,
 ):  # fmt: skip
     """:func:`_4bit_slab_kernel` a byte at a time, for an even column offset, width and row
     length: each packed byte is loaded once (contiguous along the row) and both nibbles are
     decoded. The two values are interleaved in registers (high nibble first) into one contiguous
-    store of ``2·BLOCK_P`` columns. ``PAIR_LUT``: ``qmap_ptr`` is a 256-entry table of fp32
-    value pairs (:func:`_pair_table`) viewed as int64, one load per byte for both nibbles."""
+    store of ``2·BLOCK_P`` columns."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask = (r[:, None] < rows) & (p[None, :] < cols // 2)
     byte_idx = (row0 + r).to(tl.int64)[:, None] * half_cols + (col0_half + p)[None, :]
     byte = tl.load(packed_ptr + byte_idx, mask=mask, other=0).to(tl.int32)
     hi, lo = byte >> 4, byte & 15
-    if PAIR_LUT:  # little-endian: the high nibble's value in the low 32 bits
-        pair = tl.load(qmap_ptr + byte, mask=mask, other=0)
-        v_hi = (pair & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
-        v_lo = (pair >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-    elif SELECT_LUT:
+    if SELECT_LUT:
         v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
     else:
         v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
@@ -157,6 +154,43 @@ def _4bit_pair_slab_kernel(
     c = tl.program_id(1) * (2 * BLOCK_P) + tl.arange(0, 2 * BLOCK_P)
     dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
     omask = (r[:, None] < rows) & (c[None, :] < cols)
+    tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _4bit_block_slab_kernel(
+    packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
+    row0, col0_half, rows, cols, half_cols,
+    BLOCKSIZE: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr,
+    SELECT_LUT: tl.constexpr,
+):  # fmt: skip
+    """:func:`_4bit_pair_slab_kernel` for slabs whose rows start on an absmax block (the row
+    length and the column offset are multiples of ``BLOCKSIZE``): a program decodes
+    ``BLOCK_R`` rows × ``NB`` whole blocks, loading each block's absmax once (``[BLOCK_R, NB]``)
+    instead of once per byte."""
+    HALF: tl.constexpr = BLOCKSIZE // 2  # bytes per block
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    blk = tl.program_id(1) * NB + tl.arange(0, NB)
+    j = tl.arange(0, HALF)
+    rmask = r < rows
+    p = blk[:, None] * HALF + j[None, :]  # [NB, HALF] byte column within the slab row
+    mask = rmask[:, None, None] & (p < cols // 2)[None, :, :]
+    row_byte = (row0 + r).to(tl.int64) * half_cols + col0_half  # [BLOCK_R] first byte of the row
+    byte = tl.load(packed_ptr + row_byte[:, None, None] + p[None, :, :], mask=mask, other=0)
+    byte = byte.to(tl.int32)
+    hi, lo = byte >> 4, byte & 15
+    if SELECT_LUT:
+        v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
+    else:
+        v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
+        v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    bmask = rmask[:, None] & (blk * HALF < cols // 2)[None, :]
+    scale = tl.load(absmax_ptr + (2 * row_byte // BLOCKSIZE)[:, None] + blk[None, :], mask=bmask,
+                    other=0.0)[:, :, None]  # fmt: skip
+    val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, NB * BLOCKSIZE])
+    c = tl.program_id(1) * (NB * BLOCKSIZE) + tl.arange(0, NB * BLOCKSIZE)
+    dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
+    omask = rmask[:, None] & (c[None, :] < cols)
     tl.store(dst, val.to(out_ptr.dtype.element_ty), mask=omask)
 
 
@@ -173,7 +207,7 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
     """Slab decoder for a bitsandbytes int8 row-wise weight (``CB`` int8 ``[N, K]``, ``SCB``
     fp32 ``[N]``). ``tile``: the decode program's ``(BLOCK_R, BLOCK_C, num_warps)``, default
     :data:`INT8_TILE`."""
-    scale = scb.float() / 127.0  # [N] fp32, the same rounding as reference.dequant_int8_rowwise
+    scale = int8_row_scale(scb)  # [N] fp32, the rounding of reference.dequant_int8_rowwise
     br, bc, warps = tile or INT8_TILE
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
@@ -187,12 +221,8 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
     return decode
 
 
-def _pair_table(qmap: torch.Tensor) -> torch.Tensor:
-    """``[256]`` int64: for each byte, ``(quant_map[byte >> 4], quant_map[byte & 15])`` as two
-    fp32 bit patterns, the high nibble's value in the low 32 bits (its lower address)."""
-    codes = torch.arange(256, device=qmap.device)
-    pairs = torch.stack([qmap[codes >> 4], qmap[codes & 15]], dim=1).float().contiguous()
-    return pairs.view(torch.int64).reshape(256)
+#: decode 4-bit slabs a whole absmax block at a time where they allow it (``fourbit_decoder``)
+FOURBIT_PER_BLOCK = False
 
 
 def fourbit_decoder(
@@ -204,34 +234,47 @@ def fourbit_decoder(
     *,
     lut: str = "gather",
     tile: Tile | None = None,
+    per_block: bool | None = None,
 ) -> _Decoder:
     """Slab decoder for a bitsandbytes NF4/FP4 weight with ``k`` columns (``absmax`` fp32).
 
     ``lut``: how code values are looked up: ``"gather"`` (a load from the 16-entry
-    ``quant_map`` per element), ``"pair"`` (one load per byte from a 256-entry table of value
-    pairs) or ``"select"`` (a tree of selects over 16 scalars); the same values either way,
-    ``evals/bench_slab_decode.py`` times them. ``tile``: ``(BLOCK_R, BLOCK_C, num_warps)`` of
-    the decode program, default :data:`FOURBIT_TILE`.
+    ``quant_map`` per element) or ``"select"`` (a tree of selects over 16 scalars); the same
+    values either way, ``evals/bench_slab_decode.py`` times them. ``tile``: ``(BLOCK_R,
+    BLOCK_C, num_warps)`` of the decode program, default :data:`FOURBIT_TILE`. ``per_block``:
+    where the slab's rows start on absmax blocks (``k`` and the column offset multiples of
+    ``blocksize``, ``blocksize`` a power of two ≤ ``BLOCK_C``), load each block's absmax once
+    instead of once per byte; default :data:`FOURBIT_PER_BLOCK`.
 
     Raises:
         ValueError: unknown ``lut``.
     """
-    if lut not in ("gather", "pair", "select"):
-        raise ValueError(f"lut must be 'gather', 'pair' or 'select', got {lut!r}")
+    if lut not in ("gather", "select"):
+        raise ValueError(f"lut must be 'gather' or 'select', got {lut!r}")
     packed, absmax, qmap = packed.reshape(-1), absmax.float().reshape(-1), quant_map.float()
     select = lut == "select"
-    pair_lut = _pair_table(qmap) if lut == "pair" else None
     br, bc, warps = tile or FOURBIT_TILE
+    pow2 = blocksize & (blocksize - 1) == 0
+    blockwise = (
+        (FOURBIT_PER_BLOCK if per_block is None else per_block) and pow2 and k % blocksize == 0
+    )
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
-        if k % 2 == 0 and col0 % 2 == 0 and cols % 2 == 0 and blocksize % 2 == 0:
+        even = col0 % 2 == 0 and cols % 2 == 0
+        if blockwise and even and col0 % blocksize == 0 and 2 <= blocksize <= bc:
+            nb = bc // blocksize
+            grid = (triton.cdiv(rows, br), triton.cdiv(cols, nb * blocksize))
+            _4bit_block_slab_kernel[grid](
+                packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
+                BLOCKSIZE=blocksize, BLOCK_R=br, NB=nb, SELECT_LUT=select, num_warps=warps,
+            )  # fmt: skip
+        elif k % 2 == 0 and even and blocksize % 2 == 0:
             grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
             _4bit_pair_slab_kernel[grid](
-                packed, absmax, qmap if pair_lut is None else pair_lut, out,
-                row0, col0 // 2, rows, cols, k // 2,
+                packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_P=bc // 2, SELECT_LUT=select,
-                PAIR_LUT=pair_lut is not None, num_warps=warps,
+                num_warps=warps,
             )  # fmt: skip
         else:  # odd offsets / widths: one element at a time
             _4bit_slab_kernel[_grid(rows, cols, (br, bc, warps))](

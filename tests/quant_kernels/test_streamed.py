@@ -79,7 +79,7 @@ def test_int8_slab_equals_reference_dequant_exactly(rect, gen):
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("lut", ["gather", "pair", "select"])
+@pytest.mark.parametrize("lut", ["gather", "select"])
 def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, lut, gen):
     dec, deq = _4bit(9, 192, quant_type, double_quant, gen, lut)
     buf = torch.empty(9 * 192, device=DEVICE)
@@ -91,9 +91,31 @@ def test_4bit_slab_equals_bnb_dequant_exactly(quant_type, double_quant, lut, gen
         assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols])
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("tile", [(4, 128, 1), (2, 64, 1), (8, 256, 2)])
+@pytest.mark.parametrize("lut", ["gather", "select"])
+def test_4bit_per_block_slab_equals_bnb_dequant_exactly(double_quant, tile, lut, gen):
+    """The whole-block kernel (one absmax load per block): block-aligned slabs, partial last
+    blocks, and the offsets it hands back to the pair / per-element kernels."""
+    packed, st = F.quantize_4bit(torch.randn(9, 192, generator=gen), blocksize=64, quant_type="nf4",
+                                 compress_statistics=double_quant)  # fmt: skip
+    deq = F.dequantize_4bit(packed, st).float()
+    absmax = st.absmax.float()
+    if double_quant:
+        absmax = (F.dequantize_blockwise(st.absmax, st.state2) + st.offset).float()
+    per_block = fourbit_decoder(packed.to(DEVICE), absmax.to(DEVICE), st.code.float().to(DEVICE),
+                                64, 192, lut=lut, tile=tile, per_block=True)  # fmt: skip
+    buf = torch.full((9 * 192,), float("nan"), device=DEVICE)
+    rects = ((0, 9, 0, 192), (1, 3, 64, 128), (2, 5, 128, 64), (0, 9, 0, 100), (4, 5, 64, 30),
+             (3, 6, 2, 62), (2, 5, 63, 66))  # fmt: skip
+    for r0, rows, c0, cols in rects:
+        slab = per_block(buf, r0, rows, c0, cols)
+        assert torch.equal(slab.cpu(), deq[r0 : r0 + rows, c0 : c0 + cols]), (r0, rows, c0, cols)
+
+
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_4bit_tiles_and_luts_give_the_same_bf16_slab(quant_type, gen):
-    """Every code lookup and tile rounds the same fp32 values to bf16 (the interpreter
+def test_4bit_tiles_and_kernels_give_the_same_bf16_slab(quant_type, gen):
+    """Every kernel and tile rounds the same fp32 values to bf16 (the interpreter
     truncates where the GPU rounds, so the oracle is the gather lookup on the same device; the
     fp32 test above checks that one against bnb); on a GPU also bnb's weight rounded to bf16."""
     n, k = 9, 192
@@ -102,8 +124,8 @@ def test_4bit_tiles_and_luts_give_the_same_bf16_slab(quant_type, gen):
     deq = F.dequantize_4bit(packed, st).float()
     args = (packed.to(DEVICE), st.absmax.float().to(DEVICE), st.code.float().to(DEVICE), 64, k)
     oracle = fourbit_decoder(*args)
-    settings = (("pair", None), ("pair", (4, 64, 1)), ("select", (8, 256, 2)))
-    others = [fourbit_decoder(*args, lut=lut, tile=tile) for lut, tile in settings]
+    settings = ((None, True), ((4, 128, 1), True), ((2, 64, 1), True), ((8, 256, 2), False))
+    others = [fourbit_decoder(*args, tile=tile, per_block=pb) for tile, pb in settings]
     for r0, rows, c0, cols in ((0, 9, 0, 192), (1, 3, 64, 128), (3, 6, 2, 62), (8, 1, 190, 2)):
         want = oracle(torch.empty(n * k, device=DEVICE, dtype=torch.bfloat16), r0, rows, c0, cols)
         if DEVICE == "cuda":
@@ -176,7 +198,7 @@ def test_errors(gen):
         streamed_matmul_nt(torch.randn(2, 8, device=DEVICE), dec, 8, 16)
     with pytest.raises(ValueError, match="last dim 16; the weight \\[8, 16\\] needs 8"):
         streamed_matmul_nn(torch.randn(2, 16, device=DEVICE), dec, 8, 16)
-    with pytest.raises(ValueError, match="lut must be 'gather', 'pair' or 'select'"):
+    with pytest.raises(ValueError, match="lut must be 'gather' or 'select'"):
         fourbit_decoder(torch.zeros(8, dtype=torch.uint8), torch.ones(1), torch.ones(16), 64, 16,
                         lut="table")  # fmt: skip
     with pytest.raises(ValueError, match="slab_bytes must be positive"):
