@@ -39,10 +39,11 @@ DEFAULT_SLAB_BYTES = 32 * 2**20
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: ``(BLOCK_R, BLOCK_C, num_warps)`` of a decode program: rows × columns of the slab it writes
-#: (for the 4-bit pair kernel, columns of the output: 2 per packed byte).
+#: (for the 4-bit kernels, columns of the output: 2 per packed byte). The GPU defaults are the
+#: fastest in ``evals/bench_slab_decode.py``'s sweep (int8 tiles all within 1 %).
 Tile = tuple[int, int, int]
 INT8_TILE: Tile = (16, 32, 4) if _INTERPRET else (32, 128, 4)
-FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (8, 512, 4)
+FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (4, 512, 2)
 
 
 @triton.jit
@@ -221,8 +222,10 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
     return decode
 
 
-#: decode 4-bit slabs a whole absmax block at a time where they allow it (``fourbit_decoder``)
-FOURBIT_PER_BLOCK = False
+#: decode 4-bit slabs a whole absmax block at a time where they allow it (``fourbit_decoder``):
+#: on the H200 a whole Llama-8B / 13B MLP weight in 32 MiB slabs takes 53–75 µs against 72–107
+#: µs per byte, int8's 51–65 µs (``evals/results/slab_decode_h200_8b1763c.json``)
+FOURBIT_PER_BLOCK = True
 
 
 def fourbit_decoder(
