@@ -232,15 +232,15 @@ def _fused_cast_saving(recipe: Recipe, targets: set[str], bits: int, b: int) -> 
     they take their fp32 input uncast (:func:`_fused_input_cast`): each feature-major projection
     of a group keeps the group's one fp32 input (``4d``, shared) instead of its own bf16 copy
     (``2d``). q/k/v: ``6d → 4d``; gate/up: ``4d → 4d``. Negative for a group with one such
-    projection. Feature-major: in ``targets``, no ragged side, not the 4-bit (input-order)
-    store."""
+    projection. Feature-major: in ``targets``, no ragged side (any store: the 4-bit one's
+    input-order wrapper gathers feature-major rows)."""
     d = recipe.model.hidden_size
     dims = {name: (m, n) for name, m, n in _projections(recipe)}
     saving = 0
     for group in _SHARED_INPUT_GROUPS:
         fm = [
             g for g in group
-            if g in targets and bits != 4 and dims[g][0] % b == 0 and dims[g][1] % b == 0
+            if g in targets and dims[g][0] % b == 0 and dims[g][1] % b == 0
         ]  # fmt: skip
         if fm:
             saving += 2 * d * len(fm) - 4 * d
@@ -462,8 +462,8 @@ def estimate_memory(
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
-        # the lean path needs the feature-major one: no ragged side, not the 4-bit store
-        if _lean_fast_swiglu(precision) and mlp and bits != 4 and f % b == 0 and d % b == 0:
+        # the lean path needs the feature-major one: no ragged side
+        if _lean_fast_swiglu(precision) and mlp and f % b == 0 and d % b == 0:
             # poetxq.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
             # permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f

@@ -33,6 +33,7 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -73,6 +74,25 @@ class _InputOrderStore:
 
     def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
         return quant_kernels.permute_last(self.frozen.matmul_t(dh), self.side_p.perm)
+
+    # feature-major (``[features, T]``): the permutations become row gathers of whole rows
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        return self.frozen.matmul_fm(zt.index_select(0, self.side_p.inv_perm))
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        return self.frozen.matmul_t_fm(dht).index_select(0, self.side_p.perm)
+
+    def backward_fm(
+        self,
+        zt: torch.Tensor,
+        dht: torch.Tensor,
+        row_align: int,
+        on_rows: Callable[[int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        zt_in = zt.index_select(0, self.side_p.inv_perm)
+        return self.frozen.backward_fm(zt_in, dht, row_align, on_rows).index_select(
+            0, self.side_p.perm
+        )
 
 
 class _FrozenMatmul(torch.autograd.Function):
@@ -131,15 +151,9 @@ def _feature_major(
 ) -> bool:
     """Whether the feature-major path serves this call: allowed for ``x``
     (:func:`quant_kernels.feature_major_layer`, or for the ``fast`` variant's training forward
-    :func:`quant_kernels.fast_feature_major_layer`), no ragged block on either side, and a store
-    that multiplies feature-major itself (not the 4-bit input-order wrapper)."""
+    :func:`quant_kernels.fast_feature_major_layer`) and no ragged block on either side."""
     allowed = quant_kernels.fast_feature_major_layer if fast else quant_kernels.feature_major_layer
-    return (
-        allowed(x)
-        and not isinstance(frozen, _InputOrderStore)
-        and side_p.padded_dim == side_p.dim
-        and side_r.padded_dim == side_r.dim
-    )
+    return allowed(x) and side_p.padded_dim == side_p.dim and side_r.padded_dim == side_r.dim
 
 
 def _forward(

@@ -223,17 +223,33 @@ class Blockwise4bitWeight(FrozenWeight):
             self.nested_blocksize,
         )  # fmt: skip
 
+    def _gemm_args(self) -> tuple[torch.Tensor, torch.Tensor, str, int, tuple[int, int]]:
+        """``(packed, fp32 absmax, quant_type, blocksize, (m, n))`` for the 4-bit GEMMs."""
+        shape = (self.out_features, self.in_features)
+        return self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize, shape
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul(  # fused Triton kernel on CUDA
-            x, self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize,
-            (self.out_features, self.in_features),
-        )  # fmt: skip
+        return quant_kernels.blockwise_4bit_matmul(x, *self._gemm_args())  # streamed on CUDA
 
     def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_t(
-            g, self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize,
-            (self.out_features, self.in_features),
-        )  # fmt: skip
+        return quant_kernels.blockwise_4bit_matmul_t(g, *self._gemm_args())
+
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul_fm(zt, *self._gemm_args())
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul_t_fm(dht, *self._gemm_args())
+
+    def backward_fm(
+        self,
+        zt: torch.Tensor,
+        dht: torch.Tensor,
+        row_align: int,
+        on_rows: Callable[[int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_backward_fm(
+            zt, dht, *self._gemm_args(), row_align, on_rows
+        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return q4.dequantize_4bit_blockwise(

@@ -52,8 +52,11 @@ __all__ = [
     "block_diag_matmul",
     "block_diag_perm_grad",
     "block_diag_perm_matmul",
+    "blockwise_4bit_backward_fm",
     "blockwise_4bit_matmul",
+    "blockwise_4bit_matmul_fm",
     "blockwise_4bit_matmul_t",
+    "blockwise_4bit_matmul_t_fm",
     "cayley_neumann",
     "cayley_neumann_lean",
     "dequant_int8_rowwise",
@@ -380,6 +383,22 @@ def int8_rowwise_backward_fm(
     return int8_rowwise_matmul_t_fm(dht, cb, scb)
 
 
+def _fourbit_decoder(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+    device: torch.device,
+) -> Callable[..., torch.Tensor]:
+    """The slab decoder of a bitsandbytes NF4/FP4 weight ``[N, K]`` (``absmax`` fp32)."""
+    from quant_kernels import reference_4bit
+    from quant_kernels.streamed import fourbit_decoder
+
+    code = reference_4bit.get_4bit_code(quant_type, device)
+    return fourbit_decoder(packed, absmax, code, blocksize, shape[1])
+
+
 def blockwise_4bit_matmul(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -397,10 +416,9 @@ def blockwise_4bit_matmul(
 
     path = weight_gemm_path(x, bits=4)
     if path == "streamed":
-        from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nt
+        from quant_kernels.streamed import streamed_matmul_nt
 
-        code = reference_4bit.get_4bit_code(quant_type, x.device)
-        dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
+        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, x.device)
         return streamed_matmul_nt(x, dec, *shape, slab_bytes=slab_bytes_for(_rows(x)))
     if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul as fused
@@ -423,10 +441,9 @@ def blockwise_4bit_matmul_t(
 
     path = weight_gemm_path(g, bits=4)
     if path == "streamed":
-        from quant_kernels.streamed import fourbit_decoder, streamed_matmul_nn
+        from quant_kernels.streamed import streamed_matmul_nn
 
-        code = reference_4bit.get_4bit_code(quant_type, g.device)
-        dec = fourbit_decoder(packed, absmax, code, blocksize, shape[1])
+        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, g.device)
         return streamed_matmul_nn(g, dec, *shape, slab_bytes=slab_bytes_for(_rows(g)))
     if path == "fused":
         from quant_kernels.dequant_matmul import blockwise_4bit_matmul_t as fused
@@ -434,6 +451,72 @@ def blockwise_4bit_matmul_t(
         code = reference_4bit.get_4bit_code(quant_type, g.device)
         return fused(g, packed, absmax, code, blocksize, shape)
     return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)
+
+
+def blockwise_4bit_matmul_fm(
+    zt: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``W @ zt`` for a feature-major ``zt [K, T]`` and an NF4/FP4 weight ``W [N, K]`` →
+    ``[N, T]`` contiguous (:func:`int8_rowwise_matmul_fm`'s 4-bit twin). Streamed on a GPU;
+    elsewhere :func:`blockwise_4bit_matmul` and a transpose copy."""
+    if weight_gemm_path(zt.t(), bits=4) == "streamed":
+        from quant_kernels.streamed import streamed_matmul_fm
+
+        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, zt.device)
+        return streamed_matmul_fm(zt, dec, *shape, slab_bytes=slab_bytes_for(zt.shape[1]))
+    args = (packed, absmax, quant_type, blocksize, shape)
+    return blockwise_4bit_matmul(zt.t(), *args).t().contiguous()
+
+
+def blockwise_4bit_matmul_t_fm(
+    dht: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+) -> torch.Tensor:
+    """``Wᵀ @ dht`` for ``dht [N, T]`` → ``[K, T]`` contiguous: the 4-bit dX GEMM,
+    feature-major (see :func:`blockwise_4bit_matmul_fm`)."""
+    if weight_gemm_path(dht.t(), bits=4) == "streamed":
+        from quant_kernels.streamed import streamed_matmul_t_fm
+
+        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, dht.device)
+        return streamed_matmul_t_fm(dht, dec, *shape, slab_bytes=slab_bytes_for(dht.shape[1]))
+    args = (packed, absmax, quant_type, blocksize, shape)
+    return blockwise_4bit_matmul_t(dht.t(), *args).t().contiguous()
+
+
+def blockwise_4bit_backward_fm(
+    zt: torch.Tensor,
+    dht: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    quant_type: str,
+    blocksize: int,
+    shape: tuple[int, int],
+    row_align: int,
+    on_rows: Callable[[int, torch.Tensor], None],
+) -> torch.Tensor:
+    """:func:`int8_rowwise_backward_fm` for an NF4/FP4 weight ``W [N, K]``: the recompute
+    ``W @ zt`` handed to ``on_rows`` in bands of whole ``row_align``-row groups, and the
+    returned dX GEMM ``Wᵀ @ dht`` → ``[K, T]``; one decode of each slab for both on the streamed
+    path with :data:`ONE_DECODE_BACKWARD_MEASURED_FASTER`."""
+    args = (packed, absmax, quant_type, blocksize, shape)
+    if ONE_DECODE_BACKWARD_MEASURED_FASTER and weight_gemm_path(zt.t(), bits=4) == "streamed":
+        from quant_kernels.streamed import streamed_backward_fm
+
+        return streamed_backward_fm(
+            zt, dht, _fourbit_decoder(*args, zt.device), *shape, row_align=row_align,
+            on_rows=on_rows, slab_bytes=slab_bytes_for(zt.shape[1]),
+        )  # fmt: skip
+    on_rows(0, blockwise_4bit_matmul_fm(zt, *args))
+    return blockwise_4bit_matmul_t_fm(dht, *args)
 
 
 def permute_last(

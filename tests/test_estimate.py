@@ -308,8 +308,9 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
 
 
 def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
-    """2·f·c fewer bytes per token and layer with the flag; none for a 4-bit store (input-order,
-    never feature-major), a ragged intermediate size (176 = 5·32 + 16) or POETXQ_KERNELS=torch."""
+    """2·f·c fewer bytes per token and layer with the flag (a 4-bit store too: its input-order
+    wrapper runs feature-major); none for a ragged intermediate size (176 = 5·32 + 16) or
+    POETXQ_KERNELS=torch."""
     import quant_kernels
 
     def acts(flag: bool, **over) -> int:
@@ -317,9 +318,11 @@ def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
         r = _recipe(**{"model.intermediate_size": 192, "poet.variant": "fast", **over})
         return estimate_memory(r, vocab_size=V, precision="bf16").activations
 
-    assert acts(False) - acts(True) == 2 * 32 * 2 * 192 * 2  # L = 2, T = 32, 2·f, bf16
-    for over in ({"poet.bits": 4}, {"model.intermediate_size": 176}):
-        assert acts(False, **over) == acts(True, **over)
+    for over in ({}, {"poet.bits": 4}):
+        assert acts(False, **over) - acts(True, **over) == 2 * 32 * 2 * 192 * 2  # L 2, T 32, bf16
+    assert acts(False, **{"model.intermediate_size": 176}) == acts(
+        True, **{"model.intermediate_size": 176}
+    )
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
     assert acts(False) == acts(True)
 
@@ -327,7 +330,7 @@ def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
 def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
     """q/k/v keep one shared fp32 input instead of three bf16 copies (6d -> 4d bytes per token
     and layer); gate/up 4d -> 4d. Not for fast layers (they keep no input), bf16 or fp32
-    (CPU) runs, a 4-bit store, a ragged q/k/v side or POETXQ_KERNELS=torch."""
+    (CPU) runs, a ragged q/k/v side or POETXQ_KERNELS=torch; a 4-bit store as int8."""
     import quant_kernels
 
     def acts(flag: bool, precision: str = "autocast", **over) -> int:
@@ -338,9 +341,10 @@ def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
     assert quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER  # on by default since measured
     d, L, T = 64, 2, 32
     assert acts(False) - acts(True) == L * T * 2 * d
+    assert acts(False, **{"poet.bits": 4}) - acts(True, **{"poet.bits": 4}) == L * T * 2 * d
     for precision in ("bf16", "fp32"):
         assert acts(False, precision) == acts(True, precision)
-    for over in ({"poet.variant": "fast"}, {"poet.bits": 4}, {"poet.block_size": 48}):
+    for over in ({"poet.variant": "fast"}, {"poet.block_size": 48}):
         assert acts(False, **over) == acts(True, **over)
     # q/k only: two projections share the fp32 input, 2 x 2d -> 4d, no saving
     assert acts(False, **{"poet.target_modules": ["q_proj", "k_proj"]}) == acts(

@@ -84,10 +84,10 @@ def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
 
 
 # (32 -> 48, b = 16): no ragged block; (40 -> 56): ragged on both sides, which falls back;
-# bits 4 keeps its store in input order (the wrapper multiplies row-major) and falls back too
+# bits 4 keeps its store in input order: the wrapper gathers whole feature-major rows
 @pytest.mark.parametrize(
     "n,m,bits,taken", [(32, 48, 8, True), (32, 48, 16, True), (40, 56, 8, False),
-                       (32, 48, 4, False)],
+                       (32, 48, 4, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeypatch, gen):
@@ -110,15 +110,16 @@ def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeyp
     _assert_same((y, g), (y_ref, g_ref))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("freeze_r", [False, True])
-def test_one_decode_backward_equals_torch_path(freeze_r, monkeypatch, gen):
-    """The feature-major int8 backward that decodes each slab once for the recompute and the dX
-    GEMM (quant_kernels.ONE_DECODE_BACKWARD_MEASURED_FASTER), in several bands of whole blocks
-    (272 = 17·16 rows, bands of 128, 128, 16), equals the torch path; with R frozen it skips the
-    recompute."""
+def test_one_decode_backward_equals_torch_path(bits, freeze_r, monkeypatch, gen):
+    """The feature-major int8 / 4-bit backward that decodes each slab once for the recompute and
+    the dX GEMM (quant_kernels.ONE_DECODE_BACKWARD_MEASURED_FASTER), in several bands of whole
+    blocks (272 = 17·16 rows, bands of 128, 128, 16), equals the torch path; with R frozen it
+    skips the recompute."""
     import quant_kernels.streamed as streamed
 
-    layer, x, _ = _case(32, 272, 8, False, gen)
+    layer, x, _ = _case(32, 272, bits, False, gen)
     layer.R.Q.requires_grad_(not freeze_r)
     y_ref, g_ref = _run(layer, x)
     bands = []
@@ -155,11 +156,11 @@ def _count_calls(monkeypatch, owner, names):
     return calls
 
 
-# as above: (32 -> 48) takes the path, ragged sides and the 4-bit input-order store fall back;
-# with a side frozen its block gradient is skipped
+# as above: (32 -> 48) takes the path (the 4-bit store too), ragged sides fall back; with a
+# side frozen its block gradient is skipped
 @pytest.mark.parametrize(
     "n,m,bits,taken", [(32, 48, 8, True), (32, 48, 16, True), (40, 56, 8, False),
-                       (32, 48, 4, False)],
+                       (32, 48, 4, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("frozen_side", [None, "P", "R"])
 def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_side, monkeypatch,
@@ -197,7 +198,7 @@ def test_fast_feature_major_path_is_on_by_default_on_cuda_only(gen, monkeypatch)
 
 
 @pytest.mark.parametrize("variant", ["mem", "fast"])
-@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 16, 4])
 def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen):
     """fp32 activations under bf16 autocast: the feature-major path takes x uncast and casts it
     in its first permutation (quant_kernels.fused_input_cast), and returns dx in fp32 from its
@@ -254,7 +255,7 @@ def test_fused_input_cast_needs_every_path_feature_major(gen, monkeypatch):
     assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
 
 
-@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("bits", [8, 16, 4])
 @pytest.mark.parametrize("frozen_side", [None, "P", "R"])
 def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_side, monkeypatch,
                                                                 gen):  # fmt: skip

@@ -68,7 +68,7 @@ def test_make_frozen_weight():
 @pytest.mark.parametrize("kind", ["int8", "nf4", "dense"])
 def test_feature_major_matmuls_equal_the_row_major_ones(kind):
     """FrozenWeight.matmul_fm / matmul_t_fm (feature-major in and out) are the transposes of
-    matmul / matmul_t for every store (int8 and dense have their own; NF4 the default)."""
+    matmul / matmul_t for every store."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=gen)
     store = make_frozen_weight(w, {"int8": 8, "nf4": 4, "dense": 16}[kind])
