@@ -221,12 +221,13 @@ def _kernels() -> list[str]:
     if d is None:
         return []
     lines = [
-        "## Weight GEMMs: int8 / NF4 dequant-matmul against bf16 cuBLAS",
+        "## Weight GEMMs: int8 / NF4 dequant-matmul against bf16 cuBLAS (eager, older decoders)",
         "",
-        "Time of each path divided by bf16 `torch.matmul` with the weight already in bf16, same "
-        "process. *streamed*: quant_kernels/streamed.py with a 32 / 64 MiB slab; *fused*: the "
-        "Triton dequant-matmul; *whole*: dequantize the whole weight, then cuBLAS; *bnb*: "
-        "`bitsandbytes.matmul_4bit`.",
+        "Eager CUDA-event times, which include the host's Triton launches (the section above "
+        "times the GPU alone). Time of each path divided by bf16 `torch.matmul` with the weight "
+        "already in bf16, same process. *streamed*: quant_kernels/streamed.py with a 32 / 64 "
+        "MiB slab; *fused*: the Triton dequant-matmul; *whole*: dequantize the whole weight, "
+        "then cuBLAS; *bnb*: `bitsandbytes.matmul_4bit`.",
         "",
         "| M × K × N | int8 fwd streamed 32/64 | fused | whole | int8 dX streamed 32/64 | fused "
         "| NF4 fwd streamed | bnb | NF4 dX streamed |",
@@ -261,6 +262,50 @@ def _kernels() -> list[str]:
             f"{lr('poetxq_nf4_mem')} | {lr('poetx_bf16_fast')} | {r['nn_linear_ms']:.2f} |"
         )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
+
+
+#: the streamed-GEMM run at the current decoder defaults: (key in the file, column heading)
+SLAB_GEMM_COLUMNS = (
+    ("int8 default 32MiB balanced", "int8"),
+    ("nf4 picked 32MiB balanced", "NF4"),
+    ("bnb", "bitsandbytes NF4"),
+)
+
+
+def _slab_gemms(name: str = "slab_decode_h200_8b1763c.json") -> list[str]:
+    """The weight GEMMs against bf16 cuBLAS in GPU time (``evals/bench_slab_decode.py``)."""
+    d = _load(name)
+    if d is None:
+        return []
+    lines = [
+        "## Weight GEMMs in GPU time: slab-streamed int8 / NF4 against bf16 cuBLAS",
+        "",
+        "Each call replayed from a CUDA graph (a Triton launch outlasts a slab decode, so eager "
+        "event times measure the host), median of 3 interleaved rounds; ratio to bf16 "
+        f"`torch.matmul` with the weight already in bf16, same run. NF4: `{d['best_nf4']}` (the "
+        "default since 73a3d2d); bitsandbytes: `matmul_4bit` forward, `dequantize_4bit` then a "
+        "GEMM for dX (it holds the whole bf16 weight; ours a 32 MiB slab).",
+        "",
+        "| M × K × N | side | bf16 (ms) | "
+        + " | ".join(head for _, head in SLAB_GEMM_COLUMNS)
+        + " | int8 / NF4 decode (µs) |",
+        "|---|---|---:|" + "---:|" * len(SLAB_GEMM_COLUMNS) + "---|",
+    ]
+    for r in d["gemm"]:
+        for side in ("forward", "dX"):
+            t = r[side]
+            cells = []
+            for key, _ in SLAB_GEMM_COLUMNS:
+                hit = next((v for k, v in t.items() if k.startswith(key)), None)
+                cells.append(f"{hit['ratio_vs_bf16']:.3f}" if hit else "n/a")
+            dec = [t.get(f"{key} decode only", {}).get("ms") for key, _ in SLAB_GEMM_COLUMNS[:2]]
+            dec_cell = " / ".join(f"{1e3 * v:.0f}" if v else "n/a" for v in dec)
+            lines.append(
+                f"| {r['M']} × {r['K']} × {r['N']} | {side} | {t['bf16_matmul']['ms']:.3f} | "
+                + " | ".join(cells)
+                + f" | {dec_cell} |"
+            )
+    return [*lines, "", _provenance(name, d), ""]
 
 
 def _run_label(r: dict[str, Any]) -> str:
@@ -904,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "### Llama-8B / 13B: checkpointing with the memory options, eager and in a CUDA graph",
     )
-    lines += _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
+    lines += _slab_gemms() + _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0

@@ -38,6 +38,23 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
     assert (tmp_path / "img" / "compare_60m_val_ppl.png").stat().st_size > 1000
 
 
+def test_slab_gemm_table_reads_every_ratio_from_the_json():
+    render = _load("render_results")
+    name = "slab_decode_h200_8b1763c.json"
+    doc = json.loads((REPO / "evals/results" / name).read_text())
+    page = "\n".join(render._slab_gemms(name))
+    for r in doc["gemm"]:
+        fwd = r["forward"]
+        want = (
+            f"| {r['M']} × {r['K']} × {r['N']} | forward | {fwd['bf16_matmul']['ms']:.3f} | "
+            f"{fwd['int8 default 32MiB balanced']['ratio_vs_bf16']:.3f} | "
+            f"{fwd['nf4 picked 32MiB balanced']['ratio_vs_bf16']:.3f} | "
+            f"{fwd['bnb_matmul_4bit']['ratio_vs_bf16']:.3f} |"
+        )
+        assert want in page
+    assert render._slab_gemms("no_such_file.json") == []
+
+
 def test_results_page_refuses_an_unwritable_out_before_drawing(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     render = _load("render_results")
