@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO
 
 import torch
 from accelerate import Accelerator
@@ -167,6 +168,55 @@ def check_writable(path: Path, fix: str) -> None:
         )
 
 
+#: advisory lock file of a run directory, held by the process that trains into it
+RUN_LOCK = ".poetxq.lock"
+_HELD_LOCKS: dict[str, IO[str]] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive advisory lock (``flock``) on ``<run_dir>/.poetxq.lock`` for this process,
+    so that a second ``poetxq train`` into the same directory (a repeated ``--run-name``,
+    ``--overwrite`` or ``--resume``) stops before it deletes or appends anything. The lock goes
+    with the process (also when it is killed); :func:`unlock_run_dir` drops it earlier. Taking it
+    again in the holding process is a no-op. Where ``fcntl`` is missing (Windows) nothing is
+    locked.
+
+    Raises:
+        RunDirError: another process holds the lock (its pid is named when it wrote one).
+    """
+    key = str(run_dir.resolve())
+    if key in _HELD_LOCKS:
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux / macOS
+        return
+    handle = (run_dir / RUN_LOCK).open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip()
+        handle.close()
+        who = f" (pid {owner})" if owner.isdigit() else ""
+        raise RunDirError(
+            f"run directory '{run_dir}' is in use by another poetxq process{who}; wait for it to "
+            "finish or choose another --run-name"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _HELD_LOCKS[key] = handle
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release :func:`lock_run_dir`'s lock of this process (no-op when not held)."""
+    handle = _HELD_LOCKS.pop(str(run_dir.resolve()), None)
+    if handle is not None:
+        handle.close()  # closing the descriptor releases the flock
+
+
 def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -239,7 +289,8 @@ def train(
 
     Raises:
         poetxq.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
-        RunDirError: ``train.cuda_graph`` without CUDA or under DDP.
+        RunDirError: ``train.cuda_graph`` without CUDA or under DDP, or another process is
+            training into ``run_dir`` (:func:`lock_run_dir`).
         DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
@@ -370,6 +421,7 @@ def train(
 
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(run_dir)  # before anything below deletes, truncates or appends
         if resume_from is None:  # --overwrite: never leave the previous run's results behind
             for stale in RUN_OUTPUTS:
                 (run_dir / stale).unlink(missing_ok=True)
@@ -622,6 +674,7 @@ def train(
                 json.dumps(_finite(asdict(result)), indent=2), encoding="utf-8"
             )
             metrics_file.close()
+            unlock_run_dir(run_dir)
         accelerator.end_training()
         if not interrupted:
             since = " since the resume" if resumed_from else ""  # tokens/s of this session

@@ -466,3 +466,36 @@ def test_method_switch_names_the_kept_settings(tmp_path, capsys):
     assert "recipes/tiny/qgalore.yaml has qgalore's own" in out
     assert _run(tmp_path, "--run-name", "p", "--max-steps", "1", "--method", "poetxq") == 0
     assert "replaces the method" not in capsys.readouterr().out
+
+
+def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
+    """A second train into a run directory another process holds (here `--overwrite`, which
+    would delete its outputs) stops with one line naming the holder's pid; nothing changes."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "busy"
+    run.mkdir()
+    (run / "model.safetensors").write_bytes(b"precious")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from poetxq.train import lock_run_dir; "
+         f"lock_run_dir(Path({str(run)!r})); print('locked', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 2
+        line = _one_error_line(capsys)
+        assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in line
+        assert sorted(p.name for p in run.iterdir()) == [".poetxq.lock", "model.safetensors"]
+        assert (run / "model.safetensors").read_bytes() == b"precious"
+    finally:
+        holder.kill()
+        holder.wait()
+    # the lock went with the process: the same command now runs, and releases it when done
+    assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 0
+    assert (run / "summary.json").is_file()
+    from poetxq.train import _HELD_LOCKS
+
+    assert str(run.resolve()) not in _HELD_LOCKS
