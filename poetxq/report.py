@@ -68,7 +68,25 @@ class Run:
 
     @property
     def method(self) -> str:
-        return self.summary.get("method") or method_label(self.recipe)
+        """The method label; a POET run with ``poet.freeze_orthogonal`` (``R = P = I``, only
+        embeddings, norms and lm_head train) is marked as that control."""
+        label = self.summary.get("method") or method_label(self.recipe)
+        if self.recipe.method in ("poetxq", "poetx") and self.recipe.poet.freeze_orthogonal:
+            return f"{label}, R = P = I control"
+        return label
+
+    @property
+    def stopped(self) -> str:
+        """Why the run has no final evaluation (``""`` when it finished): ``diverged at step N``,
+        ``stopped by SIGTERM`` or :data:`NO_SUMMARY`."""
+        s = self.summary
+        if s.get("diverged_at") is not None:
+            return f"diverged at step {s['diverged_at']}"
+        if not self.has_summary:
+            return NO_SUMMARY
+        if s.get("interrupted"):
+            return f"stopped by {s.get('stop_signal') or 'a signal'}"
+        return ""
 
     @property
     def model(self) -> str:
@@ -158,13 +176,17 @@ def _check_numbers(record: dict[str, Any], keys: tuple[str, ...], where: str) ->
 def summary_from_metrics(metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """What ``summary.json`` would say, as far as ``metrics.jsonl`` tells it (a run stopped
     without writing its summary): steps, tokens, mean logged tokens/s and the step-0 val ppl;
-    no final evaluation, wall time, memory or device."""
+    no final evaluation, wall time, memory or device. A run that diverged (its ``diverged``
+    event) gets ``diverged_at`` (the step) instead of ``interrupted``."""
     logged = [m for m in metrics if isinstance(m.get("step"), int)]
     steps = max((m["step"] for m in logged), default=0)
     tokens = [m["tokens"] for m in logged if isinstance(m.get("tokens"), (int, float))]
     rates = [m["tokens_per_s"] for m in logged if isinstance(m.get("tokens_per_s"), (int, float))]
     first = next((m for m in logged if m["step"] == 0 and "val_ppl" in m), {})
-    summary: dict[str, Any] = {"steps": steps, "final_val_ppl": None, "interrupted": True}
+    diverged = next((m for m in logged if m.get("event") == "diverged"), None)
+    summary: dict[str, Any] = {"steps": steps, "final_val_ppl": None, "interrupted": not diverged}
+    if diverged is not None:  # train stopped on a NaN/inf loss and wrote no summary
+        summary["diverged_at"] = diverged["step"]
     if tokens:
         summary["tokens"] = int(max(tokens))
     if rates:
@@ -251,12 +273,7 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         s = run.summary
         mem, kind = run.peak_memory
         ppl = s.get("final_val_ppl")
-        if not run.has_summary:
-            name = f"{run.name} — {NO_SUMMARY}"
-        elif run.summary.get("interrupted"):
-            name = f"{run.name} — stopped by {run.summary.get('stop_signal') or 'a signal'}"
-        else:
-            name = run.name
+        name = f"{run.name} — {run.stopped}" if run.stopped else run.name
         rows.append({
             "model": run.model, "run": name, "method": run.method, "bits": run.bits,
             "final val ppl": _fmt_number(ppl),
@@ -346,7 +363,10 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     if importlib.util.find_spec("matplotlib") is None:
         raise ReportError("poetxq report needs matplotlib: pip install -e '.[report]'")
     given: dict[Path, str | Path] = {}
+    repeated: list[str] = []
     for p in run_dirs:  # a run given twice is reported once, under the path first given
+        if Path(p).resolve() in given:
+            repeated.append(str(p))
         given.setdefault(Path(p).resolve(), p)
     runs = [read_run(p) for p in given.values()]  # all read before anything is written
     out = Path(out_dir)
@@ -369,6 +389,10 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         f"{len(runs)} run(s); runs of the same model are side by side. Peak memory is "
         "`torch.cuda.max_memory_allocated` on a GPU, the process's peak RSS (marked) on the CPU."
     )
+    if repeated:
+        lines.append(
+            "Given more than once and reported once: " + ", ".join(f"`{p}`" for p in repeated) + "."
+        )
     for model in sorted({r["model"] for r in rows}):
         lines += ["", f"## {model}", "", "| " + " | ".join(cols) + " |",
                   "|" + "|".join("---" for _ in cols) + "|"]  # fmt: skip
@@ -382,12 +406,9 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     for run in sorted(runs, key=_order):
         s = run.summary
         ppl0, ppl = (_fmt_number(s.get(k)) for k in ("initial_val_ppl", "final_val_ppl"))
+        stopped = f" ({run.stopped})" if run.stopped else ""
         if not run.has_summary:
-            stopped = f" ({NO_SUMMARY}; read from metrics.jsonl)"
-        elif s.get("interrupted"):
-            stopped = f" (stopped by {s.get('stop_signal') or 'a signal'})"
-        else:
-            stopped = ""
+            stopped = f" ({run.stopped}; read from metrics.jsonl)"
         lines.append(
             f"- `{run.path}`: {s.get('steps', '?')} steps on {s.get('device', '?')}, "
             f"{s.get('merges', '?')} merges, val ppl {ppl0} -> {ppl}{stopped}"

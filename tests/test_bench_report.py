@@ -146,6 +146,7 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
     again = str(dirs[0].parent / "." / dirs[0].name)
     assert main(["report", *map(str, dirs), again, "-o", str(out)]) == 0
     md = (out / "report.md").read_text()
+    assert f"Given more than once and reported once: `{again}`." in md
     rows = [line for line in md.splitlines() if line.startswith("| tiny-")]
     assert len(rows) == 2 and md.count("## tiny\n") == 1  # one table: side by side
     assert rows[0].startswith(f"| {names[1]} | poetxq | int8 W0 |")  # poetxq first
@@ -307,3 +308,34 @@ def test_report_names_memory_options_and_8bit_states():
     over = {"optim.state_bits": 8, "train.gradient_checkpointing": True}
     lean = SimpleNamespace(recipe=load_recipe(None, {**over, "train.loss_chunk_tokens": 256}))
     assert _memory_options(lean) == "checkpointing, chunked loss (256), 8-bit states"
+
+
+def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path):
+    """A run that stopped on a NaN loss (train logs a ``diverged`` event and writes no summary)
+    is "diverged at step N", not "interrupted"; a POET run with ``poet.freeze_orthogonal`` is
+    labelled as the R = P = I control, not as POET-XQ."""
+    from poetxq.recipe import dump_recipe
+
+    nan = tmp_path / "tiny-poetxq-nan"
+    nan.mkdir()
+    (nan / "recipe.yaml").write_text(dump_recipe(load_recipe(None, SMALL)))
+    records = [{"step": 0, "val_loss": 6.0, "val_ppl": 403.4},
+               {"step": 2, "loss": 5.5, "tokens": 64, "tokens_per_s": 100.0},
+               {"step": 3, "event": "diverged", "loss": None}]  # fmt: skip
+    (nan / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    control = tmp_path / "tiny-poetxq-control"
+    control.mkdir()
+    frozen = load_recipe(None, {**SMALL, "poet.freeze_orthogonal": True})
+    (control / "recipe.yaml").write_text(dump_recipe(frozen))
+    (control / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_ppl": 403.4}) + "\n")
+    summary = {"steps": 4, "final_val_ppl": 175.0, "tokens_per_s": 10.0, "method": "poetxq"}
+    (control / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "rep"
+    assert main(["report", str(nan), str(control), "-o", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
+            for r in md.splitlines() if r.startswith("| tiny-")}  # fmt: skip
+    assert rows[f"{nan.name} — diverged at step 3"][1] == "poetxq"
+    assert rows[control.name][1:4] == ["poetxq, R = P = I control", "int8 W0", "175.00"]
+    assert "val ppl 403.40 -> n/a (diverged at step 3; read from metrics.jsonl)" in md
+    assert "interrupted" not in md
