@@ -511,8 +511,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _set_without_equals(argv: Sequence[str]) -> str | None:
+    """The one-line error for ``--set KEY VALUE`` (a space where ``=`` belongs), which argparse
+    would report as an unrecognized argument ``VALUE``; None when every ``--set`` has its ``=``."""
+    for i, arg in enumerate(argv[:-1]):
+        key = argv[i + 1]
+        if arg == "--set" and "=" not in key and not key.startswith("-"):
+            nxt = argv[i + 2] if i + 2 < len(argv) and not argv[i + 2].startswith("-") else None
+            hint = f"--set {key}={nxt}" if nxt is not None else f"--set {key}=VALUE"
+            return f"--set {key}: write KEY=VALUE with '=', e.g. {hint}"
+    return None
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if (bad := _set_without_equals(argv)) is not None:
+        print(f"poetxq: error: {bad}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     from poetxq.checkpoint import CheckpointError
     from poetxq.data import DataError

@@ -499,3 +499,19 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     from poetxq.train import _HELD_LOCKS
 
     assert str(run.resolve()) not in _HELD_LOCKS
+
+
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["train", "--set", "train.max_steps", "50"], "e.g. --set train.max_steps=50"),
+        (["validate", "x.yaml", "--set", "poet.bits"], "e.g. --set poet.bits=VALUE"),
+        (["train", "--set", "optim.lr", "--max-steps", "3"], "e.g. --set optim.lr=VALUE"),
+    ],
+)
+def test_set_without_equals_is_one_line_naming_the_fix(argv, hint, tmp_path, capsys):
+    assert main([*argv, "--output-dir", str(tmp_path / "out")] if argv[0] == "train" else argv) == 2
+    line = _one_error_line(capsys)
+    assert f"--set {argv[argv.index('--set') + 1]}: write KEY=VALUE with '='" in line
+    assert hint in line
+    assert not (tmp_path / "out").exists()
