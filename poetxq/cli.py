@@ -314,9 +314,12 @@ def _check_tracker(name: str | None) -> None:
     """Fail early (before any work) when the asked-for tracker's package is missing."""
     packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
     if name in packages and not any(importlib.util.find_spec(p) for p in packages[name]):
+        extra = (
+            ' (or pip install -e ".[tensorboard]" in a checkout)' if name == "tensorboard" else ""
+        )
         raise RecipeError(
             f"--log-with {name} needs the '{packages[name][0]}' package: "
-            f"pip install {packages[name][0]}"
+            f"pip install {packages[name][0]}{extra}"
         )
 
 

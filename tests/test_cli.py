@@ -161,7 +161,8 @@ def test_missing_tracker_package_is_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", fake)
     assert _run(tmp_path, "--log-with", "tensorboard") == 2
-    assert "pip install tensorboard" in _one_error_line(capsys)
+    line = _one_error_line(capsys)
+    assert "pip install tensorboard" in line and 'pip install -e ".[tensorboard]"' in line
     assert not any(tmp_path.iterdir())
 
 
