@@ -25,7 +25,9 @@ The loop runs unchanged under ``accelerate launch`` / ``torchrun`` with N proces
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
 
@@ -196,21 +198,40 @@ class StopSignals:
     """Context manager: SIGTERM / SIGINT set :attr:`received` instead of killing the process.
 
     The training loop polls :attr:`received` at the end of each step, saves a checkpoint and
-    returns. A second SIGINT restores the default behaviour (raises ``KeyboardInterrupt``). Outside
-    the main thread (where handlers cannot be installed) it does nothing.
+    returns. A second SIGINT restores the default behaviour (raises ``KeyboardInterrupt``), except
+    within ``grace_s`` seconds of the first: a double tap of Ctrl-C still stops cleanly. With
+    ``announce`` the first signal prints one line saying so. Outside the main thread (where
+    handlers cannot be installed) it does nothing.
     """
 
-    def __init__(self, signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT)):
+    def __init__(
+        self,
+        signals: Iterable[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+        *,
+        grace_s: float = 1.0,
+        announce: bool = False,
+    ) -> None:
         self.signals = tuple(signals)
         self.received: signal.Signals | None = None
+        self.grace_s, self.announce = grace_s, announce
+        self._first_at = 0.0
         self._previous: dict[signal.Signals, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
-        if self.received is not None and sig == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.received = sig
+        if self.received is not None:
+            if sig == signal.SIGINT and time.monotonic() - self._first_at >= self.grace_s:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            return  # a repeat within the grace period, or another SIGTERM: already stopping
+        self.received, self._first_at = sig, time.monotonic()
+        if self.announce:
+            print(
+                f"\npoetxq: {sig.name}: stopping after this step (checkpoint and summary); "
+                "Ctrl-C again to abort at once",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def guard(self, steps: Iterable[int]) -> Iterator[int]:
         """Yield ``steps`` with the handlers installed; they are removed when the loop ends

@@ -497,7 +497,7 @@ def train(
     )  # fmt: skip
     model.train()
     step = start_step
-    stop = StopSignals()  # SIGTERM/SIGINT: finish the step, save, stop
+    stop = StopSignals(announce=main)  # SIGTERM/SIGINT: finish the step, save, stop
     # a non-finite loss on any step since the last check (on the device: no sync per step)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
 

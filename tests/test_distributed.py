@@ -212,3 +212,30 @@ def test_two_processes_build_the_same_model_with_meta_init(tmp_path, tmp_path_fa
         assert l2[step] == pytest.approx(l1[step], rel=RTOL), step
     s2 = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert s2["num_processes"] == 2 and s2["replicas_identical"] is True and s2["merges"] == 2
+
+
+def test_stop_signals_take_a_double_tap_as_one_and_a_later_ctrl_c_as_abort(monkeypatch, capsys):
+    """The first SIGINT asks for a clean stop (and says so with ``announce``); a second within
+    the grace period is a double tap and ignored; one after it raises KeyboardInterrupt."""
+    import os
+    import signal
+
+    import poetxq.distributed as dist_mod
+    from poetxq.distributed import StopSignals
+
+    now = {"t": 100.0}
+    monkeypatch.setattr(dist_mod.time, "monotonic", lambda: now["t"])
+    stop = StopSignals(grace_s=1.0, announce=True)
+    with stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == signal.SIGINT
+        now["t"] += 0.3
+        os.kill(os.getpid(), signal.SIGINT)  # double tap: still a clean stop
+        assert stop.received == signal.SIGINT
+        now["t"] += 1.0
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: SIGINT: stopping after this step (checkpoint and summary); Ctrl-C "
+                   "again to abort at once"]  # fmt: skip
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on exit
