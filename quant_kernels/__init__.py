@@ -453,6 +453,24 @@ def blockwise_4bit_matmul_t(
     return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)
 
 
+def _blockwise_4bit_fm(
+    a: torch.Tensor,
+    weight_t: bool,
+    args: tuple[torch.Tensor, torch.Tensor, str, int, tuple[int, int]],
+) -> torch.Tensor:
+    """``W @ a`` (``a [K, T]``) or, with ``weight_t``, ``Wᵀ @ a`` (``a [N, T]``) for the 4-bit
+    weight ``args = (packed, absmax, quant_type, blocksize, (N, K))``, feature-major out."""
+    packed, absmax, quant_type, blocksize, shape = args
+    if weight_gemm_path(a.t(), bits=4) == "streamed":
+        from quant_kernels import streamed
+
+        run = streamed.streamed_matmul_t_fm if weight_t else streamed.streamed_matmul_fm
+        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, a.device)
+        return run(a, dec, *shape, slab_bytes=slab_bytes_for(a.shape[1]))
+    row_major = blockwise_4bit_matmul_t if weight_t else blockwise_4bit_matmul
+    return row_major(a.t(), *args).t().contiguous()
+
+
 def blockwise_4bit_matmul_fm(
     zt: torch.Tensor,
     packed: torch.Tensor,
@@ -464,13 +482,7 @@ def blockwise_4bit_matmul_fm(
     """``W @ zt`` for a feature-major ``zt [K, T]`` and an NF4/FP4 weight ``W [N, K]`` →
     ``[N, T]`` contiguous (:func:`int8_rowwise_matmul_fm`'s 4-bit twin). Streamed on a GPU;
     elsewhere :func:`blockwise_4bit_matmul` and a transpose copy."""
-    if weight_gemm_path(zt.t(), bits=4) == "streamed":
-        from quant_kernels.streamed import streamed_matmul_fm
-
-        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, zt.device)
-        return streamed_matmul_fm(zt, dec, *shape, slab_bytes=slab_bytes_for(zt.shape[1]))
-    args = (packed, absmax, quant_type, blocksize, shape)
-    return blockwise_4bit_matmul(zt.t(), *args).t().contiguous()
+    return _blockwise_4bit_fm(zt, False, (packed, absmax, quant_type, blocksize, shape))
 
 
 def blockwise_4bit_matmul_t_fm(
@@ -483,13 +495,7 @@ def blockwise_4bit_matmul_t_fm(
 ) -> torch.Tensor:
     """``Wᵀ @ dht`` for ``dht [N, T]`` → ``[K, T]`` contiguous: the 4-bit dX GEMM,
     feature-major (see :func:`blockwise_4bit_matmul_fm`)."""
-    if weight_gemm_path(dht.t(), bits=4) == "streamed":
-        from quant_kernels.streamed import streamed_matmul_t_fm
-
-        dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, dht.device)
-        return streamed_matmul_t_fm(dht, dec, *shape, slab_bytes=slab_bytes_for(dht.shape[1]))
-    args = (packed, absmax, quant_type, blocksize, shape)
-    return blockwise_4bit_matmul_t(dht.t(), *args).t().contiguous()
+    return _blockwise_4bit_fm(dht, True, (packed, absmax, quant_type, blocksize, shape))
 
 
 def blockwise_4bit_backward_fm(

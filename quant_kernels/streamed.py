@@ -103,6 +103,19 @@ def _select16(code, qmap_ptr):
 
 
 @triton.jit
+def _nibble_values(byte, qmap_ptr, mask, SELECT_LUT: tl.constexpr):
+    """``(quant_map[byte >> 4], quant_map[byte & 15])`` for a tile of packed bytes (int32): by a
+    gather load, or with ``SELECT_LUT`` by :func:`_select16`."""
+    hi, lo = byte >> 4, byte & 15
+    if SELECT_LUT:
+        v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
+    else:
+        v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
+        v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    return v_hi, v_lo
+
+
+@triton.jit
 def _4bit_slab_kernel(
     packed_ptr, absmax_ptr, qmap_ptr, out_ptr,
     row0, col0, rows, cols, n_cols,
@@ -143,12 +156,7 @@ def _4bit_pair_slab_kernel(
     mask = (r[:, None] < rows) & (p[None, :] < cols // 2)
     byte_idx = (row0 + r).to(tl.int64)[:, None] * half_cols + (col0_half + p)[None, :]
     byte = tl.load(packed_ptr + byte_idx, mask=mask, other=0).to(tl.int32)
-    hi, lo = byte >> 4, byte & 15
-    if SELECT_LUT:
-        v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
-    else:
-        v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
-        v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    v_hi, v_lo = _nibble_values(byte, qmap_ptr, mask, SELECT_LUT)
     # both nibbles of a byte share one absmax block (BLOCKSIZE is even): element 2·byte_idx
     scale = tl.load(absmax_ptr + (2 * byte_idx) // BLOCKSIZE, mask=mask, other=0.0)
     val = tl.reshape(tl.join(v_hi * scale, v_lo * scale), [BLOCK_R, 2 * BLOCK_P])
@@ -178,13 +186,7 @@ def _4bit_block_slab_kernel(
     mask = rmask[:, None, None] & (p < cols // 2)[None, :, :]
     row_byte = (row0 + r).to(tl.int64) * half_cols + col0_half  # [BLOCK_R] first byte of the row
     byte = tl.load(packed_ptr + row_byte[:, None, None] + p[None, :, :], mask=mask, other=0)
-    byte = byte.to(tl.int32)
-    hi, lo = byte >> 4, byte & 15
-    if SELECT_LUT:
-        v_hi, v_lo = _select16(hi, qmap_ptr), _select16(lo, qmap_ptr)
-    else:
-        v_hi = tl.load(qmap_ptr + hi, mask=mask, other=0.0)
-        v_lo = tl.load(qmap_ptr + lo, mask=mask, other=0.0)
+    v_hi, v_lo = _nibble_values(byte.to(tl.int32), qmap_ptr, mask, SELECT_LUT)
     bmask = rmask[:, None] & (blk * HALF < cols // 2)[None, :]
     scale = tl.load(absmax_ptr + (2 * row_byte // BLOCKSIZE)[:, None] + blk[None, :], mask=bmask,
                     other=0.0)[:, :, None]  # fmt: skip
