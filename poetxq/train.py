@@ -178,8 +178,8 @@ def lock_run_dir(run_dir: Path) -> None:
     so that a second ``poetxq train`` into the same directory (a repeated ``--run-name``,
     ``--overwrite`` or ``--resume``) stops before it deletes or appends anything. The lock goes
     with the process (also when it is killed); :func:`unlock_run_dir` drops it earlier. Taking it
-    again in the holding process is a no-op. Where ``fcntl`` is missing (Windows) nothing is
-    locked.
+    again in the holding process is a no-op. Where ``fcntl`` is missing (Windows) or the file
+    system refuses ``flock`` (some network mounts) nothing is locked.
 
     Raises:
         RunDirError: another process holds the lock (its pid is named when it wrote one).
@@ -194,7 +194,7 @@ def lock_run_dir(run_dir: Path) -> None:
     handle = (run_dir / RUN_LOCK).open("a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         handle.seek(0)
         owner = handle.read().strip()
         handle.close()
@@ -203,6 +203,9 @@ def lock_run_dir(run_dir: Path) -> None:
             f"run directory '{run_dir}' is in use by another poetxq process{who}; wait for it to "
             "finish or choose another --run-name"
         ) from None
+    except OSError:  # a file system without flock (some network mounts): train unlocked
+        handle.close()
+        return
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")

@@ -516,3 +516,26 @@ def test_set_without_equals_is_one_line_naming_the_fix(argv, hint, tmp_path, cap
     assert f"--set {argv[argv.index('--set') + 1]}: write KEY=VALUE with '='" in line
     assert hint in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_system_without_flock_trains_unlocked(tmp_path, monkeypatch):
+    """flock refused with another error than "held" (ENOLCK on some network mounts): no lock,
+    no error; a held lock (BlockingIOError) is the only refusal."""
+    import errno
+    import fcntl
+
+    from poetxq.train import _HELD_LOCKS, RunDirError, lock_run_dir
+
+    def refuse(_fd, _op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    lock_run_dir(tmp_path)
+    assert str(tmp_path.resolve()) not in _HELD_LOCKS
+
+    def held(_fd, _op):
+        raise BlockingIOError(errno.EWOULDBLOCK, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(fcntl, "flock", held)
+    with pytest.raises(RunDirError, match="is in use by another poetxq process"):
+        lock_run_dir(tmp_path)
