@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from poetxq.paths import RUN_LOCK
 from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, parse_override
 
 # flag dest -> recipe key
@@ -393,7 +394,8 @@ def _absolute_paths(recipe: Any) -> None:
 
 
 #: what a run writes before its first checkpoint (train.py); nothing there is worth keeping
-_STARTUP_FILES = {"recipe.yaml", "config.json", "metrics.jsonl", "tokenizer", "checkpoints"}
+_STARTUP_FILES = {"recipe.yaml", "config.json", "metrics.jsonl", "tokenizer", "checkpoints",
+                  RUN_LOCK}  # fmt: skip
 
 
 def _only_startup_files(run_dir: Path) -> bool:

@@ -18,3 +18,8 @@ def writable_dir(path: Path) -> bool:
     """Whether files can be created in ``path``: a directory this user may write and enter on a
     file system mounted read-write."""
     return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+#: advisory lock file of a run directory, held by the process that trains into it
+#: (:func:`poetxq.train.lock_run_dir`); not a run output
+RUN_LOCK = ".poetxq.lock"

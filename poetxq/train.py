@@ -58,7 +58,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.paths import nearest_existing, writable_dir
+from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
 from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
 
 #: files a run writes into its directory
@@ -145,7 +145,7 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
     for p in (path.parent, path):
         if p.exists() and not p.is_dir():
             raise RunDirError(f"'{p}' exists and is not a directory; choose another run location")
-    if path.exists() and any(path.iterdir()) and not overwrite:
+    if path.exists() and any(p.name != RUN_LOCK for p in path.iterdir()) and not overwrite:
         raise RunDirError(
             f"run directory '{path}' already exists and is not empty; "
             "choose another --run-name or pass --overwrite"
@@ -168,8 +168,6 @@ def check_writable(path: Path, fix: str) -> None:
         )
 
 
-#: advisory lock file of a run directory, held by the process that trains into it
-RUN_LOCK = ".poetxq.lock"
 _HELD_LOCKS: dict[str, IO[str]] = {}
 
 
@@ -314,6 +312,8 @@ def train(
     )
     main = accelerator.is_main_process
     world = accelerator.num_processes
+    if main and run_dir.is_dir():  # --overwrite / --resume: refuse a busy directory before work
+        lock_run_dir(run_dir)
     if tc.cuda_graph is True:
         if not cuda:  # the method is checked by the recipe schema
             raise RunDirError("train.cuda_graph needs a CUDA device; set train.cuda_graph: false")

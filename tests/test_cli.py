@@ -286,7 +286,7 @@ def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, 
 def test_resume_auto_restarts_a_start_stopped_before_its_first_checkpoint(tmp_path, capsys):
     run = tmp_path / "early"
     (run / "tokenizer").mkdir(parents=True)  # what a start leaves when stopped before step 1
-    for name in ("recipe.yaml", "config.json", "metrics.jsonl"):
+    for name in ("recipe.yaml", "config.json", "metrics.jsonl", ".poetxq.lock"):
         (run / name).write_text("{}")
     assert _run(tmp_path, "--run-name", "early", "--resume", "auto", "--max-steps", "2") == 0
     assert (run / "summary.json").is_file()
@@ -486,6 +486,8 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "locked"
+        assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 2
+        assert "built in" not in capsys.readouterr().out  # refused before data and model
         assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 2
         line = _one_error_line(capsys)
         assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in line
