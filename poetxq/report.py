@@ -386,7 +386,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
             "wall time", "memory options"]  # fmt: skip
     lines = ["# Results", ""]
     lines.append(
-        f"{len(runs)} run(s); runs of the same model are side by side. Peak memory is "
+        f"{len(runs)} run{'' if len(runs) == 1 else 's'}; runs of the same model are side by "
+        "side. Peak memory is "
         "`torch.cuda.max_memory_allocated` on a GPU, the process's peak RSS (marked) on the CPU."
     )
     if repeated:
@@ -410,8 +411,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         if not run.has_summary:
             stopped = f" ({run.stopped}; read from metrics.jsonl)"
         lines.append(
-            f"- `{run.path}`: {s.get('steps', '?')} steps on {s.get('device', '?')}, "
-            f"{s.get('merges', '?')} merges, val ppl {ppl0} -> {ppl}{stopped}"
+            f"- `{run.path}`: {s.get('steps', 'n/a')} steps on {s.get('device', 'n/a')}, "
+            f"{s.get('merges', 'n/a')} merges, val ppl {ppl0} -> {ppl}{stopped}"
         )
     text = "\n".join(lines) + "\n"
     path = out / "report.md"

@@ -139,7 +139,8 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.report import build_report
 
         path = build_report(args.runs, args.out)
-        print(f"report: {path} ({len(args.runs)} runs)")
+        n = len({Path(p).resolve() for p in args.runs})  # a run given twice is reported once
+        print(f"report: {path} ({n} run{'' if n == 1 else 's'})")
         return 0
     from poetxq.bench import write_json
 

@@ -144,8 +144,11 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
     out = tmp_path / "report"
     # the first run given twice (once through a different spelling of its path) is one row
     again = str(dirs[0].parent / "." / dirs[0].name)
+    capsys.readouterr()
     assert main(["report", *map(str, dirs), again, "-o", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("report.md (2 runs)")  # not 3
     md = (out / "report.md").read_text()
+    assert md.count("2 runs; runs of the same model are side by side") == 1
     assert f"Given more than once and reported once: `{again}`." in md
     rows = [line for line in md.splitlines() if line.startswith("| tiny-")]
     assert len(rows) == 2 and md.count("## tiny\n") == 1  # one table: side by side
@@ -265,7 +268,7 @@ def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(t
     assert cells[0] == f"{run.name} — interrupted (no summary.json)"
     # ppl, tok/s, memory, tokens, wall time, memory options
     assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a", "-"]
-    assert "4 steps on ?, ? merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
+    assert "4 steps on n/a, n/a merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
     # neither summary.json nor metrics.jsonl: refused, nothing written
     (run / "metrics.jsonl").unlink()
     assert main(["report", str(run), "-o", str(tmp_path / "rep2")]) == 2
