@@ -494,8 +494,8 @@ def _hf_source(cfg: DataConfig) -> _Source:
         raise DataError("hf: source needs a dataset name, e.g. hf:allenai/c4 (with hf_config en)")
     if cfg.streaming and cfg.max_train_tokens is None:
         raise DataError(
-            f"streaming dataset '{name}' needs a token cap; set max_train_tokens "
-            "(or streaming=False to use the whole split)"
+            f"streaming dataset '{name}' needs a token cap; set data.max_train_tokens (e.g. --set "
+            "data.max_train_tokens=50000000), or data.streaming=false to use the whole split"
         )
     label = f"{name}" + (f" ({cfg.hf_config})" if cfg.hf_config else "")
 

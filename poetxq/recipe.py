@@ -381,6 +381,8 @@ def parse_override(text: str) -> tuple[str, Any]:
             f"override '{text}' must look like section.key=value (e.g. train.max_steps=50)"
         )
     key, raw = text.split("=", 1)
+    if not key.strip():
+        raise RecipeError(f"override '{text}' has no key before '='; write section.key=value")
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:

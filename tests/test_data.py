@@ -459,7 +459,7 @@ def test_hf_wrong_text_field(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_hf_streaming_needs_cap(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="max_train_tokens"):
+    with pytest.raises(DataError, match=r"set data\.max_train_tokens .*or data\.streaming=false"):
         prepare_data(DataConfig(source="hf:allenai/c4", cache_dir=str(tmp_path)), 64)
 
 

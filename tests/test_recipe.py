@@ -35,6 +35,8 @@ def test_round_trip_and_overrides(tmp_path):
     assert parse_override("poet.freeze_orthogonal=true") == ("poet.freeze_orthogonal", True)
     with pytest.raises(RecipeError, match=r"section\.key=value"):
         parse_override("optim.lr")
+    with pytest.raises(RecipeError, match=r"override '=3' has no key before '='"):
+        parse_override("=3")
 
 
 def test_typo_key_names_file_key_and_allowed(tmp_path):
