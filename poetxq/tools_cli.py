@@ -21,10 +21,11 @@ from poetxq.report import ReportError
 TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
 
 
-def _recipe_args(p: argparse.ArgumentParser, *, required: bool) -> None:
+def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--recipe", required=required, metavar="RECIPE",
-        help="recipe YAML or MODEL:METHOD from recipes/ (e.g. llama-8b:poetxq)",
+        "--recipe", metavar="RECIPE",
+        help="recipe YAML or MODEL:METHOD from recipes/ (e.g. llama-8b:poetxq); default: the "
+        "embedded tiny recipe, as poetxq train",
     )  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")  # fmt: skip
@@ -47,7 +48,7 @@ def add_tool_parsers(sub: Any) -> None:
         epilog="the memory options count as set: --set train.offload_activations=true, "
         "train.optimizer_in_backward=true, train.loss_chunk_tokens=N (see poetxq train --help)",
     )  # fmt: skip
-    _recipe_args(p, required=True)
+    _recipe_args(p)
     p.add_argument(
         "--gpu-mem", metavar="SIZE",
         help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
@@ -67,7 +68,7 @@ def add_tool_parsers(sub: Any) -> None:
         "train.offload_activations=true, train.optimizer_in_backward=true, "
         "train.loss_chunk_tokens=N) and are recorded in the JSON",
     )  # fmt: skip
-    _recipe_args(p, required=True)
+    _recipe_args(p)
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")

@@ -236,6 +236,11 @@ def test_estimate_memory_cli(tmp_path, capsys):
     assert json.loads(out.read_text())["other_variant"] == {"variant": "fast", "peak": fast.peak}
     assert main(["estimate-memory", "--recipe", "llama-60m:adamw"]) == 0
     assert "poet.variant" not in capsys.readouterr().out  # baselines have no variant
+    # no --recipe: the embedded tiny recipe, as poetxq train takes it
+    assert main(["estimate-memory", "--json", str(out)]) == 0
+    tiny = estimate_memory(load_recipe(None))
+    assert json.loads(out.read_text())["peak"] == tiny.peak
+    assert f"{tiny.peak / 2**30:9.3f} GiB" in capsys.readouterr().out
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read memory size 'x'" in err[0]
