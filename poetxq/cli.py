@@ -512,7 +512,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt as exc:  # DataPrepInterrupted carries its own line
-        print(f"poetxq: {str(exc) or 'interrupted'}", file=sys.stderr)
+        args = list(sys.argv[1:] if argv is None else argv)
+        hint = ""
+        if not str(exc) and args and args[0] in ("train", "quantize-and-train"):
+            hint = (
+                " (aborted: checkpoints already written are intact; continue or start over with "
+                "--resume auto and the same --run-name)"
+            )
+        print(f"poetxq: {str(exc) or 'interrupted'}{hint}", file=sys.stderr)
         return 130
 
 

@@ -384,8 +384,14 @@ def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)
-    assert main(["train"]) == 130
+    assert main(["report"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
+    # train (also a second Ctrl-C that aborts a run) says how to go on
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "poetxq: interrupted (aborted: checkpoints already written are intact; continue or start "
+        "over with --resume auto and the same --run-name)"
+    ]
 
 
 def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
