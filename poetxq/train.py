@@ -312,7 +312,9 @@ def train(
     )
     main = accelerator.is_main_process
     world = accelerator.num_processes
-    if main and run_dir.is_dir():  # --overwrite / --resume: refuse a busy directory before work
+    # --overwrite / --resume: refuse a busy directory before any work (a process training there
+    # holds the lock file; where there is none, nothing is created until the run starts writing)
+    if main and (run_dir / RUN_LOCK).is_file():
         lock_run_dir(run_dir)
     if tc.cuda_graph is True:
         if not cuda:  # the method is checked by the recipe schema
