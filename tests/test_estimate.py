@@ -382,3 +382,23 @@ def test_fused_input_cast_activations_equal_what_autograd_saves(monkeypatch):
     model, _ = _build(recipe, torch.float32)
     model.train()
     assert _saved_bytes(model, torch.randint(0, V, (2, 17)), autocast=True) == est.activations
+
+
+def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
+    """A CUDA-graph estimate gets a second verdict at peak x (1 + GRAPH_POOL_OVERHEAD): the
+    graph's reserved peak measured up to 14.4 % above the estimate on an H200 (8B / 13B)."""
+    assert estimate_mod.GRAPH_POOL_OVERHEAD == 0.144
+    graph = estimate_memory(_recipe(), vocab_size=V, precision="autocast")
+    eager = estimate_memory(_recipe(**{"train.cuda_graph": False}), vocab_size=V,
+                            precision="autocast")  # fmt: skip
+    assert graph.cuda_graph and not eager.cuda_graph
+    gpu_mem = int(graph.peak * 1.10)  # room for the estimate, not for the pool's overhead
+    text = format_estimate(graph, gpu_mem).splitlines()
+    assert text[-len(graph.notes) - 2].startswith("  fits in")
+    high = int(graph.peak * 1.144)
+    assert (
+        f"  with the graph pool's measured overhead (reserved up to +14%): "
+        f"{high / 2**30:.3f} GiB, does not fit"
+    ) in text
+    assert any(line.endswith(", fits") for line in format_estimate(graph, high).splitlines())
+    assert "graph pool" not in format_estimate(eager, gpu_mem)  # eager: no second verdict
