@@ -502,6 +502,7 @@ def train(
     )  # fmt: skip
     model.train()
     step = start_step
+    zero_grad_noted = False  # the one "gradient norm is 0" note of this run
     stop = StopSignals(announce=main)  # SIGTERM/SIGINT: finish the step, save, stop
     # a non-finite loss on any step since the last check (on the device: no sync per step)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -605,6 +606,13 @@ def train(
                 "poet_lr": lrs.get("poet"), "grad_norm": float(grad_norm), "clip": max_norm,
                 "tokens": step * tokens_per_step, "tokens_per_s": tps,
             })  # fmt: skip
+            if main and not zero_grad_noted and float(grad_norm) == 0.0:
+                zero_grad_noted = True  # once: e.g. a learning rate that saturated the model
+                bar.write(
+                    f"note: gradient norm is 0 at step {step} (loss {loss_value:.4f}): the model "
+                    "has stopped learning; a learning rate far too high can saturate it (lower "
+                    "optim.lr / poet_lr)"
+                )
             post = {"loss": f"{loss_value:.3f}", "lr": f"{scheduler.get_last_lr()[-1]:.2e}"}
             if lrs.get("poet") is not None:  # as in metrics.jsonl: lr, then poet_lr
                 post["poet_lr"] = f"{lrs['poet']:.2e}"

@@ -547,3 +547,17 @@ def test_a_file_system_without_flock_trains_unlocked(tmp_path, monkeypatch):
     monkeypatch.setattr(fcntl, "flock", held)
     with pytest.raises(RunDirError, match="is in use by another poetxq process"):
         lock_run_dir(tmp_path)
+
+
+def test_a_zero_gradient_norm_is_noted_once(tmp_path, capsys, monkeypatch):
+    """A run whose gradients vanish (a fresh-user review saw AdamW at lr 1e6 sit at loss ln V
+    with grad norm 0 and exit 0 silently) gets one note naming the likely cause."""
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "clip_grad_norm_",
+                        lambda self, params, max_norm: torch.tensor(0.0))  # fmt: skip
+    assert _run(tmp_path, "--max-steps", "10") == 0
+    out = capsys.readouterr()
+    notes = [ln for ln in (out.out + out.err).splitlines() if "gradient norm is 0" in ln]
+    assert len(notes) == 1 and notes[0].startswith("note: gradient norm is 0 at step 5 (loss ")
+    assert "lower optim.lr / poet_lr" in notes[0]
