@@ -407,9 +407,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     for run in sorted(runs, key=_order):
         s = run.summary
         ppl0, ppl = (_fmt_number(s.get(k)) for k in ("initial_val_ppl", "final_val_ppl"))
-        stopped = f" ({run.stopped})" if run.stopped else ""
-        if not run.has_summary:
-            stopped = f" ({run.stopped}; read from metrics.jsonl)"
+        why = run.stopped + ("" if run.has_summary else "; read from metrics.jsonl")
+        stopped = f" ({why})" if why else ""
         lines.append(
             f"- `{run.path}`: {s.get('steps', 'n/a')} steps on {s.get('device', 'n/a')}, "
             f"{s.get('merges', 'n/a')} merges, val ppl {ppl0} -> {ppl}{stopped}"

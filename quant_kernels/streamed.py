@@ -202,8 +202,9 @@ def _4bit_block_slab_kernel(
 _Decoder = Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
 
 
-def _grid(rows: int, cols: int, tile: Tile) -> tuple[int, int]:
-    return (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
+def _grid(rows: int, cols: int, block_r: int, block_c: int) -> tuple[int, int]:
+    """Programs of a slab decode: ``rows × cols`` in tiles of ``block_r × block_c``."""
+    return (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
 
 
 def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = None) -> _Decoder:
@@ -215,7 +216,7 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
-        _int8_slab_kernel[_grid(rows, cols, (br, bc, warps))](
+        _int8_slab_kernel[_grid(rows, cols, br, bc)](
             cb, scale, out, row0, col0, rows, cols, cb.stride(0),
             BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         )  # fmt: skip
@@ -269,20 +270,18 @@ def fourbit_decoder(
         even = col0 % 2 == 0 and cols % 2 == 0
         if blockwise and even and col0 % blocksize == 0 and 2 <= blocksize <= bc:
             nb = bc // blocksize
-            grid = (triton.cdiv(rows, br), triton.cdiv(cols, nb * blocksize))
-            _4bit_block_slab_kernel[grid](
+            _4bit_block_slab_kernel[_grid(rows, cols, br, nb * blocksize)](
                 packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, NB=nb, SELECT_LUT=select, num_warps=warps,
             )  # fmt: skip
         elif k % 2 == 0 and even and blocksize % 2 == 0:
-            grid = (triton.cdiv(rows, br), triton.cdiv(cols, bc))
-            _4bit_pair_slab_kernel[grid](
+            _4bit_pair_slab_kernel[_grid(rows, cols, br, bc)](
                 packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_P=bc // 2, SELECT_LUT=select,
                 num_warps=warps,
             )  # fmt: skip
         else:  # odd offsets / widths: one element at a time
-            _4bit_slab_kernel[_grid(rows, cols, (br, bc, warps))](
+            _4bit_slab_kernel[_grid(rows, cols, br, bc)](
                 packed, absmax, qmap, out, row0, col0, rows, cols, k,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_C=bc, SELECT_LUT=select, num_warps=warps,
             )  # fmt: skip
