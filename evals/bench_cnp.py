@@ -23,7 +23,7 @@ other tilings of both layouts (a minute or two more), to choose
 CUDA times of each layout.
 
 Usage:  python evals/bench_cnp.py [--out FILE.json] [--block-size 256] [--dtypes fp32,bf16]
-                                  [--sweep] [--profile]
+                                  [--sweep] [--profile] [--chunk-sweep]
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ import sys
 from collections.abc import Callable
 
 import torch
-from _common import cuda_peak_extra_mib, cuda_time_ms, provenance, write_json_atomic
+from _common import (
+    cuda_graph_ms,
+    cuda_peak_extra_mib,
+    cuda_time_ms,
+    provenance,
+    write_json_atomic,
+)
 
 from poetxq.estimate import _projections
 from poetxq.orthogonal import num_blocks
@@ -50,6 +56,57 @@ SWEEP_HYBRID = {  # (BM, BK, num_warps, num_stages) of the hybrid's Q² kernel t
     torch.bfloat16: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 2)],
 }
 CHECK_BLOCKS = 256  # blocks compared against float64
+CHUNK_MIB = (2, 4, 8, 16, 32, 64, 128, 256)  # hybrid chunk sizes tried by --chunk-sweep
+
+
+def chunk_sweep(packed: torch.Tensor, d_g: torch.Tensor, b: int, reps: int) -> dict:
+    """Forward and forward+backward of the hybrid layout at each chunk size of
+    :data:`CHUNK_MIB` (MiB per ``[chunk, b, b]`` buffer), timed eagerly (CUDA events, host
+    launches included) and replayed from a CUDA graph (GPU time, as a captured training step
+    runs it), beside the torch reference timed both ways. Small chunks keep a chunk's
+    intermediates in L2 at the cost of more launches."""
+    from quant_kernels.cnp_hybrid import cnp_backward_hybrid, cnp_forward_hybrid
+
+    leaf = packed.detach().requires_grad_(True)
+
+    def ref_fwd_bwd():
+        return torch.autograd.grad(reference.cayley_neumann(leaf, b, 3), leaf, d_g)
+
+    def ref_fwd():
+        with torch.no_grad():
+            return reference.cayley_neumann(packed, b, 3)
+
+    out: dict = {
+        "reference": {
+            "fwd_eager": cuda_time_ms(ref_fwd, iters=reps),
+            "fwd_graph": cuda_graph_ms(ref_fwd, iters=reps),
+            "fwd_bwd_eager": cuda_time_ms(ref_fwd_bwd, iters=reps),
+            "fwd_bwd_graph": cuda_graph_ms(ref_fwd_bwd, iters=reps),
+        }
+    }
+    torch.cuda.empty_cache()
+    for mib in CHUNK_MIB:
+        cb = mib * 2**20
+
+        def fwd(cb=cb):
+            return cnp_forward_hybrid(packed, b, chunk_bytes=cb)
+
+        def fwd_bwd(cb=cb):
+            return fwd(cb), cnp_backward_hybrid(packed, d_g, b, chunk_bytes=cb)
+
+        row = {
+            "blocks_per_chunk": max(1, cb // (b * b * packed.element_size())),
+            "fwd_eager": cuda_time_ms(fwd, iters=reps),
+            "fwd_graph": cuda_graph_ms(fwd, iters=reps),
+            "fwd_bwd_eager": cuda_time_ms(fwd_bwd, iters=reps),
+            "fwd_bwd_graph": cuda_graph_ms(fwd_bwd, iters=reps),
+        }
+        ref = out["reference"]
+        row["ratio_ref_over_this"] = {k: ref[k] / row[k] for k in ref}
+        out[f"{mib}MiB"] = row
+        print(f"chunk {mib:4d} MiB: {row}", flush=True)
+        torch.cuda.empty_cache()
+    return out
 
 
 def model_blocks(recipe_spec: str, block_size: int) -> tuple[int, list[dict]]:
@@ -201,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true",
         help="print the kernel-level CUDA times of one forward+backward of each fused path",
     )  # fmt: skip
+    ap.add_argument(
+        "--chunk-sweep", action="store_true",
+        help="also time the hybrid layout per chunk size, eager and from a CUDA graph",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cnp: needs a CUDA GPU (none found); nothing measured", file=sys.stderr)
@@ -244,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         peaks = "  ".join(f"{p} {ms[p]['fwd_bwd_peak_extra_mib']:.0f}" for p in ms)
         print(f"{name} peak extra MiB (fwd+bwd): {peaks}", flush=True)
+        if args.chunk_sweep:
+            r["chunk_sweep"] = chunk_sweep(packed32.to(dt), d_g32.to(dt), b, args.reps)
         if "sweep_fwd_bwd_ms" in r:
             print(f"{name} sweep   fused fwd_bwd ms by config: {r['sweep_fwd_bwd_ms']}", flush=True)
     if args.out:
