@@ -244,3 +244,14 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert why in err[-1] and "Traceback" not in "\n".join(err)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_cnp_rounding_emulates_the_hybrid_and_ranks_the_cheaper_factorizations():
+    """The emulated default factorization is within bf16 rounding of float64; the cheaper ones
+    (fewer passes) round measurably more, in forward and backward."""
+    rounding = _load("cnp_rounding")
+    errs = rounding.rounding_errors(64, 4, seed=0)
+    fwd, bwd = errs["forward"], errs["backward"]
+    assert 1e-4 < fwd["hybrid"] < 5e-3 and 1e-4 < bwd["hybrid"] < 5e-3
+    assert fwd["A·Z"] > 1.3 * fwd["hybrid"] and fwd["A+A·S"] > fwd["hybrid"]
+    assert bwd["A/Z"] > 1.3 * bwd["hybrid"]
