@@ -255,3 +255,19 @@ def test_cnp_rounding_emulates_the_hybrid_and_ranks_the_cheaper_factorizations()
     assert 1e-4 < fwd["hybrid"] < 5e-3 and 1e-4 < bwd["hybrid"] < 5e-3
     assert fwd["A·Z"] > 1.3 * fwd["hybrid"] and fwd["A+A·S"] > fwd["hybrid"]
     assert bwd["A/Z"] > 1.3 * bwd["hybrid"]
+
+
+def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
+    mod = _load("host_profile")
+    out = tmp_path / "host.txt"
+    args = [str(REPO / "recipes/tiny/poetxq.yaml"), "--set", "model.num_hidden_layers=1",
+            "--steps", "1", "--warmup", "0", "--rows", "5", "--out", str(out)]  # fmt: skip
+    assert mod.main(args) == 0
+    text = out.read_text()
+    assert text.startswith("bench tiny-poetxq (mem): ") and "1 steps of 8x1x128 tokens" in text
+    assert "cProfile by tottime" in text and "cProfile by cumtime" in text
+    capsys.readouterr()
+    bad = tmp_path / "bad.txt"
+    assert mod.main(["llama-1b:poetxq", "--set", "model.foo=1", "--out", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("host_profile: ") and "\n" not in err and not bad.exists()
