@@ -5,8 +5,8 @@ than the GPU runs them (e.g. Llama-1B at 8,192 tokens: 0.30 s eager against 0.21
 from a CUDA graph). This runs :func:`poetxq.bench.run_bench` for ``RECIPE`` (the trainer's step:
 checkpointing, chunked loss, optimizer in backward as the recipe says) under cProfile and writes
 the functions with the most own (``tottime``) and cumulative (``cumtime``) host time, with the
-bench's one-line summary on top. The model build and warm-up steps are profiled too; with
-``--steps`` well above ``--warmup`` the per-step functions dominate.
+bench's one-line summary on top. Profiling starts when the bench reports its first step done
+(after the model build, the compiles and the first step) and covers the remaining steps.
 
 Usage (on the GPU host):
     python evals/host_profile.py llama-1b:poetxq --out $OUT/host_1b.txt
@@ -31,11 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe", help="recipe spec, e.g. llama-1b:poetxq or a YAML path")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override (repeatable)")  # fmt: skip
-    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="timed steps (>= 2; all but the first are profiled)")  # fmt: skip
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rows", type=int, default=50, help="functions listed per table")
     ap.add_argument("--out", required=True, help="text file to write")
     args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be >= 2: the first timed step is not profiled")
     try:
         over = dict(parse_override(t) for t in args.set)
         over.setdefault("train.cuda_graph", False)
@@ -44,9 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host_profile: {exc}", file=sys.stderr)
         return 2
     prof = cProfile.Profile()
-    prof.enable()
+
+    def echo(line: str) -> None:
+        print(line, flush=True)
+        if line.startswith("bench: step 1/"):  # built, compiled, one step done: profile the rest
+            prof.enable()
+
     try:
-        result = run_bench(recipe, args.steps, warmup=args.warmup)
+        result = run_bench(recipe, args.steps, warmup=args.warmup, echo=echo)
     except BenchError as exc:
         print(f"host_profile: {exc}", file=sys.stderr)
         return 2

@@ -261,10 +261,15 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     mod = _load("host_profile")
     out = tmp_path / "host.txt"
     args = [str(REPO / "recipes/tiny/poetxq.yaml"), "--set", "model.num_hidden_layers=1",
-            "--steps", "1", "--warmup", "0", "--rows", "5", "--out", str(out)]  # fmt: skip
+            "--steps", "2", "--warmup", "0", "--rows", "40", "--out", str(out)]  # fmt: skip
     assert mod.main(args) == 0
     text = out.read_text()
-    assert text.startswith("bench tiny-poetxq (mem): ") and "1 steps of 8x1x128 tokens" in text
+    assert text.startswith("bench tiny-poetxq (mem): ") and "2 steps of 8x1x128 tokens" in text
+    # only the second step is profiled: its 7 POET projections, one backward each
+    row = next(
+        line for line in text.splitlines() if "poetxq/layer.py" in line and "_mem_backward" in line
+    )
+    assert row.split()[0] == "7"
     assert "cProfile by tottime" in text and "cProfile by cumtime" in text
     capsys.readouterr()
     bad = tmp_path / "bad.txt"
