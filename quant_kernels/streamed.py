@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels.reference import int8_row_scale
-
 #: bytes of 16-bit weight decoded per slab (forward rows / dX columns); see the module docstring
 DEFAULT_SLAB_BYTES = 32 * 2**20
 
@@ -48,17 +46,19 @@ FOURBIT_TILE: Tile = (16, 32, 4) if _INTERPRET else (4, 512, 2)
 
 @triton.jit
 def _int8_slab_kernel(
-    cb_ptr, scale_ptr, out_ptr,
+    cb_ptr, scb_ptr, out_ptr,
     row0, col0, rows, cols, stride_cb,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """out[r, c] = CB[row0 + r, col0 + c] · scale[row0 + r] (fp32), rounded to out's dtype."""
+    """out[r, c] = CB[row0 + r, col0 + c] · (SCB[row0 + r] / 127) in fp32, rounded to out's
+    dtype; the division is IEEE round-to-nearest, as :func:`reference.int8_row_scale`'s."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r[:, None] < rows) & (c[None, :] < cols)
     src = cb_ptr + (row0 + r).to(tl.int64)[:, None] * stride_cb + (col0 + c)[None, :]
     q = tl.load(src, mask=mask, other=0).to(tl.float32)
-    s = tl.load(scale_ptr + row0 + r, mask=r < rows, other=0.0)
+    scb = tl.load(scb_ptr + row0 + r, mask=r < rows, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(scb, tl.full([BLOCK_R], 127.0, tl.float32))
     dst = out_ptr + r.to(tl.int64)[:, None] * cols + c[None, :]
     tl.store(dst, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -211,13 +211,12 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
     """Slab decoder for a bitsandbytes int8 row-wise weight (``CB`` int8 ``[N, K]``, ``SCB``
     fp32 ``[N]``). ``tile``: the decode program's ``(BLOCK_R, BLOCK_C, num_warps)``, default
     :data:`INT8_TILE`."""
-    scale = int8_row_scale(scb)  # [N] fp32, the rounding of reference.dequant_int8_rowwise
     br, bc, warps = tile or INT8_TILE
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
         _int8_slab_kernel[_grid(rows, cols, br, bc)](
-            cb, scale, out, row0, col0, rows, cols, cb.stride(0),
+            cb, scb, out, row0, col0, rows, cols, cb.stride(0),
             BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         )  # fmt: skip
         return out.view(rows, cols)

@@ -147,6 +147,20 @@ def test_int8_slab_with_another_tile_equals_reference(gen):
         assert torch.equal(small(buf, 0, 37, 0, 300).cpu(), deq)
 
 
+def test_int8_slab_divides_scb_by_127_correctly_rounded(gen):
+    """The kernel forms ``SCB/127`` itself (no per-call torch ops): IEEE division, as the
+    reference, not a multiply by the rounded ``1/127`` (which differs for some rows here)."""
+    n, k = 4096, 8
+    scb = torch.rand(n, generator=gen) * 10 + 0.01
+    recip = scb * torch.tensor(1 / 127, dtype=torch.float32)
+    assert (recip != scb / torch.full_like(scb, 127.0)).any()  # the test can tell them apart
+    cb = torch.full((n, k), 127, dtype=torch.int8)
+    deq = dequant_int8_rowwise(cb, scb)
+    buf = torch.empty(n * k, device=DEVICE)
+    slab = int8_decoder(cb.to(DEVICE), scb.to(DEVICE))(buf, 0, n, 0, k)
+    assert torch.equal(slab.cpu(), deq)
+
+
 @pytest.mark.parametrize(
     "total,other,slab,align,want",
     [
