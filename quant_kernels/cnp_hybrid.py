@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels._launch import launch
 from quant_kernels.cnp_triton import (
     _backward_inputs,
     _block_and_pair,
@@ -227,8 +226,7 @@ def _chunks(nb: int, b: int, elt: int, chunk_bytes: int) -> int:
 def _skew_pairs(packed: torch.Tensor, q: torch.Tensor, g: torch.Tensor | None, b: int) -> None:
     pairs = _pairs(triton.cdiv(b, _SKEW_BM), packed.device)
     n_pairs = pairs.shape[1]
-    launch(
-        _skew_pairs_kernel, (packed.shape[0] * n_pairs,),
+    _skew_pairs_kernel[(packed.shape[0] * n_pairs,)](
         packed, q, q if g is None else g, pairs, b, packed.shape[1], n_pairs,
         WRITE_G=g is not None, BM=_SKEW_BM,
     )  # fmt: skip
@@ -237,8 +235,7 @@ def _skew_pairs(packed: torch.Tensor, q: torch.Tensor, g: torch.Tensor | None, b
 def _q2_aux(q, s, aux, b, n_tiles, meta, alpha_i: float, beta_q: float) -> None:
     pairs = _pairs(n_tiles, q.device)
     n_pairs = pairs.shape[1]
-    grid = (q.shape[0] * n_pairs,)
-    launch(_q2_aux_kernel, grid, q, s, aux, pairs, b, n_pairs, alpha_i, beta_q, **meta)
+    _q2_aux_kernel[(q.shape[0] * n_pairs,)](q, s, aux, pairs, b, n_pairs, alpha_i, beta_q, **meta)
 
 
 def cnp_forward_hybrid(
@@ -356,9 +353,6 @@ def _backward_chunks(packed, d_g, d_packed, b, n_tiles, meta, chunk) -> None:
         torch.bmm(s, m, out=n)  # N = S·M
         torch.bmm(m, c, out=e)  # E' = M·Bᵀ
         grid = ((c1 - c0) * n_pairs,)
-        launch(_sym_pairs_kernel, grid, e, n, pairs, b, n_pairs, BM=_SKEW_BM)  # e ← D
+        _sym_pairs_kernel[grid](e, n, pairs, b, n_pairs, BM=_SKEW_BM)  # e ← D
         n.baddbmm_(e, q, beta=2.0, alpha=-1.0)  # n ← Y' = 2N − D·Q
-        launch(
-            _fold_pairs_kernel, grid, n, m, d_packed[c0:c1], pairs, b, npk, n_pairs, 2.0,
-            BM=_SKEW_BM,
-        )  # fmt: skip
+        _fold_pairs_kernel[grid](n, m, d_packed[c0:c1], pairs, b, npk, n_pairs, 2.0, BM=_SKEW_BM)

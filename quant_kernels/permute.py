@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels._launch import launch
 from quant_kernels.reference import PermuteLast
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -77,11 +76,9 @@ def permute_last_nograd(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
     if rows and d:
-        grid = (triton.cdiv(rows, _BLOCK_T),)
-        launch(
-            _permute_last_kernel, grid, x2, perm, out, rows, d, x2.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_J=_BLOCK_J,
-        )  # fmt: skip
+        _permute_last_kernel[(triton.cdiv(rows, _BLOCK_T),)](
+            x2, perm, out, rows, d, x2.stride(0), BLOCK_T=_BLOCK_T, BLOCK_J=_BLOCK_J
+        )
     return out.view(x.shape)
 
 

@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels._launch import launch
-
 _BLOCK = 16 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 
 
@@ -82,7 +80,7 @@ def skew_forward(packed: torch.Tensor, block_size: int) -> torch.Tensor:
     q = packed.new_empty(nb, b, b)
     if nb:
         grid, n_tiles = _grid(nb, b)
-        launch(_skew_fwd_kernel, grid, packed, q, b, npk, n_tiles, BLOCK=_BLOCK)
+        _skew_fwd_kernel[grid](packed, q, b, npk, n_tiles, BLOCK=_BLOCK)
     return q
 
 
@@ -95,7 +93,7 @@ def skew_backward(d_q: torch.Tensor) -> torch.Tensor:
     d_packed = d_q.new_empty(nb, npk)
     if nb:
         grid, n_tiles = _grid(nb, b)
-        launch(_skew_bwd_kernel, grid, d_q, d_packed, b, npk, n_tiles, BLOCK=_BLOCK)
+        _skew_bwd_kernel[grid](d_q, d_packed, b, npk, n_tiles, BLOCK=_BLOCK)
     return d_packed
 
 

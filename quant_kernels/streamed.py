@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels._launch import launch
-
 #: bytes of 16-bit weight decoded per slab (forward rows / dX columns); see the module docstring
 DEFAULT_SLAB_BYTES = 32 * 2**20
 
@@ -217,8 +215,7 @@ def int8_decoder(cb: torch.Tensor, scb: torch.Tensor, *, tile: Tile | None = Non
 
     def decode(buf: torch.Tensor, row0: int, rows: int, col0: int, cols: int) -> torch.Tensor:
         out = buf[: rows * cols]
-        launch(
-            _int8_slab_kernel, _grid(rows, cols, br, bc),
+        _int8_slab_kernel[_grid(rows, cols, br, bc)](
             cb, scb, out, row0, col0, rows, cols, cb.stride(0),
             BLOCK_R=br, BLOCK_C=bc, num_warps=warps,
         )  # fmt: skip
@@ -272,21 +269,18 @@ def fourbit_decoder(
         even = col0 % 2 == 0 and cols % 2 == 0
         if blockwise and even and col0 % blocksize == 0 and 2 <= blocksize <= bc:
             nb = bc // blocksize
-            launch(
-                _4bit_block_slab_kernel, _grid(rows, cols, br, nb * blocksize),
+            _4bit_block_slab_kernel[_grid(rows, cols, br, nb * blocksize)](
                 packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, NB=nb, SELECT_LUT=select, num_warps=warps,
             )  # fmt: skip
         elif k % 2 == 0 and even and blocksize % 2 == 0:
-            launch(
-                _4bit_pair_slab_kernel, _grid(rows, cols, br, bc),
+            _4bit_pair_slab_kernel[_grid(rows, cols, br, bc)](
                 packed, absmax, qmap, out, row0, col0 // 2, rows, cols, k // 2,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_P=bc // 2, SELECT_LUT=select,
                 num_warps=warps,
             )  # fmt: skip
         else:  # odd offsets / widths: one element at a time
-            launch(
-                _4bit_slab_kernel, _grid(rows, cols, br, bc),
+            _4bit_slab_kernel[_grid(rows, cols, br, bc)](
                 packed, absmax, qmap, out, row0, col0, rows, cols, k,
                 BLOCKSIZE=blocksize, BLOCK_R=br, BLOCK_C=bc, SELECT_LUT=select, num_warps=warps,
             )  # fmt: skip

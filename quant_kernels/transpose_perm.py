@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels._launch import launch
-
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: (tokens, features) per tile; 64 × 64 bf16 is 8 KiB, a common transpose tile
 TILE = (16, 16) if _INTERPRET else (64, 64)
@@ -90,7 +88,7 @@ def _launch(
     out = torch.empty(a.shape[1], a.shape[0], dtype=out_dtype or a.dtype, device=a.device)
     if rows and cols:
         grid = (triton.cdiv(rows, tile[0]), triton.cdiv(cols, tile[1]))
-        launch(kernel, grid, a, perm, out, rows, cols, a.stride(0), out.stride(0), tile[0], tile[1])
+        kernel[grid](a, perm, out, rows, cols, a.stride(0), out.stride(0), tile[0], tile[1])
     return out
 
 
