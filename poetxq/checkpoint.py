@@ -73,6 +73,8 @@ RESUMABLE_KEYS = frozenset(
         # the same average of the replicas' gradients, all-reduced during backward or after it
         # (equal losses: tests/test_distributed.py)
         "train.grad_sync",
+        # what happens after the last step only (one more merge), not the state before it
+        "poet.merge_at_end",
     }
 )
 

@@ -85,6 +85,9 @@ class POETConfig(_Section):
     quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
     double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
     freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
+    # merge once more after the last step, so the final evaluation, model.safetensors and a
+    # same-format export (hf-bnb8 of int8, hf-bnb4 of 4-bit) are one model, R = P = I
+    merge_at_end: bool = False
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
 

@@ -578,9 +578,11 @@ def train(
             steps_since_merge += 1
         merging = (
             is_poet
-            and step % pc.merge_interval == 0
-            and step < tc.max_steps
             and not pc.freeze_orthogonal
+            and (
+                (step % pc.merge_interval == 0 and step < tc.max_steps)
+                or (pc.merge_at_end and step == tc.max_steps)
+            )
         )
         saving = bool(tc.save_every) and step % tc.save_every == 0 and step < tc.max_steps
         evaluating = step % tc.eval_every == 0 and step < tc.max_steps

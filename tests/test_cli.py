@@ -113,6 +113,22 @@ def test_run_name_must_be_a_plain_folder_name(tmp_path, capsys, name):
     assert not (tmp_path.parent / "escape").exists()
 
 
+def test_merge_at_end_leaves_the_final_model_merged(tmp_path):
+    """``poet.merge_at_end``: a merge after the last step too, so the evaluated and saved model
+    has R = P = I (a same-format export writes its stored codes as they are)."""
+    args = ["--max-steps", "4", "--merge-interval", "3", "--set", "poet.merge_at_end=true"]
+    assert _run(tmp_path, "--run-name", "m", *args) == 0
+    summary = json.loads((tmp_path / "m" / "summary.json").read_text())
+    assert summary["merges"] == 2  # step 3 and after step 4
+    state = load_file(tmp_path / "m" / "model.safetensors")
+    qs = [v for k, v in state.items() if k.endswith((".P.Q", ".R.Q"))]
+    assert qs and all(not q.any() for q in qs)
+    assert _run(tmp_path, "--run-name", "n", *args[:4]) == 0  # without it: one merge, Q != 0
+    state = load_file(tmp_path / "n" / "model.safetensors")
+    assert json.loads((tmp_path / "n" / "summary.json").read_text())["merges"] == 1
+    assert any(v.any() for k, v in state.items() if k.endswith((".P.Q", ".R.Q")))
+
+
 @pytest.mark.slow
 def test_tiny_run_learns_and_writes_outputs(tmp_path):
     assert _run(tmp_path, "--run-name", "int8", "--max-steps", "40", "--merge-interval", "15") == 0
