@@ -555,7 +555,8 @@ def plan_resume(
     """Work out what ``--resume RUN_DIR|auto`` continues.
 
     * ``RUN_DIR``: the run in that directory, from its newest checkpoint. The recipe is
-      ``recipe_path`` if given, else the checkpoint's own, with ``overrides`` applied.
+      ``recipe_path`` if given, else ``RUN_DIR/recipe.yaml`` (else the checkpoint's own), with
+      ``overrides`` applied; an edit there outside :data:`RESUMABLE_KEYS` is refused.
     * ``auto``: the run ``<train.output_dir>/<run_name>`` of the given recipe if it holds a
       checkpoint; otherwise ``(recipe, None, None)``: start it fresh.
 
@@ -571,6 +572,7 @@ def plan_resume(
     """
     from poetxq.recipe import load_recipe
 
+    own = None  # RUN_DIR/recipe.yaml when the recipe comes from there
     if resume == "auto":
         if not run_name:
             raise CheckpointError(
@@ -603,16 +605,25 @@ def plan_resume(
                 "continues a run by name) or this is not a run directory"
             )
         read_checkpoint(ckpt)  # fail on corruption before loading the recipe from it
-        recipe = load_recipe(recipe_path or ckpt / "recipe.yaml", overrides)
+        # the run's own recipe is the run directory's recipe.yaml (a user may edit the keys
+        # that may change between sessions there), else the checkpoint's
+        if recipe_path is None and (run_dir / "recipe.yaml").is_file():
+            own = run_dir / "recipe.yaml"
+        recipe = load_recipe(recipe_path or own or ckpt / "recipe.yaml", overrides)
         # the run stays where it is, whatever output_dir the recipe names
     meta = read_checkpoint(ckpt)
     saved = load_recipe(ckpt / "recipe.yaml")
     diff = recipe_differences(saved.model_dump(mode="json"), recipe.model_dump(mode="json"))
     if diff:
+        what = (
+            "the recipe"
+            if own is None
+            else f"'{own}'" + (" with the flags given" if overrides else "")
+        )
         raise CheckpointError(
-            f"--resume: the recipe differs from the checkpoint's in {'; '.join(diff)}; resume "
-            "with the run's own recipe (only save/log/eval, memory, fuse_elementwise, "
-            "cuda_graph and grad_sync settings may change) or "
+            f"--resume: {what} differs from the checkpoint's ({ckpt.name}) in "
+            f"{'; '.join(diff)}; resume with the run's own recipe (only save/log/eval, memory, "
+            "fuse_elementwise, cuda_graph, grad_sync and merge_at_end settings may change) or "
             "start a new run"
         )
     if meta["step"] >= recipe.train.max_steps:

@@ -217,7 +217,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--resume",
         metavar="RUN_DIR|auto",
         help="continue a run from its newest checkpoint, exactly (the recipe must match the "
-        "run's; its own recipe is used when --recipe is not given). auto: continue "
+        "checkpoint's; RUN_DIR/recipe.yaml is used when --recipe is not given). auto: continue "
         "<output-dir>/<run-name> if it holds a checkpoint, else start it",
     )
 

@@ -305,6 +305,29 @@ def test_resume_recipe_mismatch(saved_run, capsys):
     assert _snapshot(saved_run) == before
 
 
+def test_resume_takes_the_run_directorys_recipe(saved_run, tmp_path, capsys):
+    """``--resume RUN`` reads ``RUN/recipe.yaml``: an edit of a key that may change is used, any
+    other edit is refused in one line naming the file and the key (nothing rewritten)."""
+    run = tmp_path / "r"
+    shutil.copytree(saved_run, run)
+    shutil.rmtree(dict(list_checkpoints(run))[4])  # stopped after step 2: resumable
+    own = run / "recipe.yaml"
+    text = own.read_text()
+    own.write_text(text.replace("max_steps: 4", "max_steps: 8"))
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    line = _one_error_line(capsys)
+    assert (
+        f"'{own}' differs from the checkpoint's (step-00000002) in train.max_steps: 4 -> 8" in line
+    )
+    assert _snapshot(run) == before
+    own.write_text(text.replace("log_every: 1", "log_every: 2"))  # resumable: used
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "grad_norm" in r] == [1, 2, 4]  # step 3 not logged
+    assert "log_every: 2" in own.read_text()
+
+
 def test_how_a_step_is_run_is_not_a_recipe_difference():
     from poetxq.checkpoint import recipe_differences
 
