@@ -16,6 +16,7 @@ runs in fp32.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -331,13 +332,18 @@ def run_bench(
 
 def write_text(text: str, path: Path) -> None:
     """Write ``text`` to ``path`` atomically (temporary file + rename), creating its folder."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as exc:  # one line naming the file asked for, not the temporary one
+        raise OSError(
+            f"cannot write '{path}' ({exc.strerror or exc}); choose another path"
+        ) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def write_json(obj: dict, path: Path) -> None:

@@ -564,7 +564,10 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"poetxq: error: {exc}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
-        print(f"poetxq: error: {type(exc).__name__}: {exc}".splitlines()[0], file=sys.stderr)
+        # an OSError made with a message only (no errno) is one of ours, already a sentence
+        ours = isinstance(exc, OSError) and exc.errno is None and len(exc.args) == 1
+        text = str(exc) if ours else f"{type(exc).__name__}: {exc}"
+        print(f"poetxq: error: {text}".splitlines()[0], file=sys.stderr)
         return 2
 
 

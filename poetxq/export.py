@@ -515,15 +515,16 @@ def _check_out_dir(out: Path, overwrite: bool, run_dir: Path | None = None) -> N
     if out.exists() and not out.is_dir():
         raise ExportError(f"'{out}' exists and is not a directory; choose another output directory")
     if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
+        previous = (out / "poetxq_export.json").is_file()  # --overwrite replaces exports only
+        if not overwrite and previous:
             raise ExportError(
-                f"output directory '{out}' exists and is not empty; choose another or pass "
-                "--overwrite"
+                f"output directory '{out}' holds a previous export; pass --overwrite to replace "
+                "it or choose another directory"
             )
-        if not (out / "poetxq_export.json").is_file():  # --overwrite replaces exports only
+        if not previous:
             raise ExportError(
-                f"--overwrite replaces a previous export only, and '{out}' holds no "
-                "poetxq_export.json; choose an empty or new output directory"
+                f"output directory '{out}' exists, is not empty and holds no previous export "
+                "(poetxq_export.json); choose an empty or new output directory"
             )
     if not out.parent.exists():
         raise ExportError(f"parent directory '{out.parent}' does not exist; create it first")
@@ -604,7 +605,13 @@ def export_run(
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except OSError as exc:
+            raise ExportError(
+                f"cannot write the export next to '{out}' ({exc.strerror or exc}); choose an "
+                "output directory in a folder you can write"
+            ) from None
         config.save_pretrained(str(tmp))
         gen_cfg = getattr(model, "generation_config", None)
         if gen_cfg is not None and getattr(model, "can_generate", lambda: False)():

@@ -300,6 +300,28 @@ def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys
     assert out == "" and f"--json '{blocker}/e.json' cannot be written" in err
 
 
+def test_a_write_that_fails_late_names_the_file_asked_for(tmp_path, capsys, monkeypatch):
+    """A folder that passes the early check but refuses the write (e.g. /proc for root) gets
+    one line naming the requested file, not the temporary one."""
+    from pathlib import Path
+
+    real = Path.write_text
+
+    def refuse(self, *a, **k):
+        if ".tmp-" in self.name:
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    target = tmp_path / "e.json"
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"poetxq: error: cannot write '{target}' (No such file or directory); choose another path"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_report_names_memory_options_and_8bit_states():
     from types import SimpleNamespace
 

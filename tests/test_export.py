@@ -342,21 +342,36 @@ def test_export_refuses_non_empty_out_dir(runs, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--overwrite" in err[0]
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    # --overwrite replaces a previous export only, never another directory
-    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out), "--overwrite"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "holds no poetxq_export.json" in err[0]
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    # not a previous export: refused with or without --overwrite, which is not offered
+    for extra in ([], ["--overwrite"]):
+        assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds no previous export" in err[0], err
+        assert "--overwrite" not in err[0]
+        assert [p.name for p in out.iterdir()] == ["keep.txt"]
     (out / "keep.txt").unlink()
     assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(out)]) == 0
+    # a previous export: --overwrite is named, and replaces it
+    assert main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a previous export; pass --overwrite" in err[0]
     (out / "stale.txt").write_text("from the previous export")
     assert main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out), "--overwrite"]) == 0
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp left
+
+
+def test_export_into_an_unwritable_folder_is_one_line(runs, tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    assert main(["export", str(runs / "b8"), "--format", "hf-bf16", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write the export next to" in err[0], err
+    assert "Permission denied" in err[0] and ".tmp-" not in err[0]
 
 
 def test_export_never_overwrites_the_run_or_its_parent(runs, capsys):
