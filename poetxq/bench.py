@@ -100,7 +100,8 @@ class BenchResult:
         return (
             f"bench {self.run_label}{f' ({self.variant})' if self.variant else ''}: "
             f"{self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
-            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), {self.steps} steps of "
+            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), {self.steps} "
+            f"step{'' if self.steps == 1 else 's'} of "
             f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
             f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
         )

@@ -228,7 +228,11 @@ class StopSignals:
         if self.announce:
             print(
                 f"\npoetxq: {sig.name}: stopping after this step (checkpoint and summary); "
-                "Ctrl-C again to abort at once",
+                + (
+                    "Ctrl-C again to abort at once"
+                    if sig == signal.SIGINT
+                    else "Ctrl-C to abort at once"
+                ),
                 file=sys.stderr,
                 flush=True,
             )

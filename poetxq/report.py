@@ -124,6 +124,14 @@ class Run:
         return (int(rss), "RSS") if rss is not None else (None, "")
 
 
+def _merges(run: Run) -> str:
+    """``"N merges, "`` for a POET run (merge-then-reinitialize), ``""`` for the baselines."""
+    if run.recipe.method not in ("poetxq", "poetx"):
+        return ""
+    n = run.summary.get("merges", "n/a")
+    return f"{n} merge{'' if n == 1 else 's'}, "
+
+
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``; a torn last line (a killed writer) is skipped.
 
@@ -411,7 +419,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         stopped = f" ({why})" if why else ""
         lines.append(
             f"- `{run.path}`: {s.get('steps', 'n/a')} steps on {s.get('device', 'n/a')}, "
-            f"{s.get('merges', 'n/a')} merges, val ppl {ppl0} -> {ppl}{stopped}"
+            f"{_merges(run)}val ppl {ppl0} -> {ppl}{stopped}"
         )
     text = "\n".join(lines) + "\n"
     path = out / "report.md"

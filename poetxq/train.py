@@ -693,10 +693,10 @@ def train(
         accelerator.end_training()
         if not interrupted:
             since = " since the resume" if resumed_from else ""  # tokens/s of this session
+            merged = f", {merges} merge{'' if merges == 1 else 's'}" if is_poet else ""
             say(
                 f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
-                f"({result.tokens_per_s:,.0f} tok/s{since}), {merges} "
-                f"merge{'' if merges == 1 else 's'}; val ppl {val_ppl0:.1f} -> "
+                f"({result.tokens_per_s:,.0f} tok/s{since}){merged}; val ppl {val_ppl0:.1f} -> "
                 f"{val_ppl:.2f} (unigram {unigram:.1f}); run dir {run_dir}"
             )
         return result

@@ -487,8 +487,11 @@ def test_method_switch_names_the_kept_settings(tmp_path, capsys):
         "optimizer and baseline settings (optim.lr 0.005, optim.grad_clip 1)"
     ) in out
     assert "recipes/tiny/qgalore.yaml has qgalore's own" in out
+    done = next(line for line in out.splitlines() if line.startswith("done: "))
+    assert "merge" not in done  # a baseline does not merge
     assert _run(tmp_path, "--run-name", "p", "--max-steps", "1", "--method", "poetxq") == 0
-    assert "replaces the method" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "replaces the method" not in out and "s), 0 merges; val ppl" in out
 
 
 def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):

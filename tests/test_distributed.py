@@ -239,3 +239,9 @@ def test_stop_signals_take_a_double_tap_as_one_and_a_later_ctrl_c_as_abort(monke
     assert err == ["poetxq: SIGINT: stopping after this step (checkpoint and summary); Ctrl-C "
                    "again to abort at once"]  # fmt: skip
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on exit
+    with StopSignals(grace_s=1.0, announce=True) as term:  # a SIGTERM: Ctrl-C is not "again"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert term.received == signal.SIGTERM
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: SIGTERM: stopping after this step (checkpoint and summary); Ctrl-C "
+                   "to abort at once"]  # fmt: skip
