@@ -1,6 +1,6 @@
 """``poetxq`` command line: train with POET-XQ, validate recipes.
 
-Every flag maps onto a recipe key (shown in its help); ``--set section.key=value`` reaches any
+Most flags set a recipe key (named in their help); ``--set section.key=value`` reaches any
 other key. Bad input exits with status 2 and one ``poetxq: error: ...`` line, before anything is
 written to the run directory.
 """
@@ -149,8 +149,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=int, help="optimizer steps [train.max_steps, default 300]")
-    g.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per micro-batch, per process [train.batch_size, default 8]",
+    )
+    g.add_argument(
+        "--grad-accum", type=int, help="micro-batches per step [train.grad_accum, default 1]"
+    )
     g.add_argument(
         "--seq-len",
         type=int,
@@ -158,11 +164,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "model.max_position_embeddings that is raised to it (printed as a note), above a --model "
         "checkpoint's an error (RoPE is not extended)",
     )
-    g.add_argument("--lr", type=float, help="lr of embeddings, lm_head, norms [optim.lr]")
+    g.add_argument(
+        "--lr", type=float, help="lr of embeddings, lm_head, norms [optim.lr, default 5e-3]"
+    )
     g.add_argument(
         "--poet-lr",
         type=float,
-        help="poet_lr; Q params use poet_lr x optim.poet_lr_scale [optim.poet_lr]",
+        help="poet_lr; Q params use poet_lr x optim.poet_lr_scale (default 0.5) "
+        "[optim.poet_lr, default 4e-3]",
     )
     g.add_argument("--seed", type=int, help="run seed [train.seed, default 0]")
     g = p.add_argument_group("data")
@@ -173,13 +182,17 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]; a non-hf "
         "source clears data.hf_config and data.hf_val_split",
     )
-    g.add_argument("--text-field", help="record field holding the text [data.text_field]")
+    g.add_argument(
+        "--text-field", help="record field holding the text [data.text_field, default text]"
+    )
     g.add_argument(
         "--tokenizer",
         help="'bpe' (train a byte-level BPE on the train split), 'gpt2', a "
-        "tokenizer.json or a HF tokenizer dir [data.tokenizer]",
+        "tokenizer.json or a HF tokenizer dir [data.tokenizer, default bpe]",
     )
-    g.add_argument("--vocab-size", type=int, help="vocab for --tokenizer bpe [data.vocab_size]")
+    g.add_argument(
+        "--vocab-size", type=int, help="vocab for --tokenizer bpe [data.vocab_size, default 4096]"
+    )
     g = p.add_argument_group("output")
     g.add_argument(
         "--output-dir", help="parent of run directories [train.output_dir, default runs]"
@@ -191,7 +204,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="reuse a non-empty run directory: its previous results and checkpoints "
                    "are deleted when the new run starts")  # fmt: skip
-    g.add_argument("--eval-every", type=int, help="steps between validation [train.eval_every]")
+    g.add_argument(
+        "--eval-every", type=int, help="steps between validation [train.eval_every, default 150]"
+    )
     g.add_argument(
         "--log-with", metavar="TRACKER", help="also log to an accelerate tracker, e.g. tensorboard"
     )
@@ -227,14 +242,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="poetxq",
         description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight "
-        "is trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8.",
+        "is trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8 "
+        "(or NF4/FP4, or bf16); Q-GaLore, Q-APOLLO, GaLore, APOLLO and AdamW train in the same "
+        "loop for comparison.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_ in (
-        ("quantize-and-train", "train a Llama with POET-XQ (int8 W0) from a recipe"),
+        (
+            "quantize-and-train",
+            "train a Llama from a recipe: POET-XQ (int8 W0 by default; "
+            "--bits 4 / 16) or a baseline (--method)",
+        ),
         ("train", "alias of quantize-and-train"),
     ):
-        p = sub.add_parser(name, help=help_, description=help_ + ".", epilog=_TRAIN_EPILOG,
+        desc = (
+            f"{help_}. A flag sets the recipe key named in its help (default: the embedded "
+            "tiny recipe's value, or --recipe's); --set section.key=value sets any key."
+        )
+        p = sub.add_parser(name, help=help_, description=desc, epilog=_TRAIN_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
         _add_train_args(p)
     p = sub.add_parser(
@@ -268,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "any other non-empty directory is refused")  # fmt: skip
     p = sub.add_parser("validate", help="check recipe YAML files against the schema",
                        description="Validate recipe files; prints one line per file.")  # fmt: skip
-    p.add_argument("recipes", nargs="+", metavar="RECIPE")
+    p.add_argument("recipes", nargs="+", metavar="RECIPE",
+                   help="a recipe YAML file or MODEL:METHOD (e.g. llama-1b:poetxq)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key before validating, e.g. --set "
                    "train.fuse_elementwise=false (repeatable; applied to every file)")  # fmt: skip

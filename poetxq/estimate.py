@@ -162,7 +162,7 @@ def parse_bytes(text: str) -> int:
     """``"80GB"`` / ``"80GiB"`` / ``"141 GiB"`` / ``"500MB"`` / ``"1e9"`` → bytes.
 
     GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20; a bare
-    number is bytes and must be at least 2**20 (``80`` is an error, not 80 bytes).
+    number is bytes. Any size below 2**20 is an error (``80`` or ``80kB`` is surely a slip).
 
     Raises:
         EstimateError: the text is not a size.
@@ -179,6 +179,8 @@ def parse_bytes(text: str) -> int:
     size = int(float(m.group(1)) * scale)
     if size <= 0:
         raise EstimateError(f"memory size '{text}' must be positive; write e.g. 80GB")
+    if size < 2**20:  # "80kB": a unit slip, not a GPU
+        raise EstimateError(f"memory size '{text}' is below 1 MiB; write e.g. 80GB")
     return size
 
 

@@ -91,7 +91,8 @@ def add_tool_parsers(sub: Any) -> None:
         "peak-memory plots from run directories; runs of the same model side by side. A run "
         "without summary.json (interrupted) is read from its metrics.jsonl and marked so.",
     )  # fmt: skip
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories of poetxq train (finished or interrupted)")  # fmt: skip
     p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
 
 
@@ -155,7 +156,7 @@ def run_tool(args: argparse.Namespace) -> int:
             parse_bytes,
         )
 
-        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem else None
+        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)

@@ -213,6 +213,13 @@ def test_parse_bytes():
         parse_bytes("lots")
     with pytest.raises(EstimateError, match="must be positive"):
         parse_bytes("0GB")
+    assert parse_bytes("1MiB") == 2**20
+    for slip in ("80kB", "1023KiB", "80"):  # below 1 MiB: surely not a GPU
+        with pytest.raises(EstimateError, match="80GB"):
+            parse_bytes(slip)
+    for empty in ("", " "):
+        with pytest.raises(EstimateError, match="cannot read memory size"):
+            parse_bytes(empty)
 
 
 def test_estimate_memory_cli(tmp_path, capsys):
