@@ -549,6 +549,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _print_error(text: str, *, same_on_every_rank: bool = False) -> None:
+    """``poetxq: error: TEXT`` on stderr. Under a launcher (``torchrun`` / ``accelerate``, more
+    than one process) a recipe or flag error, which every process finds alike, is printed by
+    process 0 only; any other error names its process."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    rank = int(os.environ.get("RANK", "0") or 0)
+    if world > 1 and same_on_every_rank and rank != 0:
+        return
+    where = f" (process {rank} of {world})" if world > 1 and not same_on_every_rank else ""
+    print(f"poetxq: error{where}: {text}", file=sys.stderr)
+
+
 def _set_without_equals(argv: Sequence[str]) -> str | None:
     """The one-line error for ``--set KEY VALUE`` (a space where ``=`` belongs), which argparse
     would report as an unrecognized argument ``VALUE``; None when every ``--set`` has its ``=``."""
@@ -587,13 +599,13 @@ def _main(argv: Sequence[str] | None) -> int:
         RecipeError, DataError, RunDirError, CheckpointError, ExportError, PretrainedError,
         DivergedError, *TOOL_ERRORS,
     ) as exc:  # fmt: skip
-        print(f"poetxq: error: {exc}", file=sys.stderr)
+        _print_error(str(exc), same_on_every_rank=isinstance(exc, RecipeError))
         return 2
     except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
         # an OSError made with a message only (no errno) is one of ours, already a sentence
         ours = isinstance(exc, OSError) and exc.errno is None and len(exc.args) == 1
         text = str(exc) if ours else f"{type(exc).__name__}: {exc}"
-        print(f"poetxq: error: {text}".splitlines()[0], file=sys.stderr)
+        _print_error(text.splitlines()[0] if text else text)
         return 2
 
 

@@ -580,3 +580,18 @@ def test_a_zero_gradient_norm_is_noted_once(tmp_path, capsys, monkeypatch):
     notes = [ln for ln in (out.out + out.err).splitlines() if "gradient norm is 0" in ln]
     assert len(notes) == 1 and notes[0].startswith("note: gradient norm is 0 at step 5 (loss ")
     assert "lower optim.lr / poet_lr" in notes[0]
+
+
+def test_under_a_launcher_a_recipe_error_is_printed_once(tmp_path, capsys, monkeypatch):
+    """torchrun / accelerate: every process finds a bad flag alike, process 0 says so; another
+    error (here missing data) names the process that hit it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, want in (("1", []), ("0", ["poetxq: error: "])):
+        monkeypatch.setenv("RANK", rank)
+        assert _run(tmp_path, "--set", "foo.bar=1") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert [line[: len("poetxq: error: ")] for line in err] == want
+    monkeypatch.setenv("RANK", "1")
+    assert _run(tmp_path, "--data", str(tmp_path / "nope")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poetxq: error (process 1 of 2): ")
