@@ -465,7 +465,7 @@ def _run_train(args: argparse.Namespace) -> int:
         from poetxq.pretrained import check_pretrained_config, resolve_pretrained
 
         local = resolve_pretrained(recipe.model.pretrained)
-        check_pretrained_config(local, recipe.train.seq_len)
+        check_pretrained_config(local, recipe.train.seq_len, recipe.poet.block_size)
         if recipe.name == "tiny-poetxq":  # the default recipe's name: name runs after the model
             recipe.name = os.path.basename(os.path.normpath(str(local)))
         if recipe.data.tokenizer == recipe.model.pretrained:

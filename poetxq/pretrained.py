@@ -99,20 +99,25 @@ def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
         )
 
 
-def check_pretrained_config(path: str, seq_len: int | None = None) -> Any:
+def check_pretrained_config(
+    path: str, seq_len: int | None = None, block_size: int | None = None
+) -> Any:
     """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
 
     Args:
         path: a local checkpoint directory.
         seq_len: the run's ``train.seq_len``, checked against the model's
             ``max_position_embeddings`` (:func:`check_seq_len`); None skips that check.
+        block_size: the run's ``poet.block_size`` ``b``, which must not exceed the model's
+            smallest layer dimension; None skips that check.
 
     Returns:
         The ``PretrainedConfig``.
 
     Raises:
         PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, an
-            already quantized checkpoint, or ``seq_len`` beyond its positions.
+            already quantized checkpoint, ``seq_len`` beyond its positions, or ``block_size``
+            above its smallest layer dimension.
     """
     from transformers import AutoConfig
 
@@ -134,6 +139,13 @@ def check_pretrained_config(path: str, seq_len: int | None = None) -> Any:
         )
     if seq_len is not None:
         check_seq_len(config, seq_len, path)
+    dims = [getattr(config, k, None) for k in ("hidden_size", "intermediate_size")]
+    smallest = min((d for d in dims if isinstance(d, int)), default=None)
+    if block_size is not None and smallest is not None and block_size > smallest:
+        raise PretrainedError(
+            f"poet.block_size {block_size} exceeds the smallest layer dimension {smallest} of "
+            f"'{path}'; choose --block-size {smallest} or less"
+        )
     return config
 
 
