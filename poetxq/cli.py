@@ -527,6 +527,8 @@ def _run_validate(args: argparse.Namespace) -> int:
             else f"rank={recipe.baseline.rank}"
         )
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
+        for note in recipe.notes:
+            print(f"{path}: note: {note}")
     return 2 if bad else 0
 
 

@@ -289,6 +289,9 @@ class Recipe(_Section):
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "
                 "(Q-GaLore's 8-bit states are baseline.state_bits)"
             )
+        for note in _unused_settings(self):
+            if note not in self._notes:
+                self._notes.append(note)
         unknown = (set(self.poet.target_modules) | set(self.baseline.target_modules)) - set(
             TARGET_MODULES
         )
@@ -297,6 +300,26 @@ class Recipe(_Section):
                 f"unknown target module(s) {sorted(unknown)}; allowed {TARGET_MODULES}"
             )
         return self
+
+
+def _unused_settings(recipe: Recipe) -> list[str]:
+    """Notes for settings the recipe's method ignores: ``poet.*`` away from its defaults under a
+    baseline, ``baseline.*`` under a POET method (a recipe file may carry both sections)."""
+    poet = recipe.method in POET_METHODS
+    section, default = ("baseline", BaselineConfig()) if poet else ("poet", POETConfig())
+    given = getattr(recipe, section)
+    keys = [
+        f"{section}.{k}={getattr(given, k)!r}"
+        for k in type(given).model_fields
+        if getattr(given, k) != getattr(default, k)
+    ]
+    if not keys:
+        return []
+    users = "the baselines" if poet else "poetxq and poetx"
+    return [
+        f"{', '.join(keys)}: no effect with method {recipe.method} ({section}.* applies to "
+        f"{users} only)"
+    ]
 
 
 def _check_pretrained(recipe: Recipe) -> None:

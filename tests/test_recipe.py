@@ -174,6 +174,28 @@ def test_validate_command_reports_every_file(tmp_path, capsys):
     assert err.startswith("poetxq: error: ") and "train.fuse_elementwise" in err
 
 
+def test_settings_the_method_ignores_get_a_note(capsys):
+    """poet.* under a baseline and baseline.* under a POET method change nothing: a note (in
+    validate's output and at the start of a run), not silence; the shipped recipes get none."""
+    from poetxq.cli import main
+
+    qg = load_recipe("llama-1b:qgalore", {"poet.bits": 4, "poet.block_size": 128})
+    assert qg.notes == [
+        "poet.bits=4, poet.block_size=128: no effect with method qgalore (poet.* applies to "
+        "poetxq and poetx only)"
+    ]
+    assert load_recipe("llama-1b:poetxq", {"baseline.rank": 8}).notes == [
+        "baseline.rank=8: no effect with method poetxq (baseline.* applies to the baselines only)"
+    ]
+    assert load_recipe("llama-1b:qgalore", {"baseline.rank": 8}).notes == []
+    for path in sorted((ROOT / "recipes").rglob("*.yaml")):
+        if "models" not in path.parts and "methods" not in path.parts:
+            assert load_recipe(str(path)).notes == [], path
+    assert main(["validate", "llama-1b:qgalore", "--set", "poet.bits=4"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[1] == f"llama-1b:qgalore: note: {qg.notes[0].replace(', poet.block_size=128', '')}"
+
+
 def test_override_is_shown_as_yaml_reads_it():
     """``--set key=`` is null and ``--set key=true`` is true in the message, as in the YAML."""
     with pytest.raises(RecipeError, match=r"^override train\.cuda_graph=null: "):
