@@ -42,6 +42,7 @@ def test_every_combination_validates(model, method):
     assert r.data.source == "hf:allenai/c4" and r.data.hf_config == "en"
     assert r.data.max_train_tokens == r.train.max_steps * 512 * 256
     assert run_label(r) == f"{model}-{method}"
+    assert r.notes == []  # no setting the method ignores
 
 
 def test_per_size_rates_come_from_by_model():
