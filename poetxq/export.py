@@ -383,7 +383,14 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
             "damaged or the run diverged — export an earlier checkpoint's run instead"
         )
     if (run / CONFIG_FILE).is_file():
-        config = AutoConfig.from_pretrained(str(run))
+        try:
+            config = AutoConfig.from_pretrained(str(run))
+        except (OSError, ValueError) as exc:  # transformers' words for a damaged file
+            raise ExportError(
+                f"cannot read {run / CONFIG_FILE} ({_one_line(exc)}); the run directory is "
+                f"damaged: restore the file, or delete it to rebuild the model from the run's "
+                "recipe.yaml"
+            ) from None
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     else:
         emb = state.get("model.embed_tokens.weight")

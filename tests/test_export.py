@@ -374,6 +374,18 @@ def test_export_into_an_unwritable_folder_is_one_line(runs, tmp_path, capsys, mo
     assert "Permission denied" in err[0] and ".tmp-" not in err[0]
 
 
+def test_a_damaged_run_config_is_one_line(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs / "b8", run)
+    (run / "config.json").write_text("{not json")
+    assert main(["export", str(run), "--format", "hf-bf16", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"poetxq: error: cannot read {run / 'config.json'}")
+    assert "the run directory is damaged" in err[0] and not (tmp_path / "o").exists()
+
+
 def test_export_never_overwrites_the_run_or_its_parent(runs, capsys):
     before = sorted(p.name for p in runs.iterdir())
     files = sorted(p.name for p in (runs / "b8").iterdir())
