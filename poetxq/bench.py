@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
+from poetxq.text import count
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
@@ -100,8 +101,8 @@ class BenchResult:
         return (
             f"bench {self.run_label}{f' ({self.variant})' if self.variant else ''}: "
             f"{self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
-            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), {self.steps} "
-            f"step{'' if self.steps == 1 else 's'} of "
+            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), "
+            f"{count(self.steps, 'step')} of "
             f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
             f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
         )

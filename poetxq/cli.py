@@ -481,8 +481,8 @@ def _run_train(args: argparse.Namespace) -> int:
         recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
     )
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
-        if os.environ.get("RANK", "0") == "0":  # once, not once per DDP process
-            world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world = _launcher_rank()
+        if rank == 0:  # once, not once per DDP process
             how = (
                 f"the same launcher with {world} processes, e.g. torchrun --nproc_per_node "
                 f"{world} -m poetxq.cli train --resume {run_dir.resolve()}"
@@ -551,12 +551,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _launcher_rank() -> tuple[int, int]:
+    """``(rank, world size)`` that ``torchrun`` / ``accelerate launch`` put in the environment,
+    ``(0, 1)`` without a launcher (read before any process group exists)."""
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def _print_error(text: str, *, same_on_every_rank: bool = False) -> None:
     """``poetxq: error: TEXT`` on stderr. Under a launcher (``torchrun`` / ``accelerate``, more
     than one process) a recipe or flag error, which every process finds alike, is printed by
     process 0 only; any other error names its process."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    rank = int(os.environ.get("RANK", "0") or 0)
+    rank, world = _launcher_rank()
     if world > 1 and same_on_every_rank and rank != 0:
         return
     where = f" (process {rank} of {world})" if world > 1 and not same_on_every_rank else ""

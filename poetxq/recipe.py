@@ -262,7 +262,7 @@ class Recipe(_Section):
             self.poet.bits = 16
         if m.pretrained is not None:
             _check_pretrained(self)
-        elif self.method in ("poetxq", "poetx") and self.poet.block_size > smallest:
+        elif self.method in POET_METHODS and self.poet.block_size > smallest:
             raise ValueError(
                 f"poet.block_size {self.poet.block_size} exceeds the smallest layer dimension "
                 f"{smallest}; choose a block size <= {smallest}"
@@ -278,13 +278,13 @@ class Recipe(_Section):
                 if note not in self._notes:
                     self._notes.append(note)
             m.max_position_embeddings = self.train.seq_len
-        if self.train.cuda_graph is True and self.method not in ("poetxq", "poetx"):
+        if self.train.cuda_graph is True and self.method not in POET_METHODS:
             raise ValueError(
                 f"train.cuda_graph applies to the POET methods, not {self.method}; set "
                 "train.cuda_graph: false or auto"
             )
         self._check_memory_options()
-        if self.optim.state_bits == 8 and self.method not in ("poetxq", "poetx"):
+        if self.optim.state_bits == 8 and self.method not in POET_METHODS:
             raise ValueError(
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "
                 "(Q-GaLore's 8-bit states are baseline.state_bits)"
@@ -324,7 +324,7 @@ def _unused_settings(recipe: Recipe) -> list[str]:
 
 def _check_pretrained(recipe: Recipe) -> None:
     """``model.pretrained`` set: POET methods only; the tokenizer defaults to the checkpoint's."""
-    if recipe.method not in ("poetxq", "poetx"):
+    if recipe.method not in POET_METHODS:
         raise ValueError(
             f"model.pretrained (--model) works with methods poetxq and poetx, not {recipe.method!r}"
         )

@@ -29,7 +29,8 @@ from typing import Any
 import yaml
 
 from poetxq.paths import nearest_existing, writable_dir
-from poetxq.recipe import METHOD_LABELS, Recipe, method_label, run_label
+from poetxq.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_label, run_label
+from poetxq.text import count
 
 METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
 PLOTS = ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png")
@@ -71,7 +72,7 @@ class Run:
         """The method label; a POET run with ``poet.freeze_orthogonal`` (``R = P = I``, only
         embeddings, norms and lm_head train) is marked as that control."""
         label = self.summary.get("method") or method_label(self.recipe)
-        if self.recipe.method in ("poetxq", "poetx") and self.recipe.poet.freeze_orthogonal:
+        if self.recipe.method in POET_METHODS and self.recipe.poet.freeze_orthogonal:
             return f"{label}, R = P = I control"
         return label
 
@@ -107,7 +108,7 @@ class Run:
             return "int8 W0"
         if r.method == "poetxq" and r.poet.bits == 4:
             return f"{r.poet.quant_type} W0"
-        if r.method in ("poetxq", "poetx"):
+        if r.method in POET_METHODS:
             return f"{dense} W0"
         if r.method in ("qgalore", "qapollo"):
             g = r.baseline.weight_group_size or (256 if r.method == "qgalore" else 128)
@@ -126,10 +127,9 @@ class Run:
 
 def _merges(run: Run) -> str:
     """``"N merges, "`` for a POET run (merge-then-reinitialize), ``""`` for the baselines."""
-    if run.recipe.method not in ("poetxq", "poetx"):
+    if run.recipe.method not in POET_METHODS:
         return ""
-    n = run.summary.get("merges", "n/a")
-    return f"{n} merge{'' if n == 1 else 's'}, "
+    return f"{count(run.summary.get('merges', 'n/a'), 'merge')}, "
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -394,7 +394,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
             "wall time", "memory options"]  # fmt: skip
     lines = ["# Results", ""]
     lines.append(
-        f"{len(runs)} run{'' if len(runs) == 1 else 's'}; runs of the same model are side by "
+        f"{count(len(runs), 'run')}; runs of the same model are side by "
         "side. Peak memory is "
         "`torch.cuda.max_memory_allocated` on a GPU, the process's peak RSS (marked) on the CPU."
     )

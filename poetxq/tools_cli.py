@@ -17,6 +17,7 @@ from poetxq.bench import BenchError
 from poetxq.estimate import EstimateError
 from poetxq.paths import nearest_existing, writable_dir
 from poetxq.report import ReportError
+from poetxq.text import count
 
 TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
 
@@ -142,7 +143,7 @@ def run_tool(args: argparse.Namespace) -> int:
 
         path = build_report(args.runs, args.out)
         n = len({Path(p).resolve() for p in args.runs})  # a run given twice is reported once
-        print(f"report: {path} ({n} run{'' if n == 1 else 's'})")
+        print(f"report: {path} ({count(n, 'run')})")
         return 0
     from poetxq.bench import write_json
 

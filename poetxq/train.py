@@ -59,7 +59,8 @@ from poetxq.optim import (
     merge_and_reset,
 )
 from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
-from poetxq.recipe import Recipe, dump_recipe, method_label, run_label
+from poetxq.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
+from poetxq.text import count
 
 #: files a run writes into its directory
 RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
@@ -367,7 +368,7 @@ def train(
     unigram = unigram_perplexity(data.train.flatten(), data.val[:, 1:], data.vocab_size)
 
     poet_gen = torch.Generator().manual_seed(tc.seed + 1)
-    is_poet = recipe.method in ("poetxq", "poetx")
+    is_poet = recipe.method in POET_METHODS
     # CUDA: built on the device (meta init, W0 drawn and quantized there); CPU: as always
     built = build_for_training(
         recipe,
@@ -693,7 +694,7 @@ def train(
         accelerator.end_training()
         if not interrupted:
             since = " since the resume" if resumed_from else ""  # tokens/s of this session
-            merged = f", {merges} merge{'' if merges == 1 else 's'}" if is_poet else ""
+            merged = f", {count(merges, 'merge')}" if is_poet else ""
             say(
                 f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
                 f"({result.tokens_per_s:,.0f} tok/s{since}){merged}; val ppl {val_ppl0:.1f} -> "
