@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import official_poet
 import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
 
@@ -247,6 +251,33 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     return out
 
 
+def add_official(row: dict, args: argparse.Namespace) -> None:
+    """Run the official POET-XQ step in the setting of ``row`` (model, checkpointing) in a
+    process of its own (``evals/official_poet.py step``) and put its measurement beside ours:
+    ``row["official_measured"]`` and ``row["speedup_vs_official_measured"]`` (its step time over
+    ours), or ``row["official_error"]`` with the end of its output when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "official.json"
+        cmd = [sys.executable, str(Path(official_poet.__file__)), "step", "--model", row["model"],
+               "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--block-size",
+               str(args.block_size), "--device", args.device, "--out", str(out)]  # fmt: skip
+        cmd += ["--ckpt"] if row["gradient_checkpointing"] else []
+        cmd += ["--official", args.official] if args.official else []
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0 or not out.is_file():
+            row["official_error"] = (res.stdout + res.stderr)[-2000:]
+            print(f"official code, {row['model']} ckpt={row['gradient_checkpointing']}: failed "
+                  f"(exit {res.returncode})", flush=True)  # fmt: skip
+            return
+        off = json.loads(out.read_text())
+    row["official_measured"] = off
+    row["speedup_vs_official_measured"] = off["step_time_s"] / row["step_time_s"]
+    print(f"official code, {row['model']} ckpt={row['gradient_checkpointing']}: peak "
+          f"{off['peak_memory_gib']:.2f} GiB, step {off['step_time_s']:.3f} s "
+          f"(ours {row['step_time_s']:.3f} s: {row['speedup_vs_official_measured']:.2f}x)",
+          flush=True)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -271,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-flatten", action="store_true",
                     help="keep every tensor of the optimizer's groups separate (one 8-bit update "
                     "launch per tensor; A/B of poetxq.flat)")  # fmt: skip
+    ap.add_argument("--official", nargs="?", const="", default=None, metavar="DIR",
+                    help="also run the official POET-XQ code's step for every model and setting, "
+                    "each in its own process (evals/official_poet.py; DIR holds poet_torch/, "
+                    "default $POETXQ_OFFICIAL_DIR or .official/)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     args = ap.parse_args(argv)
@@ -293,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             recipe_for(name.strip(), args)
     except (RecipeError, ValueError) as exc:
         ap.error(str(exc).splitlines()[0])
+    if args.official is not None:
+        try:
+            official_poet.load(args.official or None)
+        except official_poet.OfficialNotFound as exc:
+            ap.error(f"--official: {exc}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         print(
             "gpu_memory: error: no CUDA device; use --device cpu for a smoke test", file=sys.stderr
@@ -301,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         results.extend(measure(name.strip(), args, dev))
+    if args.official is not None:
+        for row in results:
+            add_official(row, args)
     doc = {
         "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
         "(forward, backward, clip, AdamW step), bf16, without and with whole-layer "

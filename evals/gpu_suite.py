@@ -10,8 +10,10 @@
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
 4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
    ``overhead``: where that layer's wall time goes — host time to issue one forward+backward,
-   GPU time (the same forward+backward replayed from a CUDA graph), the eager wall time, the top
-   host-side ops, and the host cost of one launch (torch op, cuBLAS, Triton kernel).
+   GPU time (the same forward+backward replayed from a CUDA graph), the eager wall time, peak
+   extra memory, the top host-side ops, and the host cost of one launch (torch op, cuBLAS,
+   Triton kernel); with a local copy of the official POET code (``--official``,
+   ``evals/official_poet.py``) its POET-XQ / POET-X layers are timed in the same rows.
 5. The kernel unit tests (``tests/quant_kernels``) on CUDA at their own sizes, compiled for the
    GPU instead of the CPU interpreter: pytest's summary line goes into the JSON.
 6. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
+import official_poet
 import torch
 from _common import cuda_graph_ms, cuda_peak_extra_mib, cuda_time_ms, git_commit
 
@@ -218,10 +221,11 @@ def _launch_us() -> dict:
     return out
 
 
-def layer_overhead(n: int, m: int, b: int) -> dict:
-    """Wall, host-issue and GPU (graph replay) time of a layer forward+backward at input
-    [1, 2048, n] bf16 for ``nn.Linear`` and the POET-X(Q) variants; the top host-side ops of
-    the int8 mem layer."""
+def layer_overhead(n: int, m: int, b: int, official: str | None = None) -> dict:
+    """Wall, host-issue and GPU (graph replay) time and peak extra memory of a layer
+    forward+backward at input [1, 2048, n] bf16 for ``nn.Linear``, the POET-X(Q) variants and,
+    when a copy of the official code is found (:mod:`official_poet`, folder ``official``), its
+    layers; the top host-side ops of the int8 mem layer."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = "cuda"
@@ -248,6 +252,15 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
         if variant == "fast":  # the autograd fast path beside the default feature-major one
             flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
             rows.append((f"bits{bits}_fast_autograd", layer, flag))
+    poet = official_poet.try_load(official)
+    if poet is not None:  # the official code's layers side by side (evals/official_poet.py)
+        for kind in official_poet.LAYER_KINDS:
+            try:
+                mod = official_poet.official_layer(poet, kind, n, m, b, device=dev)
+            except Exception as exc:
+                res[f"official_{kind}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            rows.append((f"official_{kind}", mod, None))
     base = None
     for name, mod, flag in rows:
         ctx = _opt_in(*flag) if flag else contextlib.nullcontext()
@@ -255,14 +268,19 @@ def layer_overhead(n: int, m: int, b: int) -> dict:
             with ctx:
                 fn = run(mod)
                 row = {"eager_ms": cuda_time_ms(fn), "host_issue_ms": _host_issue_ms(fn),
-                       "gpu_ms_graph": cuda_graph_ms(fn)}  # fmt: skip
+                       "peak_extra_mib": cuda_peak_extra_mib(fn)}  # fmt: skip
+                try:  # the GPU time alone: the same call replayed from a CUDA graph
+                    row["gpu_ms_graph"] = cuda_graph_ms(fn)
+                except Exception as exc:  # (code that cannot be captured keeps its eager rows)
+                    row["graph_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         except Exception as exc:  # record and go on
             row = {"error": f"{type(exc).__name__}: {exc}"}
         if name == "nn_linear":
             base = row
         elif base is not None and "error" not in row:
             row["eager_ratio"] = row["eager_ms"] / base["eager_ms"]
-            row["gpu_ratio"] = row["gpu_ms_graph"] / base["gpu_ms_graph"]
+            if "gpu_ms_graph" in row and "gpu_ms_graph" in base:
+                row["gpu_ratio"] = row["gpu_ms_graph"] / base["gpu_ms_graph"]
         res[name] = row
         torch.cuda.empty_cache()
     layer = rows[1][1]
@@ -336,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    ap.add_argument("--official", default=None, help="overhead part: folder holding the official "
+                    "poet_torch/ to time beside ours (default $POETXQ_OFFICIAL_DIR or .official/; "
+                    "left out when absent)")  # fmt: skip
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if args.skip_train:
@@ -415,9 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table, flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "overhead" in parts:
+        report["official_code"] = str(official_poet.official_dir(args.official)) if (
+            official_poet.try_load(args.official)) else None  # fmt: skip
         report["layer_overhead_8b_mlp_bf16"] = rows = [
-            layer_overhead(4096, 14336, 256),
-            layer_overhead(14336, 4096, 256),
+            layer_overhead(4096, 14336, 256, args.official),
+            layer_overhead(14336, 4096, 256, args.official),
         ]
         report["layer_profile_int8_mem_4096_14336"] = table = layer_profile(4096, 14336, 256)
         print(table)

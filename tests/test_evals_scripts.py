@@ -276,3 +276,75 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     assert mod.main(["llama-1b:poetxq", "--set", "model.foo=1", "--out", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("host_profile: ") and "\n" not in err and not bad.exists()
+
+
+_FAKE_POET = '''
+import torch
+from torch import nn
+
+
+class POETLinear(nn.Module):
+    def __init__(self, n, m, block_size=256, device=None, dtype=None, mem_efficient_mode=False):
+        super().__init__()
+        w = torch.zeros(m, n, device=device, dtype=dtype)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.oft_R = nn.Parameter(torch.zeros(n // block_size + m // block_size, 3))
+        self.mem_efficient_mode = mem_efficient_mode
+
+
+class QPOETLinear(POETLinear):
+    @classmethod
+    def from_linear(cls, linear, block_size=256, mem_efficient_mode=False):
+        layer = cls(linear.in_features, linear.out_features, block_size,
+                    mem_efficient_mode=mem_efficient_mode)
+        layer.source = linear.weight.detach().clone()
+        return layer
+'''
+
+
+@pytest.fixture
+def fake_official(tmp_path, monkeypatch):
+    """A stand-in ``poet_torch`` package in ``tmp_path`` (the real one is never in the repo)."""
+    (tmp_path / "poet_torch").mkdir()
+    (tmp_path / "poet_torch" / "__init__.py").write_text(_FAKE_POET)
+    monkeypatch.delitem(sys.modules, "poet_torch", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tmp_path
+    sys.modules.pop("poet_torch", None)
+
+
+def test_official_code_is_found_only_where_asked_and_its_absence_is_one_line(tmp_path):
+    op = _load("official_poet")
+    with pytest.raises(op.OfficialNotFound, match=str(tmp_path)) as exc:
+        op.load(tmp_path)
+    assert "poet_torch/__init__.py" in str(exc.value) and "\n" not in str(exc.value)
+    assert op.try_load(tmp_path) is None
+    assert op.official_dir(None).name == ".official"  # git-ignored: never committed
+    assert ".official/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+def test_official_layers_get_their_class_mem_mode_normalized_w0_and_nonzero_blocks(fake_official):
+    op = _load("official_poet")
+    poet = op.load(fake_official)
+    assert Path(poet.__file__).parent.parent == fake_official
+    for kind, (cls, mem) in op.LAYER_KINDS.items():
+        layer = op.official_layer(poet, kind, 64, 128, 32, device="cpu", dtype=torch.float32)
+        assert type(layer).__name__ == cls and layer.mem_efficient_mode is mem
+        assert layer.oft_R.abs().sum() > 0  # R, P != I as in our layer benchmarks
+        w = layer.weight if cls == "POETLinear" else layer.source
+        if cls == "POETLinear":  # the official conversion normalizes rows (from_linear does it)
+            torch.testing.assert_close(w.norm(dim=1), torch.ones(128))
+        else:
+            assert 0.015 < w.std().item() < 0.025  # the nn.Linear's N(0, 0.02) weight
+    with pytest.raises(ValueError, match="xq_mem"):
+        op.official_layer(poet, "xq_fast", 64, 128, 32, device="cpu")
+
+
+def test_gpu_memory_refuses_official_without_the_copy_before_work(tmp_path, capsys):
+    mod = _load("gpu_memory")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--out", str(tmp_path / "x.json"), "--official", str(tmp_path / "none")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--official: no official POET code in" in err[-1]
+    assert not (tmp_path / "x.json").exists()
