@@ -278,7 +278,7 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     assert err.startswith("host_profile: ") and "\n" not in err and not bad.exists()
 
 
-_FAKE_POET = '''
+_FAKE_POET = """
 import torch
 from torch import nn
 
@@ -299,7 +299,7 @@ class QPOETLinear(POETLinear):
                     mem_efficient_mode=mem_efficient_mode)
         layer.source = linear.weight.detach().clone()
         return layer
-'''
+"""
 
 
 @pytest.fixture
