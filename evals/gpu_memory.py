@@ -53,8 +53,9 @@ from poetxq.surgery import build_llama, convert_to_poetx
 
 VOCAB = 32000
 GIB = 2**30
-# official POET-XQ code on this H200, 2026-11-30, bs 1, seq 2048, b = 256:
-# (GiB, s) without / with whole-layer checkpointing
+# official POET-XQ code on this H200, 2026-11-30, bs 1, seq 2048, b = 256, as the issue quotes it:
+# (GiB, s) without / with whole-layer checkpointing. --official measures it beside ours instead
+# (d5a8a3e: the same peaks, steps of 0.43 / 0.65 s at 8B and 0.61 / 0.95 s at 13B)
 OFFICIAL = {
     "llama-8b": {"no_ckpt": (30.89, 0.53), "ckpt": (12.97, 0.89)},
     "llama-13b": {"no_ckpt": (44.28, 0.65), "ckpt": (19.27, 0.93)},
@@ -272,6 +273,8 @@ def add_official(row: dict, args: argparse.Namespace) -> None:
         off = json.loads(out.read_text())
     row["official_measured"] = off
     row["speedup_vs_official_measured"] = off["step_time_s"] / row["step_time_s"]
+    if "meets_speed_target" in row:  # judged on the step measured beside ours, not the quote
+        row["meets_speed_target"] = row["speedup_vs_official_measured"] >= 1.5
     print(f"official code, {row['model']} ckpt={row['gradient_checkpointing']}: peak "
           f"{off['peak_memory_gib']:.2f} GiB, step {off['step_time_s']:.3f} s "
           f"(ours {row['step_time_s']:.3f} s: {row['speedup_vs_official_measured']:.2f}x)",

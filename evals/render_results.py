@@ -800,15 +800,152 @@ def _multi_gpu_sync(name: str = "multi_gpu_step_h200x2_ab6a379.json") -> list[st
     return [*lines, "", _provenance(name, d), ""]
 
 
+#: the layer rows of the side-by-side run (``gpu_suite.py --parts overhead --official``)
+SIDE_BY_SIDE_LAYERS = (
+    ("nn_linear", "`nn.Linear` (cuBLAS, bf16 weight)"),
+    ("bits8_mem", "ours: POET-XQ int8 `mem`"),
+    ("bits8_fast", "ours: POET-XQ int8 `fast`"),
+    ("bits4_mem", "ours: POET-XQ NF4 `mem`"),
+    ("bits16_mem", "ours: POET-X bf16 `mem`"),
+    ("bits16_fast", "ours: POET-X bf16 `fast`"),
+    ("official_xq_mem", "official: POET-XQ (`QPOETLinear`, mem_efficient_mode)"),
+    ("official_xq", "official: POET-XQ (`QPOETLinear`, its default)"),
+    ("official_x_mem", "official: POET-X `mem` (`POETLinear`, mem_efficient_mode)"),
+    ("official_x_fast", "official: POET-X `fast` (`POETLinear`, its default)"),
+)
+#: (ours, official) layer pairs compared in the side-by-side ratios
+SIDE_BY_SIDE_PAIRS = (
+    ("bits8_mem", "official_xq_mem", "POET-XQ int8 `mem`"),
+    ("bits16_mem", "official_x_mem", "POET-X `mem`"),
+    ("bits16_fast", "official_x_fast", "POET-X `fast`"),
+)
+
+
+def _side_by_side_layers(name: str) -> list[str]:
+    """The layer table of a side-by-side run with the official code (GPU time from a CUDA-graph
+    replay and peak extra memory of one forward+backward, per 8B MLP shape)."""
+    d = _load(name)
+    if d is None:
+        return []
+    shapes = d["layer_overhead_8b_mlp_bf16"]
+    head = " | ".join(f"{s['shape'].replace('->', ' → ')}" for s in shapes)
+    lines = [
+        "### One layer forward+backward beside the official code (Llama-8B MLP shapes)",
+        "",
+        "Input [1, 2048, d], bf16, b = 256. GPU time: the forward+backward replayed from a CUDA "
+        "graph (ms, and ÷ `nn.Linear` in the same run); peak extra: MiB allocated above what was "
+        "allocated before the call (output, input gradient and transients; `nn.Linear`'s "
+        "includes its weight gradient). The official code is github.com/Sphere-AI-Lab/poet's "
+        "`poet_torch`, from a local copy (`evals/official_poet.py`), timed in the same rows.",
+        "",
+        f"| layer | GPU ms ({head}) | ÷ `nn.Linear` | peak extra MiB |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in SIDE_BY_SIDE_LAYERS:
+        rows = [s.get(key) for s in shapes]
+        if any(r is None or "gpu_ms_graph" not in r for r in rows):
+            continue
+        ms = " / ".join(f"{r['gpu_ms_graph']:.3f}" for r in rows)
+        ratio = " / ".join(f"{r['gpu_ratio']:.2f}" if "gpu_ratio" in r else "1" for r in rows)
+        peak = " / ".join(f"{r['peak_extra_mib']:.0f}" for r in rows)
+        lines.append(f"| {label} | {ms} | {ratio} | {peak} |")
+    lines.append("")
+    for ours, theirs, label in SIDE_BY_SIDE_PAIRS:
+        rows = [(s.get(ours), s.get(theirs)) for s in shapes]
+        if all(a and b and "gpu_ms_graph" in a and "gpu_ms_graph" in b for a, b in rows):
+            speed = " / ".join(f"{b['gpu_ms_graph'] / a['gpu_ms_graph']:.2f}×" for a, b in rows)
+            lines.append(f"- {label}: ours is {speed} faster than the official layer in GPU time.")
+    return [*lines, "", _provenance(name, d), ""]
+
+
+def _side_by_side_steps(names: list[str]) -> list[str]:
+    """Whole-step rows of ``evals/gpu_memory.py`` files: ours (eager, CUDA graph, memory
+    options) beside the official code's step measured in the same call (``--official``); rows of
+    files without it are compared with the official step of the same model and checkpointing
+    from the files that have it."""
+    docs = [(n, d) for n in names if (d := _load(n)) is not None]
+    if not docs:
+        return []
+    official = {}
+    for _, d in docs:
+        for r in d["results"]:
+            if "official_measured" in r:
+                official[(r["model"], r["gradient_checkpointing"])] = r["official_measured"]
+    lines = [
+        "### Llama-8B / 13B training steps beside the official code",
+        "",
+        "Batch 1 × 2,048 tokens, int8 `W0`, b = 256, bf16, 8-bit optimizer states; one step = "
+        "forward, backward, gradient clipping (none with the optimizer in backward) and the "
+        "optimizer step. The official step (`evals/official_poet.py step`: `POETModel(QPOETConfig)`"
+        " as its training script sets it up, `gradient_checkpointing_enable()` for the "
+        "checkpointed rows) ran in the same device call as ours. Peak: allocated; for a CUDA "
+        "graph the reserved peak (its pool is not in the allocated count).",
+        "",
+        "| model | checkpointing | ours | ours peak (GiB) | ours step (s) | official peak (GiB) | "
+        "official step (s) | speed-up | targets (GiB; speed-up) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for _, d in docs:
+        for r in d["results"]:
+            off = official.get((r["model"], r["gradient_checkpointing"]))
+            if off is None:
+                continue
+            setting = "CUDA graph" if r.get("cuda_graph") else "eager"
+            extras = [
+                label
+                for key, label in (
+                    ("loss_chunk_tokens", "chunked loss"),
+                    ("optimizer_in_backward", "optimizer in backward"),
+                    ("offload_activations", "offload"),
+                )
+                if r.get(key)
+            ]
+            setting = ", ".join([setting, *extras])
+            lines.append(
+                f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | {setting} | "
+                f"{_peak_cell(r, 2)} | {r['step_time_s']:.3f} | {off['peak_memory_gib']:.2f} | "
+                f"{off['step_time_s']:.3f} | {off['step_time_s'] / r['step_time_s']:.2f}× | "
+                f"≤ {r['target_peak_gib']}; ≥ 1.5× |"
+            )
+    lines.append("")
+    lines += [_provenance(n, d) for n, d in docs]
+    return [*lines, ""]
+
+
+SIDE_BY_SIDE_COMMIT = "d5a8a3e"
+
+
+def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
+    """The side-by-side section: layers and whole steps, ours beside the official code."""
+    steps = [
+        f"gpu_memory_{m}_{kind}_h200_{commit}.json"
+        for m in ("8b", "13b")
+        for kind in ("official", "graph", "oib", "oib_off")
+    ]
+    body = _side_by_side_layers(f"official_layers_h200_{commit}.json")
+    body += _side_by_side_steps(steps)
+    return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(REPO / "docs" / "RESULTS.md"))
+    ap.add_argument(
+        "--side-by-side-out",
+        default=str(RESULTS / f"official_side_by_side_h200_{SIDE_BY_SIDE_COMMIT}.md"),
+        help="where the side-by-side tables (ours beside the official code) also go on their own",
+    )
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    out, sbs_out = Path(args.out), Path(args.side_by_side_out)
     try:  # before any plot is drawn or folder made
         check_output_file(out, "--out", ValueError)
+        check_output_file(sbs_out, "--side-by-side-out", ValueError)
     except ValueError as exc:
         ap.error(str(exc))
+    sbs = side_by_side()
+    if sbs:
+        sbs_out.write_text("\n".join(["#" + sbs[0][2:], *sbs[1:]]).rstrip() + "\n")
+        print(f"wrote {sbs_out}")
     img = out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -819,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
         "one run.",
         "",
     ]
+    lines += side_by_side()
     lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
     lines += _memory() + _memory_state8() + _memory_lowmem()
     lines += _memory_state8("gpu_memory_state8_graph_h200.json", " (again, one call, later commit)")

@@ -24,8 +24,11 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
     pytest.importorskip("matplotlib")
     render = _load("render_results")
     out = tmp_path / "RESULTS.md"
-    assert render.main(["--out", str(out)]) == 0
+    sbs = tmp_path / "side_by_side.md"
+    assert render.main(["--out", str(out), "--side-by-side-out", str(sbs)]) == 0
     page = out.read_text()
+    assert sbs.read_text().startswith("# Side by side with the official")
+    assert "\n".join(sbs.read_text().splitlines()[1:]) in page  # the same tables, on their own
     compare = json.loads((REPO / "evals/results/compare_60m_h200.json").read_text())
     for method, run in compare["runs"].items():
         row = next(
@@ -348,3 +351,49 @@ def test_gpu_memory_refuses_official_without_the_copy_before_work(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert "--official: no official POET code in" in err[-1]
     assert not (tmp_path / "x.json").exists()
+
+
+def _gpu_memory_row(ckpt: bool, step: float, **extra) -> dict:
+    return {"model": "llama-8b", "gradient_checkpointing": ckpt, "step_time_s": step,
+            "peak_memory_bytes": 10 * 2**30, "peak_reserved_bytes": 12 * 2**30,
+            "target_peak_gib": 11, **extra}  # fmt: skip
+
+
+def test_side_by_side_tables_read_ours_and_the_official_rows_from_the_json(tmp_path, monkeypatch):
+    render = _load("render_results")
+    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    head = {"gpu": "GPU X", "date": "2026-12-01", "commit": "abc1234"}
+
+    def layer(ms: float, peak: float, base: float | None = None) -> dict:
+        row = {"gpu_ms_graph": ms, "peak_extra_mib": peak}
+        return row if base is None else {**row, "gpu_ratio": ms / base}
+
+    shapes = [
+        {"shape": "4096->14336", "nn_linear": layer(1.0, 168), "bits8_mem": layer(1.3, 300, 1.0),
+         "official_xq_mem": layer(2.6, 363, 1.0)},
+        {"shape": "14336->4096", "nn_linear": layer(2.0, 128), "bits8_mem": layer(2.5, 235, 2.0),
+         "official_xq_mem": layer(4.0, 360, 2.0), "official_x_fast": {"error": "boom"}},
+    ]  # fmt: skip
+    (tmp_path / "official_layers_h200_abc.json").write_text(
+        json.dumps({**head, "layer_overhead_8b_mlp_bf16": shapes})
+    )
+    off = {"step_time_s": 0.9, "peak_memory_gib": 12.98}
+    eager = _gpu_memory_row(True, 0.6, official_measured=off)
+    graph = _gpu_memory_row(True, 0.3, cuda_graph=True, loss_chunk_tokens=256)
+    (tmp_path / "gpu_memory_8b_official_h200_abc.json").write_text(
+        json.dumps({**head, "results": [eager]})
+    )
+    (tmp_path / "gpu_memory_8b_graph_h200_abc.json").write_text(
+        json.dumps({**head, "results": [graph]})
+    )
+    page = "\n".join(render.side_by_side("abc"))
+    assert "| ours: POET-XQ int8 `mem` | 1.300 / 2.500 | 1.30 / 1.25 | 300 / 235 |" in page
+    assert "mem_efficient_mode) | 2.600 / 4.000 | 2.60 / 2.00 | 363 / 360 |" in page
+    assert "ours is 2.00× / 1.60× faster than the official layer" in page
+    assert "official: POET-X `fast`" not in page  # a row with an error is left out
+    want = "| llama-8b | yes | eager | 10.00 | 0.600 | 12.98 | 0.900 | 1.50× | ≤ 11; ≥ 1.5× |"
+    assert want in page
+    # a file without its own official step is compared with the same setting's measured one
+    assert "| CUDA graph, chunked loss | 12.00 (reserved) | 0.300 | 12.98 | 0.900 | 3.00× |" in page
+    assert page.count("Source: `evals/results/") == 3
+    assert render.side_by_side("nothing") == []
