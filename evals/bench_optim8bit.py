@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         "what": "bitsandbytes' 8-bit blockwise AdamW update, CUDA op against its Triton kernel",
         **provenance(torch.cuda.get_device_name(), argv),
         "timing": [timing(args.numel, dt) for dt in (torch.bfloat16, torch.float32)],
-        "agreement": [compare(n, dt, args.steps) for n in (1 << 20, (1 << 20) + 100)
-                      for dt in (torch.bfloat16, torch.float32)],  # fmt: skip
+        "agreement": [
+            compare(n, dt, args.steps)
+            for n in (1 << 20, (1 << 20) + 100)
+            for dt in (torch.bfloat16, torch.float32)
+        ],
     }
     for row in doc["timing"] + doc["agreement"]:
         print(row, flush=True)
