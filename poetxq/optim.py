@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import quant_kernels
 from poetxq.blockcache import q_parameters_in_cnp_order
 from poetxq.recipe import OptimConfig
 from poetxq.surgery import poet_layers
@@ -249,7 +250,10 @@ def adamw8bit_class() -> type:
                 lo = flat.offsets[first]
                 hi = lo + grad.numel()
                 blocks = slice(lo // bs, -(-hi // bs))
-                bnbF.optimizer_update_8bit_blockwise(
+                update = bnbF.optimizer_update_8bit_blockwise
+                if not config["skip_zeros"] and quant_kernels.triton_8bit_update(grad):
+                    update = quant_kernels._bnb_triton_update()  # bitsandbytes' Triton kernel
+                update(
                     self.optimizer_name, grad, flat.flat[lo:hi],
                     st["state1"][lo:hi], st["state2"][lo:hi],
                     betas[0], betas[1], betas[2] if len(betas) >= 3 else 0.0,

@@ -35,6 +35,7 @@ the plain references, which dequantize the whole weight at once). This package i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -190,6 +191,35 @@ FUSED_INPUT_CAST_MEASURED_FASTER = True
 #: +0.1–0.8 % of the composition at Llama-1B / 3B, seq 256 / 1024, and the reserved peak 37.9 →
 #: 34.3 GiB (1B) and 61.3 → 55.2 GiB (3B); on since.
 LEAN_FAST_SWIGLU_MEASURED_FASTER = True
+
+
+#: whether the flattened 8-bit AdamW step (``poetxq.optim.adamw8bit_class``) runs bitsandbytes'
+#: own Triton kernel of the blockwise update (``bitsandbytes.backends.triton.kernels_optim``,
+#: written for XPU, compiled here for CUDA) instead of its CUDA op. Same update rule and state
+#: format (dynamic 8-bit states, one absmax per 256 elements); the results differ at rounding
+#: level (``evals/results/bench_optim8bit_h200_bea4de0.json``: after 5 steps, 0.001 % / 0.1 % of
+#: the state codes in fp32 / bf16, parameters within 1.5 % of one update). The CUDA op took
+#: 24.4 ms of a 402 ms Llama-13B graph step (~14x its memory floor); the Triton kernel 1.9x less
+#: on the same 0.83 G parameters (11.5 against 22.1 ms, same file).
+TRITON_8BIT_UPDATE_MEASURED_FASTER = False
+
+
+def triton_8bit_update(t: torch.Tensor) -> bool:
+    """Whether the 8-bit optimizer update of the CUDA tensor ``t`` takes bitsandbytes' Triton
+    kernel (see :data:`TRITON_8BIT_UPDATE_MEASURED_FASTER`): the flag or ``POETXQ_KERNELS=fused``,
+    and that kernel importable from the installed bitsandbytes."""
+    return opt_in_kernel(t, TRITON_8BIT_UPDATE_MEASURED_FASTER) and _bnb_triton_update() is not None
+
+
+@functools.cache
+def _bnb_triton_update() -> Callable[..., None] | None:
+    """bitsandbytes' Triton 8-bit blockwise update function, or None when this bitsandbytes
+    has none (it is not part of its public API; the CUDA op serves then)."""
+    try:
+        from bitsandbytes.backends.triton import kernels_optim
+    except ImportError:
+        return None
+    return getattr(kernels_optim, "optimizer_update_8bit_blockwise_impl", None)
 
 
 def lean_fast_swiglu(x: torch.Tensor) -> bool:
