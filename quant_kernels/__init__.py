@@ -200,8 +200,11 @@ LEAN_FAST_SWIGLU_MEASURED_FASTER = True
 #: level (``evals/results/bench_optim8bit_h200_bea4de0.json``: after 5 steps, 0.001 % / 0.1 % of
 #: the state codes in fp32 / bf16, parameters within 1.5 % of one update). The CUDA op took
 #: 24.4 ms of a 402 ms Llama-13B graph step (~14x its memory floor); the Triton kernel 1.9x less
-#: on the same 0.83 G parameters (11.5 against 22.1 ms, same file).
-TRITON_8BIT_UPDATE_MEASURED_FASTER = False
+#: on the same 0.83 G parameters (11.5 against 22.1 ms, same file). Whole steps in a CUDA graph,
+#: batch 1 x 2048 (``evals/results/optim8bit_*_h200_2e10d2e.json``): Llama-13B 0.397 / 0.398 →
+#: 0.388 s without checkpointing and 0.532 → 0.527 s with it, Llama-8B 0.254 → 0.248 s; on since.
+#: (Triton specializes the step count 1: the second step compiles once more, ~0.6 s.)
+TRITON_8BIT_UPDATE_MEASURED_FASTER = True
 
 
 def triton_8bit_update(t: torch.Tensor) -> bool:

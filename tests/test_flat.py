@@ -98,7 +98,11 @@ def test_adjacent_span_only_for_tensors_end_to_end():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_flat_8bit_step_is_bit_identical_to_bitsandbytes_per_tensor_steps(device):
+def test_flat_8bit_step_is_bit_identical_to_bitsandbytes_per_tensor_steps(device, monkeypatch):
+    import quant_kernels
+
+    # bitsandbytes' own op on every path (its Triton kernel rounds differently: the next test)
+    monkeypatch.setattr(quant_kernels, "TRITON_8BIT_UPDATE_MEASURED_FASTER", False)
     ref, mine, opt_ref, opt = _pair(device)
     flat = opt.flatten_group(0)
     for step in range(4):
