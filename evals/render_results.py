@@ -858,7 +858,7 @@ def _side_by_side_layers(name: str) -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
-def _side_by_side_steps(names: list[str]) -> list[str]:
+def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
     """Whole-step rows of ``evals/gpu_memory.py`` files: ours (eager, CUDA graph, memory
     options) beside the official code's step measured in the same call (``--official``); rows of
     files without it are compared with the official step of the same model and checkpointing
@@ -872,7 +872,7 @@ def _side_by_side_steps(names: list[str]) -> list[str]:
             if "official_measured" in r:
                 official[(r["model"], r["gradient_checkpointing"])] = r["official_measured"]
     lines = [
-        "### Llama-8B / 13B training steps beside the official code",
+        f"### Llama-8B / 13B training steps beside the official code{title}",
         "",
         "Batch 1 × 2,048 tokens, int8 `W0`, b = 256, bf16, 8-bit optimizer states; one step = "
         "forward, backward, gradient clipping (none with the optimizer in backward) and the "
@@ -900,6 +900,8 @@ def _side_by_side_steps(names: list[str]) -> list[str]:
                 )
                 if r.get(key)
             ]
+            if d.get("kernel_flags", {}).get("TRITON_8BIT_UPDATE_MEASURED_FASTER"):
+                extras.append("Triton 8-bit update")
             setting = ", ".join([setting, *extras])
             lines.append(
                 f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | {setting} | "
@@ -924,6 +926,11 @@ def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
     ]
     body = _side_by_side_layers(f"official_layers_h200_{commit}.json")
     body += _side_by_side_steps(steps)
+    body += _side_by_side_steps(
+        [f"optim8bit_{run}_h200_2e10d2e.json" for run in ("13b_off", "13b_on", "13b_off2")],
+        " (a later call: without the chunked loss, bitsandbytes' 8-bit update as its CUDA op and "
+        "as its Triton kernel)",
+    )
     return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
 
 
