@@ -95,6 +95,37 @@ def timing(n: int, dtype: torch.dtype, dev: str = "cuda") -> dict:
             "floor_ms_at_4.8TBps": floor_bytes / 4.8e12 * 1e3}  # fmt: skip
 
 
+def sweep(n: int, dtype: torch.dtype, dev: str = "cuda") -> list[dict]:
+    """bitsandbytes' Triton kernel launched directly with more 256-element blocks per program
+    (``N_PER_TH``; its own wrapper uses 1 with 2 warps) and other warp counts: ms per update of
+    ``n`` parameters (rounded down to a multiple of 16 blocks, so every program is full)."""
+    import bitsandbytes.functional as F
+    from bitsandbytes.backends.triton import kernels_optim as ko
+
+    n -= n % (BLOCK * 16)
+    qmaps = (F.create_dynamic_map(signed=True).to(dev), F.create_dynamic_map(signed=False).to(dev))
+    st = _state(n, dtype, dev, 0)
+    g = torch.randn(n, device=dev).to(dtype)
+    kernel = ko._optimizer_update_2state_8bit_blockwise_triton_kernel
+    rows = []
+    for per in (1, 2, 4, 8, 16):
+        for warps in (1, 2, 4, 8):
+            if warps * 32 > per * BLOCK:
+                continue
+
+            def call(per=per, warps=warps):
+                kernel[(n // (BLOCK * per),)](
+                    st["p"], g, st["s1"], st["s2"], 0.9, 0.999, 0.0, 0.0, 1e-8, 10,
+                    0.9**10, 0.999**10, 1e-3, qmaps[0], qmaps[1], st["a1"], st["a2"], 0.01, 1.0,
+                    n, BLOCK_SIZE_N=BLOCK, N_PER_TH=per, OPTIMIZER_ID=3, num_warps=warps,
+                )  # fmt: skip
+
+            rows.append({"n_per_th": per, "num_warps": warps,
+                         "ms": cuda_time_ms(call, warmup=3, iters=10)})  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -102,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="parameters in the timed run (default: a Llama-13B POET-XQ model's "
                     "trainable count, with a ragged last block)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=5, help="updates in the agreement check")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time bitsandbytes' Triton kernel per blocks-per-program and "
+                    "warps")  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_optim8bit: error: needs a CUDA device", file=sys.stderr)
@@ -116,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             for dt in (torch.bfloat16, torch.float32)
         ],
     }
+    if args.sweep:
+        doc["sweep_bf16"] = sweep(args.numel, torch.bfloat16)
     for row in doc["timing"] + doc["agreement"]:
         print(row, flush=True)
     print(f"wrote {write_json_atomic(args.out, doc)}")
