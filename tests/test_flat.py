@@ -234,11 +234,18 @@ def test_attached_grads_accumulate_into_one_run():
         torch.testing.assert_close(p.grad, 2 * xi, rtol=0, atol=0)
 
 
-def test_flat_step_on_bitsandbytes_triton_kernel_follows_its_per_tensor_steps(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_step_on_bitsandbytes_triton_kernel_follows_its_per_tensor_steps(device, monkeypatch):
     """With ``TRITON_8BIT_UPDATE_MEASURED_FASTER`` the flat step runs bitsandbytes' Triton kernel
-    of the same update (here through Triton's CPU interpreter). Against bitsandbytes' own
-    per-tensor steps: the same rule and state layout, equal up to rounding of the state codes."""
+    of the same update (on the CPU through Triton's interpreter). Against bitsandbytes' own
+    per-tensor steps (its CPU or CUDA op): the same rule and state layout, equal up to rounding
+    of the state codes."""
+    import os
+
     import quant_kernels
+
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU tensors need its interpreter (TRITON_INTERPRET=1)")
 
     kernel = quant_kernels._bnb_triton_update()
     if kernel is None:
@@ -251,7 +258,7 @@ def test_flat_step_on_bitsandbytes_triton_kernel_follows_its_per_tensor_steps(mo
 
     monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
     monkeypatch.setattr(quant_kernels, "_bnb_triton_update", lambda: spy)
-    ref, mine, opt_ref, opt = _pair()
+    ref, mine, opt_ref, opt = _pair(device)
     opt.flatten_group(0)
     before = [p.detach().clone() for p in ref]
     for step in range(3):
