@@ -1,4 +1,4 @@
-"""bitsandbytes' 8-bit blockwise AdamW update: its CUDA kernel against its own Triton kernel.
+"""The 8-bit blockwise AdamW update: bitsandbytes' CUDA op, its Triton kernel, and ours.
 
 bitsandbytes ships two implementations of the same update and state format (blockwise dynamic
 8-bit states, 256 elements per absmax block): the CUDA op ``optimizer_update_8bit_blockwise``
@@ -6,10 +6,12 @@ bitsandbytes ships two implementations of the same update and state format (bloc
 (``bitsandbytes.backends.triton.kernels_optim.optimizer_update_8bit_blockwise_impl``) that also
 compiles for CUDA. In a Llama-13B POET-XQ step the CUDA op took 24.4 ms for ~0.83 G parameters
 (``evals/results/profiles/profile_llama-13b_no_ckpt_graph_h200_e1e525d.txt``), about 14x its memory
-floor. This script times both on one flat run of ``--numel`` parameters (one launch each, CUDA
-events) and checks that they agree: the same start, ``--steps`` updates with the same gradients,
-then the largest parameter difference against the largest update, and the share of state codes
-that differ (and by how many codes).
+floor. This script times both, and ``quant_kernels.adam8bit`` (the same update with a table
+lookup instead of the binary search), on one flat run of ``--numel`` parameters (one launch
+each, CUDA events), and checks that they agree: the same start, ``--steps`` updates with the same
+gradients, then the largest parameter difference against the largest update, the share of state
+codes that differ (and by how many codes), and whether ours is bit-identical to bitsandbytes'
+Triton kernel.
 
 Usage (on the GPU host):  python evals/bench_optim8bit.py --out $OUT/bench_optim8bit.json
 """
@@ -25,12 +27,20 @@ from _common import cuda_time_ms, provenance, write_json_atomic
 BLOCK = 256
 
 
+def _ours(name, g, p, s1, s2, b1, b2, b3, alpha, eps, step, lr, q1, q2, a1, a2, wd, gs, skip):
+    """:func:`quant_kernels.adam8bit.adam8bit_update` behind bitsandbytes' argument list."""
+    from quant_kernels.adam8bit import adam8bit_update
+
+    adam8bit_update(g, p, s1, s2, b1, b2, eps, step, lr, q1, q2, a1, a2, wd, gs)
+
+
 def _impls() -> dict:
     from bitsandbytes.backends.triton import kernels_optim
 
     return {
         "bnb_cuda": torch.ops.bitsandbytes.optimizer_update_8bit_blockwise.default,
         "bnb_triton": kernels_optim.optimizer_update_8bit_blockwise_impl,
+        "ours_table": _ours,
     }
 
 
@@ -64,18 +74,22 @@ def compare(n: int, dtype: torch.dtype, steps: int, dev: str = "cuda") -> dict:
         g = torch.randn(n, device=dev, generator=gen).to(dtype)
         for name, fn in impls.items():
             _step(fn, states[name], g, step, qmaps)
-    a, b = states["bnb_triton"], states["bnb_cuda"]
-    upd = (b["p"].float() - start["p"].float()).abs().max().item()
+    moved = (states["bnb_cuda"]["p"].float() - start["p"].float()).abs().max().item()
     out = {"numel": n, "dtype": str(dtype).removeprefix("torch."), "steps": steps,
-           "max_update": upd,
-           "p_max_abs_diff": (a["p"].float() - b["p"].float()).abs().max().item(),
-           "p_differs_share": (a["p"] != b["p"]).float().mean().item()}  # fmt: skip
-    for s in ("s1", "s2"):
-        diff = (a[s].int() - b[s].int()).abs()
-        out[f"{s}_differs_share"] = (diff > 0).float().mean().item()
-        out[f"{s}_max_code_diff"] = diff.max().item()
-    for s in ("a1", "a2"):
-        out[f"{s}_max_rel_diff"] = ((a[s] - b[s]).abs() / b[s].abs().clamp_min(1e-30)).max().item()
+           "max_update": moved}  # fmt: skip
+    for x, y in (("bnb_triton", "bnb_cuda"), ("ours_table", "bnb_triton")):
+        a, b = states[x], states[y]
+        row = {"p_max_abs_diff": (a["p"].float() - b["p"].float()).abs().max().item(),
+               "p_differs_share": (a["p"] != b["p"]).float().mean().item()}  # fmt: skip
+        for s in ("s1", "s2"):
+            diff = (a[s].int() - b[s].int()).abs()
+            row[f"{s}_differs_share"] = (diff > 0).float().mean().item()
+            row[f"{s}_max_code_diff"] = diff.max().item()
+        for s in ("a1", "a2"):
+            rel = (a[s] - b[s]).abs() / b[s].abs().clamp_min(1e-30)
+            row[f"{s}_max_rel_diff"] = rel.max().item()
+        row["bit_identical"] = all(torch.equal(a[k], b[k]) for k in a)
+        out[f"{x}_vs_{y}"] = row
     return out
 
 
@@ -92,6 +106,7 @@ def timing(n: int, dtype: torch.dtype, dev: str = "cuda") -> dict:
     floor_bytes = n * (3 * dtype.itemsize + 4)
     return {"numel": n, "dtype": str(dtype).removeprefix("torch."), "ms": ms,
             "triton_speedup": ms["bnb_cuda"] / ms["bnb_triton"],
+            "ours_speedup_vs_cuda": ms["bnb_cuda"] / ms["ours_table"],
             "floor_ms_at_4.8TBps": floor_bytes / 4.8e12 * 1e3}  # fmt: skip
 
 

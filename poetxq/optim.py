@@ -250,16 +250,23 @@ def adamw8bit_class() -> type:
                 lo = flat.offsets[first]
                 hi = lo + grad.numel()
                 blocks = slice(lo // bs, -(-hi // bs))
-                update = bnbF.optimizer_update_8bit_blockwise
-                if not config["skip_zeros"] and quant_kernels.triton_8bit_update(grad):
-                    update = quant_kernels._bnb_triton_update()  # bitsandbytes' Triton kernel
-                update(
-                    self.optimizer_name, grad, flat.flat[lo:hi],
-                    st["state1"][lo:hi], st["state2"][lo:hi],
+                args = (grad, flat.flat[lo:hi], st["state1"][lo:hi], st["state2"][lo:hi])
+                maps = (self.name2qmap["dynamic"], self.name2qmap["udynamic"])
+                absmax = (st["absmax1"][blocks], st["absmax2"][blocks])
+                if (self.optimizer_name == "adam" and not config["skip_zeros"]
+                        and quant_kernels.triton_8bit_update(grad)):  # fmt: skip
+                    from quant_kernels.adam8bit import adam8bit_update  # Triton: a GPU here
+
+                    adam8bit_update(
+                        *args, betas[0], betas[1], config["eps"], st["step"], config["lr"],
+                        *maps, *absmax, config["weight_decay"],
+                    )  # fmt: skip
+                    continue
+                bnbF.optimizer_update_8bit_blockwise(
+                    self.optimizer_name, *args,
                     betas[0], betas[1], betas[2] if len(betas) >= 3 else 0.0,
                     config.get("alpha", 0.0), config["eps"], st["step"], config["lr"],
-                    self.name2qmap["dynamic"], self.name2qmap["udynamic"],
-                    st["absmax1"][blocks], st["absmax2"][blocks], config["weight_decay"],
+                    *maps, *absmax, config["weight_decay"],
                     gnorm_scale=1.0, skip_zeros=config["skip_zeros"],
                 )  # fmt: skip
             for p in flat.params:

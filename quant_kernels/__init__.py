@@ -35,7 +35,6 @@ the plain references, which dequantize the whole weight at once). This package i
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -193,36 +192,24 @@ FUSED_INPUT_CAST_MEASURED_FASTER = True
 LEAN_FAST_SWIGLU_MEASURED_FASTER = True
 
 
-#: whether the flattened 8-bit AdamW step (``poetxq.optim.adamw8bit_class``) runs bitsandbytes'
-#: own Triton kernel of the blockwise update (``bitsandbytes.backends.triton.kernels_optim``,
-#: written for XPU, compiled here for CUDA) instead of its CUDA op. Same update rule and state
-#: format (dynamic 8-bit states, one absmax per 256 elements); the results differ at rounding
-#: level (``evals/results/bench_optim8bit_h200_bea4de0.json``: after 5 steps, 0.001 % / 0.1 % of
-#: the state codes in fp32 / bf16, parameters within 1.5 % of one update). The CUDA op took
-#: 24.4 ms of a 402 ms Llama-13B graph step (~14x its memory floor); the Triton kernel 1.9x less
-#: on the same 0.83 G parameters (11.5 against 22.1 ms, same file). Whole steps in a CUDA graph,
-#: batch 1 x 2048 (``evals/results/optim8bit_*_h200_2e10d2e.json``): Llama-13B 0.397 / 0.398 →
-#: 0.388 s without checkpointing and 0.532 → 0.527 s with it, Llama-8B 0.254 → 0.248 s; on since.
-#: (Triton specializes the step count 1: the second step compiles once more, ~0.6 s.)
+#: whether the flattened 8-bit AdamW step (``poetxq.optim.adamw8bit_class``) runs on a CUDA
+#: device through :func:`quant_kernels.adam8bit.adam8bit_update` (Triton: bitsandbytes' update
+#: rule and state format, its nearest-code search replaced by a table lookup; bit-identical to
+#: bitsandbytes' own Triton kernel of the update) instead of bitsandbytes' CUDA op. The CUDA op
+#: took 24.4 ms of a 402 ms Llama-13B graph step (~14x its memory floor;
+#: ``evals/results/profiles/profile_llama-13b_no_ckpt_graph_h200_e1e525d.txt``) and bitsandbytes'
+#: Triton kernel 1.9x less (``bench_optim8bit_h200_bea4de0.json``); with that kernel whole graph
+#: steps at batch 1 x 2048 went 0.397 → 0.388 s (13B) and 0.254 → 0.248 s (8B)
+#: (``optim8bit_*_h200_2e10d2e.json``). The two Triton kernels differ from the CUDA op at rounding
+#: level (after 5 steps 0.001 % / 0.1 % of the state codes in fp32 / bf16).
 TRITON_8BIT_UPDATE_MEASURED_FASTER = True
 
 
 def triton_8bit_update(t: torch.Tensor) -> bool:
-    """Whether the 8-bit optimizer update of the CUDA tensor ``t`` takes bitsandbytes' Triton
-    kernel (see :data:`TRITON_8BIT_UPDATE_MEASURED_FASTER`): the flag or ``POETXQ_KERNELS=fused``,
-    and that kernel importable from the installed bitsandbytes."""
-    return opt_in_kernel(t, TRITON_8BIT_UPDATE_MEASURED_FASTER) and _bnb_triton_update() is not None
-
-
-@functools.cache
-def _bnb_triton_update() -> Callable[..., None] | None:
-    """bitsandbytes' Triton 8-bit blockwise update function, or None when this bitsandbytes
-    has none (it is not part of its public API; the CUDA op serves then)."""
-    try:
-        from bitsandbytes.backends.triton import kernels_optim
-    except ImportError:
-        return None
-    return getattr(kernels_optim, "optimizer_update_8bit_blockwise_impl", None)
+    """Whether the 8-bit AdamW update of ``t`` runs :func:`quant_kernels.adam8bit.adam8bit_update`
+    (see :data:`TRITON_8BIT_UPDATE_MEASURED_FASTER`): a CUDA tensor, Triton installed, and the
+    flag or ``POETXQ_KERNELS=fused``."""
+    return opt_in_kernel(t, TRITON_8BIT_UPDATE_MEASURED_FASTER)
 
 
 def lean_fast_swiglu(x: torch.Tensor) -> bool:

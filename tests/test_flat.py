@@ -235,29 +235,29 @@ def test_attached_grads_accumulate_into_one_run():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_flat_step_on_bitsandbytes_triton_kernel_follows_its_per_tensor_steps(device, monkeypatch):
-    """With ``TRITON_8BIT_UPDATE_MEASURED_FASTER`` the flat step runs bitsandbytes' Triton kernel
-    of the same update (on the CPU through Triton's interpreter). Against bitsandbytes' own
-    per-tensor steps (its CPU or CUDA op): the same rule and state layout, equal up to rounding
-    of the state codes."""
+def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_steps(
+    device, monkeypatch
+):
+    """With ``TRITON_8BIT_UPDATE_MEASURED_FASTER`` the flat step runs
+    ``quant_kernels.adam8bit.adam8bit_update`` (on the CPU through Triton's interpreter). Against
+    bitsandbytes' own per-tensor steps (its CPU or CUDA op): the same rule and state layout, equal
+    up to rounding of the state codes."""
     import os
 
     import quant_kernels
+    from quant_kernels import adam8bit
 
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels on CPU tensors need its interpreter (TRITON_INTERPRET=1)")
-
-    kernel = quant_kernels._bnb_triton_update()
-    if kernel is None:
-        pytest.skip("this bitsandbytes has no Triton 8-bit update")
+    kernel = adam8bit.adam8bit_update
     calls = []
 
     def spy(*args, **kw):
-        calls.append(args[2].numel())
+        calls.append(args[1].numel())
         return kernel(*args, **kw)
 
     monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
-    monkeypatch.setattr(quant_kernels, "_bnb_triton_update", lambda: spy)
+    monkeypatch.setattr(adam8bit, "adam8bit_update", spy)
     ref, mine, opt_ref, opt = _pair(device)
     opt.flatten_group(0)
     before = [p.detach().clone() for p in ref]
