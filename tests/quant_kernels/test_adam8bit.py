@@ -14,6 +14,8 @@ F = pytest.importorskip("bitsandbytes.functional")
 from quant_kernels.adam8bit import BLOCK, adam8bit_update, search_table  # noqa: E402
 
 MAPS = {"signed": True, "unsigned": False}
+# the kernel runs on CUDA tensors where a GPU is, else on CPU tensors through Triton's interpreter
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _probe_values(code: torch.Tensor) -> torch.Tensor:
@@ -50,14 +52,16 @@ def test_table_refuses_buckets_that_hold_two_entries_and_bad_maps():
 
 
 def _run(update, n: int, dtype: torch.dtype, weight_decay: float, steps: int = 4):
-    q1, q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
+    q1 = F.create_dynamic_map(signed=True).to(DEV)
+    q2 = F.create_dynamic_map(signed=False).to(DEV)
     gen = torch.Generator().manual_seed(1)
-    p = torch.randn(n, generator=gen).to(dtype)
-    s1, s2 = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    p = torch.randn(n, generator=gen).to(DEV, dtype)
+    s1 = torch.zeros(n, dtype=torch.uint8, device=DEV)
+    s2 = torch.zeros(n, dtype=torch.uint8, device=DEV)
     nb = -(-n // BLOCK)
-    a1, a2 = torch.zeros(nb), torch.zeros(nb)
+    a1, a2 = torch.zeros(nb, device=DEV), torch.zeros(nb, device=DEV)
     for step in range(1, steps + 1):
-        g = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(dtype)
+        g = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4).to(DEV, dtype)
         update(g, p, s1, s2, step, q1, q2, a1, a2, weight_decay)
     return p, s1, s2, a1, a2
 
@@ -89,9 +93,12 @@ def test_first_step_follows_float64_adamw_and_states_hold_the_moments():
     gen = torch.Generator().manual_seed(2)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     q1, q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
-    p, s1, s2 = p0.clone(), torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
-    a1, a2 = torch.zeros(-(-n // BLOCK)), torch.zeros(-(-n // BLOCK))
-    adam8bit_update(g, p, s1, s2, 0.9, 0.999, eps, 1, lr, q1, q2, a1, a2, wd)
+    p, s1 = p0.clone().to(DEV), torch.zeros(n, dtype=torch.uint8, device=DEV)
+    s2 = torch.zeros(n, dtype=torch.uint8, device=DEV)
+    a1, a2 = torch.zeros(-(-n // BLOCK), device=DEV), torch.zeros(-(-n // BLOCK), device=DEV)
+    maps = (q1.to(DEV), q2.to(DEV))
+    adam8bit_update(g.to(DEV), p, s1, s2, 0.9, 0.999, eps, 1, lr, *maps, a1, a2, wd)
+    p, s1, s2, a1, a2 = (t.cpu() for t in (p, s1, s2, a1, a2))
     pd, gd = p0.double(), g.double()
     m, v = 0.1 * gd, 0.001 * gd * gd
     want = pd * (1 - lr * wd) - lr / 0.1 * m / (v.sqrt() / 0.001**0.5 + eps)
