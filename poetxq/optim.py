@@ -130,8 +130,11 @@ def adamw8bit_class() -> type:
     end in memory (one run for all ``Q`` of a model without activation checkpointing, one per
     layer with it). Because every tensor starts on a block boundary, each call quantizes exactly
     the blocks the per-tensor calls would, and the result is the same (bit-identical on the CPU:
-    test). The per-tensor path is taken instead, for that step, when a parameter of the group
-    has no gradient, a state is not 8-bit, the steps of the group's tensors differ, or a
+    test). On a GPU the flat runs go through :func:`quant_kernels.adam8bit.adam8bit_update`
+    (``quant_kernels.TRITON_8BIT_UPDATE_MEASURED_FASTER``): the same rule and state format, 3×
+    faster than bitsandbytes' CUDA op, equal to it up to the rounding of a few state codes. The
+    per-tensor path (bitsandbytes' op) is taken instead, for that step, when a parameter of the
+    group has no gradient, a state is not 8-bit, the steps of the group's tensors differ, or a
     parameter's storage was replaced.
     """
     import bitsandbytes as bnb
