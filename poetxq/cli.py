@@ -580,9 +580,22 @@ def _set_without_equals(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _negative_sizes_joined(argv: list[str]) -> list[str]:
+    """``--gpu-mem -5GB`` as ``--gpu-mem=-5GB``: argparse takes a value that starts with ``-``
+    for an option and reports "expected one argument"; joined, the size parser names the problem.
+    """
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--gpu-mem" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--gpu-mem={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv))
     if (bad := _set_without_equals(argv)) is not None:
         print(f"poetxq: error: {bad}", file=sys.stderr)
         return 2

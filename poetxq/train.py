@@ -604,11 +604,11 @@ def train(
             tps = window_tokens / max(now - window_start, 1e-9)
             window_tokens, window_start = 0, now
             lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(raw_optimizer.param_groups)}
-            log({
-                "step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[-1],
-                "poet_lr": lrs.get("poet"), "grad_norm": float(grad_norm), "clip": max_norm,
-                "tokens": step * tokens_per_step, "tokens_per_s": tps,
-            })  # fmt: skip
+            record = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[-1]}
+            if lrs.get("poet") is not None:  # a POET method's orthogonal group (not a baseline)
+                record["poet_lr"] = lrs["poet"]
+            log({**record, "grad_norm": float(grad_norm), "clip": max_norm,
+                 "tokens": step * tokens_per_step, "tokens_per_s": tps})  # fmt: skip
             if main and not zero_grad_noted and float(grad_norm) == 0.0:
                 zero_grad_noted = True  # once: e.g. a learning rate that saturated the model
                 bar.write(

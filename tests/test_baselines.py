@@ -330,6 +330,9 @@ def test_cli_run_learns(tmp_path, _cache, method):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and "val_ppl" not in r]
     evals = [r["val_ppl"] for r in records if "val_ppl" in r]
+    logged = [r for r in records if "grad_norm" in r]
+    # poet_lr is logged by the POET methods only (a baseline has no orthogonal group)
+    assert all((r.get("poet_lr", 0) > 0) == method.startswith("poet") for r in logged), logged[0]
     assert losses[-1] < losses[0] - 0.3, losses
     assert evals[-1] < 0.6 * evals[0], evals
     state = load_file(run / "model.safetensors")
