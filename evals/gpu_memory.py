@@ -260,8 +260,9 @@ def add_official(row: dict, args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "official.json"
         cmd = [sys.executable, str(Path(official_poet.__file__)), "step", "--model", row["model"],
-               "--steps", str(args.steps), "--seq-len", str(args.seq_len), "--block-size",
-               str(args.block_size), "--device", args.device, "--out", str(out)]  # fmt: skip
+               "--steps", str(args.steps), "--batch-size", str(row["batch_size"]),
+               "--seq-len", str(row["seq_len"]), "--block-size", str(row["block_size"]),
+               "--device", args.device, "--out", str(out)]  # fmt: skip
         cmd += ["--ckpt"] if row["gradient_checkpointing"] else []
         cmd += ["--official", args.official] if args.official else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)

@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--model", default="llama-8b", help="recipes/models name (default llama-8b)")
     st.add_argument("--ckpt", action="store_true", help="gradient_checkpointing_enable()")
     st.add_argument("--steps", type=int, default=3, help="timed steps (median); default 3")
+    st.add_argument("--batch-size", type=int, default=1)
     st.add_argument("--seq-len", type=int, default=2048)
     st.add_argument("--block-size", type=int, default=256)
     st.add_argument("--device", default="cuda")
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     except OfficialNotFound as exc:
         print(f"official_poet: error: {exc}", file=sys.stderr)
         return 2
-    row = measure_step(poet, args.model, ckpt=args.ckpt, steps=args.steps, seq_len=args.seq_len,
+    row = measure_step(poet, args.model, ckpt=args.ckpt, steps=args.steps,
+                       batch_size=args.batch_size, seq_len=args.seq_len,
                        block_size=args.block_size, device=args.device)  # fmt: skip
     Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
     print(json.dumps(row), flush=True)

@@ -866,11 +866,16 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
     docs = [(n, d) for n in names if (d := _load(n)) is not None]
     if not docs:
         return []
-    official = {}
+
+    def same_setting(r: dict[str, Any]) -> tuple:
+        return (r["model"], r["gradient_checkpointing"], r.get("batch_size", 1),
+                r.get("seq_len", 2048))  # fmt: skip
+
+    official: dict[tuple, dict[str, Any]] = {}
     for _, d in docs:
         for r in d["results"]:
             if "official_measured" in r:
-                official[(r["model"], r["gradient_checkpointing"])] = r["official_measured"]
+                official.setdefault(same_setting(r), r["official_measured"])  # the first file's
     lines = [
         f"### Llama-8B / 13B training steps beside the official code{title}",
         "",
@@ -887,7 +892,7 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
     ]
     for _, d in docs:
         for r in d["results"]:
-            off = official.get((r["model"], r["gradient_checkpointing"]))
+            off = official.get(same_setting(r))
             if off is None:
                 continue
             setting = "CUDA graph" if r.get("cuda_graph") else "eager"

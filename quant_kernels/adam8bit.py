@@ -11,13 +11,15 @@ H200 it runs at ~6.7× its memory floor whatever its launch shape
 (``evals/results/bench_optim8bit_sweep_h200_7570a65.json``).
 
 :func:`adam8bit_update` computes the same update, in the same floating-point order, and finds the
-same entry in two dependent loads: a lookup table indexed by the top bits of the normalized value
-(sign, exponent and :data:`TABLE_MANTISSA_BITS` mantissa bits; each such bucket of floats holds at
-most one entry of the map, checked when the table is built) gives the number of entries below the
-bucket, one comparison with the next entry gives the search's final interval, and the nearer of
-its two ends is the code, ties to the lower one as bitsandbytes' kernel does. So the parameters,
-codes and ``absmax`` equal those of bitsandbytes' Triton kernel bit for bit (test, under Triton's
-interpreter); against its CUDA op they differ at rounding level, as its Triton kernel does.
+same entry with three loads in a chain of three instead of ten: a lookup table indexed by the top
+bits of the normalized value (sign, exponent and :data:`TABLE_MANTISSA_BITS` mantissa bits; each
+such bucket of floats holds at most one entry of the map, checked when the table is built) gives
+the number of entries below the bucket, one comparison with the next entry gives the search's
+final interval, and the nearer of its two ends is the code, ties to the lower one as
+bitsandbytes' kernel does. So the parameters, codes and ``absmax`` equal those of bitsandbytes'
+Triton kernel bit for bit (tests under Triton's interpreter; on the H200,
+``evals/results/bench_optim8bit_h200_ef47a77.json``); against its CUDA op they differ at
+rounding level, as its Triton kernel does.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ TABLE_MANTISSA_BITS = 7
 #: ``absmax`` blocks per program
 _BLOCKS_PER_PROGRAM = 4
 
-#: (data_ptr, version, device) → (the map tensor, its table); holding the map keeps its memory
-#: from being reused by another map while the entry exists
+#: (data_ptr, version, device) of a map → (the map tensor, its table); holding the map keeps its
+#: memory from being reused by another map while the entry exists
 _tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def search_table(quant_map: torch.Tensor, mantissa_bits: int = TABLE_MANTISSA_BITS) -> torch.Tensor:
@@ -84,13 +87,50 @@ def search_table(quant_map: torch.Tensor, mantissa_bits: int = TABLE_MANTISSA_BI
 
 
 def _table(quant_map: torch.Tensor) -> torch.Tensor:
-    """:func:`search_table` of ``quant_map``, built once per map tensor and version (bitsandbytes'
-    optimizers keep their maps for their lifetime, so this is once per map and device)."""
-    key = (quant_map.data_ptr(), quant_map._version, quant_map.device)
+    """:func:`search_table` of ``quant_map`` (``[256]`` fp32, contiguous: checked by the caller),
+    built once per map tensor and version: bitsandbytes' optimizers keep their maps unchanged for
+    their lifetime. A map changed in place through ``.data`` (which keeps its version) is not seen;
+    inference tensors, which have no version, count as never changed."""
+    try:
+        version = quant_map._version
+    except RuntimeError:  # an inference tensor: no version counter
+        version = -1
+    key = (quant_map.data_ptr(), version, quant_map.device)
     entry = _tables.get(key)
     if entry is None:
         entry = _tables[key] = (quant_map, search_table(quant_map))
     return entry[1]
+
+
+def _check(p: torch.Tensor, g: torch.Tensor, states: tuple, maps: tuple, absmaxes: tuple) -> None:
+    """The one-line ``ValueError`` of :func:`adam8bit_update` for a bad argument."""
+    n, n_blocks = p.numel(), -(-p.numel() // BLOCK)
+    named = {"g": g, "p": p, "state1": states[0], "state2": states[1], "quant_map1": maps[0],
+             "quant_map2": maps[1], "absmax1": absmaxes[0], "absmax2": absmaxes[1]}  # fmt: skip
+    if p.dtype not in _FLOATS or g.dtype not in _FLOATS:
+        raise ValueError(f"p and g must be fp32, fp16 or bf16, got {p.dtype} / {g.dtype}")
+    if g.numel() != n or states[0].numel() != n or states[1].numel() != n:
+        raise ValueError(f"g, state1 and state2 must have p's {n} elements, got {g.numel()}, "
+                         f"{states[0].numel()}, {states[1].numel()}")  # fmt: skip
+    if absmaxes[0].numel() != n_blocks or absmaxes[1].numel() != n_blocks:
+        raise ValueError(f"absmax1 / absmax2 must have {n_blocks} blocks, got "
+                         f"{absmaxes[0].numel()} / {absmaxes[1].numel()}")  # fmt: skip
+    if states[0].dtype != torch.uint8 or states[1].dtype != torch.uint8:
+        raise ValueError(f"states must be uint8, got {states[0].dtype} / {states[1].dtype}")
+    for name, t in (("quant_map1", maps[0]), ("quant_map2", maps[1]), ("absmax1", absmaxes[0]),
+                    ("absmax2", absmaxes[1])):  # fmt: skip
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {t.dtype}")
+    for m in maps:
+        if m.shape != (256,):
+            raise ValueError(f"quant maps must be [256], got {tuple(m.shape)}")
+    for name, t in named.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernel reads it as a flat array)")
+        if t.device != p.device:
+            raise ValueError(f"{name} is on {t.device}, p on {p.device}: put them on one device")
+    if n >= 2**31:
+        raise ValueError(f"at most 2**31 - 1 elements per call, got {n}; update in pieces")
 
 
 @triton.jit
@@ -175,26 +215,28 @@ def adam8bit_update(
     re-quantized per :data:`BLOCK` elements (module docstring).
 
     Args:
-        g, p: ``[n]`` contiguous, fp32 / fp16 / bf16 (``g`` is scaled by ``gnorm_scale``).
-        state1, state2: ``[n]`` uint8 codes into ``quant_map1`` / ``quant_map2`` (``[256]`` fp32).
-        absmax1, absmax2: ``[ceil(n / 256)]`` fp32, one per block (read, then rewritten).
+        g, p: ``n`` elements, contiguous, fp32 / fp16 / bf16 (``g`` is scaled by
+            ``gnorm_scale``).
+        state1, state2: ``n`` contiguous uint8 codes into ``quant_map1`` / ``quant_map2``
+            (``[256]`` contiguous fp32, increasing).
+        absmax1, absmax2: ``ceil(n / 256)`` contiguous fp32, one per block (read, then
+            rewritten).
         step: the step number ``t`` (1 for the first update).
 
+    Runs on CUDA tensors (on CPU tensors only under Triton's interpreter, ``TRITON_INTERPRET=1``).
+    The maps must not be changed in place through ``.data`` between calls (their search tables
+    are cached per tensor and version).
+
     Raises:
-        ValueError: mismatched sizes or dtypes, or ``step < 1``.
+        ValueError: mismatched sizes, dtypes or devices, a non-contiguous argument, ``2**31`` or
+            more elements, ``step < 1``, or a map whose entries are not increasing (one line
+            naming the argument).
     """
-    n = p.numel()
-    n_blocks = -(-n // BLOCK)
-    if g.numel() != n or state1.numel() != n or state2.numel() != n:
-        raise ValueError(f"g, state1 and state2 must have p's {n} elements, got {g.numel()}, "
-                         f"{state1.numel()}, {state2.numel()}")  # fmt: skip
-    if absmax1.numel() != n_blocks or absmax2.numel() != n_blocks:
-        raise ValueError(f"absmax1 / absmax2 must have {n_blocks} blocks, got {absmax1.numel()} / "
-                         f"{absmax2.numel()}")  # fmt: skip
-    if state1.dtype != torch.uint8 or state2.dtype != torch.uint8:
-        raise ValueError(f"states must be uint8, got {state1.dtype} / {state2.dtype}")
+    _check(p, g, (state1, state2), (quant_map1, quant_map2), (absmax1, absmax2))
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
+    n = p.numel()
+    n_blocks = -(-n // BLOCK)
     if n == 0:
         return
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)

@@ -397,3 +397,27 @@ def test_side_by_side_tables_read_ours_and_the_official_rows_from_the_json(tmp_p
     assert "| CUDA graph, chunked loss | 12.00 (reserved) | 0.300 | 12.98 | 0.900 | 3.00× |" in page
     assert page.count("Source: `evals/results/") == 3
     assert render.side_by_side("nothing") == []
+
+
+def test_gpu_memory_runs_the_official_step_in_the_row_setting(tmp_path, monkeypatch):
+    mod = _load("gpu_memory")
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["cmd"] = cmd
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text(json.dumps({"step_time_s": 0.9, "peak_memory_gib": 12.0}))
+        return argparse.Namespace(returncode=0, stdout="", stderr="")
+
+    monkeypatch.setattr(mod.subprocess, "run", fake_run)
+    args = argparse.Namespace(steps=3, device="cuda", official="", block_size=256, seq_len=2048)
+    row = {"model": "llama-8b", "gradient_checkpointing": True, "batch_size": 4, "seq_len": 512,
+           "block_size": 128, "step_time_s": 0.45, "meets_speed_target": False}  # fmt: skip
+    mod.add_official(row, args)
+    cmd = seen["cmd"]
+    for flag, value in (("--batch-size", "4"), ("--seq-len", "512"), ("--block-size", "128"),
+                        ("--model", "llama-8b")):  # fmt: skip
+        assert cmd[cmd.index(flag) + 1] == value  # the row's setting, not the script's defaults
+    assert "--ckpt" in cmd and "--official" not in cmd  # "" = the default copy
+    assert row["speedup_vs_official_measured"] == pytest.approx(2.0)
+    assert row["meets_speed_target"] is True  # judged on the measured step

@@ -274,12 +274,21 @@ def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_ste
         # codes apart; on the H200 the Triton kernel and the CUDA op differ in 0.001-0.1 % of
         # the codes, evals/results/bench_optim8bit_h200_bea4de0.json)
         assert diff.quantile(0.99) < 0.01 * moved.max() and diff.mean() < 0.01 * moved.mean()
+        # the moments, dequantized: equal up to a code step of the block's scale (code indices
+        # can be far apart where a near-zero first moment changes sign between the two ops)
         sa, sb = opt_ref.state[a], opt.state[b]
-        for key in ("state1", "state2"):
-            assert (sa[key] != sb[key]).float().mean() < 0.02, key
-            assert (sa[key].int() - sb[key].int()).abs().max() <= 4, key
-        for key in ("absmax1", "absmax2"):
-            torch.testing.assert_close(sa[key], sb[key], rtol=2e-2, atol=0)
+        blocks = torch.arange(a.numel(), device=a.device) // 256
+        for key, absmax, qmap in (
+            ("state1", "absmax1", "dynamic"),
+            ("state2", "absmax2", "udynamic"),
+        ):
+            q = opt.name2qmap[qmap].to(a.device)
+            ma = q[sa[key].flatten().long()] * sa[absmax][blocks]
+            mb = q[sb[key].flatten().long()] * sb[absmax][blocks]
+            scale = sa[absmax][blocks].clamp_min(1e-30)
+            rel = ((ma - mb).abs() / scale).flatten()
+            assert rel.quantile(0.999) < 0.05 and rel.mean() < 0.002, key
+            torch.testing.assert_close(sa[absmax], sb[absmax], rtol=2e-2, atol=0)
     monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: False)
     _step(mine, opt, 3)
     assert len(calls) == 3 * len(mine)  # flag off: bitsandbytes' op again

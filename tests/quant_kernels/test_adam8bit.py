@@ -125,3 +125,33 @@ def test_bad_arguments_are_refused_in_one_line():
         adam8bit_update(g, p, s.float(), s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
     with pytest.raises(ValueError, match="step must be >= 1"):
         adam8bit_update(g, p, s, s, 0.9, 0.999, 1e-8, 0, 1e-3, q, q, a, a)
+    wide = torch.zeros(300, 2)
+    with pytest.raises(ValueError, match="p must be contiguous"):
+        adam8bit_update(g, wide[:, 0], s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
+    with pytest.raises(ValueError, match="absmax1 must be float32"):
+        adam8bit_update(g, p, s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a.half(), a)
+    with pytest.raises(ValueError, match="p and g must be fp32, fp16 or bf16"):
+        adam8bit_update(g, p.int(), s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
+    # a short view of a map, even one whose table is cached, is refused before the kernel
+    adam8bit_update(g, p, s, s.clone(), 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a.clone())
+    with pytest.raises(ValueError, match=r"quant maps must be \[256\]"):
+        adam8bit_update(g, p, s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q[:128], q, a, a)
+    with pytest.raises(ValueError, match="quant_map1 must be contiguous"):
+        adam8bit_update(
+            g, p, s, s, 0.9, 0.999, 1e-8, 1, 1e-3, torch.stack([q, q], 1)[:, 0], q, a, a
+        )
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_maps_made_under_inference_mode_are_accepted():
+    with torch.inference_mode():
+        q1, q2 = F.create_dynamic_map(signed=True), F.create_dynamic_map(signed=False)
+    n = 300
+    p, g = torch.randn(n).to(DEV), torch.randn(n).to(DEV)
+    s1, s2 = (
+        torch.zeros(n, dtype=torch.uint8, device=DEV),
+        torch.zeros(n, dtype=torch.uint8, device=DEV),
+    )
+    a1, a2 = torch.zeros(2, device=DEV), torch.zeros(2, device=DEV)
+    adam8bit_update(g, p, s1, s2, 0.9, 0.999, 1e-8, 1, 1e-3, q1.to(DEV), q2.to(DEV), a1, a2)
+    assert bool((a1 > 0).all()) and bool((a2 > 0).all())
