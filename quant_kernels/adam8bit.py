@@ -24,6 +24,8 @@ rounding level, as its Triton kernel does.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import triton
@@ -131,6 +133,9 @@ def _check(p: torch.Tensor, g: torch.Tensor, states: tuple, maps: tuple, absmaxe
             raise ValueError(f"{name} is on {t.device}, p on {p.device}: put them on one device")
     if n >= 2**31:
         raise ValueError(f"at most 2**31 - 1 elements per call, got {n}; update in pieces")
+    if p.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"adam8bit_update runs on CUDA tensors (on the CPU only under Triton's "
+                         f"interpreter, TRITON_INTERPRET=1); p is on {p.device}")  # fmt: skip
 
 
 @triton.jit
@@ -229,8 +234,8 @@ def adam8bit_update(
 
     Raises:
         ValueError: mismatched sizes, dtypes or devices, a non-contiguous argument, ``2**31`` or
-            more elements, ``step < 1``, or a map whose entries are not increasing (one line
-            naming the argument).
+            more elements, ``step < 1``, a map whose entries are not increasing, or CPU tensors
+            without the interpreter (one line naming the argument).
     """
     _check(p, g, (state1, state2), (quant_map1, quant_map2), (absmax1, absmax2))
     if step < 1:

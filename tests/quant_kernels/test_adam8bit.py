@@ -113,10 +113,10 @@ def test_first_step_follows_float64_adamw_and_states_hold_the_moments():
         torch.testing.assert_close(a2[b].double(), v[block].abs().max(), rtol=1e-6, atol=0)
 
 
-def test_bad_arguments_are_refused_in_one_line():
-    q = F.create_dynamic_map(signed=True)
-    p, g = torch.zeros(300), torch.zeros(300)
-    s, a = torch.zeros(300, dtype=torch.uint8), torch.zeros(2)
+def test_bad_arguments_are_refused_in_one_line(monkeypatch):
+    q = F.create_dynamic_map(signed=True).to(DEV)
+    p, g = torch.zeros(300, device=DEV), torch.zeros(300, device=DEV)
+    s, a = torch.zeros(300, dtype=torch.uint8, device=DEV), torch.zeros(2, device=DEV)
     with pytest.raises(ValueError, match="300 elements"):
         adam8bit_update(g[:10], p, s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
     with pytest.raises(ValueError, match="2 blocks"):
@@ -125,7 +125,7 @@ def test_bad_arguments_are_refused_in_one_line():
         adam8bit_update(g, p, s.float(), s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
     with pytest.raises(ValueError, match="step must be >= 1"):
         adam8bit_update(g, p, s, s, 0.9, 0.999, 1e-8, 0, 1e-3, q, q, a, a)
-    wide = torch.zeros(300, 2)
+    wide = torch.zeros(300, 2, device=DEV)
     with pytest.raises(ValueError, match="p must be contiguous"):
         adam8bit_update(g, wide[:, 0], s, s, 0.9, 0.999, 1e-8, 1, 1e-3, q, q, a, a)
     with pytest.raises(ValueError, match="absmax1 must be float32"):
@@ -140,6 +140,10 @@ def test_bad_arguments_are_refused_in_one_line():
         adam8bit_update(
             g, p, s, s, 0.9, 0.999, 1e-8, 1, 1e-3, torch.stack([q, q], 1)[:, 0], q, a, a
         )
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors without the interpreter
+    cpu = [t.cpu() for t in (g, p, s, s, a, a)]
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        adam8bit_update(*cpu[:4], 0.9, 0.999, 1e-8, 1, 1e-3, q.cpu(), q.cpu(), *cpu[4:])
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
