@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from unittest import mock
 
 import official_poet
@@ -221,10 +222,10 @@ def _launch_us() -> dict:
     return out
 
 
-def layer_overhead(n: int, m: int, b: int, official: str | None = None) -> dict:
+def layer_overhead(n: int, m: int, b: int, poet: ModuleType | None = None) -> dict:
     """Wall, host-issue and GPU (graph replay) time and peak extra memory of a layer
     forward+backward at input [1, 2048, n] bf16 for ``nn.Linear``, the POET-X(Q) variants and,
-    when a copy of the official code is found (:mod:`official_poet`, folder ``official``), its
+    given the official code's ``poet_torch`` module (:func:`official_poet.try_load`), its
     layers; the top host-side ops of the int8 mem layer."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -252,7 +253,6 @@ def layer_overhead(n: int, m: int, b: int, official: str | None = None) -> dict:
         if variant == "fast":  # the autograd fast path beside the default feature-major one
             flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
             rows.append((f"bits{bits}_fast_autograd", layer, flag))
-    poet = official_poet.try_load(official)
     if poet is not None:  # the official code's layers side by side (evals/official_poet.py)
         for kind in official_poet.LAYER_KINDS:
             try:
@@ -436,11 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table, flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "overhead" in parts:
-        report["official_code"] = str(official_poet.official_dir(args.official)) if (
-            official_poet.try_load(args.official)) else None  # fmt: skip
+        poet = official_poet.try_load(args.official)
+        report["official_code"] = poet and str(official_poet.official_dir(args.official))
         report["layer_overhead_8b_mlp_bf16"] = rows = [
-            layer_overhead(4096, 14336, 256, args.official),
-            layer_overhead(14336, 4096, 256, args.official),
+            layer_overhead(4096, 14336, 256, poet),
+            layer_overhead(14336, 4096, 256, poet),
         ]
         report["layer_profile_int8_mem_4096_14336"] = table = layer_profile(4096, 14336, 256)
         print(table)

@@ -160,8 +160,14 @@ def measure_step(
     model = poet.POETModel(model, cfg).to(device=dev, dtype=torch.bfloat16)
     optimizer = poet.get_poet_optimizer(model, cfg)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    cuda = dev.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    sync()
+    if cuda:
         torch.cuda.empty_cache()
     build_s = time.perf_counter() - t0
     model.train()
@@ -176,20 +182,17 @@ def measure_step(
 
     t0 = time.perf_counter()
     step()  # warm-up: compile, optimizer states
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    sync()
+    if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     warmup_s = time.perf_counter() - t0
     times = []
     for _ in range(steps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync()
         t = time.perf_counter()
         step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync()
         times.append(time.perf_counter() - t)
-    cuda = dev.type == "cuda"
     peak = torch.cuda.max_memory_allocated(dev) if cuda else None
     return {
         "code": "official poet_torch (github.com/Sphere-AI-Lab/poet), QPOETLinear int8",

@@ -908,9 +908,10 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
             if d.get("kernel_flags", {}).get("TRITON_8BIT_UPDATE_MEASURED_FASTER"):
                 extras.append("Triton 8-bit update")
             setting = ", ".join([setting, *extras])
+            ckpt, _, peak = _setting_cells(r)
             lines.append(
-                f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | {setting} | "
-                f"{_peak_cell(r, 2)} | {r['step_time_s']:.3f} | {off['peak_memory_gib']:.2f} | "
+                f"| {r['model']} | {ckpt} | {setting} | "
+                f"{peak} | {r['step_time_s']:.3f} | {off['peak_memory_gib']:.2f} | "
                 f"{off['step_time_s']:.3f} | {off['step_time_s'] / r['step_time_s']:.2f}× | "
                 f"≤ {r['target_peak_gib']}; ≥ 1.5× |"
             )

@@ -249,17 +249,18 @@ def adamw8bit_class() -> type:
             st["step"] += 1
             betas = config["betas"]
             bs = BNB_STATE_BLOCK  # every parameter starts on a state block: runs share none
+            maps = (self.name2qmap["dynamic"], self.name2qmap["udynamic"])
+            ours = (self.optimizer_name == "adam" and not config["skip_zeros"]
+                    and quant_kernels.triton_8bit_update(flat.flat))  # fmt: skip
+            if ours:
+                from quant_kernels.adam8bit import adam8bit_update  # Triton: a GPU here
             for first, _, grad in runs:
                 lo = flat.offsets[first]
                 hi = lo + grad.numel()
                 blocks = slice(lo // bs, -(-hi // bs))
                 args = (grad, flat.flat[lo:hi], st["state1"][lo:hi], st["state2"][lo:hi])
-                maps = (self.name2qmap["dynamic"], self.name2qmap["udynamic"])
                 absmax = (st["absmax1"][blocks], st["absmax2"][blocks])
-                if (self.optimizer_name == "adam" and not config["skip_zeros"]
-                        and quant_kernels.triton_8bit_update(grad)):  # fmt: skip
-                    from quant_kernels.adam8bit import adam8bit_update  # Triton: a GPU here
-
+                if ours:
                     adam8bit_update(
                         *args, betas[0], betas[1], config["eps"], st["step"], config["lr"],
                         *maps, *absmax, config["weight_decay"],
