@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "TABLE_MANTISSA_BITS", "adam8bit_update", "search_table"]
+__all__ = [
+    "BLOCK",
+    "TABLE_MANTISSA_BITS",
+    "adam8bit_update",
+    "adam8bit_update_device_scalars",
+    "search_table",
+]
 
 #: elements per ``absmax`` block (bitsandbytes' blockwise optimizer states)
 BLOCK = 256
@@ -169,10 +175,15 @@ def _quantize_store(
 @triton.jit
 def _adam8bit_kernel(
     p_ptr, g_ptr, s1_ptr, s2_ptr, absmax1_ptr, absmax2_ptr, map1_ptr, map2_ptr,
-    table1_ptr, table2_ptr, n, n_blocks, lr, beta1_step, beta2_step,
+    table1_ptr, table2_ptr, n, n_blocks, lr, beta1_step, beta2_step, scalars_ptr,
     beta1: tl.constexpr, beta2: tl.constexpr, eps: tl.constexpr, weight_decay: tl.constexpr,
     gnorm_scale: tl.constexpr, BLOCKS: tl.constexpr, BS: tl.constexpr, M: tl.constexpr,
+    SCALARS_ON_DEVICE: tl.constexpr,
 ):  # fmt: skip
+    if SCALARS_ON_DEVICE:  # (lr, beta1**t, beta2**t) read at run time: a graph replay sees
+        lr = tl.load(scalars_ptr)  # what the host wrote before it
+        beta1_step = tl.load(scalars_ptr + 1)
+        beta2_step = tl.load(scalars_ptr + 2)
     pid = tl.program_id(0)
     offs = pid * (BLOCKS * BS) + tl.arange(0, BLOCKS * BS)
     mask = offs < n
@@ -240,14 +251,79 @@ def adam8bit_update(
     _check(p, g, (state1, state2), (quant_map1, quant_map2), (absmax1, absmax2))
     if step < 1:
         raise ValueError(f"step must be >= 1, got {step}")
+    consts = (beta1, beta2, eps, weight_decay, gnorm_scale)
+    maps, absmaxes = (quant_map1, quant_map2), (absmax1, absmax2)
+    _launch(g, p, state1, state2, consts, (lr, beta1**step, beta2**step), None, maps, absmaxes)
+
+
+def adam8bit_update_device_scalars(
+    g: torch.Tensor,
+    p: torch.Tensor,
+    state1: torch.Tensor,
+    state2: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    scalars: torch.Tensor,
+    quant_map1: torch.Tensor,
+    quant_map2: torch.Tensor,
+    absmax1: torch.Tensor,
+    absmax2: torch.Tensor,
+    weight_decay: float = 0.0,
+    gnorm_scale: float = 1.0,
+) -> None:
+    """:func:`adam8bit_update` whose learning rate and step are read from device memory when the
+    kernel runs, so that a CUDA graph that captured the call applies the values the host writes
+    into ``scalars`` before each replay (:mod:`poetxq.graph_optim`).
+
+    Args:
+        scalars: ``[3]`` contiguous fp32 on ``p``'s device: ``(lr, beta1**t, beta2**t)`` for step
+            ``t`` (computed in float64 on the host and rounded to fp32, which is what
+            :func:`adam8bit_update` passes its kernel: the two give bit-identical results).
+        The other arguments: as :func:`adam8bit_update`.
+
+    Raises:
+        ValueError: as :func:`adam8bit_update`, or ``scalars`` not ``[3]`` contiguous fp32 on
+            ``p``'s device.
+    """
+    _check(p, g, (state1, state2), (quant_map1, quant_map2), (absmax1, absmax2))
+    if (
+        scalars.dtype != torch.float32
+        or scalars.shape != (3,)
+        or not scalars.is_contiguous()
+        or scalars.device != p.device
+    ):
+        raise ValueError(f"scalars must be [3] contiguous float32 on {p.device} (lr, beta1**t, "
+                         f"beta2**t), got {tuple(scalars.shape)} {scalars.dtype} on "
+                         f"{scalars.device}")  # fmt: skip
+    consts = (beta1, beta2, eps, weight_decay, gnorm_scale)
+    maps, absmaxes = (quant_map1, quant_map2), (absmax1, absmax2)
+    _launch(g, p, state1, state2, consts, (0.0, 0.0, 0.0), scalars, maps, absmaxes)
+
+
+def _launch(
+    g: torch.Tensor,
+    p: torch.Tensor,
+    state1: torch.Tensor,
+    state2: torch.Tensor,
+    consts: tuple[float, float, float, float, float],
+    host_scalars: tuple[float, float, float],
+    scalars: torch.Tensor | None,
+    maps: tuple[torch.Tensor, torch.Tensor],
+    absmaxes: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """One :func:`_adam8bit_kernel` launch over ``p`` (arguments checked by the caller)."""
     n = p.numel()
     n_blocks = -(-n // BLOCK)
     if n == 0:
         return
+    beta1, beta2, eps, weight_decay, gnorm_scale = consts
     grid = (triton.cdiv(n_blocks, _BLOCKS_PER_PROGRAM),)
     _adam8bit_kernel[grid](
-        p, g, state1, state2, absmax1, absmax2, quant_map1, quant_map2,
-        _table(quant_map1), _table(quant_map2), n, n_blocks, lr, beta1**step, beta2**step,
+        p, g, state1, state2, absmaxes[0], absmaxes[1], maps[0], maps[1],
+        _table(maps[0]), _table(maps[1]), n, n_blocks, *host_scalars,
+        p if scalars is None else scalars,  # unread without SCALARS_ON_DEVICE
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, gnorm_scale=gnorm_scale,
-        BLOCKS=_BLOCKS_PER_PROGRAM, BS=BLOCK, M=TABLE_MANTISSA_BITS, num_warps=4,
+        BLOCKS=_BLOCKS_PER_PROGRAM, BS=BLOCK, M=TABLE_MANTISSA_BITS,
+        SCALARS_ON_DEVICE=scalars is not None, num_warps=4,
     )  # fmt: skip

@@ -160,3 +160,50 @@ def test_maps_made_under_inference_mode_are_accepted():
     a1, a2 = torch.zeros(2, device=DEV), torch.zeros(2, device=DEV)
     adam8bit_update(g, p, s1, s2, 0.9, 0.999, 1e-8, 1, 1e-3, q1.to(DEV), q2.to(DEV), a1, a2)
     assert bool((a1 > 0).all()) and bool((a2 > 0).all())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # interpreter: 0/0 in empty blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_scalars_give_the_host_scalar_update_bit_for_bit(dtype):
+    from quant_kernels.adam8bit import adam8bit_update_device_scalars
+
+    lrs = [1e-3, 3.7e-4, 2.2e-3, 1e-5]  # a schedule: the lr changes every step
+
+    def host(g, p, s1, s2, step, q1, q2, a1, a2, wd):
+        adam8bit_update(g, p, s1, s2, 0.9, 0.999, 1e-8, step, lrs[step - 1], q1, q2, a1, a2, wd)
+
+    scalars = torch.zeros(3, device=DEV)
+
+    def device(g, p, s1, s2, step, q1, q2, a1, a2, wd):
+        # written in place before each call, as the graph's host side does before a replay
+        scalars.copy_(torch.tensor([lrs[step - 1], 0.9**step, 0.999**step], dtype=torch.float64))
+        adam8bit_update_device_scalars(g, p, s1, s2, 0.9, 0.999, 1e-8, scalars, q1, q2, a1, a2, wd)
+
+    n = 256 * 3 + 5
+    want, got = _run(host, n, dtype, 0.01), _run(device, n, dtype, 0.01)
+    assert not torch.equal(want[0], _run(host, n, dtype, 0.01, steps=3)[0])  # the steps count
+    if DEV == "cuda":  # compiled, a float argument is fp32 as the loaded scalar is: bit for bit
+        for w, g in zip(want, got, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        return
+    # Triton's interpreter keeps float arguments in float64 inside ``1 - beta2**t``: the host
+    # path differs there by ~1e-7 relative; the codes may flip where a value sits on a midpoint
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for w, g in zip(want[1:3], got[1:3], strict=True):
+        assert (w == g).float().mean() > 0.99
+    for w, g in zip(want[3:], got[3:], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+
+
+def test_device_scalars_must_be_three_fp32_on_the_device():
+    from quant_kernels.adam8bit import adam8bit_update_device_scalars
+
+    q1 = F.create_dynamic_map(signed=True).to(DEV)
+    q2 = F.create_dynamic_map(signed=False).to(DEV)
+    p, g = torch.zeros(256, device=DEV), torch.zeros(256, device=DEV)
+    s = torch.zeros(256, dtype=torch.uint8, device=DEV)
+    a = torch.zeros(1, device=DEV)
+    for bad in (torch.zeros(2, device=DEV), torch.zeros(3, dtype=torch.float64, device=DEV)):
+        with pytest.raises(ValueError, match=r"scalars must be \[3\] contiguous float32"):
+            adam8bit_update_device_scalars(g, p, s, s.clone(), 0.9, 0.999, 1e-8, bad, q1, q2,
+                                           a, a.clone())  # fmt: skip
