@@ -45,8 +45,9 @@ from _common import provenance, set_kernel_flags, write_json_atomic
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
 from poetxq.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
+from poetxq.graph_optim import GraphedInBackward, hooks_for
 from poetxq.loss import training_loss
-from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
+from poetxq.lowmem import enable_activation_checkpointing
 from poetxq.optim import build_optimizer
 from poetxq.recipe import RecipeError, load_recipe, parse_override
 from poetxq.surgery import build_llama, convert_to_poetx
@@ -109,7 +110,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
-    in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
+    # (inside the captured backward with --cuda-graph: poetxq.graph_optim)
+    in_backward = (
+        hooks_for(optimizer, graph=bool(args.cuda_graph)) if tc.optimizer_in_backward else None
+    )
     _sync(dev)
     build_s = time.perf_counter() - t0
     model.train()
@@ -128,6 +132,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
                     batch,
                     list(model.parameters()),
                     flat_groups=getattr(optimizer, "flat_groups", ()),
+                    in_backward=in_backward if isinstance(in_backward, GraphedInBackward) else None,
                 )
             graphed(batch)
         else:

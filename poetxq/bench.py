@@ -215,8 +215,9 @@ def run_bench(
     from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
     from poetxq.estimate import estimate_memory
     from poetxq.fuse import fuse_wanted
+    from poetxq.graph_optim import GraphedInBackward, hooks_for
     from poetxq.loss import training_loss
-    from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
+    from poetxq.lowmem import enable_activation_checkpointing
     from poetxq.train import peak_rss_bytes
 
     if steps < 1 or warmup < 0:
@@ -243,7 +244,7 @@ def run_bench(
     echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
         enable_activation_checkpointing(model, offload=tc.offload_activations)
-    in_backward = OptimizerInBackward(optimizer) if tc.optimizer_in_backward else None
+    in_backward = hooks_for(optimizer, graph=graph) if tc.optimizer_in_backward else None
     model.train()
     qmods = quant_modules(model)
     amp = dev.type == "cuda"
@@ -262,7 +263,10 @@ def run_bench(
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
             if graph and graphed is None:  # under auto a failed capture goes on eagerly
-                graphed = capture_micro_step(micro_loss, batch, model, optimizer, tc, echo)
+                graphed = capture_micro_step(
+                    micro_loss, batch, model, optimizer, tc, echo,
+                    in_backward if isinstance(in_backward, GraphedInBackward) else None,
+                )  # fmt: skip
                 graph = graphed is not None
             if graphed is not None:
                 graphed(batch)

@@ -15,6 +15,11 @@ tensors on every replay (:meth:`GraphedMicroStep.zero_grad` zeroes them in place
 None would cut the graph off from the optimizer, so :meth:`GraphedMicroStep.__call__` puts them
 back).
 
+With ``train.optimizer_in_backward`` the optimizer step is captured too, inside the backward
+(:mod:`poetxq.graph_optim`): no gradient outlives the replay, each is freed in the graph's pool
+right after its parameter's update, and the host writes the step's learning rates and step
+counts into a device tensor before each replay.
+
 During the capture transformers' SDPA mask function is told to skip the plain causal mask as it
 does outside a capture (:func:`poetxq.attention.causal_mask_skipped`): otherwise the graph would
 replay attention with a materialized ``[B, 1, S, S]`` mask, 2.1× the GPU time at Llama-1B,
@@ -28,14 +33,18 @@ that change between steps, and code that reads tensor values on the host during 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from poetxq.attention import causal_mask_skipped
 from poetxq.flat import FlatParams
 from poetxq.recipe import POET_METHODS
+
+if TYPE_CHECKING:
+    from poetxq.graph_optim import GraphedInBackward
 
 
 def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> bool:
@@ -109,9 +118,15 @@ class GraphedMicroStep:
             8-bit update takes one launch per group.
         warmup: eager forward/backward passes on a side stream before the capture (Triton
             compilation, cuBLAS workspaces, allocator); their gradients are zeroed afterwards.
+        in_backward: ``train.optimizer_in_backward``'s graph-safe hooks
+            (:class:`poetxq.graph_optim.GraphedInBackward`): the optimizer step is captured
+            inside the backward, there are no static gradients (each is freed in the graph's
+            pool after its update), and every call writes the step's learning rates first.
+            The warm-up passes only rehearse the updates (parameters unchanged).
 
     Raises:
-        CUDAGraphError: not a CUDA batch, or the capture failed (the cause is in the message).
+        CUDAGraphError: not a CUDA batch, the capture failed (the cause is in the message), or
+            ``in_backward`` captured no update.
     """
 
     def __init__(
@@ -122,25 +137,32 @@ class GraphedMicroStep:
         *,
         warmup: int = 2,
         flat_groups: Sequence[FlatParams] = (),
+        in_backward: GraphedInBackward | None = None,
     ) -> None:
         if not example_batch.is_cuda:
             raise CUDAGraphError("CUDA graphs need a CUDA device; set train.cuda_graph: false")
         self.params = [p for p in params if p.requires_grad]
+        self.in_backward = in_backward
         self.static_batch = example_batch.clone()
+        if in_backward is not None:
+            in_backward.prepare()  # the state tensors the captured updates will write
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        rehearsal = in_backward.rehearsal() if in_backward else contextlib.nullcontext()
+        with torch.cuda.stream(side), rehearsal:
             for _ in range(max(warmup, 1)):
                 loss_fn(self.static_batch).backward()
         torch.cuda.current_stream().wait_stream(side)
         for p in self.params:  # the warm-up's gradients are zeroed below anyway: dropped before
             p.grad = None  # the flat buffers exist, so the two never coexist
-        for group in flat_groups:  # gradients laid out like the optimizer's flat buffers
-            group.attach_grads()
-        for p in self.params:  # accumulate into existing tensors during capture and replay
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.grads = [p.grad for p in self.params]
+        self.grads: list[torch.Tensor] = []
+        if in_backward is None:  # static gradients, accumulated into during every replay
+            for group in flat_groups:  # laid out like the optimizer's flat buffers
+                group.attach_grads()
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.grads = [p.grad for p in self.params]
         self.zero_grad()
         # the warm-up's freed activations stay cached in the default pool, which the capture's
         # private pool cannot use: hand them back to the driver before the pool grows (the
@@ -158,11 +180,18 @@ class GraphedMicroStep:
             raise CUDAGraphError(
                 f"CUDA graph capture failed ({first}); set train.cuda_graph: false"
             ) from exc
+        if in_backward is not None and in_backward.reset_count() == 0:
+            raise CUDAGraphError(
+                "the captured backward updated no parameter (train.optimizer_in_backward); "
+                "set train.cuda_graph: false"
+            )
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        """Zero the gradients in place (the graph keeps writing to these tensors)."""
-        torch._foreach_zero_(self.grads)
+        """Zero the gradients in place (the graph keeps writing to these tensors); nothing to
+        do with ``in_backward`` (no gradient outlives the replay)."""
+        if self.grads:
+            torch._foreach_zero_(self.grads)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """Replay on ``batch`` (same shape/dtype as the example): gradients are *added* to
@@ -174,8 +203,12 @@ class GraphedMicroStep:
                 "CUDA graphs need a fixed batch shape"
             )
         self.static_batch.copy_(batch, non_blocking=True)
+        if self.in_backward is not None:
+            self.in_backward.before_replay()
         self.graph.replay()
-        for p, g in zip(self.params, self.grads, strict=True):
+        if self.in_backward is not None:
+            self.in_backward.after_replay()
+        for p, g in zip(self.params if self.grads else (), self.grads, strict=True):
             if p.grad is not g:
                 p.grad = g
         return self.static_loss
@@ -188,6 +221,7 @@ def capture_micro_step(
     optimizer: torch.optim.Optimizer | None,
     train: Any,
     say: Callable[[str], None],
+    in_backward: GraphedInBackward | None = None,
 ) -> GraphedMicroStep | None:
     """Capture the first micro-batch's forward+backward for the trainer and ``poetxq bench``.
 
@@ -197,6 +231,8 @@ def capture_micro_step(
         optimizer: its ``flat_groups`` (if any) lay out the gradients.
         train: the recipe's ``train`` section; ``train.cuda_graph`` decides what a failure does.
         say: where the one line about the graph (or its failure) goes.
+        in_backward: the optimizer step to capture inside the backward
+            (``train.optimizer_in_backward``; :class:`GraphedMicroStep`).
 
     Returns:
         The :class:`GraphedMicroStep`, or ``None`` when the capture failed under
@@ -209,8 +245,9 @@ def capture_micro_step(
     trainable = [p for p in model.parameters() if p.requires_grad]
     try:
         graphed = GraphedMicroStep(
-            loss_fn, batch, trainable, flat_groups=getattr(optimizer, "flat_groups", ())
-        )
+            loss_fn, batch, trainable, flat_groups=getattr(optimizer, "flat_groups", ()),
+            in_backward=in_backward,
+        )  # fmt: skip
     except CUDAGraphError as exc:
         if train.cuda_graph is True:
             raise
@@ -219,7 +256,8 @@ def capture_micro_step(
         say(f"note: {exc}; with train.cuda_graph auto the run continues eagerly")
         return None
     say(
-        "cuda graph: each micro-batch's forward+backward replays one CUDA graph "
-        "(train.cuda_graph; set it to false to run eagerly)"
+        "cuda graph: each micro-batch's forward+backward"
+        + (" and the optimizer step in it" if in_backward is not None else "")
+        + " replays one CUDA graph (train.cuda_graph; set it to false to run eagerly)"
     )
     return graphed

@@ -103,15 +103,24 @@ def bnb_update_one(
     without the device synchronization that loop adds after every parameter. Kernels are queued
     on the current stream in order, so nothing reads a parameter before its update is done."""
     opt: Any = optimizer
+    bnb_ensure_state(opt, group_index, param_index, p)
+    opt.prefetch_state(p)
+    opt.update_step(opt.param_groups[group_index], p, group_index, param_index)
+
+
+def bnb_ensure_state(
+    optimizer: torch.optim.Optimizer, group_index: int, param_index: int, p: torch.Tensor
+) -> None:
+    """Create ``p``'s state in a bitsandbytes 8-bit optimizer if it has none, as its ``step``
+    does on first use (moments at zero, ``step`` 0; 8-bit codes for tensors of at least
+    ``min_8bit_size`` elements, fp32 below)."""
+    opt: Any = optimizer
     if not opt.initialized:
         opt.check_overrides()
         opt.to_gpu()
         opt.initialized = True
-    group = opt.param_groups[group_index]
     if len(opt.state[p]) == 0:
-        opt.init_state(group, p, group_index, param_index)
-    opt.prefetch_state(p)
-    opt.update_step(group, p, group_index, param_index)
+        opt.init_state(opt.param_groups[group_index], p, group_index, param_index)
 
 
 @functools.cache

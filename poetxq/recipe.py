@@ -182,7 +182,9 @@ class TrainConfig(_Section):
     # poetxq.lowmem.enable_activation_checkpointing)
     offload_activations: bool = False
     # update each parameter as soon as its gradient is complete, then free the gradient
-    # (poetxq.lowmem.OptimizerInBackward): no gradient clipping, no accumulation
+    # (poetxq.lowmem.OptimizerInBackward): no gradient clipping, no accumulation. With
+    # cuda_graph: true (POET methods, optim.state_bits: 8) the updates are captured inside the
+    # graph's backward (poetxq.graph_optim)
     optimizer_in_backward: bool = False
     # cross-entropy over chunks of this many tokens, logits recomputed in backward and never
     # held whole (poetxq.loss); 0: one [tokens, vocab] logits tensor as usual
@@ -248,7 +250,11 @@ class Recipe(_Section):
             if tc.grad_accum != 1 else "",
             f"optim.grad_clip: 0 (not {self.optim.grad_clip}; no global gradient norm exists "
             "when a parameter is updated)" if self.optim.grad_clip else "",
-            "train.cuda_graph: false (or auto)" if tc.cuda_graph is True else "",
+            # inside a graph the update reads lr and step from the device: our 8-bit AdamW
+            # (poetxq.graph_optim); the POET methods only, whose optimizer that is
+            "optim.state_bits: 8 (the CUDA graph captures the 8-bit AdamW update; or "
+            "train.cuda_graph: false)"
+            if tc.cuda_graph is True and self.optim.state_bits != 8 else "",
         ]  # fmt: skip
         needs = [n for n in needs if n]
         if needs:

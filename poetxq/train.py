@@ -50,8 +50,9 @@ from poetxq.distributed import (
 )
 from poetxq.evaluate import evaluate_perplexity
 from poetxq.export import save_run_artifacts
+from poetxq.graph_optim import GraphedInBackward, hooks_for
 from poetxq.loss import training_loss
-from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
+from poetxq.lowmem import enable_activation_checkpointing
 from poetxq.optim import (
     build_optimizer,
     build_scheduler,
@@ -406,8 +407,9 @@ def train(
     trainable = [p for p in raw_model.parameters() if p.requires_grad]
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
     qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
-    # train.optimizer_in_backward: the optimizer steps each parameter inside backward
-    in_backward = OptimizerInBackward(raw_optimizer) if tc.optimizer_in_backward else None
+    # train.optimizer_in_backward: the optimizer steps each parameter inside backward (inside
+    # the CUDA graph's backward when there is one: poetxq.graph_optim)
+    in_backward = hooks_for(raw_optimizer, graph=graph) if tc.optimizer_in_backward else None
     device = accelerator.device
     generators = {"poet": poet_gen}
 
@@ -540,7 +542,10 @@ def train(
             position += 1
             with accelerator.accumulate(model):
                 if graph and graphed is None:
-                    graphed = capture_micro_step(micro_loss, batch, model, raw_optimizer, tc, say)
+                    graphed = capture_micro_step(
+                        micro_loss, batch, model, raw_optimizer, tc, say,
+                        in_backward if isinstance(in_backward, GraphedInBackward) else None,
+                    )  # fmt: skip
                     graph = graphed is not None
                 if graph:
                     loss = graphed(batch) * tc.grad_accum
@@ -562,7 +567,8 @@ def train(
             grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
         else:  # grad_clip 0: no clipping, the norm is still logged
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-        if in_backward is not None and in_backward.reset_count() == 0:
+        # (a replayed graph runs no hook: its capture checked that it holds the updates)
+        if in_backward is not None and graphed is None and in_backward.reset_count() == 0:
             raise RuntimeError(  # the hooks never fired: no parameter was trained this step
                 f"step {step}: train.optimizer_in_backward updated no parameter in backward; "
                 "set train.optimizer_in_backward: false"

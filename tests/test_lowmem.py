@@ -151,7 +151,7 @@ def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "method": "qgalore"},
          "applies to poetxq, poetx and adamw"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True},
-         "needs train.cuda_graph: false"),
+         r"needs optim.state_bits: 8 \(the CUDA graph captures"),
         ({"train.cuda_graph": True, "train.gradient_checkpointing": True,
           "train.offload_activations": True}, "not combined with"),
         ({"train.loss_chunk_tokens": -1}, "loss_chunk_tokens"),
@@ -160,6 +160,13 @@ def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
 def test_recipe_refuses_what_cannot_work(over, needle):
     with pytest.raises(ValueError, match=needle):
         _recipe(**over)
+
+
+def test_recipe_takes_the_optimizer_in_backward_inside_a_cuda_graph_with_8bit_states():
+    over = {"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True,
+            "optim.state_bits": 8}  # fmt: skip
+    recipe = load_recipe(None, over)
+    assert recipe.train.cuda_graph is True and recipe.train.optimizer_in_backward
 
 
 def test_estimate_accounts_for_each_option():

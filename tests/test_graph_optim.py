@@ -1,0 +1,180 @@
+"""poetxq.graph_optim: the optimizer step inside backward, in a form a CUDA graph can replay.
+
+Oracle: the run's own 8-bit AdamW (``adamw8bit_class``, flattened group, the Triton update with
+host scalars) stepping after an ordinary backward; for the fp32-moment tensors, bitsandbytes'
+own 32-bit step. On the CPU the hooks run eagerly (Triton's interpreter); a GPU test replays them
+from a captured graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+bnb = pytest.importorskip("bitsandbytes")
+
+import quant_kernels  # noqa: E402
+from poetxq.graph_optim import GraphedInBackward, hooks_for  # noqa: E402
+from poetxq.lowmem import OptimizerInBackward  # noqa: E402
+from poetxq.optim import adamw8bit_class, reset_orthogonal_state  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# >= 4096 elements: 8-bit moments (300-wide rows leave gaps in the flat buffer); 100: fp32 moments
+SHAPES_8BIT = [(20, 300), (4096,), (513, 8)]
+SHAPE_32BIT = (100,)
+LRS = [1e-2, 3e-3, 2e-2, 5e-3, 1e-2]  # a schedule: the learning rate changes every step
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered"),  # interpreter: masked 0/0
+    pytest.mark.skipif(
+        DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton kernels on CPU tensors need its interpreter (TRITON_INTERPRET=1)",
+    ),
+]
+
+
+def _setup(monkeypatch):
+    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(*s, generator=gen).to(DEV)) for s in SHAPES_8BIT]
+    small = nn.Parameter(torch.randn(*SHAPE_32BIT, generator=gen).to(DEV))
+    opt = adamw8bit_class()([{"params": params, "lr": LRS[0], "weight_decay": 0.1},
+                             {"params": [small], "lr": LRS[0], "weight_decay": 0.0}])  # fmt: skip
+    opt.flatten_group(0)  # the Q group of a POET model is flattened
+    return [*params, small], opt
+
+
+def _loss(params: list[nn.Parameter], step: int) -> torch.Tensor:
+    """A loss whose gradient is a fixed random tensor per parameter and step."""
+    gen = torch.Generator().manual_seed(100 + step)
+    total = torch.zeros((), device=DEV)
+    for i, p in enumerate(params):
+        g = (torch.randn(p.shape, generator=gen) * (1 + i)).to(DEV)
+        total = total + (p * g).sum()
+    return total
+
+
+def _set_lr(opt, step: int) -> None:
+    for group in opt.param_groups:
+        group["lr"] = LRS[step]
+
+
+def _close(ref: list[torch.Tensor], mine: list[torch.Tensor], opt_ref, opt) -> None:
+    for a, b in zip(ref, mine, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        sa, sb = opt_ref.state[a], opt.state[b]
+        assert sa["step"] == sb["step"]
+        for key in ("state1", "state2"):
+            if sa[key].dtype == torch.uint8:  # codes: equal but where a value sits on a midpoint
+                assert (sa[key] == sb[key]).float().mean() > 0.99, key
+            else:
+                torch.testing.assert_close(sb[key], sa[key], rtol=1e-5, atol=1e-7)
+
+
+def test_hooks_follow_the_step_after_backward_across_a_schedule_and_a_reset(monkeypatch):
+    ref, opt_ref = _setup(monkeypatch)
+    mine, opt = _setup(monkeypatch)
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    owned = [opt.state[p]["state1"].data_ptr() for p in mine]
+    start = [p.detach().clone() for p in mine]
+    for step in range(len(LRS)):
+        if step == 3:  # a merge resets the moments of Q (the flattened group) on both sides
+            reset_orthogonal_state(opt_ref, ref[:3])
+            reset_orthogonal_state(opt, mine[:3])
+        _set_lr(opt_ref, step)
+        _set_lr(opt, step)
+        _loss(ref, step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        hooks.before_replay()
+        _loss(mine, step).backward()
+        hooks.after_replay()
+        assert all(p.grad is None for p in mine)  # each gradient freed after its update
+        assert hooks.reset_count() == len(mine)
+    assert opt.state[mine[0]]["step"] == 2  # restarted at the reset, two steps since
+    # the graph's state tensors were kept (zeroed in place at the reset, not replaced)
+    assert [opt.state[p]["state1"].data_ptr() for p in mine] == owned
+    for p, p0 in zip(mine, start, strict=True):
+        assert (p - p0).abs().max() > 1e-2  # every parameter moved
+    _close(ref, mine, opt_ref, opt)
+
+
+def test_rehearsal_compiles_without_changing_anything(monkeypatch):
+    params, opt = _setup(monkeypatch)
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    hooks.before_replay()
+    before = [p.detach().clone() for p in params]
+    states = {k: v.clone() for k, v in opt.state[params[0]].items() if torch.is_tensor(v)}
+    with hooks.rehearsal():
+        _loss(params, 0).backward()
+    assert hooks.reset_count() == 0
+    assert all(p.grad is None for p in params)
+    for p, b in zip(params, before, strict=True):
+        assert torch.equal(p.detach(), b)
+    for k, v in states.items():
+        assert torch.equal(opt.state[params[0]][k], v), k
+
+
+def test_a_loaded_state_is_copied_into_the_graphs_tensors(monkeypatch):
+    ref, opt_ref = _setup(monkeypatch)
+    mine, opt = _setup(monkeypatch)
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    owned = opt.state[mine[1]]["state2"]
+    for step in range(2):
+        _loss(ref, step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+    opt.load_state_dict(opt_ref.state_dict())  # a resume: new state tensors
+    with torch.no_grad():
+        for a, b in zip(ref, mine, strict=True):
+            b.copy_(a)
+    for step in (2, 3):
+        _set_lr(opt_ref, step)
+        _set_lr(opt, step)
+        _loss(ref, step).backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        hooks.before_replay()
+        _loss(mine, step).backward()
+    assert opt.state[mine[1]]["state2"] is owned  # copied in, not replaced
+    assert opt.state[mine[1]]["step"] == 4
+    _close(ref, mine, opt_ref, opt)
+
+
+def test_graph_hooks_refuse_other_optimizers():
+    p = nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"needs the 8-bit AdamW .* not AdamW; set"):
+        GraphedInBackward(torch.optim.AdamW([p]))
+    assert isinstance(hooks_for(torch.optim.AdamW([p]), graph=False), OptimizerInBackward)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_replayed_graph_applies_each_steps_learning_rate(monkeypatch):
+    """The same steps from a captured graph: its replays read the new learning rates."""
+    from poetxq.cudagraph import GraphedMicroStep
+
+    ref, opt_ref = _setup(monkeypatch)
+    mine, opt = _setup(monkeypatch)
+    hooks = GraphedInBackward(opt)
+    grads = [torch.randn(p.shape, device=DEV) for p in mine]
+
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
+        return sum((p * g * batch.sum()).sum() for p, g in zip(mine, grads, strict=True))
+
+    one = torch.ones(1, device=DEV)
+    graphed = GraphedMicroStep(loss_fn, one, mine, in_backward=hooks)
+    for step in range(len(LRS)):
+        _set_lr(opt_ref, step)
+        _set_lr(opt, step)
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        opt_ref.step()
+        graphed(one)
+    torch.cuda.synchronize()
+    _close(ref, mine, opt_ref, opt)
