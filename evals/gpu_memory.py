@@ -20,6 +20,9 @@ Usage (on the GPU host, about 2-4 minutes):
     python evals/gpu_memory.py --out $OUT/lowmem.json --settings ckpt --offload \
         --set optim.state_bits=8 --set train.optimizer_in_backward=true --set optim.grad_clip=0 \
         --set train.loss_chunk_tokens=1024
+    python evals/gpu_memory.py --out $OUT/graph_oib.json --settings ckpt --cuda-graph \
+        --set optim.state_bits=8 --set train.optimizer_in_backward=true --set optim.grad_clip=0 \
+        --set train.loss_chunk_tokens=256   # the optimizer step inside the captured backward
 CPU smoke test of the script itself:
     python evals/gpu_memory.py --device cpu --models llama-60m --seq-len 64 --steps 1 \
         --set model.num_hidden_layers=2 --out /tmp/gpu_memory_smoke.json
@@ -149,8 +152,9 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     out = []
     for ckpt in args.settings:
         offload = ckpt and args.offload
+        static = ckpt and bool(args.cuda_graph) and not offload and not args.no_static_inputs
         if ckpt:
-            enable_activation_checkpointing(model, offload=offload)
+            enable_activation_checkpointing(model, offload=offload, static_inputs=static)
             if args.cuda_graph:
                 for p in model.parameters():  # and frees the first graph's gradient tensors
                     p.grad = None
@@ -225,6 +229,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "estimate_breakdown_bytes": est.to_dict(),
             "build_s": build_s,
             "cuda_graph": bool(args.cuda_graph),
+            # the kept layer inputs in buffers of their own, outside the graph's pool
+            "static_inputs": static,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
         if official:
@@ -305,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload", action="store_true",
                     help="ckpt setting: the layer inputs in pinned host memory "
                     "(train.offload_activations)")  # fmt: skip
+    ap.add_argument("--no-static-inputs", action="store_true",
+                    help="ckpt setting with --cuda-graph: keep the layer inputs in the graph's "
+                    "pool, not in buffers of their own (A/B of static_inputs)")  # fmt: skip
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
                     help="set a quant_kernels.*_MEASURED_FASTER flag (A/B timing of an opt-in "
                     "path)")  # fmt: skip

@@ -37,7 +37,9 @@ from poetxq.optim import bnb_update_one, is_bnb_8bit
 _CKPT_KWARGS = {"use_reentrant": False}
 
 
-def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) -> None:
+def enable_activation_checkpointing(
+    model: nn.Module, *, offload: bool = False, static_inputs: bool = False
+) -> None:
     """Whole-decoder-layer activation checkpointing (non-reentrant) on a transformers model.
 
     Each decoder layer keeps only its input and recomputes the rest in backward. ``offload``
@@ -45,7 +47,19 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
     layer's checkpoint runs inside torch's ``save_on_cpu``, whose copies are asynchronous on the
     compute stream. For a model on the CPU, whose activations are in host memory already,
     ``offload`` changes nothing; where the model is is read once, here (move it first).
+
+    ``static_inputs`` (for a CUDA graph; not with ``offload``): each layer copies its input into
+    a buffer of its own, made on the first forward and reused by every later one
+    (:class:`StaticInput`), and keeps that. The kept inputs then live outside the graph's private
+    pool, whose blocks hold only one layer's transients at a time instead of being split around
+    inputs that stay alive until backward. One ``[B, S, d]`` copy per layer and forward.
+
+    Raises:
+        ValueError: ``offload`` and ``static_inputs`` together.
     """
+    if offload and static_inputs:
+        raise ValueError("static_inputs keeps the layer inputs on the device; offload moves "
+                         "them to the host: choose one")  # fmt: skip
     enable = getattr(model, "activation_checkpointing_enable", None)
     if (
         enable is not None
@@ -59,6 +73,54 @@ def enable_activation_checkpointing(model: nn.Module, *, offload: bool = False) 
         for module in model.modules():  # where transformers put its checkpoint function
             if getattr(module, "_gradient_checkpointing_func", None) is not None:
                 module._gradient_checkpointing_func = func
+    if static_inputs:
+        for module in model.modules():
+            if getattr(module, "_gradient_checkpointing_func", None) is not None:
+                module._gradient_checkpointing_func = functools.partial(
+                    _static_input_checkpoint, StaticInput(), **_CKPT_KWARGS
+                )
+
+
+class _CopyInto(torch.autograd.Function):
+    """``slot ← x`` in forward (returning an alias of ``slot``); identity in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        slot.copy_(x)
+        return slot.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class StaticInput:
+    """One checkpointed layer's buffer for the input it keeps (``static_inputs`` of
+    :func:`enable_activation_checkpointing`).
+
+    Calling it with ``x`` copies ``x`` into the buffer (made like ``x`` on the first call, and
+    again whenever shape, dtype or device change) and returns an alias of the buffer that is
+    differentiable with respect to ``x``. The buffer is overwritten by the next forward: one
+    forward, then its backward, as a training step runs (and a CUDA graph replays).
+    """
+
+    def __init__(self) -> None:
+        self.slot: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.slot
+        if s is None or s.shape != x.shape or s.dtype != x.dtype or s.device != x.device:
+            self.slot = s = torch.empty_like(x, memory_format=torch.contiguous_format)
+        return _CopyInto.apply(x, s)
+
+
+def _static_input_checkpoint(
+    stash: StaticInput, function: Callable, *args: Any, **kwargs: Any
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` whose kept first input is ``stash``'s buffer."""
+    if args and torch.is_tensor(args[0]):
+        args = (stash(args[0]), *args[1:])
+    return checkpoint(function, *args, **kwargs)
 
 
 def _offloaded_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:

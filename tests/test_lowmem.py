@@ -123,6 +123,32 @@ def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_static_inputs_keep_each_layer_input_in_its_own_buffer_with_the_plain_gradients():
+    """static_inputs (for a CUDA graph): every checkpointed layer copies its input into a
+    buffer made once and reused on later steps; the gradients are plain checkpointing's."""
+    from poetxq.lowmem import StaticInput
+
+    plain = _tiny_llama(_recipe())
+    static = copy.deepcopy(plain)
+    windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(4))
+    want = _grads(plain, windows)
+    enable_activation_checkpointing(static, static_inputs=True)
+    stashes = [m._gradient_checkpointing_func.args[0] for m in static.model.layers]
+    assert len(stashes) == 2 and all(isinstance(s, StaticInput) for s in stashes)
+    got = _grads(static, windows)
+    slots = [s.slot.data_ptr() for s in stashes]
+    got_again = _grads(static, windows)  # a second step reuses the buffers
+    assert [s.slot.data_ptr() for s in stashes] == slots and len(set(slots)) == 2
+    with torch.no_grad():  # layer 0 keeps the embeddings of the window's inputs
+        torch.testing.assert_close(stashes[0].slot, static.model.embed_tokens(windows[:, :-1]))
+    assert got.keys() == want.keys() and len(want) > 10
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(got_again[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="choose one"):
+        enable_activation_checkpointing(plain, offload=True, static_inputs=True)
+
+
 def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
     """On the CPU there is nothing to move (and no pinned memory): the layer inputs are never
     handed to the offload hooks, and the gradients are plain checkpointing's."""
