@@ -171,12 +171,12 @@ class GraphedInBackward:
         """Make ``mine`` (the tensors the graph writes) ``p``'s state again: zero when the
         state was dropped, else a copy of ``current``'s values."""
         if not current:  # dropped: bitsandbytes would start it afresh at zero
-            for key in ("state1", "state2", "absmax1", "absmax2"):
+            for key in _MOMENTS:
                 if key in mine:
                     mine[key].zero_()
             mine["step"] = 0
         else:
-            for key in ("state1", "state2", "absmax1", "absmax2"):
+            for key in _MOMENTS:
                 if key in mine:
                     if key not in current or current[key].numel() != mine[key].numel():
                         raise ValueError(
@@ -203,8 +203,8 @@ class GraphedInBackward:
         opt: Any = self.optimizer
         config = opt.get_config(gi, pi, opt.param_groups[gi])
         row = self.scalars[self._row[id(p)]]
-        if self._rehearsing:
-            state = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        if self._rehearsing:  # on copies; the maps stay (their search tables are cached by tensor)
+            state = {k: v.clone() if k in _MOMENTS else v for k, v in state.items()}
             p = p.detach().clone()
         _update(p, grad, state, config, row)
         if not self._rehearsing:
@@ -220,6 +220,16 @@ class GraphedInBackward:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+#: the state entries an update rewrites (copied for a rehearsal)
+_MOMENTS = ("state1", "state2", "absmax1", "absmax2")
+
+
+def _one_minus_fp32(beta: float) -> float:
+    """``1 − β`` computed in fp32 from fp32 ``β``."""
+    one, b = torch.tensor(1.0, dtype=torch.float32), torch.tensor(beta, dtype=torch.float32)
+    return float(one - b)
 
 
 def _update(
@@ -239,11 +249,12 @@ def _update(
         )  # fmt: skip
         return
     # fp32 moments (a tensor below min_8bit_size): bitsandbytes' 32-bit Adam rule,
-    # p ← p·(1 − lr·wd) − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m / (√v + eps·√(1−β2ᵗ)), from device scalars
+    # p ← p·(1 − lr·wd) − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m / (√v + eps·√(1−β2ᵗ)), from device scalars;
+    # 1 − β in fp32 as its kernel computes it (in float64, 1 − β2 differs by 1.3e-5 relative)
     m, v = state["state1"].view(-1), state["state2"].view(-1)
     g32 = g.float()
-    m.mul_(beta1).add_(g32, alpha=1.0 - beta1)
-    v.mul_(beta2).addcmul_(g32, g32, value=1.0 - beta2)
+    m.mul_(beta1).add_(g32, alpha=_one_minus_fp32(beta1))
+    v.mul_(beta2).addcmul_(g32, g32, value=_one_minus_fp32(beta2))
     lr = row[0]
     sqrt_c2 = (1.0 - row[2]).sqrt()
     p32 = flat_p if flat_p.dtype == torch.float32 else flat_p.float()

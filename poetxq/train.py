@@ -26,6 +26,7 @@ from typing import IO
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 
@@ -302,6 +303,11 @@ def train(
         mixed = "bf16" if cuda else "no"
     else:
         mixed = "bf16" if tc.precision == "bf16" else "no"
+    # accelerate keeps one AcceleratorState per process and refuses a second run of another
+    # precision (a bf16 run after an fp32 one in a notebook or a test session): start it afresh
+    # for each run (the distributed PartialState, set up by the launcher, is kept)
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     accelerator = Accelerator(
         cpu=not cuda,  # lets torchrun/accelerate launch run DDP over gloo on CPU-only hosts
         mixed_precision=mixed,

@@ -70,8 +70,10 @@ def _close(ref: list[torch.Tensor], mine: list[torch.Tensor], opt_ref, opt) -> N
         for key in ("state1", "state2"):
             if sa[key].dtype == torch.uint8:  # codes: equal but where a value sits on a midpoint
                 assert (sa[key] == sb[key]).float().mean() > 0.99, key
-            else:
-                torch.testing.assert_close(sb[key], sa[key], rtol=1e-5, atol=1e-7)
+            else:  # fp32 moments: bitsandbytes' CUDA kernel computes 1 - beta in fp32, as
+                # ours does; its CPU op in float64 (1 - beta2 then differs by 1.3e-5 relative)
+                rtol = 1e-5 if DEV == "cuda" else 3e-5
+                torch.testing.assert_close(sb[key], sa[key], rtol=rtol, atol=1e-7)
 
 
 def test_hooks_follow_the_step_after_backward_across_a_schedule_and_a_reset(monkeypatch):

@@ -333,39 +333,32 @@ def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, opti
     assert not (tmp_path / "d").exists()
 
 
-@pytest.fixture
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state whose mixed precision cannot change once set;
-    a bf16 run after fp32 runs in the same process needs it cleared (and cleared again after)."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def test_chunked_loss_runs_under_the_runs_mixed_precision(
-    tmp_path, monkeypatch, fresh_accelerate_state
-):
+def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch):
     """The chunked loss calls the decoder directly, past the autocast that accelerate wraps
     around the model's forward; the trainer must enter it itself (else bf16 runs compute the
-    decoder in fp32)."""
+    decoder in fp32). The bf16 run follows an fp32 one in the same process, which accelerate's
+    process-wide state refused until the trainer started it afresh for each run."""
     import poetxq.loss
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     seen = []
     real = poetxq.loss.causal_lm_loss_chunked
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer puts the model
+
     def spy(model, windows, chunk_tokens):
-        seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+        seen.append(torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))
         return real(model, windows, chunk_tokens)
 
     monkeypatch.setattr(poetxq.loss, "causal_lm_loss_chunked", spy)
     args = ["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
             "--batch-size", "4", "--max-steps", "2", "--no-progress", "--output-dir",
-            str(tmp_path), "--run-name", "bf16", "--set", "model.num_hidden_layers=1",
-            "--set", "train.precision=bf16", "--set", "train.loss_chunk_tokens=64"]  # fmt: skip
-    assert main(args) == 0
+            str(tmp_path), "--set", "model.num_hidden_layers=1",
+            "--set", "train.loss_chunk_tokens=64"]  # fmt: skip
+    assert main([*args, "--run-name", "fp32", "--set", "train.precision=fp32"]) == 0
+    assert seen == [False, False]
+    seen.clear()
+    assert main([*args, "--run-name", "bf16", "--set", "train.precision=bf16"]) == 0
     assert seen == [torch.bfloat16, torch.bfloat16]
 
 
