@@ -152,9 +152,11 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     out = []
     for ckpt in args.settings:
         offload = ckpt and args.offload
-        static = ckpt and bool(args.cuda_graph) and not offload and not args.no_static_inputs
         if ckpt:
-            enable_activation_checkpointing(model, offload=offload, static_inputs=static)
+            # offloaded in a graph: to host buffers made once (poetxq.lowmem.HostSlots)
+            enable_activation_checkpointing(
+                model, offload=offload, graph_safe=bool(args.cuda_graph)
+            )
             if args.cuda_graph:
                 for p in model.parameters():  # and frees the first graph's gradient tensors
                     p.grad = None
@@ -229,8 +231,6 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "estimate_breakdown_bytes": est.to_dict(),
             "build_s": build_s,
             "cuda_graph": bool(args.cuda_graph),
-            # the kept layer inputs in buffers of their own, outside the graph's pool
-            "static_inputs": static,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
         if official:
@@ -311,9 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--offload", action="store_true",
                     help="ckpt setting: the layer inputs in pinned host memory "
                     "(train.offload_activations)")  # fmt: skip
-    ap.add_argument("--no-static-inputs", action="store_true",
-                    help="ckpt setting with --cuda-graph: keep the layer inputs in the graph's "
-                    "pool, not in buffers of their own (A/B of static_inputs)")  # fmt: skip
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
                     help="set a quant_kernels.*_MEASURED_FASTER flag (A/B timing of an opt-in "
                     "path)")  # fmt: skip

@@ -243,9 +243,8 @@ def run_bench(
     build_s = time.perf_counter() - start
     echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
-        # in a graph the kept layer inputs get buffers of their own, outside the graph's pool
-        offload = tc.offload_activations
-        enable_activation_checkpointing(model, offload=offload, static_inputs=graph and not offload)
+        # offloaded in a graph: to host buffers made once (poetxq.lowmem.HostSlots)
+        enable_activation_checkpointing(model, offload=tc.offload_activations, graph_safe=graph)
     in_backward = hooks_for(optimizer, graph=graph) if tc.optimizer_in_backward else None
     model.train()
     qmods = quant_modules(model)

@@ -38,7 +38,7 @@ _CKPT_KWARGS = {"use_reentrant": False}
 
 
 def enable_activation_checkpointing(
-    model: nn.Module, *, offload: bool = False, static_inputs: bool = False
+    model: nn.Module, *, offload: bool = False, graph_safe: bool = False
 ) -> None:
     """Whole-decoder-layer activation checkpointing (non-reentrant) on a transformers model.
 
@@ -48,18 +48,12 @@ def enable_activation_checkpointing(
     compute stream. For a model on the CPU, whose activations are in host memory already,
     ``offload`` changes nothing; where the model is is read once, here (move it first).
 
-    ``static_inputs`` (for a CUDA graph; not with ``offload``): each layer copies its input into
-    a buffer of its own, made on the first forward and reused by every later one
-    (:class:`StaticInput`), and keeps that. The kept inputs then live outside the graph's private
-    pool, whose blocks hold only one layer's transients at a time instead of being split around
-    inputs that stay alive until backward. One ``[B, S, d]`` copy per layer and forward.
-
-    Raises:
-        ValueError: ``offload`` and ``static_inputs`` together.
+    ``graph_safe`` (with ``offload``; for a step replayed from a CUDA graph): the host copies go
+    to pinned buffers of each layer's own, made on the first forward and reused by every later
+    one (:class:`HostSlots`), instead of pinned memory allocated per tensor and step, which a
+    graph capture cannot do. One device→host copy per kept tensor in forward, one host→device
+    copy in backward, both recorded in the graph.
     """
-    if offload and static_inputs:
-        raise ValueError("static_inputs keeps the layer inputs on the device; offload moves "
-                         "them to the host: choose one")  # fmt: skip
     enable = getattr(model, "activation_checkpointing_enable", None)
     if (
         enable is not None
@@ -68,59 +62,62 @@ def enable_activation_checkpointing(
         enable(activation_checkpointing_kwargs=dict(_CKPT_KWARGS))
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(_CKPT_KWARGS))
-    if offload and _on_accelerator(model):
-        func = functools.partial(_offloaded_checkpoint, **_CKPT_KWARGS)
-        for module in model.modules():  # where transformers put its checkpoint function
-            if getattr(module, "_gradient_checkpointing_func", None) is not None:
-                module._gradient_checkpointing_func = func
-    if static_inputs:
-        for module in model.modules():
-            if getattr(module, "_gradient_checkpointing_func", None) is not None:
-                module._gradient_checkpointing_func = functools.partial(
-                    _static_input_checkpoint, StaticInput(), **_CKPT_KWARGS
-                )
+    if not (offload and _on_accelerator(model)):
+        return
+    for module in model.modules():  # where transformers put its checkpoint function
+        if getattr(module, "_gradient_checkpointing_func", None) is not None:
+            module._gradient_checkpointing_func = (
+                functools.partial(_slotted_checkpoint, HostSlots(), **_CKPT_KWARGS)
+                if graph_safe
+                else functools.partial(_offloaded_checkpoint, **_CKPT_KWARGS)
+            )
 
 
-class _CopyInto(torch.autograd.Function):
-    """``slot ← x`` in forward (returning an alias of ``slot``); identity in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        slot.copy_(x)
-        return slot.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class StaticInput:
-    """One checkpointed layer's buffer for the input it keeps (``static_inputs`` of
+class HostSlots:
+    """Saved-tensor hooks that keep one checkpointed layer's saved tensors in host buffers of
+    its own (pinned where CUDA is), reused from step to step (``graph_safe`` offload of
     :func:`enable_activation_checkpointing`).
 
-    Calling it with ``x`` copies ``x`` into the buffer (made like ``x`` on the first call, and
-    again whenever shape, dtype or device change) and returns an alias of the buffer that is
-    differentiable with respect to ``x``. The buffer is overwritten by the next forward: one
-    forward, then its backward, as a training step runs (and a CUDA graph replays).
+    The ``i``-th tensor saved during a forward goes to buffer ``i`` (made on first use, and again
+    if its shape or dtype changes); unpacking copies it back to the tensor's device. A buffer is
+    overwritten by the next forward of the layer: one forward, then its backward, as a training
+    step runs and a CUDA graph replays; copies are ordered on the current stream.
     """
 
     def __init__(self) -> None:
-        self.slot: torch.Tensor | None = None
+        self.slots: list[torch.Tensor] = []
+        self.count = 0  # tensors saved so far in the current forward
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.slot
-        if s is None or s.shape != x.shape or s.dtype != x.dtype or s.device != x.device:
-            self.slot = s = torch.empty_like(x, memory_format=torch.contiguous_format)
-        return _CopyInto.apply(x, s)
+    def start(self) -> None:
+        """A new forward of the layer: its first saved tensor goes to buffer 0 again."""
+        self.count = 0
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+        """Copy ``t`` into the next buffer; the handle is ``(buffer, t's device)``."""
+        i, self.count = self.count, self.count + 1
+        if i == len(self.slots):
+            self.slots.append(self._new(t))
+        elif self.slots[i].shape != t.shape or self.slots[i].dtype != t.dtype:
+            self.slots[i] = self._new(t)
+        self.slots[i].copy_(t, non_blocking=True)
+        return self.slots[i], t.device
+
+    @staticmethod
+    def unpack(packed: tuple[torch.Tensor, torch.device]) -> torch.Tensor:
+        """The saved tensor, copied back to its device."""
+        slot, device = packed
+        return slot.to(device, non_blocking=True)
+
+    @staticmethod
+    def _new(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
 
 
-def _static_input_checkpoint(
-    stash: StaticInput, function: Callable, *args: Any, **kwargs: Any
-) -> Any:
-    """``torch.utils.checkpoint.checkpoint`` whose kept first input is ``stash``'s buffer."""
-    if args and torch.is_tensor(args[0]):
-        args = (stash(args[0]), *args[1:])
-    return checkpoint(function, *args, **kwargs)
+def _slotted_checkpoint(slots: HostSlots, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` whose kept tensors wait in ``slots``' buffers."""
+    slots.start()
+    with torch.autograd.graph.saved_tensors_hooks(slots.pack, slots.unpack):
+        return checkpoint(function, *args, **kwargs)
 
 
 def _offloaded_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:

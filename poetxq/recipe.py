@@ -234,11 +234,6 @@ class Recipe(_Section):
                 "train.offload_activations moves the checkpointed layer inputs to the host; "
                 "set train.gradient_checkpointing: true as well (or offload_activations: false)"
             )
-        if tc.cuda_graph is True and tc.offload_activations:
-            raise ValueError(
-                "train.cuda_graph is not combined with offload_activations (host copies); "
-                "turn the graph or the offload off"
-            )
         if not tc.optimizer_in_backward:
             return
         if self.method not in ("poetxq", "poetx", "adamw"):

@@ -395,9 +395,8 @@ def train(
         optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)
     scheduler = build_scheduler(optimizer, oc, tc.max_steps)
     if tc.gradient_checkpointing:  # whole decoder layers: keep inputs, recompute in backward
-        # in a graph the kept layer inputs get buffers of their own, outside the graph's pool
-        offload = tc.offload_activations
-        enable_activation_checkpointing(model, offload=offload, static_inputs=graph and not offload)
+        # offloaded in a graph: to host buffers made once (poetxq.lowmem.HostSlots)
+        enable_activation_checkpointing(model, offload=tc.offload_activations, graph_safe=graph)
 
     sharded = ShardedBatches(
         data.train, tc.batch_size, rank=accelerator.process_index, world_size=world,

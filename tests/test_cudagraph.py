@@ -103,10 +103,14 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(tmp_path, monkeypatch):
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(
+    tmp_path, monkeypatch, offload
+):
     """train.optimizer_in_backward with train.cuda_graph: true (poetxq.graph_optim) against
     the eager optimizer_in_backward run: the same rule (bitsandbytes' CUDA op eagerly, our
-    Triton kernel in the graph), merges and Q-moment resets in between, checkpointing on."""
+    Triton kernel in the graph), merges and Q-moment resets in between, checkpointing on, the
+    kept layer inputs on the device or offloaded (to host buffers made once in the graph)."""
     from poetxq.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
@@ -114,7 +118,8 @@ def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(tmp_
               "--set", "poet.merge_interval=3", "--set", "train.precision=fp32",
               "--set", "train.fuse_elementwise=false", "--set", "optim.state_bits=8",
               "--set", "train.optimizer_in_backward=true", "--set", "optim.grad_clip=0",
-              "--set", "train.gradient_checkpointing=true"]  # fmt: skip
+              "--set", "train.gradient_checkpointing=true",
+              "--set", f"train.offload_activations={str(offload).lower()}"]  # fmt: skip
     assert main(["train", *common, "--run-name", "eager", "--set", "train.cuda_graph=false"]) == 0
     assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
     eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
@@ -125,14 +130,12 @@ def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(tmp_
     assert graph == pytest.approx(eager, rel=1e-3)
 
 
-def test_recipe_takes_a_cuda_graph_with_the_chunked_loss_but_not_with_offload():
-    from poetxq.recipe import RecipeError
-
+def test_recipe_takes_a_cuda_graph_with_the_chunked_loss_and_with_offload():
     recipe = load_recipe(None, {"train.cuda_graph": True, "train.loss_chunk_tokens": 256})
     assert recipe.train.loss_chunk_tokens == 256
-    with pytest.raises(RecipeError, match=r"train\.cuda_graph is not combined with offload"):
-        load_recipe(None, {"train.cuda_graph": True, "train.gradient_checkpointing": True,
-                           "train.offload_activations": True})  # fmt: skip
+    recipe = load_recipe(None, {"train.cuda_graph": True, "train.gradient_checkpointing": True,
+                                "train.offload_activations": True})  # fmt: skip
+    assert recipe.train.offload_activations  # to host buffers made once (poetxq.lowmem)
 
 
 def test_recipe_refuses_cuda_graph_for_a_baseline():

@@ -123,30 +123,32 @@ def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_static_inputs_keep_each_layer_input_in_its_own_buffer_with_the_plain_gradients():
-    """static_inputs (for a CUDA graph): every checkpointed layer copies its input into a
-    buffer made once and reused on later steps; the gradients are plain checkpointing's."""
-    from poetxq.lowmem import StaticInput
+def test_graph_safe_offload_keeps_each_layer_input_in_host_buffers_made_once(monkeypatch):
+    """offload with graph_safe (a CUDA graph's offload): every checkpointed layer copies what it
+    keeps into host buffers of its own, made on the first step and reused on later ones; the
+    gradients are plain checkpointing's."""
+    from poetxq.lowmem import HostSlots
 
     plain = _tiny_llama(_recipe())
-    static = copy.deepcopy(plain)
+    offloaded = copy.deepcopy(plain)
     windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(4))
     want = _grads(plain, windows)
-    enable_activation_checkpointing(static, static_inputs=True)
-    stashes = [m._gradient_checkpointing_func.args[0] for m in static.model.layers]
-    assert len(stashes) == 2 and all(isinstance(s, StaticInput) for s in stashes)
-    got = _grads(static, windows)
-    slots = [s.slot.data_ptr() for s in stashes]
-    got_again = _grads(static, windows)  # a second step reuses the buffers
-    assert [s.slot.data_ptr() for s in stashes] == slots and len(set(slots)) == 2
+    monkeypatch.setattr("poetxq.lowmem._on_accelerator", lambda m: True)  # as on a GPU
+    enable_activation_checkpointing(offloaded, offload=True, graph_safe=True)
+    hooks = [m._gradient_checkpointing_func.args[0] for m in offloaded.model.layers]
+    assert len(hooks) == 2 and all(isinstance(h, HostSlots) for h in hooks)
+    got = _grads(offloaded, windows)
+    inputs = [[s for s in h.slots if s.shape == (2, 16, 64)] for h in hooks]
+    assert [len(i) for i in inputs] == [1, 1]  # each layer keeps its input [B, S, d]
+    ptrs = [s.data_ptr() for h in hooks for s in h.slots]
+    got_again = _grads(offloaded, windows)  # a second step reuses the buffers
+    assert [s.data_ptr() for h in hooks for s in h.slots] == ptrs
     with torch.no_grad():  # layer 0 keeps the embeddings of the window's inputs
-        torch.testing.assert_close(stashes[0].slot, static.model.embed_tokens(windows[:, :-1]))
+        torch.testing.assert_close(inputs[0][0], offloaded.model.embed_tokens(windows[:, :-1]))
     assert got.keys() == want.keys() and len(want) > 10
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
         torch.testing.assert_close(got_again[name], g, rtol=1e-5, atol=1e-7, msg=name)
-    with pytest.raises(ValueError, match="choose one"):
-        enable_activation_checkpointing(plain, offload=True, static_inputs=True)
 
 
 def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
@@ -178,8 +180,6 @@ def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
          "applies to poetxq, poetx and adamw"),
         ({"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.cuda_graph": True},
          r"needs optim.state_bits: 8 \(the CUDA graph captures"),
-        ({"train.cuda_graph": True, "train.gradient_checkpointing": True,
-          "train.offload_activations": True}, "not combined with"),
         ({"train.loss_chunk_tokens": -1}, "loss_chunk_tokens"),
     ],
 )  # fmt: skip
