@@ -64,8 +64,12 @@ def _set_lr(opt, step: int) -> None:
 
 def _close(ref: list[torch.Tensor], mine: list[torch.Tensor], opt_ref, opt) -> None:
     for a, b in zip(ref, mine, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
         sa, sb = opt_ref.state[a], opt.state[b]
+        if sa["state1"].dtype == torch.uint8:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        else:  # bitsandbytes' CUDA 32-bit kernel takes beta**t from fp32 powf, we (as its Triton
+            # 8-bit kernel) from float64: 1 - beta2**t then differs by up to ~1e-4 relative
+            torch.testing.assert_close(b, a, rtol=2e-4, atol=1e-5)
         assert sa["step"] == sb["step"]
         for key in ("state1", "state2"):
             if sa[key].dtype == torch.uint8:  # codes: equal but where a value sits on a midpoint

@@ -252,7 +252,8 @@ def _run(tmp_path, name, *extra):
         "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
         "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
         "--set", "optim.warmup_steps=1", "--set", "optim.grad_clip=0",
-        "--set", "train.gradient_checkpointing=true", "--set", "poet.merge_interval=2", *extra,
+        "--set", "train.gradient_checkpointing=true", "--set", "poet.merge_interval=2",
+        "--set", "train.precision=fp32", *extra,  # fp32 on a GPU too: compared at 1e-5
     ]  # fmt: skip
     assert main(args) == 0
     rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -407,4 +408,7 @@ def test_in_backward_with_8bit_states_resumes_and_may_be_turned_off(tmp_path, mo
 
     a, b = losses("a"), losses("b")
     assert sorted(b) == [1, 2, 3, 4]
-    assert [b[s] for s in (3, 4)] == pytest.approx([a[s] for s in (3, 4)], rel=1e-6)
+    # on a GPU run b's steps take the CUDA graph and the flat Triton 8-bit update, run a's the
+    # per-parameter bitsandbytes op: the same rule, rounded apart (test_flat, test_graph_optim)
+    rel = 1e-4 if torch.cuda.is_available() else 1e-6
+    assert [b[s] for s in (3, 4)] == pytest.approx([a[s] for s in (3, 4)], rel=rel)
