@@ -858,21 +858,25 @@ def _side_by_side_layers(name: str) -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
-def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
+def _side_by_side_steps(
+    names: list[str], title: str = "", official_from: list[str] = ()
+) -> list[str]:
     """Whole-step rows of ``evals/gpu_memory.py`` files: ours (eager, CUDA graph, memory
     options) beside the official code's step measured in the same call (``--official``); rows of
     files without it are compared with the official step of the same model and checkpointing
-    from the files that have it."""
+    from the files that have it, or from ``official_from`` (files of an earlier call, whose own
+    rows are not repeated)."""
     docs = [(n, d) for n in names if (d := _load(n)) is not None]
     if not docs:
         return []
+    sources = [(n, d) for n in official_from if (d := _load(n)) is not None]
 
     def same_setting(r: dict[str, Any]) -> tuple:
         return (r["model"], r["gradient_checkpointing"], r.get("batch_size", 1),
                 r.get("seq_len", 2048))  # fmt: skip
 
     official: dict[tuple, dict[str, Any]] = {}
-    for _, d in docs:
+    for _, d in docs + sources:
         for r in d["results"]:
             if "official_measured" in r:
                 official.setdefault(same_setting(r), r["official_measured"])  # the first file's
@@ -883,8 +887,14 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
         "forward, backward, gradient clipping (none with the optimizer in backward) and the "
         "optimizer step. The official step (`evals/official_poet.py step`: `POETModel(QPOETConfig)`"
         " as its training script sets it up, `gradient_checkpointing_enable()` for the "
-        "checkpointed rows) ran in the same device call as ours. Peak: allocated; for a CUDA "
-        "graph the reserved peak (its pool is not in the allocated count).",
+        "checkpointed rows) ran in the same device call as ours"
+        + (
+            " or, where the call did not run it, in the earlier call of the last source"
+            if sources
+            else ""
+        )
+        + ". Peak: allocated; for a CUDA graph the reserved peak (its pool is not in the "
+        "allocated count).",
         "",
         "| model | checkpointing | ours | ours peak (GiB) | ours step (s) | official peak (GiB) | "
         "official step (s) | speed-up | targets (GiB; speed-up) |",
@@ -905,8 +915,15 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
                 )
                 if r.get(key)
             ]
-            if d.get("kernel_flags", {}).get("TRITON_8BIT_UPDATE_MEASURED_FASTER"):
+            flags = d.get("kernel_flags", {})
+            if flags.get("TRITON_8BIT_UPDATE_MEASURED_FASTER") is False:
+                extras.append("bitsandbytes' CUDA 8-bit update")
+            elif flags.get("TRITON_8BIT_UPDATE_MEASURED_FASTER"):
                 extras.append("Triton 8-bit update")
+            if r.get("static_inputs"):  # a variant measured at 374b7c9, since dropped
+                extras.append("layer inputs in static device buffers")
+            if r.get("alloc_conf"):
+                extras.append(f"`PYTORCH_CUDA_ALLOC_CONF={r['alloc_conf']}`")
             setting = ", ".join([setting, *extras])
             ckpt, _, peak = _setting_cells(r)
             lines.append(
@@ -916,11 +933,30 @@ def _side_by_side_steps(names: list[str], title: str = "") -> list[str]:
                 f"≤ {r['target_peak_gib']}; ≥ 1.5× |"
             )
     lines.append("")
-    lines += [_provenance(n, d) for n, d in docs]
+    lines += [_provenance(n, d) for n, d in docs + sources]
     return [*lines, ""]
 
 
 SIDE_BY_SIDE_COMMIT = "d5a8a3e"
+#: later calls without the official step in them: (files, title)
+LATER_STEPS = [
+    (
+        ["optim8bit_13b_off_h200_ef47a77.json", "optim8bit_13b_ours_h200_ef47a77.json"],
+        " (a later call: bitsandbytes' CUDA 8-bit update against ours, quant_kernels.adam8bit)",
+    ),
+    (
+        [
+            "gpu_memory_8b_graph_oib_h200_374b7c9.json",
+            "gpu_memory_8b_graph_oib_static_h200_374b7c9.json",
+            "gpu_memory_8b_graph_oib_off_h200_0ae9b77.json",
+            "gpu_memory_8b_graph_oib_off_split64_h200_314af78.json",
+            "gpu_memory_8b_graph_oib_off_pow2_h200_314af78.json",
+            "gpu_memory_13b_graph_oib_static_h200_374b7c9.json",
+            "gpu_memory_13b_graph_oib_off_h200_0ae9b77.json",
+        ],
+        " (later calls: the optimizer step inside the CUDA graph, poetxq.graph_optim)",
+    ),
+]
 
 
 def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
@@ -937,6 +973,9 @@ def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
         " (a later call: without the chunked loss, bitsandbytes' 8-bit update as its CUDA op and "
         "as its Triton kernel)",
     )
+    first_call = [f"gpu_memory_{m}_official_h200_{commit}.json" for m in ("8b", "13b")]
+    for names, title in LATER_STEPS:
+        body += _side_by_side_steps(names, title, official_from=first_call)
     return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
 
 
