@@ -24,7 +24,10 @@ optimizer after the replay.
   ``Q``'s moments after a merge, :func:`poetxq.optim.reset_orthogonal_state`) is zeroed in place,
   one that was replaced (``load_state_dict``) is copied in;
 * during the eager warm-up passes before the capture the hooks only *rehearse*: each update runs
-  on copies (so Triton compiles it outside the capture) and the parameters stay unchanged.
+  on the real tensors, so that Triton compiles exactly the kernel variants the capture will
+  launch (it specializes on pointer alignment, and a state view inside a flat buffer need not be
+  aligned as a fresh copy is), and the saved values are written back; the parameters and states
+  end up unchanged.
 
 The gradients are then ordinary tensors of the graph's private pool, freed right after their
 update, as in an eager backward. The update is the same rule as the eager
@@ -61,6 +64,9 @@ class GraphedInBackward:
             hooked parameter, rewritten by :meth:`before_replay`.
         updated: hook calls that updated a parameter (not rehearsals) since the last
             :meth:`reset_count`; a capture that recorded none captured no update.
+        active: the parameters (by ``id``) whose update the capture recorded (set by the first
+            :meth:`reset_count` that follows updates; ``None`` before): only their step counts
+            advance, as bitsandbytes advances only the parameters that get a gradient.
 
     Raises:
         ValueError: not a bitsandbytes 8-bit Adam optimizer (or a paged one), or parameters on
@@ -94,6 +100,8 @@ class GraphedInBackward:
         self._owned: dict[int, dict[str, Any]] = {}  # id(param) -> the state the graph writes
         self._rehearsing = False
         self.updated = 0
+        self._updated_ids: set[int] = set()
+        self.active: set[int] | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
 
     # -- before the capture ------------------------------------------------------------------
@@ -111,6 +119,8 @@ class GraphedInBackward:
             if flat.intact():
                 opt._gather_state(gi, flat)
         for p in self.params:
+            if not p.is_contiguous():  # as bitsandbytes' update_step does: the kernels read
+                p.data = p.data.contiguous()  # parameters as flat arrays
             gi, pi = self._where[id(p)]
             bnb_ensure_state(opt, gi, pi, p)
             state = opt.state[p]
@@ -128,8 +138,9 @@ class GraphedInBackward:
 
     @contextlib.contextmanager
     def rehearsal(self) -> Iterator[None]:
-        """While active, the hooks run every update on copies (compiling its kernel) and leave
-        the parameters and states unchanged; gradients are still freed."""
+        """While active, the hooks run every update (compiling its kernel variant) and then
+        write the saved parameter and moments back: nothing changes; gradients are still
+        freed."""
         self._rehearsing = True
         try:
             yield
@@ -140,10 +151,11 @@ class GraphedInBackward:
 
     @torch.no_grad()
     def before_replay(self) -> None:
-        """Advance every parameter's step count and write ``(lr, β1ᵗ, β2ᵗ)`` into
-        :attr:`scalars` for the next replay (the learning rate each group holds now, as set by
-        the LR scheduler). A state dropped since the last step restarts at zero in place; one
-        replaced by ``load_state_dict`` is copied into the graph's tensors."""
+        """Advance the step count of every parameter the replay updates (:attr:`active`) and
+        write ``(lr, β1ᵗ, β2ᵗ)`` into :attr:`scalars` for the next replay (the learning rate
+        each group holds now, as set by the LR scheduler). A state dropped since the last step
+        restarts at zero in place; one replaced by ``load_state_dict`` is copied into the
+        graph's tensors."""
         opt: Any = self.optimizer
         rows = []
         for p in self.params:
@@ -151,6 +163,9 @@ class GraphedInBackward:
             current = opt.state.get(p)
             if current is not mine:
                 self._adopt(p, mine, current)
+            if self.active is not None and id(p) not in self.active:
+                rows.append((0.0, 0.0, 0.0))  # never read: its update is not in the graph
+                continue
             mine["step"] += 1
             gi, pi = self._where[id(p)]
             config = opt.get_config(gi, pi, opt.param_groups[gi])
@@ -203,16 +218,25 @@ class GraphedInBackward:
         opt: Any = self.optimizer
         config = opt.get_config(gi, pi, opt.param_groups[gi])
         row = self.scalars[self._row[id(p)]]
-        if self._rehearsing:  # on copies; the maps stay (their search tables are cached by tensor)
-            state = {k: v.clone() if k in _MOMENTS else v for k, v in state.items()}
-            p = p.detach().clone()
+        if self._rehearsing:  # on the real tensors (their alignment), then written back
+            saved = {k: state[k].clone() for k in _MOMENTS if k in state}
+            saved_p = p.detach().clone()
+            _update(p, grad, state, config, row)
+            p.detach().copy_(saved_p)
+            for k, v in saved.items():
+                state[k].copy_(v)
+            return
         _update(p, grad, state, config, row)
-        if not self._rehearsing:
-            self.updated += 1
+        self.updated += 1
+        self._updated_ids.add(id(p))
 
     def reset_count(self) -> int:
-        """The number of parameter updates since the last call; resets it to 0."""
+        """The number of parameter updates since the last call; resets it to 0. The first
+        call after updates (the capture's) fixes :attr:`active`."""
         n, self.updated = self.updated, 0
+        if self._updated_ids and self.active is None:
+            self.active = set(self._updated_ids)
+        self._updated_ids.clear()
         return n
 
     def remove(self) -> None:
@@ -222,7 +246,7 @@ class GraphedInBackward:
         self._handles.clear()
 
 
-#: the state entries an update rewrites (copied for a rehearsal)
+#: the state entries an update rewrites (saved and written back by a rehearsal)
 _MOMENTS = ("state1", "state2", "absmax1", "absmax2")
 
 
@@ -241,7 +265,7 @@ def _update(
     beta1, beta2 = config["betas"][:2]
     eps, wd = config["eps"], config["weight_decay"]
     g = grad.reshape(-1).contiguous()
-    flat_p = p.view(-1)  # parameters are contiguous (bitsandbytes' update_step makes them so)
+    flat_p = p.view(-1)  # parameters are contiguous (GraphedInBackward.prepare makes them so)
     if state["state1"].dtype == torch.uint8:
         adam8bit_update_device_scalars(
             g, flat_p, state["state1"].view(-1), state["state2"].view(-1), beta1, beta2, eps,
@@ -249,8 +273,9 @@ def _update(
         )  # fmt: skip
         return
     # fp32 moments (a tensor below min_8bit_size): bitsandbytes' 32-bit Adam rule,
-    # p ← p·(1 − lr·wd) − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m / (√v + eps·√(1−β2ᵗ)), from device scalars;
-    # 1 − β in fp32 as its kernel computes it (in float64, 1 − β2 differs by 1.3e-5 relative)
+    # p ← p − lr·√(1−β2ᵗ)/(1−β1ᵗ) · m / (√v + eps·√(1−β2ᵗ)), then p ← p·(1 − lr·wd) as its CUDA
+    # kernel orders them (its CPU op decays first; so do we on a CPU); 1 − β in fp32 as its
+    # kernel computes it (in float64, 1 − β2 differs by 1.3e-5 relative)
     m, v = state["state1"].view(-1), state["state2"].view(-1)
     g32 = g.float()
     m.mul_(beta1).add_(g32, alpha=_one_minus_fp32(beta1))
@@ -258,9 +283,12 @@ def _update(
     lr = row[0]
     sqrt_c2 = (1.0 - row[2]).sqrt()
     p32 = flat_p if flat_p.dtype == torch.float32 else flat_p.float()
-    if wd > 0.0:
+    decay_after = p32.is_cuda
+    if wd > 0.0 and not decay_after:
         p32.mul_(1.0 - lr * wd)
     p32.sub_(m / (v.sqrt() + eps * sqrt_c2) * (lr * sqrt_c2 / (1.0 - row[1])))
+    if wd > 0.0 and decay_after:
+        p32.mul_(1.0 - lr * wd)
     if p32 is not flat_p:
         flat_p.copy_(p32)
 

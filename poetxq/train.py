@@ -305,7 +305,8 @@ def train(
         mixed = "bf16" if tc.precision == "bf16" else "no"
     # accelerate keeps one AcceleratorState per process and refuses a second run of another
     # precision (a bf16 run after an fp32 one in a notebook or a test session): start it afresh
-    # for each run (the distributed PartialState, set up by the launcher, is kept)
+    # for each run (the distributed PartialState, set up by the launcher, is kept; an Accelerator
+    # object of an earlier run that is still alive reads the new run's settings from then on)
     AcceleratorState._reset_state()
     GradientState._reset_state()
     accelerator = Accelerator(

@@ -102,10 +102,16 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
     assert graph == pytest.approx(eager, rel=1e-5)
 
 
+# b = 64, d = 256: every Q has >= 4096 elements, so the Q group is one flat 8-bit group
+WIDER = ["--set", "model.hidden_size=256", "--set", "model.intermediate_size=512",
+         "--set", "poet.block_size=64"]  # fmt: skip
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("size", [[], WIDER], ids=["tiny", "8bit-q"])
 def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(
-    tmp_path, monkeypatch, offload
+    tmp_path, monkeypatch, offload, size
 ):
     """train.optimizer_in_backward with train.cuda_graph: true (poetxq.graph_optim) against
     the eager optimizer_in_backward run: the same rule (bitsandbytes' CUDA op eagerly, our
@@ -119,7 +125,7 @@ def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(
               "--set", "train.fuse_elementwise=false", "--set", "optim.state_bits=8",
               "--set", "train.optimizer_in_backward=true", "--set", "optim.grad_clip=0",
               "--set", "train.gradient_checkpointing=true",
-              "--set", f"train.offload_activations={str(offload).lower()}"]  # fmt: skip
+              "--set", f"train.offload_activations={str(offload).lower()}", *size]  # fmt: skip
     assert main(["train", *common, "--run-name", "eager", "--set", "train.cuda_graph=false"]) == 0
     assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
     eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")

@@ -42,7 +42,7 @@ def _setup(monkeypatch):
     params = [nn.Parameter(torch.randn(*s, generator=gen).to(DEV)) for s in SHAPES_8BIT]
     small = nn.Parameter(torch.randn(*SHAPE_32BIT, generator=gen).to(DEV))
     opt = adamw8bit_class()([{"params": params, "lr": LRS[0], "weight_decay": 0.1},
-                             {"params": [small], "lr": LRS[0], "weight_decay": 0.0}])  # fmt: skip
+                             {"params": [small], "lr": LRS[0], "weight_decay": 0.05}])  # fmt: skip
     opt.flatten_group(0)  # the Q group of a POET model is flattened
     return [*params, small], opt
 
@@ -115,15 +115,24 @@ def test_rehearsal_compiles_without_changing_anything(monkeypatch):
     hooks.prepare()
     hooks.before_replay()
     before = [p.detach().clone() for p in params]
-    states = {k: v.clone() for k, v in opt.state[params[0]].items() if torch.is_tensor(v)}
-    with hooks.rehearsal():
+    states = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+              for p in params]  # fmt: skip
+    calls = []
+    monkeypatch.setattr("poetxq.graph_optim._update", lambda *a: calls.append(a[0].data_ptr()))
+    with hooks.rehearsal():  # the update runs on the real tensors (their alignment) ...
         _loss(params, 0).backward()
-    assert hooks.reset_count() == 0
+    assert sorted(calls) == sorted(p.data_ptr() for p in params)
+    monkeypatch.undo()
+    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
+    with hooks.rehearsal():  # ... and what it wrote is put back
+        _loss(params, 0).backward()
+    assert hooks.reset_count() == 0 and hooks.active is None
     assert all(p.grad is None for p in params)
     for p, b in zip(params, before, strict=True):
         assert torch.equal(p.detach(), b)
-    for k, v in states.items():
-        assert torch.equal(opt.state[params[0]][k], v), k
+    for p, saved in zip(params, states, strict=True):
+        for k, v in saved.items():
+            assert torch.equal(opt.state[p][k], v), k
 
 
 def test_a_loaded_state_is_copied_into_the_graphs_tensors(monkeypatch):
@@ -151,6 +160,27 @@ def test_a_loaded_state_is_copied_into_the_graphs_tensors(monkeypatch):
     assert opt.state[mine[1]]["state2"] is owned  # copied in, not replaced
     assert opt.state[mine[1]]["step"] == 4
     _close(ref, mine, opt_ref, opt)
+
+
+def test_only_the_parameters_the_capture_updated_advance_their_step(monkeypatch):
+    """A parameter the captured backward never reaches keeps step 0 and zero moments (as
+    bitsandbytes, which makes no state for it); a non-contiguous parameter is made contiguous."""
+    params, opt = _setup(monkeypatch)
+    odd = nn.Parameter(torch.randn(80, 64).to(DEV).t())  # 5120 elements: 8-bit, not contiguous
+    unused = nn.Parameter(torch.randn(4096).to(DEV))
+    opt.add_param_group({"params": [odd, unused], "lr": 1e-2, "weight_decay": 0.0})
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    assert odd.is_contiguous()
+    start = odd.detach().clone()
+    for step in range(3):  # the first backward stands for the capture: it fixes `active`
+        if step:
+            hooks.before_replay()
+        (_loss(params, step) + (odd * 2).sum()).backward()
+        assert hooks.reset_count() == len(params) + 1
+    assert hooks.active == {id(p) for p in [*params, odd]}
+    assert opt.state[unused]["step"] == 0 and not opt.state[unused]["absmax1"].any()
+    assert opt.state[odd]["step"] == 2 and (odd - start).abs().min() > 1e-3
 
 
 def test_graph_hooks_refuse_other_optimizers():
