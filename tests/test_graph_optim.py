@@ -62,6 +62,18 @@ def _set_lr(opt, step: int) -> None:
         group["lr"] = LRS[step]
 
 
+def _step_both(ref, opt_ref, mine, hooks: GraphedInBackward, step: int) -> None:
+    """One step of both: the reference steps after its backward, the hooks inside theirs."""
+    _set_lr(opt_ref, step)
+    _set_lr(hooks.optimizer, step)
+    _loss(ref, step).backward()
+    opt_ref.step()
+    opt_ref.zero_grad(set_to_none=True)
+    hooks.before_replay()
+    _loss(mine, step).backward()
+    hooks.after_replay()
+
+
 def _close(ref: list[torch.Tensor], mine: list[torch.Tensor], opt_ref, opt) -> None:
     for a, b in zip(ref, mine, strict=True):
         sa, sb = opt_ref.state[a], opt.state[b]
@@ -91,14 +103,7 @@ def test_hooks_follow_the_step_after_backward_across_a_schedule_and_a_reset(monk
         if step == 3:  # a merge resets the moments of Q (the flattened group) on both sides
             reset_orthogonal_state(opt_ref, ref[:3])
             reset_orthogonal_state(opt, mine[:3])
-        _set_lr(opt_ref, step)
-        _set_lr(opt, step)
-        _loss(ref, step).backward()
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        hooks.before_replay()
-        _loss(mine, step).backward()
-        hooks.after_replay()
+        _step_both(ref, opt_ref, mine, hooks, step)
         assert all(p.grad is None for p in mine)  # each gradient freed after its update
         assert hooks.reset_count() == len(mine)
     assert opt.state[mine[0]]["step"] == 2  # restarted at the reset, two steps since
@@ -150,13 +155,7 @@ def test_a_loaded_state_is_copied_into_the_graphs_tensors(monkeypatch):
         for a, b in zip(ref, mine, strict=True):
             b.copy_(a)
     for step in (2, 3):
-        _set_lr(opt_ref, step)
-        _set_lr(opt, step)
-        _loss(ref, step).backward()
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        hooks.before_replay()
-        _loss(mine, step).backward()
+        _step_both(ref, opt_ref, mine, hooks, step)
     assert opt.state[mine[1]]["state2"] is owned  # copied in, not replaced
     assert opt.state[mine[1]]["step"] == 4
     _close(ref, mine, opt_ref, opt)
