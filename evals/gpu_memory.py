@@ -81,8 +81,17 @@ def _profile(step, dev: torch.device, path: Path) -> None:
     write_text(profile_steps(step, dev, steps=1, row_limit=70)[0], path)
 
 
-def recipe_for(name: str, args: argparse.Namespace):
-    """The measured recipe of model ``name``: POET-XQ int8, one micro-batch per step, ``--set``.
+#: recipe keys the script sets per setting, and the flag that does it
+_SETTING_KEYS = {
+    "train.gradient_checkpointing": "--settings ckpt",
+    "train.offload_activations": "--offload",
+    "train.cuda_graph": "--cuda-graph",
+}
+
+
+def recipe_for(name: str, args: argparse.Namespace, *, check_graph: bool = False):
+    """The measured recipe of model ``name``: POET-XQ int8, one micro-batch per step, ``--set``;
+    ``check_graph``: validated with ``train.cuda_graph: true`` (what ``--cuda-graph`` runs).
 
     Raises:
         poetxq.recipe.RecipeError: unknown model or a bad ``--set``.
@@ -93,6 +102,8 @@ def recipe_for(name: str, args: argparse.Namespace):
     for text in args.set:
         k, v = parse_override(text)
         over[k] = v
+    if check_graph:
+        over["train.cuda_graph"] = True
     return load_recipe(f"{name}:poetxq", over)
 
 
@@ -296,16 +307,22 @@ def add_official(row: dict, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
-    ap.add_argument("--models", default="llama-8b,llama-13b")
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per setting (median)")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="llama-8b,llama-13b",
+                    help="comma-separated model names of recipes/models/ "
+                    "(default: %(default)s)")  # fmt: skip
+    ap.add_argument("--batch-size", type=int, default=1, help="default: %(default)s")
+    ap.add_argument("--seq-len", type=int, default=2048, help="default: %(default)s")
+    ap.add_argument("--block-size", type=int, default=256, help="POET block size b (default: "
+                    "%(default)s)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=3,
+                    help="timed steps per setting, median reported "
+                    "(default: %(default)s)")  # fmt: skip
+    ap.add_argument("--device", default="cuda", help="default: %(default)s")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override (smoke tests)")  # fmt: skip
     ap.add_argument("--cuda-graph", action="store_true",
-                    help="replay forward+backward from one CUDA graph")  # fmt: skip
+                    help="replay forward+backward from one CUDA graph (with "
+                    "train.optimizer_in_backward, the optimizer step inside it)")  # fmt: skip
     ap.add_argument("--settings", default="no_ckpt,ckpt",
                     help="which of no_ckpt,ckpt to measure (comma-separated)")  # fmt: skip
     ap.add_argument("--offload", action="store_true",
@@ -328,6 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     if not names or set(names) - {"no_ckpt", "ckpt"}:
         ap.error(f"--settings: choose from no_ckpt,ckpt (got {args.settings!r})")
     args.settings = [n == "ckpt" for n in names]
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.offload and "ckpt" not in names:
+        ap.error("--offload applies to the ckpt setting; add ckpt to --settings")
+    for text in args.set:  # what the script sets per setting itself
+        key = text.split("=", 1)[0].strip()
+        if key in _SETTING_KEYS:
+            ap.error(f"--set {key}: the script sets it per setting; use {_SETTING_KEYS[key]}")
     try:
         flags = set_kernel_flags(args.kernel_flag)
     except ValueError as exc:
@@ -340,9 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--cuda-graph needs a CUDA device")
     try:  # every model's recipe before any work: an unknown model or bad --set stops here
         for name in args.models.split(","):
-            recipe_for(name.strip(), args)
+            recipe_for(name.strip(), args, check_graph=args.cuda_graph)
     except (RecipeError, ValueError) as exc:
-        ap.error(str(exc).splitlines()[0])
+        line = str(exc).splitlines()[0]
+        ap.error(line.replace("train.cuda_graph: false", "drop --cuda-graph"))
     if args.official is not None:
         try:
             official_poet.load(args.official or None)
@@ -361,8 +387,9 @@ def main(argv: list[str] | None = None) -> int:
             add_official(row, args)
     doc = {
         "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
-        "(forward, backward, clip, AdamW step), bf16, without and with whole-layer "
-        "activation checkpointing, beside poetxq.estimate's prediction",
+        "(forward, backward, clip, AdamW step; with train.optimizer_in_backward the update "
+        "inside backward and no clip), bf16, without and/or with whole-layer activation "
+        "checkpointing, beside poetxq.estimate's prediction",
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
         "kernel_flags": flags,

@@ -614,6 +614,15 @@ def plan_resume(
     meta = read_checkpoint(ckpt)
     saved = load_recipe(ckpt / "recipe.yaml")
     diff = recipe_differences(saved.model_dump(mode="json"), recipe.model_dump(mode="json"))
+    if recipe.train.optimizer_in_backward and not recipe.optim.grad_clip and saved.optim.grad_clip:
+        # turning the optimizer into backward on needs clipping off (no global norm exists
+        # then): the one change of the update rule a resume allows, said in a note
+        diff = [d for d in diff if not d.startswith("optim.grad_clip:")]
+        recipe.add_note(
+            f"gradient clipping (optim.grad_clip {saved.optim.grad_clip}) is off from step "
+            f"{meta['step'] + 1} on: train.optimizer_in_backward updates each parameter before "
+            "a global gradient norm exists"
+        )
     if diff:
         what = (
             "the recipe"

@@ -65,6 +65,9 @@ lowest memory for a large model on one GPU (recipe keys; estimate-memory takes t
   --set train.gradient_checkpointing=true --set train.offload_activations=true \\
   --set train.optimizer_in_backward=true --set optim.grad_clip=0 --set train.grad_accum=1 \\
   --set train.loss_chunk_tokens=256
+  and at graph speed on a GPU, the optimizer step inside a CUDA graph (POET methods):
+  --set optim.state_bits=8 --set train.cuda_graph=true
+  (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 kept the graph's pool smaller at Llama-8B)
 
 multi-GPU (--batch-size is per process; POET: a CUDA graph per GPU and one all-reduce per
 step, train.grad_sync; the baselines: DDP):

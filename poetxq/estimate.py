@@ -54,7 +54,9 @@ Peak = frozen + buffers + parameters + optimizer states + the largest of: the st
 (activations + logits + workspace + ``lm_head`` gradient), its end (all gradients + one layer's
 activations + workspace) and the optimizer step (all gradients + the optimizer's temporaries).
 In a CUDA graph (``train.cuda_graph`` on a GPU) every gradient is a static tensor made before the
-capture, so the start of backward holds all gradients, not only ``lm_head``'s.
+capture, so the start of backward holds all gradients, not only ``lm_head``'s; with
+``train.optimizer_in_backward`` the update is captured inside the backward
+(:mod:`poetxq.graph_optim`) and the gradients are booked as in an eager run with it.
 The memory options of :mod:`poetxq.lowmem` and :mod:`poetxq.loss` change three terms:
 ``train.offload_activations`` moves the checkpointed layer inputs to host memory
 (``host_offloaded``), ``train.optimizer_in_backward`` leaves at most one decoder layer's gradients
@@ -126,6 +128,7 @@ class MemoryEstimate:
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
     #: train.cuda_graph on a GPU: the gradients are static tensors made before the capture
     #: (poetxq.cudagraph.GraphedMicroStep), so all of them exist from the start of backward
+    #: (unless optimizer_in_backward: then the update is inside the captured backward)
     cuda_graph: bool = False
     peak: int = 0
     #: when the peak happens: "start of backward", "end of backward" or "optimizer step"
@@ -529,6 +532,12 @@ def estimate_memory(
         opt_tmp = max(q_bytes, params - q_bytes)
     if precision == "fp32":
         notes.append("fp32: CPU training; compare with the process RSS, not CUDA memory")
+    elif graph and tc.optimizer_in_backward:
+        notes.append(
+            "CUDA graph (train.cuda_graph): the activations live in the graph's private pool "
+            "and the optimizer runs inside the captured backward, which frees each gradient "
+            "after its update; compare with the reserved peak"
+        )
     elif graph:
         notes.append(
             "CUDA graph (train.cuda_graph): the activations live in the graph's private pool, "
@@ -552,7 +561,8 @@ def estimate_memory(
 #: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
 #: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
 #: checkpointing and a chunked loss (``evals/results/gpu_memory_graph_h200_90a76c3.json``,
-#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``)
+#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
+#: (``gpu_memory_*_graph_oib*_h200_*.json``)
 GRAPH_POOL_OVERHEAD = 0.144
 
 

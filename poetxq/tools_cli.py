@@ -161,13 +161,13 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
-        print(format_estimate(est, gpu))
         alt = other_variant(recipe, vocab_size=args.vocab_size, precision=args.precision)
-        if alt:
-            print(format_other_variant(*alt, gpu))
-        if args.json:
+        if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
             extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
             write_json({**est.to_dict(), **extra}, Path(args.json))
+        print(format_estimate(est, gpu))
+        if alt:
+            print(format_other_variant(*alt, gpu))
         return 0
     from poetxq.bench import bench_to_dict, run_bench
     from poetxq.cli import check_kernels_env

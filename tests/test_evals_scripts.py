@@ -3,6 +3,7 @@
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -350,6 +351,29 @@ def test_gpu_memory_refuses_official_without_the_copy_before_work(tmp_path, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--official: no official POET code in" in err[-1]
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--cuda-graph", "--settings", "ckpt", "--set", "train.optimizer_in_backward=true",
+          "--set", "optim.grad_clip=0"], r"needs optim.state_bits: 8 .*drop --cuda-graph"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--offload", "--settings", "no_ckpt"], "--offload applies to the ckpt setting"),
+        (["--set", "train.offload_activations=true"], "train.offload_activations: the script "
+         "sets it per setting; use --offload"),
+    ],
+)  # fmt: skip
+def test_gpu_memory_refuses_bad_combinations_in_one_line_before_work(
+    tmp_path, capsys, extra, needle
+):
+    mod = _load("gpu_memory")
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--out", str(tmp_path / "x.json"), "--models", "llama-8b", *extra])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.search(needle, err[-1]), err[-1]
     assert not (tmp_path / "x.json").exists()
 
 

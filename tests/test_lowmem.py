@@ -412,3 +412,48 @@ def test_in_backward_with_8bit_states_resumes_and_may_be_turned_off(tmp_path, mo
     # per-parameter bitsandbytes op: the same rule, rounded apart (test_flat, test_graph_optim)
     rel = 1e-4 if torch.cuda.is_available() else 1e-6
     assert [b[s] for s in (3, 4)] == pytest.approx([a[s] for s in (3, 4)], rel=rel)
+
+
+def test_resume_may_turn_the_optimizer_into_backward_on_with_clipping_off(
+    tmp_path, monkeypatch, capsys
+):
+    """A run with gradient clipping (every shipped recipe's) may switch the optimizer into
+    backward at a resume: clipping goes off with it, said in a note; other changes of
+    optim.grad_clip stay refused."""
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    base = ["--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+            "--max-steps", "4", "--no-progress", "--output-dir", str(tmp_path), "--set",
+            "model.num_hidden_layers=1", "--set", "optim.state_bits=8", "--set",
+            "train.log_every=1", "--set", "train.save_every=2"]  # fmt: skip
+    import shutil
+
+    assert main(["train", *base, "--run-name", "a"]) == 0
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "step-00000004")  # as if stopped at step 3
+    resume = ["train", "--resume", str(tmp_path / "a"), "--no-progress"]
+    assert main([*resume, "--set", "optim.grad_clip=0.5"]) == 2  # not with the option off
+    assert "optim.grad_clip: 1.0 -> 0.5" in capsys.readouterr().err
+    assert main([*resume, "--set", "train.optimizer_in_backward=true",
+                 "--set", "optim.grad_clip=0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "gradient clipping (optim.grad_clip 1.0) is off from step 3 on" in out
+    rows = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[2]["grad_norm"] is None and steps[1]["grad_norm"] is not None
+
+
+def test_estimate_books_the_optimizer_inside_a_cuda_graph_as_in_backward():
+    """With the optimizer inside the captured backward the gradients are booked as an eager
+    optimizer_in_backward run's (one layer alive), not as the graph's static gradients."""
+    over = {"optim.grad_clip": 0, "optim.state_bits": 8, "train.gradient_checkpointing": True,
+            "train.optimizer_in_backward": True}  # fmt: skip
+    eager = estimate_memory(_recipe(**over, **{"train.cuda_graph": False}), precision="bf16")
+    graph = estimate_memory(_recipe(**over, **{"train.cuda_graph": True}), precision="bf16")
+    static = estimate_memory(_recipe(**{**over, "train.optimizer_in_backward": False,
+                                        "train.cuda_graph": True}), precision="bf16")  # fmt: skip
+    assert graph.cuda_graph and graph.peak < static.peak
+    # the same booking as eagerly (the graph's fused RMSNorm / rotary keep a little less)
+    assert abs(graph.peak - eager.peak) < 0.01 * eager.peak
+    assert graph.in_backward_gradients == eager.in_backward_gradients < graph.gradients
+    assert any("optimizer runs inside the captured backward" in n for n in graph.notes)
+    assert not any("gradients exist for the whole step" in n for n in graph.notes)
