@@ -16,6 +16,9 @@
    ``evals/official_poet.py``) its POET-XQ / POET-X layers are timed in the same rows.
 5. The kernel unit tests (``tests/quant_kernels``) on CUDA at their own sizes, compiled for the
    GPU instead of the CPU interpreter: pytest's summary line goes into the JSON.
+   ``training_tests``: the same for the tests of the training paths a GPU changes
+   (:data:`TRAINING_TEST_FILES`: CUDA graphs, the optimizer inside them, the memory options, the
+   flat 8-bit optimizer); their GPU-only cases run only here.
 6. End-to-end: the embedded default recipe (int8, bits 16, frozen-orthogonal control) trained on
    the GPU in bf16 with no flags (``evals/vertical_slice.py``; ``--skip-train`` leaves it out).
 
@@ -346,7 +349,27 @@ def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -
     )
 
 
-PARTS = ("correctness", "kernel_tests", "dequant", "layer", "profile", "overhead", "train")
+PARTS = ("correctness", "kernel_tests", "training_tests", "dequant", "layer", "profile",
+         "overhead", "train")  # fmt: skip
+#: the training tests with GPU-only cases (``training_tests``)
+TRAINING_TEST_FILES = (
+    "tests/test_graph_optim.py",
+    "tests/test_cudagraph.py",
+    "tests/test_lowmem.py",
+    "tests/test_flat.py",
+    "tests/test_optim.py",
+)
+
+
+def run_pytest(repo: Path, paths: list[str]) -> dict:
+    """``pytest -q`` over ``paths`` (relative to ``repo``): return code, summary line, the
+    ``FAILED`` lines."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           *(str(repo / p) for p in paths)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=repo)
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    failed = [ln for ln in lines if ln.startswith("FAILED")]
+    return {"returncode": res.returncode, "summary": lines[-1:], "failures": failed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,17 +431,13 @@ def main(argv: list[str] | None = None) -> int:
                     report["correctness"].append({**row, "path": suffix})
         print(json.dumps(report["correctness"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
-    if "kernel_tests" in parts:
-        repo = Path(__file__).resolve().parents[1]
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               str(repo / "tests" / "quant_kernels")]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=repo)
-        lines = (res.stdout + res.stderr).strip().splitlines()
-        failed = [ln for ln in lines if ln.startswith("FAILED")]
-        report["kernel_tests"] = {"returncode": res.returncode, "summary": lines[-1:],
-                                  "failures": failed}  # fmt: skip
-        print(json.dumps(report["kernel_tests"], indent=1), flush=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    repo = Path(__file__).resolve().parents[1]
+    for part, paths in (("kernel_tests", ["tests/quant_kernels"]),
+                        ("training_tests", list(TRAINING_TEST_FILES))):  # fmt: skip
+        if part in parts:
+            report[part] = run_pytest(repo, paths)
+            print(json.dumps(report[part], indent=1), flush=True)
+            path.write_text(json.dumps(report, indent=2) + "\n")
     if "dequant" in parts:
         import bench_dequant_matmul
 

@@ -445,3 +445,18 @@ def test_gpu_memory_runs_the_official_step_in_the_row_setting(tmp_path, monkeypa
     assert "--ckpt" in cmd and "--official" not in cmd  # "" = the default copy
     assert row["speedup_vs_official_measured"] == pytest.approx(2.0)
     assert row["meets_speed_target"] is True  # judged on the measured step
+
+
+def test_gpu_suite_runs_pytest_and_keeps_the_summary_and_failures(tmp_path):
+    """The kernel_tests / training_tests parts: pytest's return code, summary line and FAILED
+    lines, from a real pytest run over two small test files."""
+    suite = _load("gpu_suite")
+    (tmp_path / "test_a.py").write_text("def test_ok():\n    assert 1\n\n\n"
+                                        "def test_bad():\n    assert 0\n")  # fmt: skip
+    (tmp_path / "test_b.py").write_text("def test_ok2():\n    assert 1\n")
+    got = suite.run_pytest(tmp_path, ["test_a.py", "test_b.py"])
+    assert got["returncode"] == 1
+    assert got["failures"] == ["FAILED test_a.py::test_bad - assert 0"]
+    assert "1 failed, 2 passed" in got["summary"][0]
+    repo = Path(suite.__file__).resolve().parents[1]
+    assert all((repo / p).is_file() for p in suite.TRAINING_TEST_FILES)  # no stale name
