@@ -208,9 +208,10 @@ class GraphedMicroStep:
         self.graph.replay()
         if self.in_backward is not None:
             self.in_backward.after_replay()
-        for p, g in zip(self.params if self.grads else (), self.grads, strict=True):
-            if p.grad is not g:
-                p.grad = g
+        if self.grads:  # static gradients: keep them attached (None would cut the graph off)
+            for p, g in zip(self.params, self.grads, strict=True):
+                if p.grad is not g:
+                    p.grad = g
         return self.static_loss
 
 
