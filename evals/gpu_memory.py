@@ -244,6 +244,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
+        if graphed is not None:  # where the reserved bytes of a graph run sit (bytes)
+            row["allocated_before_capture"] = graphed.allocated_before_capture
+            row["reserved_before_capture"] = graphed.reserved_before_capture
+            row["graph_pool_reserved_bytes"] = graphed.pool_reserved_bytes
         if official:
             row["official_peak_gib"], row["official_step_s"] = official
             row["speedup_vs_official"] = official[1] / row["step_time_s"]

@@ -124,6 +124,13 @@ class GraphedMicroStep:
             pool after its update), and every call writes the step's learning rates first.
             The warm-up passes only rehearse the updates (parameters unchanged).
 
+    Attributes:
+        allocated_before_capture, reserved_before_capture: ``torch.cuda.memory_allocated`` /
+            ``memory_reserved`` (bytes) just before the capture, after the warm-up's cached
+            blocks were handed back.
+        pool_reserved_bytes: what the capture added to the reserved bytes (the graph's private
+            pool, which holds every activation of a replay).
+
     Raises:
         CUDAGraphError: not a CUDA batch, the capture failed (the cause is in the message), or
             ``in_backward`` captured no update.
@@ -170,6 +177,11 @@ class GraphedMicroStep:
         # dominates: evals/results/gpu_memory_graph_h200_90a76c3.json)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        dev = self.static_batch.device
+        # what the capture adds to the reserved bytes (its private pool, bytes), beside what
+        # was allocated and reserved outside it just before (evals/gpu_memory.py records them)
+        self.allocated_before_capture = torch.cuda.memory_allocated(dev)
+        self.reserved_before_capture = torch.cuda.memory_reserved(dev)
         self.graph = torch.cuda.CUDAGraph()
         try:  # whole windows, no cache: attention stays is_causal=True (poetxq.attention)
             with causal_mask_skipped(), torch.cuda.graph(self.graph):
@@ -180,6 +192,8 @@ class GraphedMicroStep:
             raise CUDAGraphError(
                 f"CUDA graph capture failed ({first}); set train.cuda_graph: false"
             ) from exc
+        torch.cuda.synchronize()
+        self.pool_reserved_bytes = torch.cuda.memory_reserved(dev) - self.reserved_before_capture
         if in_backward is not None and in_backward.reset_count() == 0:
             raise CUDAGraphError(
                 "the captured backward updated no parameter (train.optimizer_in_backward); "
