@@ -44,6 +44,7 @@ from pathlib import Path
 import official_poet
 import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
+from peak_alloc import peak_report
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
@@ -189,8 +190,15 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        tracing = bool(args.peak_report) and dev.type == "cuda"
+        if tracing:  # every allocation of the warm-up step (and the capture), with its frames
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         step()  # warm-up: Adam states, allocator, autotuning (and the graph's capture)
         _sync(dev)
+        peak_sites = None
+        if tracing:
+            peak_sites = peak_report(torch.cuda.memory._snapshot(), device=dev.index or 0)
+            torch.cuda.memory._record_memory_history(enabled=None)
         warmup_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
@@ -244,6 +252,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
+        if peak_sites is not None:  # what was alive at the warm-up's (the capture's) peak
+            row["warmup_peak_by_site"] = peak_sites
         if graphed is not None:  # where the reserved bytes of a graph run sit (bytes)
             row["allocated_before_capture"] = graphed.allocated_before_capture
             row["reserved_before_capture"] = graphed.reserved_before_capture
@@ -344,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                     "default $POETXQ_OFFICIAL_DIR or .official/)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
+    ap.add_argument("--peak-report", action="store_true",
+                    help="record the allocator's trace during the warm-up step (with the "
+                    "capture) and add what was alive at its peak, summed by the line of our "
+                    "code that allocated it (evals/peak_alloc.py), to each row; slows that "
+                    "step")  # fmt: skip
     args = ap.parse_args(argv)
     names = [x.strip() for x in args.settings.split(",") if x.strip()]
     if not names or set(names) - {"no_ckpt", "ckpt"}:
