@@ -44,7 +44,7 @@ from pathlib import Path
 import official_poet
 import torch
 from _common import provenance, set_kernel_flags, write_json_atomic
-from peak_alloc import peak_report
+from peak_alloc import fragmentation, peak_report
 
 from poetxq.cudagraph import GraphedMicroStep
 from poetxq.estimate import estimate_memory
@@ -122,6 +122,11 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    if args.compact and dev.type == "cuda":  # the bf16 weights freed by the conversion leave
+        model.to("cpu")  # holes beside the int8 W0 that empty_cache cannot hand back: lay the
+        gc.collect()  # model out again in fresh segments
+        torch.cuda.empty_cache()
+        model.to(dev)
     optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
@@ -195,6 +200,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
         step()  # warm-up: Adam states, allocator, autotuning (and the graph's capture)
         _sync(dev)
+        segments = fragmentation(torch.cuda.memory_snapshot()) if dev.type == "cuda" else None
         peak_sites = None
         if tracing:
             peak_sites = peak_report(torch.cuda.memory._snapshot(), device=dev.index or 0)
@@ -252,6 +258,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
+        if segments is not None:  # after the warm-up (and capture): reserved bytes per pool
+            row["segments_after_warmup"] = segments
         if peak_sites is not None:  # what was alive at the warm-up's (the capture's) peak
             row["warmup_peak_by_site"] = peak_sites
         if graphed is not None:  # where the reserved bytes of a graph run sit (bytes)
@@ -354,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                     "default $POETXQ_OFFICIAL_DIR or .official/)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
+    ap.add_argument("--compact", action="store_true",
+                    help="after the conversion, move the model to the host and back, so that "
+                    "the freed bf16 weights leave no holes beside the int8 W0")  # fmt: skip
     ap.add_argument("--peak-report", action="store_true",
                     help="record the allocator's trace during the warm-up step (with the "
                     "capture) and add what was alive at its peak, summed by the line of our "
@@ -366,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = [n == "ckpt" for n in names]
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
+    if args.peak_report and args.cuda_graph:
+        ap.error("--peak-report records Python stacks, which break a CUDA graph's capture; "
+                 "drop --cuda-graph")  # fmt: skip
     if args.offload and "ckpt" not in names:
         ap.error("--offload applies to the ckpt setting; add ckpt to --settings")
     for text in args.set:  # what the script sets per setting itself

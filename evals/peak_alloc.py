@@ -88,3 +88,28 @@ def peak_report(snapshot: dict[str, Any], device: int = 0, top: int = 30) -> dic
     peak, blocks = live_at_peak(events)
     return {"events": len(events), "peak_bytes": peak, "live_blocks": len(blocks),
             "by_site": group_by_site(blocks, top)}  # fmt: skip
+
+
+def fragmentation(segments: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Where reserved bytes sit, from ``torch.cuda.memory_snapshot()`` (a list of segments with
+    ``total_size``, ``allocated_size``, ``segment_pool_id`` and ``blocks``): per pool (the
+    default one is ``"default"``, a CUDA graph's private pool its id), the segments, their
+    reserved and allocated bytes, the free bytes in segments that also hold live blocks (what
+    ``torch.cuda.empty_cache`` cannot hand back) and the largest such free block."""
+    pools: dict[str, dict[str, Any]] = {}
+    for seg in segments:
+        pid = tuple(seg.get("segment_pool_id") or (0, 0))
+        key = "default" if pid == (0, 0) else f"{pid[0]},{pid[1]}"
+        empty = dict.fromkeys(
+            ("segments", "reserved", "allocated", "free_in_used_segments", "largest_free_block"), 0
+        )
+        row = pools.setdefault(key, empty)
+        total, used = int(seg["total_size"]), int(seg["allocated_size"])
+        row["segments"] += 1
+        row["reserved"] += total
+        row["allocated"] += used
+        if used:
+            row["free_in_used_segments"] += total - used
+            free = [int(b["size"]) for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+            row["largest_free_block"] = max([row["largest_free_block"], *free])
+    return pools

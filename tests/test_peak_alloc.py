@@ -7,7 +7,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "evals") not in sys.path:
     sys.path.insert(0, str(REPO / "evals"))
 
-from peak_alloc import group_by_site, live_at_peak, peak_report, site  # noqa: E402
+from peak_alloc import fragmentation, group_by_site, live_at_peak, peak_report, site  # noqa: E402
 
 
 def _f(path: str, line: int, name: str) -> dict:
@@ -55,3 +55,21 @@ def test_group_by_site_and_report():
     assert rep["peak_bytes"] == 200 and rep["live_blocks"] == 3 and rep["events"] == 9
     assert [r["bytes"] for r in rep["by_site"]] == [170]
     assert peak_report({"device_traces": []})["peak_bytes"] == 0
+
+
+def test_fragmentation_splits_pools_and_counts_free_bytes_beside_live_ones():
+    def seg(total, blocks, pool=(0, 0)):
+        used = sum(s for s, st in blocks if st == "active_allocated")
+        return {"total_size": total, "allocated_size": used, "segment_pool_id": pool,
+                "blocks": [{"size": s, "state": st} for s, st in blocks]}  # fmt: skip
+
+    segs = [
+        seg(100, [(60, "active_allocated"), (30, "inactive"), (10, "inactive")]),
+        seg(50, [(50, "inactive")]),  # wholly free: empty_cache hands it back
+        seg(80, [(80, "active_allocated")], pool=(1, 2)),
+    ]
+    got = fragmentation(segs)
+    assert got["default"] == {"segments": 2, "reserved": 150, "allocated": 60,
+                              "free_in_used_segments": 40, "largest_free_block": 30}  # fmt: skip
+    assert got["1,2"] == {"segments": 1, "reserved": 80, "allocated": 80,
+                          "free_in_used_segments": 0, "largest_free_block": 0}  # fmt: skip
