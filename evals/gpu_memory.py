@@ -3,7 +3,9 @@
 For each model (default Llama-8B and Llama-13B; recipes/models/*.yaml shapes, vocab 32000):
 POET-XQ with int8 W0, b = 256, the ``mem`` variant, batch 1 x seq 2048, everything in bf16 (the
 official code's setting: parameters, Adam states and activations bf16). The model is built
-directly on the GPU in bf16 and converted there (W0 drawn on the device). One full training step
+directly on the GPU in bf16 and converted there (W0 drawn on the device), then moved to the host
+and back so that the freed dense weights leave no holes (``--no-compact`` keeps them). One full
+training step
 = forward + backward + gradient clipping + AdamW step + zero_grad, timed with CUDA syncs; peak =
 ``torch.cuda.max_memory_allocated`` over the timed steps, after one untimed warm-up step (so
 Adam states exist: the steady state). Then the same model with whole-layer activation
@@ -122,9 +124,13 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
-    if args.compact and dev.type == "cuda":  # the bf16 weights freed by the conversion leave
-        model.to("cpu")  # holes beside the int8 W0 that empty_cache cannot hand back: lay the
-        gc.collect()  # model out again in fresh segments
+    if not args.no_compact and dev.type == "cuda":
+        # the dense bf16 weights this script builds on the GPU and the conversion frees leave
+        # holes beside the int8 W0 that empty_cache cannot hand back (1.56 GiB reserved beyond
+        # the allocated bytes at 13B, gpu_memory_13b_default_91baad0.json); the trainer never
+        # builds them (meta init, W0 drawn layer by layer). Lay the model out afresh
+        model.to("cpu")
+        gc.collect()
         torch.cuda.empty_cache()
         model.to(dev)
     optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
@@ -257,6 +263,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "build_s": build_s,
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "compacted_after_build": not args.no_compact and dev.type == "cuda",
         }
         if segments is not None:  # after the warm-up (and capture): reserved bytes per pool
             row["segments_after_warmup"] = segments
@@ -362,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
                     "default $POETXQ_OFFICIAL_DIR or .official/)")  # fmt: skip
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
-    ap.add_argument("--compact", action="store_true",
-                    help="after the conversion, move the model to the host and back, so that "
-                    "the freed bf16 weights leave no holes beside the int8 W0")  # fmt: skip
+    ap.add_argument("--no-compact", action="store_true",
+                    help="keep the model where the conversion left it; by default it is moved "
+                    "to the host and back, so that the freed dense bf16 weights leave no holes "
+                    "beside the int8 W0 (the trainer never builds those)")  # fmt: skip
     ap.add_argument("--peak-report", action="store_true",
                     help="record the allocator's trace during the warm-up step (with the "
                     "capture) and add what was alive at its peak, summed by the line of our "

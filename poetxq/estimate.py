@@ -76,6 +76,7 @@ from typing import Any
 from poetxq.cudagraph import graph_wanted
 from poetxq.flat import BNB_STATE_BLOCK
 from poetxq.fuse import fuse_wanted
+from poetxq.loss import SLICE_BYTES
 from poetxq.recipe import POET_METHODS, Recipe, method_label
 
 Precision = str  # "bf16" | "autocast" | "fp32"
@@ -483,6 +484,9 @@ def estimate_memory(
             )
     head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
     graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
+    if graph and tc.optimizer_in_backward and tc.loss_chunk_tokens and not mc.tie_word_embeddings:
+        # the chunked loss hands it to the update inside the graph a slice at a time
+        lm_head_grad = min(lm_head_grad, SLICE_BYTES)
     if precision != "fp32" and fuse_wanted(tc, "cuda", graph):
         # poetxq.fuse: a compiled RMSNorm keeps its input and the per-row scale, not an fp32
         # copy of its input beside the normalized rows (4d bytes per token less per norm)
@@ -536,7 +540,8 @@ def estimate_memory(
         notes.append(
             "CUDA graph (train.cuda_graph): the activations live in the graph's private pool "
             "and the optimizer runs inside the captured backward, which frees each gradient "
-            "after its update; compare with the reserved peak"
+            "after its update (lm_head's, with a chunked loss, a slice of rows at a time); "
+            "compare with the reserved peak"
         )
     elif graph:
         notes.append(

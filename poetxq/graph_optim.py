@@ -23,6 +23,11 @@ optimizer after the replay.
   (:meth:`GraphedInBackward.prepare`), and never replaced: a state that was dropped (the reset of
   ``Q``'s moments after a merge, :func:`poetxq.optim.reset_orthogonal_state`) is zeroed in place,
   one that was replaced (``load_state_dict``) is copied in;
+* the LM head's gradient is never made whole: :class:`poetxq.loss.ChunkedLinearCrossEntropy`
+  hands it over a slice of rows at a time (:func:`poetxq.loss.register_row_update`), each slice
+  complete, and the slice's rows and moment blocks are updated at once (0.31 GiB less at the
+  start of a Llama-13B backward); an update of rows is the whole-tensor update restricted to
+  them, since every 8-bit state block (256 elements) lies within one slice;
 * during the eager warm-up passes before the capture the hooks only *rehearse*: each update runs
   on the real tensors, so that Triton compiles exactly the kernel variants the capture will
   launch (it specializes on pointer alignment, and a state view inside a flat buffer need not be
@@ -41,12 +46,16 @@ the POET methods), on CUDA; one backward per step and no gradient clipping (as t
 from __future__ import annotations
 
 import contextlib
+import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from poetxq.flat import BNB_STATE_BLOCK as BLOCK  # elements per 8-bit state block
+from poetxq.loss import register_row_update
 from poetxq.lowmem import OptimizerInBackward
 from poetxq.optim import bnb_ensure_state
 
@@ -103,6 +112,10 @@ class GraphedInBackward:
         self._updated_ids: set[int] = set()
         self.active: set[int] | None = None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        # every matrix (the chunked loss asks only for the LM head's weight)
+        self._sliced = [p for p in self.params if p.dim() == 2]
+        for p in self._sliced:
+            register_row_update(p, _Rows(self, p))
 
     # -- before the capture ------------------------------------------------------------------
 
@@ -211,24 +224,44 @@ class GraphedInBackward:
         p.grad = None
         if grad is None:
             return
+        self.update_elements(p, 0, p.numel(), grad)
+
+    @torch.no_grad()
+    def update_elements(self, p: torch.Tensor, lo: int, hi: int, grad: torch.Tensor) -> None:
+        """Apply the step to the flat elements ``[lo, hi)`` of ``p`` (its gradient there:
+        ``grad``, ``hi − lo`` elements); ``lo`` and, unless it is ``p.numel()``, ``hi`` are
+        multiples of the 8-bit state block (256). The parameter counts as updated when ``hi``
+        is its end. Rehearsals write the old values back (see :meth:`rehearsal`).
+
+        Raises:
+            RuntimeError: :meth:`prepare` was not called.
+            ValueError: ``[lo, hi)`` cuts an 8-bit state block.
+        """
         state = self._owned.get(id(p))
         if state is None:
             raise RuntimeError("GraphedInBackward.prepare() was not called before the backward")
+        n = p.numel()
+        if not 0 <= lo < hi <= n or lo % BLOCK or (hi != n and hi % BLOCK):
+            raise ValueError(f"elements [{lo}, {hi}) of a {n}-element parameter cut an 8-bit "
+                             f"state block of {BLOCK}")  # fmt: skip
         gi, pi = self._where[id(p)]
         opt: Any = self.optimizer
         config = opt.get_config(gi, pi, opt.param_groups[gi])
         row = self.scalars[self._row[id(p)]]
+        part = _part(state, lo, hi)
+        flat_p = p.detach().view(-1)[lo:hi]  # contiguous (prepare made every parameter so)
         if self._rehearsing:  # on the real tensors (their alignment), then written back
-            saved = {k: state[k].clone() for k in _MOMENTS if k in state}
-            saved_p = p.detach().clone()
-            _update(p, grad, state, config, row)
-            p.detach().copy_(saved_p)
+            saved = {k: v.clone() for k, v in part.items() if k in _MOMENTS}
+            saved_p = flat_p.clone()
+            _update(flat_p, grad, part, config, row)
+            flat_p.copy_(saved_p)
             for k, v in saved.items():
-                state[k].copy_(v)
+                part[k].copy_(v)
             return
-        _update(p, grad, state, config, row)
-        self.updated += 1
-        self._updated_ids.add(id(p))
+        _update(flat_p, grad, part, config, row)
+        if hi == n:
+            self.updated += 1
+            self._updated_ids.add(id(p))
 
     def reset_count(self) -> int:
         """The number of parameter updates since the last call; resets it to 0. The first
@@ -244,6 +277,38 @@ class GraphedInBackward:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self._sliced:
+            register_row_update(p, None)
+        self._sliced.clear()
+
+
+class _Rows:
+    """:class:`poetxq.loss.RowUpdate` of one 2-D parameter: rows → flat elements."""
+
+    def __init__(self, hooks: GraphedInBackward, p: torch.Tensor) -> None:
+        self._hooks = weakref.ref(hooks)  # the loss's registry must not keep the hooks alive
+        d = p.shape[1]
+        self.row_align = BLOCK // math.gcd(d, BLOCK)  # a slice starts on a state block
+
+    def __call__(self, weight: torch.Tensor, start: int, end: int, grad: torch.Tensor) -> None:
+        hooks = self._hooks()
+        if hooks is None:
+            raise RuntimeError("the GraphedInBackward of this row update no longer exists")
+        d = weight.shape[1]
+        hooks.update_elements(weight, start * d, end * d, grad.reshape(-1))
+
+
+def _part(state: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """``state``'s moments restricted to the flat elements ``[lo, hi)`` (views; 8-bit states
+    with their ``absmax`` blocks; ``lo`` on a block boundary), other entries as they are."""
+    part = dict(state)
+    part["state1"] = state["state1"].view(-1)[lo:hi]
+    part["state2"] = state["state2"].view(-1)[lo:hi]
+    if state["state1"].dtype == torch.uint8:
+        b0, b1 = lo // BLOCK, -(-hi // BLOCK)
+        part["absmax1"] = state["absmax1"].view(-1)[b0:b1]
+        part["absmax2"] = state["absmax2"].view(-1)[b0:b1]
+    return part
 
 
 #: the state entries an update rewrites (saved and written back by a rehearsal)
@@ -257,15 +322,19 @@ def _one_minus_fp32(beta: float) -> float:
 
 
 def _update(
-    p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], config: dict, row: torch.Tensor
+    flat_p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    config: dict,
+    row: torch.Tensor,
 ) -> None:
-    """One AdamW step of ``p`` with the state's moments and ``row = (lr, β1ᵗ, β2ᵗ)``."""
+    """One AdamW step of the flat contiguous ``flat_p`` with the state's moments (as long as
+    ``flat_p``; see :func:`_part`) and ``row = (lr, β1ᵗ, β2ᵗ)``."""
     from quant_kernels.adam8bit import adam8bit_update_device_scalars
 
     beta1, beta2 = config["betas"][:2]
     eps, wd = config["eps"], config["weight_decay"]
     g = grad.reshape(-1).contiguous()
-    flat_p = p.view(-1)  # parameters are contiguous (GraphedInBackward.prepare makes them so)
     if state["state1"].dtype == torch.uint8:
         adam8bit_update_device_scalars(
             g, flat_p, state["state1"].view(-1), state["state2"].view(-1), beta1, beta2, eps,

@@ -12,8 +12,44 @@ from the (fp32) weight, as ``nn.Linear`` would, so the loss equals the unchunked
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+#: bytes of one slice of the LM-head gradient when an update takes it slice by slice
+SLICE_BYTES = 32 * 2**20
+
+
+class RowUpdate(Protocol):
+    """Takes the LM-head weight's gradient a slice of rows at a time and applies the optimizer
+    step to those rows at once (:class:`poetxq.graph_optim.GraphedInBackward`)."""
+
+    #: a slice's first row must be a multiple of this (the optimizer's state blocks)
+    row_align: int
+
+    def __call__(self, weight: torch.Tensor, start: int, end: int, grad: torch.Tensor) -> None:
+        """Update ``weight[start:end]`` with ``grad`` (``[end − start, d]``, the weight's
+        dtype: the whole step's gradient of those rows)."""
+
+
+#: weight → the update that takes its gradient by rows (see :func:`register_row_update`); keyed
+#: by identity (a plain WeakKeyDictionary would compare tensors elementwise)
+_ROW_UPDATES = WeakTensorKeyDictionary()
+
+
+def register_row_update(weight: torch.Tensor, update: RowUpdate | None) -> None:
+    """Have :class:`ChunkedLinearCrossEntropy` hand ``weight``'s gradient to ``update`` slice by
+    slice of rows (``None``: remove). Then no ``[V, d]`` gradient is ever made: the backward
+    returns no gradient for ``weight`` and calls ``update`` with about :data:`SLICE_BYTES` of
+    rows at a time, each slice complete (summed over every token). Used by the optimizer step
+    inside a CUDA graph's backward, where the LM head's whole gradient (0.31 GiB at Llama-13B)
+    would be the largest tensor alive when the backward starts."""
+    if update is None:
+        _ROW_UPDATES.pop(weight, None)
+    else:
+        _ROW_UPDATES[weight] = update
 
 
 def _check_chunk_tokens(chunk_tokens: object) -> None:
@@ -43,6 +79,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     weight gradient is accumulated over chunks in fp32 for an fp32 weight (each chunk's GEMM in
     the compute dtype, as autocast's own backward would), in the weight's dtype otherwise.
 
+    When an update was registered for ``weight`` (:func:`register_row_update`), the backward
+    returns no weight gradient: after ``hidden``'s gradient it recomputes the logits once more,
+    a slice of vocabulary rows at a time (all tokens, in chunks no larger than
+    ``chunk_tokens × V`` logits), and hands each slice's gradient to the update. ``by_rows``
+    (default ``True``) ``False`` ignores the registry: for a weight that gets gradient from
+    elsewhere too (an LM head tied to the input embeddings), whose update must see the sum.
+
     Raises:
         ValueError: ``chunk_tokens`` is not a positive int, shapes disagree, or ``N == 0``.
     """
@@ -54,6 +97,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,
         chunk_tokens: int,
+        by_rows: bool = True,
     ) -> torch.Tensor:
         _check_chunk_tokens(chunk_tokens)
         n = hidden.shape[0]
@@ -81,26 +125,29 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 total += (lse[s:e] - target).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.chunk_tokens = chunk_tokens
+        ctx.by_rows = by_rows
         ctx.compute = compute
         return total / n
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         hidden, weight, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return None, None, None, None
+            return None, None, None, None, None
         compute, chunk, n = ctx.compute, ctx.chunk_tokens, hidden.shape[0]
         # fp32 accumulation for an fp32 weight even when the GEMMs run in bf16
         acc = torch.float32 if weight.dtype == torch.float32 else weight.dtype
+        row_update = _ROW_UPDATES.get(weight) if need_w and ctx.by_rows else None
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        full_w = need_w and row_update is None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if full_w else None
         scale = grad_out.float() / n
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
-            for s in range(0, n, chunk):
+            for s in range(0, n, chunk) if grad_h is not None or grad_w is not None else ():
                 e = min(s + chunk, n)
                 h = hidden[s:e].to(compute)
                 p = (h @ w.T).float().sub_(lse[s:e, None]).exp_()  # softmax, fp32 [c, V]
@@ -115,9 +162,49 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                         # logits of an fp32 weight): the GEMM in the compute dtype, as
                         # autocast's own backward does, summed into the fp32 accumulator
                         grad_w += g.T @ h
+            if row_update is not None:  # after grad_h, which reads every row before updates
+                _rows_to_update(hidden, w, labels, lse, scale, chunk, acc, weight, row_update)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None
+        return grad_h, grad_w, None, None, None
+
+
+def _rows_to_update(
+    hidden: torch.Tensor,
+    w: torch.Tensor,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    chunk: int,
+    acc: torch.dtype,
+    weight: torch.Tensor,
+    update: RowUpdate,
+) -> None:
+    """The weight gradient of :class:`ChunkedLinearCrossEntropy` by slices of rows, each passed
+    to ``update`` when complete (``w``: the weight in the compute dtype; the rest as there)."""
+    n, (vocab, d) = hidden.shape[0], weight.shape
+    align = max(1, int(update.row_align))
+    rows = max(align, SLICE_BYTES // (d * torch.empty((), dtype=acc).element_size()))
+    rows = min(vocab, rows // align * align)
+    # tokens per pass: logits no larger than the forward's chunk_tokens x V
+    tokens = min(n, max(chunk, chunk * vocab // rows))
+    for v0 in range(0, vocab, rows):
+        v1 = min(v0 + rows, vocab)
+        g_rows = torch.zeros(v1 - v0, d, dtype=acc, device=weight.device)
+        w_rows = w[v0:v1]
+        for s in range(0, n, tokens):
+            e = min(s + tokens, n)
+            h = hidden[s:e].to(w.dtype)
+            p = (h @ w_rows.T).float().sub_(lse[s:e, None]).exp_()
+            y = labels[s:e] - v0
+            inside = (y >= 0) & (y < v1 - v0)  # no host sync: a masked subtraction
+            p.scatter_add_(1, y.clamp(0, v1 - v0 - 1)[:, None], -inside.to(p.dtype)[:, None])
+            g = p.mul_(scale).to(w.dtype)
+            if acc == w.dtype:
+                g_rows.addmm_(g.T, h)
+            else:
+                g_rows += g.T @ h
+        update(weight, v0, v1, g_rows.to(weight.dtype))
 
 
 def causal_lm_loss_chunked(
@@ -155,9 +242,11 @@ def causal_lm_loss_chunked(
         )
     hidden = decoder(input_ids=windows[:, :-1], use_cache=False).last_hidden_state
     labels = windows[:, 1:].reshape(-1)
+    embed = getattr(model.get_input_embeddings(), "weight", None)
     return ChunkedLinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, chunk_tokens
-    )
+        hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, chunk_tokens,
+        embed is not head.weight,  # tied: the update must see the embedding's gradient too
+    )  # fmt: skip
 
 
 def training_loss(model: nn.Module, windows: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:

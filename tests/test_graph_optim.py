@@ -213,3 +213,72 @@ def test_replayed_graph_applies_each_steps_learning_rate(monkeypatch):
         graphed(one)
     torch.cuda.synchronize()
     _close(ref, mine, opt_ref, opt)
+
+
+def test_lm_head_updated_slice_by_slice_equals_the_whole_update(monkeypatch):
+    """The chunked loss hands the LM head's gradient over by rows (poetxq.loss); the hooks
+    update each slice's rows and state blocks at once: the same result as the optimizer stepping
+    on the whole gradient after the backward."""
+    from poetxq import loss as loss_mod
+    from poetxq.loss import ChunkedLinearCrossEntropy
+
+    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
+    monkeypatch.setattr(loss_mod, "SLICE_BYTES", 6 * 64 * 4)  # 6 rows asked: 4 (the alignment)
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(96, 64, generator=gen) * 0.1  # 6144 elements: 8-bit moments
+    hidden = torch.randn(384, 64, generator=gen).to(DEV)
+    # every row a label 4 times: no row's second moment is so far below its block's absmax
+    # that it rounds to code 0 (then its next step is ~10 lr, and a rounding-level difference
+    # in the gradient decides it: 8-bit Adam's known weakness on rare rows)
+    labels = (torch.arange(384) % 96).to(DEV)
+
+    def make():
+        w = nn.Parameter(w0.clone().to(DEV))
+        opt = adamw8bit_class()([{"params": [w], "lr": LRS[0], "weight_decay": 0.1}])
+        opt.flatten_group(0)  # the reference: our whole-tensor Triton update after backward
+        return w, opt
+
+    ref, opt_ref = make()
+    mine, opt = make()
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    calls = []
+    real = hooks.update_elements
+
+    def spy(p, lo, hi, g):
+        calls.append((lo, hi))
+        real(p, lo, hi, g)
+
+    monkeypatch.setattr(hooks, "update_elements", spy)
+    for step in range(3):
+        _set_lr(opt_ref, step)
+        _set_lr(opt, step)
+        ChunkedLinearCrossEntropy.apply(hidden, ref, labels, 16).backward()
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        hooks.before_replay()
+        ChunkedLinearCrossEntropy.apply(hidden, mine, labels, 16).backward()
+        hooks.after_replay()
+        assert mine.grad is None
+        assert hooks.reset_count() == 1  # one parameter finished, in 24 slices
+    assert calls[:24] == [(r * 64, (r + 4) * 64) for r in range(0, 96, 4)]
+    assert opt.state[mine]["step"] == 3
+    assert (mine - w0.to(DEV)).abs().max() > 1e-3
+    # the slices' GEMMs round the gradient differently from the whole one's: a state code on a
+    # midpoint may flip, moving its element by a small fraction of lr
+    torch.testing.assert_close(mine, ref, rtol=0, atol=1e-5)
+    assert (mine - ref).abs().median() < 1e-6  # rounding elsewhere (1e-4 of a step)
+    for key in ("state1", "state2"):
+        assert (opt.state[mine][key] == opt_ref.state[ref][key]).float().mean() > 0.99, key
+    hooks.remove()  # and the loss stops slicing
+    ChunkedLinearCrossEntropy.apply(hidden, mine, labels, 16).backward()
+    assert mine.grad is not None and len(calls) == 72
+
+
+def test_a_slice_that_cuts_a_state_block_is_refused(monkeypatch):
+    params, opt = _setup(monkeypatch)
+    hooks = GraphedInBackward(opt)
+    hooks.prepare()
+    p = params[1]  # 4096 elements
+    with pytest.raises(ValueError, match=r"elements \[100, 4096\) .* cut an 8-bit state block"):
+        hooks.update_elements(p, 100, 4096, torch.zeros(3996, device=DEV))

@@ -224,3 +224,90 @@ def test_training_losses_build_no_kv_cache(gen, monkeypatch):
     causal_lm_loss(model, windows).backward()
     causal_lm_loss_chunked(model, windows, 4).backward()
     assert calls["n"] == 0
+
+
+class _Recorder:
+    """A row update that records each slice and then changes the rows it was given (so a
+    gradient computed from already-updated rows would show)."""
+
+    def __init__(self, row_align: int) -> None:
+        self.row_align = row_align
+        self.slices: list[tuple[int, int, torch.Tensor]] = []
+
+    def __call__(self, weight, start, end, grad):
+        self.slices.append((start, end, grad.clone()))
+        with torch.no_grad():
+            weight[start:end] += 100.0
+
+
+@pytest.mark.parametrize("frozen_hidden", [False, True])
+def test_registered_row_update_gets_the_weight_gradient_in_complete_slices(
+    gen, monkeypatch, frozen_hidden
+):
+    from poetxq import loss as loss_mod
+
+    # 3 rows x 16 x 4 bytes per slice asked, aligned to 2 rows: slices of 2 rows, 25 of them
+    monkeypatch.setattr(loss_mod, "SLICE_BYTES", 3 * D * 4)
+    h, w, y = _inputs(gen)
+    y[:4] = torch.tensor([0, V - 1, 1, 2])  # labels in the first, the last and a middle slice
+    h.requires_grad_(not frozen_hidden)
+    _, ref_h, ref_w = _reference64(h, w, y)
+    rec = _Recorder(row_align=2)
+    loss_mod.register_row_update(w, rec)
+    try:
+        (2.0 * ChunkedLinearCrossEntropy.apply(h, w, y, 8)).backward()
+    finally:
+        loss_mod.register_row_update(w, None)
+    assert w.grad is None  # no [V, d] gradient: the update took it
+    assert [(s, e) for s, e, _ in rec.slices] == [(i, min(i + 2, V)) for i in range(0, V, 2)]
+    got = torch.cat([g for _, _, g in rec.slices])
+    assert got.dtype == torch.float32 and _rel(got, 2.0 * ref_w) < 1e-6
+    if frozen_hidden:
+        assert h.grad is None
+    else:  # from the rows before any update
+        assert _rel(h.grad, 2.0 * ref_h) < 1e-6
+    # unregistered: the whole gradient again
+    w.grad = None
+    ChunkedLinearCrossEntropy.apply(h, w.detach().requires_grad_(), y, 8).backward()
+    assert len(rec.slices) == V // 2
+
+
+def test_row_update_slices_bf16_weight_under_its_byte_budget(gen, monkeypatch):
+    from poetxq import loss as loss_mod
+
+    monkeypatch.setattr(loss_mod, "SLICE_BYTES", 8 * D * 2)  # 8 bf16 rows
+    h, w, y = _inputs(gen, dtype=torch.bfloat16)
+    _, _, ref_w = _reference64(h, w, y)
+    rec = _Recorder(row_align=1)
+    loss_mod.register_row_update(w, rec)
+    try:
+        ChunkedLinearCrossEntropy.apply(h, w, y, 4).backward()
+    finally:
+        loss_mod.register_row_update(w, None)
+    assert [e - s for s, e, _ in rec.slices] == [8] * 6 + [2]
+    got = torch.cat([g for _, _, g in rec.slices])
+    assert got.dtype == torch.bfloat16 and _rel(got, ref_w) < 2e-2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_causal_lm_loss_chunked_slices_an_untied_head_only(tied):
+    """A registered row update takes an untied head's gradient; a tied head (which also gets
+    the embedding's gradient) keeps its whole .grad and the update is not called."""
+    from poetxq import loss as loss_mod
+
+    model, windows = _llama(tied), _windows()
+    head = model.lm_head.weight
+    _, ref_grads = _loss_and_grads(model, lambda: causal_lm_loss(model, windows))
+    rec = _Recorder(row_align=1)
+    loss_mod.register_row_update(head, rec)
+    try:
+        model.zero_grad(set_to_none=True)
+        causal_lm_loss_chunked(model, windows, 5).backward()
+    finally:
+        loss_mod.register_row_update(head, None)
+    if tied:  # named once, as the embeddings
+        assert rec.slices == [] and _rel(head.grad, ref_grads["model.embed_tokens.weight"]) < 1e-5
+    else:
+        assert head.grad is None
+        got = torch.cat([g for _, _, g in rec.slices])
+        assert _rel(got, ref_grads["lm_head.weight"]) < 1e-5

@@ -457,3 +457,25 @@ def test_estimate_books_the_optimizer_inside_a_cuda_graph_as_in_backward():
     assert graph.in_backward_gradients == eager.in_backward_gradients < graph.gradients
     assert any("optimizer runs inside the captured backward" in n for n in graph.notes)
     assert not any("gradients exist for the whole step" in n for n in graph.notes)
+
+
+def test_estimate_books_the_lm_head_gradient_by_slices_inside_a_graph_with_a_chunked_loss():
+    """Inside a graph with a chunked loss the LM head's gradient exists a slice at a time
+    (poetxq.loss.SLICE_BYTES); eagerly, or tied to the embeddings, as a whole."""
+    from poetxq.loss import SLICE_BYTES
+
+    over = {"optim.grad_clip": 0, "optim.state_bits": 8, "train.gradient_checkpointing": True,
+            "train.optimizer_in_backward": True, "train.loss_chunk_tokens": 64,
+            "model.hidden_size": 1024, "model.intermediate_size": 2048}  # fmt: skip
+    v = 32000
+    whole = v * 1024 * 2  # bf16 [V, d]: 62.5 MiB, two slices' worth
+    graph = estimate_memory(_recipe(**over, **{"train.cuda_graph": True}), vocab_size=v,
+                            precision="bf16")  # fmt: skip
+    eager = estimate_memory(_recipe(**over, **{"train.cuda_graph": False}), vocab_size=v,
+                            precision="bf16")  # fmt: skip
+    tied = estimate_memory(_recipe(**over, **{"train.cuda_graph": True,
+                                              "model.tie_word_embeddings": True}),
+                           vocab_size=v, precision="bf16")  # fmt: skip
+    assert graph.lm_head_grad == SLICE_BYTES < whole
+    assert eager.lm_head_grad == tied.lm_head_grad == whole
+    assert any("a slice of rows at a time" in n for n in graph.notes)
