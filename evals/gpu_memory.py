@@ -202,8 +202,11 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracing = bool(args.peak_report) and dev.type == "cuda"
-        if tracing:  # every allocation of the warm-up step (and the capture), with its frames
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        if tracing:  # every allocation of the warm-up step (and the capture)
+            context = "all" if args.peak_report == "stacks" else None  # None: no frames
+            torch.cuda.memory._record_memory_history(
+                context=context, stacks="python", max_entries=2_000_000
+            )
         step()  # warm-up: Adam states, allocator, autotuning (and the graph's capture)
         _sync(dev)
         segments = fragmentation(torch.cuda.memory_snapshot()) if dev.type == "cuda" else None
@@ -373,11 +376,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the model where the conversion left it; by default it is moved "
                     "to the host and back, so that the freed dense bf16 weights leave no holes "
                     "beside the int8 W0 (the trainer never builds those)")  # fmt: skip
-    ap.add_argument("--peak-report", action="store_true",
+    ap.add_argument("--peak-report", choices=("sizes", "stacks"), default=None,
                     help="record the allocator's trace during the warm-up step (with the "
-                    "capture) and add what was alive at its peak, summed by the line of our "
-                    "code that allocated it (evals/peak_alloc.py), to each row; slows that "
-                    "step")  # fmt: skip
+                    "capture) and add what was alive at its peak to each row "
+                    "(evals/peak_alloc.py): 'sizes' groups the blocks by size; 'stacks' by the "
+                    "line of our code that allocated them, but recording Python stacks broke "
+                    "an autograd Function's apply on the H200 (torch 2.11), eagerly and in a "
+                    "capture, so it is refused with --cuda-graph")  # fmt: skip
     args = ap.parse_args(argv)
     names = [x.strip() for x in args.settings.split(",") if x.strip()]
     if not names or set(names) - {"no_ckpt", "ckpt"}:
@@ -385,9 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     args.settings = [n == "ckpt" for n in names]
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
-    if args.peak_report and args.cuda_graph:
-        ap.error("--peak-report records Python stacks, which break a CUDA graph's capture; "
-                 "drop --cuda-graph")  # fmt: skip
+    if args.peak_report == "stacks" and args.cuda_graph:
+        ap.error("--peak-report stacks records Python stacks, which broke the capture; use "
+                 "--peak-report sizes with --cuda-graph")  # fmt: skip
     if args.offload and "ckpt" not in names:
         ap.error("--offload applies to the ckpt setting; add ckpt to --settings")
     for text in args.set:  # what the script sets per setting itself

@@ -67,11 +67,12 @@ def site(frames: Iterable[dict[str, Any]]) -> str:
 
 
 def group_by_site(blocks: Iterable[dict[str, Any]], top: int = 30) -> list[dict[str, Any]]:
-    """Sum ``blocks`` (alloc events) by :func:`site`: ``[{"site", "bytes", "count",
-    "largest"}]``, most bytes first, at most ``top`` rows."""
+    """Sum ``blocks`` (alloc events) by :func:`site` (blocks without frames by their size):
+    ``[{"site", "bytes", "count", "largest"}]``, most bytes first, at most ``top`` rows."""
     rows: dict[str, dict[str, Any]] = {}
     for b in blocks:
-        key = site(b.get("frames") or ())
+        frames = b.get("frames") or ()  # none when recorded without stacks: group by size
+        key = site(frames) if frames else f"? ({int(b['size'])} bytes)"
         row = rows.setdefault(key, {"site": key, "bytes": 0, "count": 0, "largest": 0})
         size = int(b["size"])
         row["bytes"] += size

@@ -73,3 +73,11 @@ def test_fragmentation_splits_pools_and_counts_free_bytes_beside_live_ones():
                               "free_in_used_segments": 40, "largest_free_block": 30}  # fmt: skip
     assert got["1,2"] == {"segments": 1, "reserved": 80, "allocated": 80,
                           "free_in_used_segments": 0, "largest_free_block": 0}  # fmt: skip
+
+
+def test_blocks_without_frames_group_by_size():
+    blocks = [{"size": 64}, {"size": 64, "frames": []}, {"size": 32}]
+    assert group_by_site(blocks) == [
+        {"site": "? (64 bytes)", "bytes": 128, "count": 2, "largest": 64},
+        {"site": "? (32 bytes)", "bytes": 32, "count": 1, "largest": 32},
+    ]
