@@ -31,8 +31,8 @@ optimizer after the replay.
 * during the eager warm-up passes before the capture the hooks only *rehearse*: each update runs
   on the real tensors, so that Triton compiles exactly the kernel variants the capture will
   launch (it specializes on pointer alignment, and a state view inside a flat buffer need not be
-  aligned as a fresh copy is), and the saved values are written back; the parameters and states
-  end up unchanged.
+  aligned as a fresh copy is), and the values saved on the host before are written back; the
+  parameters and states end up unchanged.
 
 The gradients are then ordinary tensors of the graph's private pool, freed right after their
 update, as in an eager backward. The update is the same rule as the eager
@@ -152,8 +152,8 @@ class GraphedInBackward:
     @contextlib.contextmanager
     def rehearsal(self) -> Iterator[None]:
         """While active, the hooks run every update (compiling its kernel variant) and then
-        write the saved parameter and moments back: nothing changes; gradients are still
-        freed."""
+        write the parameter and moments saved on the host back: nothing changes; gradients are
+        still freed."""
         self._rehearsing = True
         try:
             yield
@@ -250,9 +250,11 @@ class GraphedInBackward:
         row = self.scalars[self._row[id(p)]]
         part = _part(state, lo, hi)
         flat_p = p.detach().view(-1)[lo:hi]  # contiguous (prepare made every parameter so)
-        if self._rehearsing:  # on the real tensors (their alignment), then written back
-            saved = {k: v.clone() for k, v in part.items() if k in _MOMENTS}
-            saved_p = flat_p.clone()
+        if self._rehearsing:  # on the real tensors (their alignment), then written back;
+            # the saved copies wait on the host: on the device the embeddings' (0.65 GB at
+            # Llama-13B) would raise the first step's peak above the steady state's
+            saved = {k: v.to("cpu", copy=True) for k, v in part.items() if k in _MOMENTS}
+            saved_p = flat_p.to("cpu", copy=True)
             _update(flat_p, grad, part, config, row)
             flat_p.copy_(saved_p)
             for k, v in saved.items():
