@@ -267,6 +267,9 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "compacted_after_build": not args.no_compact and dev.type == "cuda",
+            # the LM head's gradient handed to the update inside the graph by slices of rows
+            "lm_head_by_slices": isinstance(in_backward, GraphedInBackward)
+            and bool(tc.loss_chunk_tokens),
         }
         if segments is not None:  # after the warm-up (and capture): reserved bytes per pool
             row["segments_after_warmup"] = segments

@@ -922,6 +922,10 @@ def _side_by_side_steps(
                 extras.append("Triton 8-bit update")
             if r.get("static_inputs"):  # a variant measured at 374b7c9, since dropped
                 extras.append("layer inputs in static device buffers")
+            if r.get("compacted_after_build") or "--compact" in d.get("command", ""):
+                extras.append("compacted build")
+            if r.get("lm_head_by_slices", d.get("commit") in _SLICED_BEFORE_THE_FIELD):
+                extras.append("LM-head gradient by slices")
             if r.get("alloc_conf"):
                 extras.append(f"`PYTORCH_CUDA_ALLOC_CONF={r['alloc_conf']}`")
             setting = ", ".join([setting, *extras])
@@ -936,6 +940,9 @@ def _side_by_side_steps(
     lines += [_provenance(n, d) for n, d in docs + sources]
     return [*lines, ""]
 
+
+#: commits whose gpu_memory rows sliced the LM-head gradient before the rows said so
+_SLICED_BEFORE_THE_FIELD = ("3490c42", "10193c1")
 
 SIDE_BY_SIDE_COMMIT = "d5a8a3e"
 #: later calls without the official step in them: (files, title)
@@ -955,6 +962,19 @@ LATER_STEPS = [
             "gpu_memory_13b_graph_oib_off_h200_0ae9b77.json",
         ],
         " (later calls: the optimizer step inside the CUDA graph, poetxq.graph_optim)",
+    ),
+    (
+        [
+            "gpu_memory_13b_graph_oib_off_h200_91baad0.json",
+            "gpu_memory_13b_graph_oib_off_expandable_h200_91baad0.json",
+            "gpu_memory_13b_graph_oib_off_compact_h200_f8a5684.json",
+            "gpu_memory_13b_graph_oib_off_compact_split64_h200_f8a5684.json",
+            "gpu_memory_8b_graph_oib_off_slices_h200_3490c42.json",
+            "gpu_memory_13b_graph_oib_off_slices_h200_3490c42.json",
+            "gpu_memory_13b_graph_oib_off_slices_expandable_h200_10193c1.json",
+        ],
+        " (later calls: the build's holes, the allocator's settings, the LM-head gradient by "
+        "slices)",
     ),
 ]
 
