@@ -142,6 +142,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     )
     _sync(dev)
     build_s = time.perf_counter() - t0
+    # reserved bytes per pool once the model and its optimizer exist (before any state)
+    after_build = fragmentation(torch.cuda.memory_snapshot()) if dev.type == "cuda" else None
     model.train()
     gen = torch.Generator(device=dev).manual_seed(1)
     B, S = args.batch_size, args.seq_len
@@ -272,6 +274,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             and bool(tc.loss_chunk_tokens),
         }
         if segments is not None:  # after the warm-up (and capture): reserved bytes per pool
+            row["segments_after_build"] = after_build
             row["segments_after_warmup"] = segments
         if peak_sites is not None:  # what was alive at the warm-up's (the capture's) peak
             row["warmup_peak_by_site"] = peak_sites

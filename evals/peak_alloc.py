@@ -96,19 +96,25 @@ def fragmentation(segments: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ``total_size``, ``allocated_size``, ``segment_pool_id`` and ``blocks``): per pool (the
     default one is ``"default"``, a CUDA graph's private pool its id), the segments, their
     reserved and allocated bytes, the free bytes in segments that also hold live blocks (what
-    ``torch.cuda.empty_cache`` cannot hand back) and the largest such free block."""
+    ``torch.cuda.empty_cache`` cannot hand back), the largest such free block, and the bytes
+    the live blocks hold beyond what was asked for (``requested``: a block keeps a remainder
+    too small to split, below 1 MiB in the large pool)."""
     pools: dict[str, dict[str, Any]] = {}
     for seg in segments:
         pid = tuple(seg.get("segment_pool_id") or (0, 0))
         key = "default" if pid == (0, 0) else f"{pid[0]},{pid[1]}"
         empty = dict.fromkeys(
-            ("segments", "reserved", "allocated", "free_in_used_segments", "largest_free_block"), 0
-        )
+            ("segments", "reserved", "allocated", "requested", "free_in_used_segments",
+             "largest_free_block"), 0,
+        )  # fmt: skip
         row = pools.setdefault(key, empty)
         total, used = int(seg["total_size"]), int(seg["allocated_size"])
         row["segments"] += 1
         row["reserved"] += total
         row["allocated"] += used
+        for b in seg.get("blocks", ()):
+            if b.get("state") == "active_allocated":
+                row["requested"] += int(b.get("requested_size", b["size"]))
         if used:
             row["free_in_used_segments"] += total - used
             free = [int(b["size"]) for b in seg.get("blocks", ()) if b.get("state") == "inactive"]

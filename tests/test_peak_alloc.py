@@ -59,19 +59,20 @@ def test_group_by_site_and_report():
 
 def test_fragmentation_splits_pools_and_counts_free_bytes_beside_live_ones():
     def seg(total, blocks, pool=(0, 0)):
-        used = sum(s for s, st in blocks if st == "active_allocated")
+        used = sum(s for s, _, st in blocks if st == "active_allocated")
         return {"total_size": total, "allocated_size": used, "segment_pool_id": pool,
-                "blocks": [{"size": s, "state": st} for s, st in blocks]}  # fmt: skip
+                "blocks": [{"size": s, "requested_size": r, "state": st}
+                           for s, r, st in blocks]}  # fmt: skip
 
     segs = [
-        seg(100, [(60, "active_allocated"), (30, "inactive"), (10, "inactive")]),
-        seg(50, [(50, "inactive")]),  # wholly free: empty_cache hands it back
-        seg(80, [(80, "active_allocated")], pool=(1, 2)),
+        seg(100, [(60, 52, "active_allocated"), (30, 0, "inactive"), (10, 0, "inactive")]),
+        seg(50, [(50, 0, "inactive")]),  # wholly free: empty_cache hands it back
+        seg(80, [(80, 80, "active_allocated")], pool=(1, 2)),
     ]
     got = fragmentation(segs)
-    assert got["default"] == {"segments": 2, "reserved": 150, "allocated": 60,
+    assert got["default"] == {"segments": 2, "reserved": 150, "allocated": 60, "requested": 52,
                               "free_in_used_segments": 40, "largest_free_block": 30}  # fmt: skip
-    assert got["1,2"] == {"segments": 1, "reserved": 80, "allocated": 80,
+    assert got["1,2"] == {"segments": 1, "reserved": 80, "allocated": 80, "requested": 80,
                           "free_in_used_segments": 0, "largest_free_block": 0}  # fmt: skip
 
 
