@@ -242,7 +242,8 @@ def causal_lm_loss_chunked(
         )
     hidden = decoder(input_ids=windows[:, :-1], use_cache=False).last_hidden_state
     labels = windows[:, 1:].reshape(-1)
-    embed = getattr(model.get_input_embeddings(), "weight", None)
+    inputs = getattr(model, "get_input_embeddings", None)
+    embed = getattr(inputs(), "weight", None) if callable(inputs) else None
     return ChunkedLinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), head.weight, labels, chunk_tokens,
         embed is not head.weight,  # tied: the update must see the embedding's gradient too
