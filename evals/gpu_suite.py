@@ -361,15 +361,20 @@ TRAINING_TEST_FILES = (
 )
 
 
-def run_pytest(repo: Path, paths: list[str]) -> dict:
-    """``pytest -q`` over ``paths`` (relative to ``repo``): return code, summary line, the
-    ``FAILED`` lines."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           *(str(repo / p) for p in paths)]  # fmt: skip
-    res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=repo)
-    lines = (res.stdout + res.stderr).strip().splitlines()
+def run_pytest(repo: Path, paths: list[str], log: Path) -> dict:
+    """``pytest -q`` over ``paths`` (relative to ``repo``), its output written to ``log`` as it
+    runs (what a device call's time limit cuts short is still there): return code, summary
+    line, the ``FAILED`` lines."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider",
+           "-o", "addopts=", *(str(repo / p) for p in paths)]  # fmt: skip
+    with log.open("w") as f:
+        f.write(f"# {' '.join(cmd)}\n")
+        f.flush()
+        res = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False, cwd=repo)
+    lines = log.read_text().strip().splitlines()
     failed = [ln for ln in lines if ln.startswith("FAILED")]
-    return {"returncode": res.returncode, "summary": lines[-1:], "failures": failed}
+    return {"returncode": res.returncode, "summary": lines[-1:], "failures": failed,
+            "log": log.name}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     for part, paths in (("kernel_tests", ["tests/quant_kernels"]),
                         ("training_tests", list(TRAINING_TEST_FILES))):  # fmt: skip
         if part in parts:
-            report[part] = run_pytest(repo, paths)
+            report[part] = run_pytest(repo, paths, out / f"{part}.log")
             print(json.dumps(report[part], indent=1), flush=True)
             path.write_text(json.dumps(report, indent=2) + "\n")
     if "dequant" in parts:

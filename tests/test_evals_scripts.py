@@ -454,9 +454,12 @@ def test_gpu_suite_runs_pytest_and_keeps_the_summary_and_failures(tmp_path):
     (tmp_path / "test_a.py").write_text("def test_ok():\n    assert 1\n\n\n"
                                         "def test_bad():\n    assert 0\n")  # fmt: skip
     (tmp_path / "test_b.py").write_text("def test_ok2():\n    assert 1\n")
-    got = suite.run_pytest(tmp_path, ["test_a.py", "test_b.py"])
+    log = tmp_path / "out.log"
+    got = suite.run_pytest(tmp_path, ["test_a.py", "test_b.py"], log)
     assert got["returncode"] == 1
     assert got["failures"] == ["FAILED test_a.py::test_bad - assert 0"]
     assert "1 failed, 2 passed" in got["summary"][0]
+    text = log.read_text()  # the whole output, as written during the run
+    assert text.startswith("# ") and "test_a.py:6: in test_bad" in text
     repo = Path(suite.__file__).resolve().parents[1]
     assert all((repo / p).is_file() for p in suite.TRAINING_TEST_FILES)  # no stale name
