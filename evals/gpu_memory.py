@@ -1,4 +1,4 @@
-"""Peak memory and step time of POET-XQ training at Llama-8B / 13B scale, beside the estimator.
+r"""Peak memory and step time of POET-XQ training at Llama-8B / 13B scale, beside the estimator.
 
 For each model (default Llama-8B and Llama-13B; recipes/models/*.yaml shapes, vocab 32000):
 POET-XQ with int8 W0, b = 256, the ``mem`` variant, batch 1 x seq 2048, everything in bf16 (the

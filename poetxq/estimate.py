@@ -175,8 +175,9 @@ def parse_bytes(text: str) -> int:
     if not m:
         raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
     if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
+        example = f"{m.group(1)}GB" if float(m.group(1)) > 0 else "80GB"
         raise EstimateError(
-            f"memory size '{text}' has no unit; write e.g. {m.group(1)}GB (a bare number is "
+            f"memory size '{text}' has no unit; write e.g. {example} (a bare number is "
             "bytes and must be at least 1 MiB)"
         )
     scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
@@ -571,6 +572,11 @@ def estimate_memory(
 GRAPH_POOL_OVERHEAD = 0.144
 
 
+def _size(x: int) -> str:
+    """A GPU's memory for a verdict line: GiB to 0.1, MiB below 1 GiB."""
+    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+
+
 def _gib(x: int) -> str:
     return f"{x / 2**30:9.3f} GiB"
 
@@ -596,7 +602,7 @@ def format_other_variant(other: str, peak: int, gpu_mem: int | None = None) -> s
     )
     fits = ""
     if gpu_mem is not None:
-        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {gpu_mem / 2**30:.1f} GiB; "
+        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {_size(gpu_mem)}; "
     return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {fits}{why}"
 
 
@@ -646,7 +652,7 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
     lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}  at the {est.peak_phase}")
     if gpu_mem is not None:
         verdict = "fits" if est.peak <= gpu_mem else "does not fit"
-        lines.append(f"  {verdict} in {gpu_mem / 2**30:.1f} GiB ({est.peak / gpu_mem:.0%} used)")
+        lines.append(f"  {verdict} in {_size(gpu_mem)} ({est.peak / gpu_mem:.0%} used)")
         if est.cuda_graph:
             high = int(est.peak * (1 + GRAPH_POOL_OVERHEAD))
             verdict = "fits" if high <= gpu_mem else "does not fit"

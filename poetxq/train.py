@@ -132,7 +132,8 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
     nothing is created here.
 
     Raises:
-        RunDirError: the directory exists and is not empty (and ``overwrite`` is False), or
+        RunDirError: the directory exists and is not empty (and ``overwrite`` is False, or
+            it holds no previous run: ``overwrite`` never mixes a run into other files), or
             ``run_name`` is not a plain folder name (a path, ``..``, empty or hidden).
     """
     if run_name is not None and (
@@ -148,11 +149,19 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
     for p in (path.parent, path):
         if p.exists() and not p.is_dir():
             raise RunDirError(f"'{p}' exists and is not a directory; choose another run location")
-    if path.exists() and any(p.name != RUN_LOCK for p in path.iterdir()) and not overwrite:
-        raise RunDirError(
-            f"run directory '{path}' already exists and is not empty; "
-            "choose another --run-name or pass --overwrite"
-        )
+    if path.exists() and any(p.name != RUN_LOCK for p in path.iterdir()):
+        if not overwrite:
+            raise RunDirError(
+                f"run directory '{path}' already exists and is not empty; "
+                "choose another --run-name or pass --overwrite"
+            )
+        if not any((path / name).exists() for name in ("recipe.yaml", "metrics.jsonl",
+                                                        CHECKPOINT_DIR)):  # fmt: skip
+            raise RunDirError(
+                f"'{path}' holds files but no previous run (no recipe.yaml, metrics.jsonl or "
+                f"{CHECKPOINT_DIR}/); --overwrite replaces runs only: choose another --run-name "
+                "or an empty folder"
+            )
     check_writable(path, "choose a writable --output-dir")
     return path
 

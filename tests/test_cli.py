@@ -79,12 +79,28 @@ def test_seq_len_above_max_positions_is_a_printed_note(tmp_path, capsys):
 def test_missing_data_leaves_existing_run_dir_untouched(tmp_path, capsys):
     run = tmp_path / "keep"
     run.mkdir()
+    (run / "recipe.yaml").write_text("{}")  # an earlier run, which --overwrite may replace
     (run / "model.safetensors").write_bytes(b"precious")
     code = _run(tmp_path, "--run-name", "keep", "--overwrite", "--data", str(tmp_path / "nope"))
     assert code == 2
     assert "does not exist" in _one_error_line(capsys)
-    assert [p.name for p in run.iterdir()] == ["model.safetensors"]
+    assert sorted(p.name for p in run.iterdir()) == ["model.safetensors", "recipe.yaml"]
     assert (run / "model.safetensors").read_bytes() == b"precious"
+
+
+def test_overwrite_refuses_a_folder_that_holds_no_run(tmp_path, capsys):
+    """--overwrite replaces an earlier run; a folder of other files (a user's Hugging Face
+    model, notes) is refused and left as it was."""
+    run = tmp_path / "mine"
+    (run / "sub").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "notes.txt"):
+        (run / name).write_text(name)
+    assert _run(tmp_path, "--run-name", "mine", "--overwrite", "--max-steps", "1") == 2
+    line = _one_error_line(capsys)
+    assert f"'{run}' holds files but no previous run" in line and "--overwrite" in line
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.json", "model.safetensors", "notes.txt", "sub"]  # fmt: skip
+    assert all((run / n).read_text() == n for n in ("config.json", "model.safetensors"))
 
 
 def test_existing_run_dir_needs_overwrite(tmp_path, capsys):
@@ -502,6 +518,7 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
 
     run = tmp_path / "busy"
     run.mkdir()
+    (run / "recipe.yaml").write_text("{}")  # an earlier run's folder
     (run / "model.safetensors").write_bytes(b"precious")
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -516,7 +533,8 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
         assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 2
         line = _one_error_line(capsys)
         assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in line
-        assert sorted(p.name for p in run.iterdir()) == [".poetxq.lock", "model.safetensors"]
+        assert sorted(p.name for p in run.iterdir()) == [
+            ".poetxq.lock", "model.safetensors", "recipe.yaml"]  # fmt: skip
         assert (run / "model.safetensors").read_bytes() == b"precious"
     finally:
         holder.kill()

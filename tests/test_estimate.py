@@ -262,6 +262,8 @@ def test_memory_sizes_need_a_unit():
     assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
     with pytest.raises(EstimateError, match=r"has no unit; write e\.g\. 80GB"):
         parse_bytes("80")
+    with pytest.raises(EstimateError, match=r"'0' has no unit; write e\.g\. 80GB"):
+        parse_bytes("0")  # not "0GB", which is refused as not positive
     with pytest.raises(EstimateError, match="cannot read memory size"):
         parse_bytes("eighty")
 
@@ -413,3 +415,10 @@ def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
     ) in text
     assert any(line.endswith(", fits") for line in format_estimate(graph, high).splitlines())
     assert "graph pool" not in format_estimate(eager, gpu_mem)  # eager: no second verdict
+
+
+def test_a_gpu_below_one_gib_is_shown_in_mib():
+    from poetxq.estimate import _size
+
+    assert _size(2**20) == "1 MiB" and _size(512 * 2**20) == "512 MiB"
+    assert _size(80 * 2**30) == "80.0 GiB" and _size(2**30) == "1.0 GiB"
