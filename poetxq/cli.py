@@ -205,8 +205,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         help="run directory name (default: <model>-<method>-<timestamp>, e.g. tiny-poetxq-...)",
     )
     g.add_argument("--overwrite", action="store_true",
-                   help="reuse a non-empty run directory: its previous results and checkpoints "
-                   "are deleted when the new run starts")  # fmt: skip
+                   help="reuse the directory of an earlier run (it holds recipe.yaml, "
+                   "metrics.jsonl or checkpoints/): its previous results and checkpoints are "
+                   "deleted when the new run starts; a folder of other files is refused")  # fmt: skip
     g.add_argument(
         "--eval-every", type=int, help="steps between validation [train.eval_every, default 150]"
     )
