@@ -207,7 +207,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="reuse the directory of an earlier run (it holds recipe.yaml, "
                    "metrics.jsonl or checkpoints/): its previous results and checkpoints are "
-                   "deleted when the new run starts; a folder of other files is refused")  # fmt: skip
+                   "deleted when the new run starts; a folder of other files is "
+                   "refused")  # fmt: skip
     g.add_argument(
         "--eval-every", type=int, help="steps between validation [train.eval_every, default 150]"
     )
