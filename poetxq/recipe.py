@@ -290,7 +290,14 @@ class Recipe(_Section):
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "
                 "(Q-GaLore's 8-bit states are baseline.state_bits)"
             )
-        for note in _unused_settings(self):
+        notes = _unused_settings(self)
+        if self.optim.warmup_steps >= self.train.max_steps:
+            notes.append(
+                f"optim.warmup_steps {self.optim.warmup_steps} >= train.max_steps "
+                f"{self.train.max_steps}: the learning rate rises for the whole run and never "
+                "reaches optim.lr; lower optim.warmup_steps for a short run"
+            )
+        for note in notes:
             if note not in self._notes:
                 self._notes.append(note)
         unknown = (set(self.poet.target_modules) | set(self.baseline.target_modules)) - set(

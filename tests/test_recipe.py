@@ -204,3 +204,14 @@ def test_override_is_shown_as_yaml_reads_it():
         load_recipe(None, {"train.max_steps": True})
     with pytest.raises(RecipeError, match=r"^override train\.cuda_graph=1: "):
         load_recipe(None, {"train.cuda_graph": 1})
+
+
+def test_a_warmup_as_long_as_the_run_gets_a_note():
+    """optim.warmup_steps >= train.max_steps: the learning rate never reaches optim.lr; a
+    note says so (validate's output, the start of a run); one step shorter warm-up: none."""
+    r = load_recipe(None, {"train.max_steps": 20, "optim.warmup_steps": 20})
+    assert r.notes == [
+        "optim.warmup_steps 20 >= train.max_steps 20: the learning rate rises for the whole run "
+        "and never reaches optim.lr; lower optim.warmup_steps for a short run"
+    ]
+    assert load_recipe(None, {"train.max_steps": 21, "optim.warmup_steps": 20}).notes == []
