@@ -273,8 +273,8 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "lm_head_by_slices": isinstance(in_backward, GraphedInBackward)
             and bool(tc.loss_chunk_tokens),
         }
-        if segments is not None:  # after the warm-up (and capture): reserved bytes per pool
-            row["segments_after_build"] = after_build
+        if segments is not None:  # reserved bytes per pool after the build (the model's, the
+            row["segments_after_build"] = after_build  # same in each setting) and the warm-up
             row["segments_after_warmup"] = segments
         if peak_sites is not None:  # what was alive at the warm-up's (the capture's) peak
             row["warmup_peak_by_site"] = peak_sites

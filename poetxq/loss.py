@@ -150,23 +150,45 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             for s in range(0, n, chunk) if grad_h is not None or grad_w is not None else ():
                 e = min(s + chunk, n)
                 h = hidden[s:e].to(compute)
-                p = (h @ w.T).float().sub_(lse[s:e, None]).exp_()  # softmax, fp32 [c, V]
-                p[torch.arange(e - s, device=p.device), labels[s:e]] -= 1.0
-                g = p.mul_(scale).to(compute)  # d loss / d logits
+                g = _dlogits(h, w, lse[s:e], labels[s:e], 0, scale)
                 if grad_h is not None:
                     grad_h[s:e] = g @ w
                 if grad_w is not None:
-                    if acc == compute:
-                        grad_w.addmm_(g.T, h)
-                    else:  # the compute dtype differs from the accumulator's (autocast: bf16
-                        # logits of an fp32 weight): the GEMM in the compute dtype, as
-                        # autocast's own backward does, summed into the fp32 accumulator
-                        grad_w += g.T @ h
+                    _add_weight_grad(grad_w, g, h)
             if row_update is not None:  # after grad_h, which reads every row before updates
                 _rows_to_update(hidden, w, labels, lse, scale, chunk, acc, weight, row_update)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None
+
+
+def _dlogits(
+    h: torch.Tensor,
+    w_rows: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    v0: int,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """d loss / d logits of the tokens ``h`` ``[c, d]`` for the vocabulary rows ``w_rows``
+    (``[r, d]``, from row ``v0``): ``(softmax − onehot) · scale`` in ``w_rows``' dtype, the
+    softmax from the saved log-sum-exp (fp32 ``[c]``); a label outside the rows subtracts
+    nothing (a masked add: no host sync)."""
+    p = (h @ w_rows.T).float().sub_(lse[:, None]).exp_()  # fp32 [c, r]
+    y = labels - v0
+    inside = (y >= 0) & (y < p.shape[1])
+    p.scatter_add_(1, y.clamp(0, p.shape[1] - 1)[:, None], -inside.to(p.dtype)[:, None])
+    return p.mul_(scale).to(w_rows.dtype)
+
+
+def _add_weight_grad(acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += gᵀ·h``. When the compute dtype differs from the accumulator's (autocast: bf16
+    logits of an fp32 weight) the GEMM runs in the compute dtype, as autocast's own backward
+    does, and is summed into the fp32 accumulator."""
+    if acc.dtype == g.dtype:
+        acc.addmm_(g.T, h)
+    else:
+        acc += g.T @ h
 
 
 def _rows_to_update(
@@ -195,15 +217,7 @@ def _rows_to_update(
         for s in range(0, n, tokens):
             e = min(s + tokens, n)
             h = hidden[s:e].to(w.dtype)
-            p = (h @ w_rows.T).float().sub_(lse[s:e, None]).exp_()
-            y = labels[s:e] - v0
-            inside = (y >= 0) & (y < v1 - v0)  # no host sync: a masked subtraction
-            p.scatter_add_(1, y.clamp(0, v1 - v0 - 1)[:, None], -inside.to(p.dtype)[:, None])
-            g = p.mul_(scale).to(w.dtype)
-            if acc == w.dtype:
-                g_rows.addmm_(g.T, h)
-            else:
-                g_rows += g.T @ h
+            _add_weight_grad(g_rows, _dlogits(h, w_rows, lse[s:e], labels[s:e], v0, scale), h)
         update(weight, v0, v1, g_rows.to(weight.dtype))
 
 
