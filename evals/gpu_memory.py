@@ -3,10 +3,11 @@ r"""Peak memory and step time of POET-XQ training at Llama-8B / 13B scale, besid
 For each model (default Llama-8B and Llama-13B; recipes/models/*.yaml shapes, vocab 32000):
 POET-XQ with int8 W0, b = 256, the ``mem`` variant, batch 1 x seq 2048, everything in bf16 (the
 official code's setting: parameters, Adam states and activations bf16). The model is built
-directly on the GPU in bf16 and converted there (W0 drawn on the device), then moved to the host
-and back so that the freed dense weights leave no holes (``--no-compact`` keeps them). One full
-training step
-= forward + backward + gradient clipping + AdamW step + zero_grad, timed with CUDA syncs; peak =
+directly on the GPU in bf16 and converted there (W0 drawn on the device); once its optimizer is
+built, every storage is copied to the host and back (``poetxq.relayout``), so that the freed dense
+weights and the Q tensors the flattened groups replaced leave no holes (``--no-compact`` keeps
+them). One full training step = forward + backward + gradient clipping + AdamW step +
+zero_grad, timed with CUDA syncs; peak =
 ``torch.cuda.max_memory_allocated`` over the timed steps, after one untimed warm-up step (so
 Adam states exist: the steady state). Then the same model with whole-layer activation
 checkpointing (``poetxq.lowmem.enable_activation_checkpointing``, non-reentrant; ``--offload``
@@ -33,6 +34,7 @@ CPU smoke test of the script itself:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -56,6 +58,7 @@ from poetxq.loss import training_loss
 from poetxq.lowmem import enable_activation_checkpointing
 from poetxq.optim import build_optimizer
 from poetxq.recipe import RecipeError, load_recipe, parse_override
+from poetxq.relayout import model_tensors, relayout
 from poetxq.surgery import build_llama, convert_to_poetx
 
 VOCAB = 32000
@@ -124,16 +127,17 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
+    relaid = None
     if not args.no_compact and dev.type == "cuda":
         # the dense bf16 weights this script builds on the GPU and the conversion frees leave
         # holes beside the int8 W0 that empty_cache cannot hand back (1.56 GiB reserved beyond
-        # the allocated bytes at 13B, gpu_memory_13b_default_91baad0.json); the trainer never
-        # builds them (meta init, W0 drawn layer by layer). Lay the model out afresh
-        model.to("cpu")
+        # the allocated bytes at 13B, gpu_memory_13b_default_91baad0.json; the trainer never
+        # builds them), and so do the Q tensors the flattened optimizer groups copied and freed
+        # (1.01e9 bytes at 13B under expandable segments,
+        # gpu_memory_13b_expandable_sizes_h200_e0551b7.json). Lay every storage out afresh
         gc.collect()
-        torch.cuda.empty_cache()
-        model.to(dev)
-    optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
+        relaid = relayout(model_tensors(model, optimizer), dev)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
     # (inside the captured backward with --cuda-graph: poetxq.graph_optim)
@@ -268,7 +272,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "build_s": build_s,
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-            "compacted_after_build": not args.no_compact and dev.type == "cuda",
+            "compacted_after_build": relaid is not None,
+            # poetxq.relayout after the optimizer's build: bytes moved, seconds, and the bytes
+            # that stayed on the device meanwhile (reachable from neither model nor optimizer)
+            "relayout": None if relaid is None else dataclasses.asdict(relaid),
             # the LM head's gradient handed to the update inside the graph by slices of rows
             "lm_head_by_slices": isinstance(in_backward, GraphedInBackward)
             and bool(tc.loss_chunk_tokens),
@@ -379,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-dir", default=None,
                     help="profile one more step per setting into DIR/profile_*.txt")  # fmt: skip
     ap.add_argument("--no-compact", action="store_true",
-                    help="keep the model where the conversion left it; by default it is moved "
-                    "to the host and back, so that the freed dense bf16 weights leave no holes "
-                    "beside the int8 W0 (the trainer never builds those)")  # fmt: skip
+                    help="keep the model where the build left it; by default, once the "
+                    "optimizer is built, every storage is copied to the host and back "
+                    "(poetxq.relayout), so that the freed dense bf16 weights and the Q tensors "
+                    "the flattened groups replaced leave no holes beside the int8 W0")  # fmt: skip
     ap.add_argument("--peak-report", choices=("sizes", "stacks"), default=None,
                     help="record the allocator's trace during the warm-up step (with the "
                     "capture) and add what was alive at its peak to each row "
