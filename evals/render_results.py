@@ -922,7 +922,9 @@ def _side_by_side_steps(
                 extras.append("Triton 8-bit update")
             if r.get("static_inputs"):  # a variant measured at 374b7c9, since dropped
                 extras.append("layer inputs in static device buffers")
-            if r.get("compacted_after_build") or "--compact" in d.get("command", ""):
+            if r.get("relayout"):  # poetxq.relayout after the optimizer's build
+                extras.append("relaid out after the optimizer's build")
+            elif r.get("compacted_after_build") or "--compact" in d.get("command", ""):
                 extras.append("compacted build")
             if r.get("lm_head_by_slices", d.get("commit") in _SLICED_BEFORE_THE_FIELD):
                 extras.append("LM-head gradient by slices")
@@ -975,6 +977,16 @@ LATER_STEPS = [
         ],
         " (later calls: the build's holes, the allocator's settings, the LM-head gradient by "
         "slices)",
+    ),
+    (
+        [
+            "gpu_memory_13b_default_sizes_h200_e0551b7.json",
+            "gpu_memory_13b_expandable_sizes_h200_e0551b7.json",
+            "gpu_memory_13b_relayout_expandable_h200_68dc694.json",
+            "gpu_memory_8b_relayout_expandable_h200_68dc694.json",
+        ],
+        " (later calls: every storage laid out afresh after the optimizer's build, "
+        "poetxq.relayout, under expandable segments)",
     ),
 ]
 

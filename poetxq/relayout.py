@@ -13,11 +13,16 @@ device ones go, and copies them back one after another, so they are allocated in
 nothing freed in between. Tensors keep their identity (``Parameter`` objects, the optimizer's
 references, ``FlatParams.flat``), shapes, strides, offsets and values; tensors that shared a
 storage share the new one, so flattened parameters stay views of their buffer.
+
+``poetxq train`` does it for POET methods on CUDA when the allocator runs with expandable
+segments (:func:`relayout_wanted`); under the allocator's defaults each freed ``Q``'s segment is
+handed back whole, so there is nothing to gain.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +48,24 @@ class RelayoutReport:
     bytes: int
     seconds: float
     left_on_device: int
+
+
+def expandable_segments() -> bool:
+    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` (or torch's newer ``PYTORCH_ALLOC_CONF``) turns on
+    ``expandable_segments``; the last setting of the key wins, as in torch's own parser."""
+    on = False
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in os.environ.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            if key.strip() == "expandable_segments":
+                on = value.strip().lower() == "true"
+    return on
+
+
+def relayout_wanted(device: torch.device | str) -> bool:
+    """Whether :func:`relayout` pays for a model built on ``device``: a CUDA device whose
+    allocator uses expandable segments (:func:`expandable_segments`)."""
+    return torch.device(device).type == "cuda" and expandable_segments()
 
 
 def model_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list:

@@ -62,6 +62,7 @@ from poetxq.optim import (
 )
 from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
 from poetxq.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
+from poetxq.relayout import model_tensors, relayout, relayout_wanted
 from poetxq.text import count
 
 #: files a run writes into its directory
@@ -400,6 +401,12 @@ def train(
     say(built.build_line())
     if is_poet:
         optimizer = build_optimizer(model, oc)
+        if relayout_wanted(built.device):  # no holes where the flattened groups' Q were
+            moved = relayout(model_tensors(model, optimizer), built.device)
+            say(
+                f"device memory laid out afresh (expandable segments): "
+                f"{moved.bytes / 2**30:.2f} GiB in {moved.seconds:.1f} s"
+            )
     else:
         assert built.baseline is not None
         optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)

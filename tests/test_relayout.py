@@ -14,7 +14,7 @@ pytest.importorskip("bitsandbytes")
 from poetxq.evaluate import causal_lm_loss
 from poetxq.optim import build_optimizer
 from poetxq.recipe import load_recipe
-from poetxq.relayout import model_tensors, relayout
+from poetxq.relayout import expandable_segments, model_tensors, relayout, relayout_wanted
 from poetxq.surgery import build_llama, convert_to_poetx
 
 
@@ -85,3 +85,56 @@ def test_relayout_leaves_tensors_of_other_devices_and_empty_input_alone():
     assert report.storages == 0 and report.bytes == 0
     assert torch.equal(t, torch.arange(6.0))
     assert relayout([], "cpu").storages == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({}, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:true"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, False),
+    ],
+)
+def test_relayout_is_wanted_on_cuda_with_expandable_segments_only(monkeypatch, env, want):
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert expandable_segments() is want
+    assert relayout_wanted("cuda") is want
+    assert relayout_wanted(torch.device("cpu")) is False
+
+
+def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tmp_path, monkeypatch, capsys):
+    """The trainer's relayout (forced on the CPU) changes no number of a 3-step run with a merge."""
+    import json
+
+    import poetxq.train as train_mod
+    from poetxq.cli import main
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+
+    def run(name: str) -> list[float]:
+        args = [
+            "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
+            "--batch-size", "4", "--max-steps", "3", "--eval-every", "20", "--no-progress",
+            "--output-dir", str(tmp_path), "--run-name", name, "--set", "poet.block_size=16",
+            "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+            "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
+            "--set", "train.log_every=1", "--set", "optim.warmup_steps=1",
+            "--set", "optim.state_bits=8", "--set", "poet.merge_interval=2",
+            "--set", "train.precision=fp32",
+        ]  # fmt: skip
+        assert main(args) == 0
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [r["loss"] for r in map(json.loads, lines) if "grad_norm" in r]
+
+    want = run("plain")
+    assert "laid out afresh" not in capsys.readouterr().out
+    monkeypatch.setattr(train_mod, "relayout_wanted", lambda device: True)
+    got = run("relaid")
+    assert "device memory laid out afresh (expandable segments)" in capsys.readouterr().out
+    assert len(want) == 3 and got == want
