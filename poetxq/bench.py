@@ -4,7 +4,7 @@ One step is what ``poetxq train`` does per optimizer step: ``grad_accum`` forwar
 of ``batch_size × seq_len`` tokens, gradient clipping, the optimizer step and ``zero_grad``
 (merges are not timed). On a GPU the model is built on the device with fp32 parameters (meta init,
 as in training: :mod:`poetxq.build`) and runs under bf16 autocast, as in training; on the CPU it
-runs in fp32.
+runs in fp32; ``train.precision`` changes both as it does for training (:mod:`poetxq.precision`).
 
 * tokens/s = timed steps × tokens per step / wall seconds (after ``warmup`` untimed steps).
 * MFU = ``6 · N · tokens/s / peak`` with ``N`` the dense model's parameter count (embeddings,
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from poetxq.precision import ESTIMATOR_PRECISION, run_precision
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
 from poetxq.text import count
 
@@ -156,6 +157,7 @@ def build_model_and_optimizer(
     from poetxq.baselines import build_baseline_optimizer
     from poetxq.build import build_for_training
     from poetxq.optim import build_optimizer
+    from poetxq.relayout import relayout_if_wanted
 
     gen = torch.Generator().manual_seed(recipe.train.seed + 1)
     built = build_for_training(
@@ -163,6 +165,7 @@ def build_model_and_optimizer(
     )
     if built.surgery is not None:
         optimizer = build_optimizer(built.model, recipe.optim)
+        relayout_if_wanted(built.model, optimizer, built.device, echo)
     else:
         assert built.baseline is not None
         optimizer = build_baseline_optimizer(
@@ -248,7 +251,8 @@ def run_bench(
     in_backward = hooks_for(optimizer, graph=graph) if tc.optimizer_in_backward else None
     model.train()
     qmods = quant_modules(model)
-    amp = dev.type == "cuda"
+    precision = run_precision(tc, dev)  # bf16-true: parameters cast by poetxq.build
+    amp = precision == "autocast"
     data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
 
@@ -316,10 +320,10 @@ def run_bench(
         peak_tflops_for(name) if dev.type == "cuda" else None
     )  # fmt: skip
     n_dense = dense_param_count(recipe, V)
-    est = estimate_memory(recipe, vocab_size=V, precision="autocast" if amp else "fp32")
+    est = estimate_memory(recipe, vocab_size=V, precision=ESTIMATOR_PRECISION[precision])
     return BenchResult(
         recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
-        device=name, precision="bf16-autocast" if amp else "fp32", batch_size=tc.batch_size,
+        device=name, precision="bf16-autocast" if amp else precision, batch_size=tc.batch_size,
         grad_accum=tc.grad_accum, seq_len=tc.seq_len, vocab_size=V, steps=steps,
         warmup_steps=warmup, gradient_checkpointing=tc.gradient_checkpointing,
         tokens_per_step=tokens_per_step, step_time_s=elapsed / steps, tokens_per_s=tps,

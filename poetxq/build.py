@@ -47,6 +47,7 @@ from torch import nn
 from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baseline
 from poetxq.cudagraph import graph_wanted
 from poetxq.fuse import fuse_elementwise, fuse_wanted
+from poetxq.precision import cast_parameters, run_precision
 from poetxq.pretrained import build_model
 from poetxq.recipe import POET_METHODS, Recipe
 from poetxq.surgery import (
@@ -195,6 +196,8 @@ def build_for_training(
                 model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
+    if run_precision(recipe.train, dev) == "bf16-true":  # bf16 parameters, no autocast
+        cast_parameters(model, torch.bfloat16)
     if cuda_graph is None:
         cuda_graph = graph_wanted(recipe, dev)
     if fuse_wanted(recipe.train, dev, cuda_graph):  # torch.compile of RMSNorm, rotary, SwiGLU

@@ -158,7 +158,9 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
     keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on a GPU, else fp32
+    # auto: bf16 autocast on a GPU (fp32 parameters), else fp32; bf16: autocast everywhere;
+    # bf16-true: bf16 parameters, no autocast (poetxq.precision)
+    precision: Literal["auto", "fp32", "bf16", "bf16-true"] = "auto"
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # fixed shapes. auto: on for the POET methods on CUDA without gradient_checkpointing /
     # offload_activations / loss_chunk_tokens / optimizer_in_backward, and with several
@@ -285,6 +287,11 @@ class Recipe(_Section):
                 "train.cuda_graph: false or auto"
             )
         self._check_memory_options()
+        if self.train.precision == "bf16-true" and self.method not in (*POET_METHODS, "adamw"):
+            raise ValueError(
+                f"train.precision bf16-true applies to poetxq, poetx and adamw, not "
+                f"{self.method} (its int8 weights keep fp32 gradients); use auto or bf16"
+            )
         if self.optim.state_bits == 8 and self.method not in POET_METHODS:
             raise ValueError(
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -160,3 +160,21 @@ def relayout(tensors: Iterable[torch.Tensor], device: torch.device | str) -> Rel
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return RelayoutReport(len(moved), total, time.perf_counter() - t0, left)
+
+
+def relayout_if_wanted(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device | str,
+    say: Callable[[str], None] = print,
+) -> RelayoutReport | None:
+    """:func:`relayout` of ``model`` and ``optimizer``'s tensors when :func:`relayout_wanted`
+    says so (one line to ``say``), else nothing. Returns the report or None."""
+    if not relayout_wanted(device):
+        return None
+    moved = relayout(model_tensors(model, optimizer), device)
+    say(
+        f"device memory laid out afresh (expandable segments): {moved.bytes / 2**30:.2f} GiB "
+        f"in {moved.seconds:.1f} s"
+    )
+    return moved

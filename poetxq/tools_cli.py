@@ -56,9 +56,10 @@ def add_tool_parsers(sub: Any) -> None:
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
         "number is bytes",
     )  # fmt: skip
-    p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default="autocast",
-                   help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU, "
-                   "default); bf16: everything bf16; fp32: CPU")  # fmt: skip
+    p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default=None,
+                   help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU); "
+                   "bf16: everything bf16 (train.precision: bf16-true); fp32: CPU. Default: "
+                   "what the recipe's train.precision runs on a GPU")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
 
     p = sub.add_parser(
@@ -156,12 +157,14 @@ def run_tool(args: argparse.Namespace) -> int:
             other_variant,
             parse_bytes,
         )
+        from poetxq.precision import ESTIMATOR_PRECISION, run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
-        est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=args.precision)
-        alt = other_variant(recipe, vocab_size=args.vocab_size, precision=args.precision)
+        precision = args.precision or ESTIMATOR_PRECISION[run_precision(recipe.train, "cuda")]
+        est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
+        alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
         if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
             extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
             write_json({**est.to_dict(), **extra}, Path(args.json))

@@ -61,8 +61,9 @@ from poetxq.optim import (
     merge_and_reset,
 )
 from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
+from poetxq.precision import run_precision
 from poetxq.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
-from poetxq.relayout import model_tensors, relayout, relayout_wanted
+from poetxq.relayout import relayout_if_wanted
 from poetxq.text import count
 
 #: files a run writes into its directory
@@ -309,10 +310,10 @@ def train(
     """
     tc, oc, pc = recipe.train, recipe.optim, recipe.poet
     cuda = torch.cuda.is_available()
-    if tc.precision == "auto":
-        mixed = "bf16" if cuda else "no"
-    else:
-        mixed = "bf16" if tc.precision == "bf16" else "no"
+    # autocast: accelerate's bf16 mixed precision; bf16-true: bf16 parameters (cast by
+    # poetxq.build), no autocast; fp32
+    precision = run_precision(tc, "cuda" if cuda else "cpu")
+    mixed = "bf16" if precision == "autocast" else "no"
     # accelerate keeps one AcceleratorState per process and refuses a second run of another
     # precision (a bf16 run after an fp32 one in a notebook or a test session): start it afresh
     # for each run (the distributed PartialState, set up by the launcher, is kept; an Accelerator
@@ -401,12 +402,7 @@ def train(
     say(built.build_line())
     if is_poet:
         optimizer = build_optimizer(model, oc)
-        if relayout_wanted(built.device):  # no holes where the flattened groups' Q were
-            moved = relayout(model_tensors(model, optimizer), built.device)
-            say(
-                f"device memory laid out afresh (expandable segments): "
-                f"{moved.bytes / 2**30:.2f} GiB in {moved.seconds:.1f} s"
-            )
+        relayout_if_wanted(model, optimizer, built.device, say)
     else:
         assert built.baseline is not None
         optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)
@@ -698,7 +694,8 @@ def train(
             tokens_per_s=tokens_per_s,
             train_seconds=train_seconds,
             merges=merges,
-            device=str(device) + (" bf16" if mixed == "bf16" else " fp32"),
+            device=str(device)
+            + {"autocast": " bf16", "bf16-true": " bf16-true"}.get(precision, " fp32"),
             method=method_label(recipe),
             peak_memory_bytes=(
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -112,7 +112,7 @@ def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tmp_path, mon
     """The trainer's relayout (forced on the CPU) changes no number of a 3-step run with a merge."""
     import json
 
-    import poetxq.train as train_mod
+    import poetxq.relayout as relayout_mod
     from poetxq.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
@@ -134,7 +134,7 @@ def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tmp_path, mon
 
     want = run("plain")
     assert "laid out afresh" not in capsys.readouterr().out
-    monkeypatch.setattr(train_mod, "relayout_wanted", lambda device: True)
+    monkeypatch.setattr(relayout_mod, "relayout_wanted", lambda device: True)
     got = run("relaid")
     assert "device memory laid out afresh (expandable segments)" in capsys.readouterr().out
     assert len(want) == 3 and got == want

@@ -1,0 +1,55 @@
+"""``train.precision`` resolved for a device: how a run holds its parameters and computes.
+
+* ``autocast``: fp32 parameters (and fp32 optimizer arithmetic), bf16 compute under
+  ``torch.autocast`` (accelerate's ``mixed_precision="bf16"``). ``train.precision: auto`` on a
+  GPU, or ``bf16``.
+* ``bf16-true``: every floating-point *parameter* in bf16 and no autocast (the name Lightning
+  uses for the same thing). Buffers keep their dtype, so the quantization formats do too
+  (int8 ``SCB`` and 4-bit ``absmax`` stay fp32, as bitsandbytes stores them). This is the
+  setting of the official POET-X(Q) code and of ``evals/gpu_memory.py``: at Llama-13B with
+  checkpointing it saves 1.54 GiB of ``Q``/embedding parameters and the fp32 layer inputs
+  (``estimate-memory`` books both). Caveat: an update smaller than half a bf16 step of its
+  parameter is lost (1/256 of the value: a norm weight near 1.0 ignores steps below 0.004);
+  POET's ``Q`` start from 0 at every merge, so they are the least exposed.
+* ``fp32``: everything fp32 (``auto`` on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+RunPrecision = Literal["autocast", "bf16-true", "fp32"]
+
+#: ``poetxq.estimate.estimate_memory``'s name for each run precision
+ESTIMATOR_PRECISION = {"autocast": "autocast", "bf16-true": "bf16", "fp32": "fp32"}
+
+
+def run_precision(train: Any, device: torch.device | str) -> RunPrecision:
+    """``train.precision`` (``auto`` / ``bf16`` / ``bf16-true`` / ``fp32``) as the run uses it
+    on ``device``: ``auto`` is ``autocast`` on CUDA and ``fp32`` elsewhere, ``bf16`` is
+    ``autocast`` everywhere (CPU autocast too)."""
+    setting = train.precision
+    if setting == "auto":
+        return "autocast" if torch.device(device).type == "cuda" else "fp32"
+    return {"bf16": "autocast", "bf16-true": "bf16-true", "fp32": "fp32"}[setting]
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Give every floating-point parameter of ``model`` the dtype ``dtype``, in place
+    (``p.data``: the ``Parameter`` objects stay; tied parameters are cast once).
+
+    Buffers are left alone (quantization scales, permutations, rotary tables). Call it before
+    the optimizer is built (its states take the parameters' dtype).
+
+    Returns:
+        int: the number of parameters cast.
+    """
+    n = 0
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            n += 1
+    return n

@@ -1,0 +1,113 @@
+"""train.precision: how each setting resolves, bf16-true's parameter cast, runs and estimates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from poetxq.cli import main
+from poetxq.precision import cast_parameters, run_precision
+from poetxq.recipe import RecipeError, load_recipe
+from poetxq.surgery import build_llama, convert_to_poetx
+
+
+@pytest.mark.parametrize(
+    ("setting", "device", "want"),
+    [
+        ("auto", "cuda", "autocast"),
+        ("auto", "cpu", "fp32"),
+        ("bf16", "cpu", "autocast"),
+        ("bf16", "cuda", "autocast"),
+        ("bf16-true", "cpu", "bf16-true"),
+        ("bf16-true", "cuda", "bf16-true"),
+        ("fp32", "cuda", "fp32"),
+    ],
+)
+def test_run_precision(setting, device, want):
+    assert run_precision(SimpleNamespace(precision=setting), device) == want
+
+
+def _tiny(bits: int):
+    over = {"model.hidden_size": 64, "model.intermediate_size": 128,
+            "model.num_attention_heads": 4, "model.num_hidden_layers": 1,
+            "poet.block_size": 16, "poet.bits": bits}  # fmt: skip
+    recipe = load_recipe(None, over)
+    torch.manual_seed(0)
+    model = build_llama(recipe.model, 96)
+    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cast_parameters_casts_every_float_parameter_and_no_buffer(bits):
+    model = _tiny(bits)
+    buffers = {n: (b.dtype, b.clone()) for n, b in model.named_buffers()}
+    weights = {n: m.effective_weight() for n, m in model.named_modules() if hasattr(m, "bits")}
+    n_params = len(list(model.parameters()))
+
+    assert cast_parameters(model) == n_params
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for n, b in model.named_buffers():  # SCB / absmax fp32, codes int8 / uint8: unchanged
+        assert b.dtype == buffers[n][0] and torch.equal(b, buffers[n][1]), n
+    assert any(b.dtype == torch.float32 for b in model.buffers())  # scales exist and stay fp32
+    for n, m in model.named_modules():  # Q = 0: the effective weight is W0's, to the bit
+        if n in weights:
+            assert torch.equal(m.effective_weight(), weights[n]), n
+    assert cast_parameters(model) == 0  # already bf16
+
+
+def _run(tmp_path, name, *extra):
+    args = [
+        "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+        "--max-steps", "3", "--eval-every", "20", "--no-progress", "--output-dir", str(tmp_path),
+        "--run-name", name, "--set", "poet.block_size=16", "--set", "model.hidden_size=64",
+        "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
+        "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
+        "--set", "poet.merge_interval=2", *extra,
+    ]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "grad_norm" in r]
+
+
+def test_bf16_true_run_trains_bf16_parameters_and_matches_fp32_to_bf16_precision(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+    want = _run(tmp_path, "fp32", "--set", "train.precision=fp32")
+    got = _run(tmp_path, "bf16", "--set", "train.precision=bf16-true")
+    assert len(got) == 3 and all(map(torch.isfinite, torch.tensor(got)))
+    # the first loss is the initial model's: the same function, bf16 arithmetic
+    assert got[0] == pytest.approx(want[0], rel=2e-2)
+    assert got != want  # and not the fp32 run itself
+    summary = json.loads((tmp_path / "bf16" / "summary.json").read_text())
+    assert summary["device"].endswith("bf16-true")
+    ckpt = next((tmp_path / "bf16" / "checkpoints").iterdir()) / "model.safetensors"
+    with safe_open(str(ckpt), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118
+    assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
+    assert any(k.endswith("SCB") and v == torch.float32 for k, v in dtypes.items())
+    q = [v for k, v in dtypes.items() if k.endswith(".Q")]
+    assert q and all(v == torch.bfloat16 for v in q)
+
+
+def test_bf16_true_is_refused_for_the_int8_baselines():
+    with pytest.raises(RecipeError, match="bf16-true applies to poetxq, poetx and adamw"):
+        load_recipe("llama-60m:qgalore", {"train.precision": "bf16-true"})
+    load_recipe("llama-60m:adamw", {"train.precision": "bf16-true"})  # accepted
+
+
+def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
+    base = ["estimate-memory", "--recipe", "llama-60m:poetxq"]
+    assert main([*base, "--set", "train.precision=bf16-true"]) == 0
+    from_recipe = capsys.readouterr().out
+    assert main([*base, "--precision", "bf16"]) == 0
+    explicit = capsys.readouterr().out
+    assert main(base) == 0
+    autocast = capsys.readouterr().out
+    assert from_recipe == explicit
+    assert from_recipe != autocast and "autocast" in autocast.splitlines()[0]
