@@ -86,6 +86,8 @@ class BenchResult:
     #: the POET layer variant (``fast`` keeps the GEMM output, ``mem`` recomputes it); None for
     #: the baselines
     variant: str | None = None
+    #: ``PYTORCH_CUDA_ALLOC_CONF`` of the run ("" when unset): it changes the reserved bytes
+    alloc_conf: str = ""
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -338,6 +340,7 @@ def run_bench(
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,
+        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     )  # fmt: skip
 
 

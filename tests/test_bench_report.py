@@ -51,7 +51,8 @@ def test_bench_cpu_measures_tokens_and_mfu(method):
     assert "peak memory 3.00 GiB reserved (CUDA graph)" in graphed.summary_line()
 
 
-def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
+def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # recorded, not used
     out = tmp_path / "b.json"
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
     args = ["--steps", "2", "--device", "cpu", "--gradient-checkpointing", "--out", str(out)]
@@ -64,6 +65,7 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys):
     assert data["variant"] == "mem"
     assert f"{data['tokens_per_s']:,.0f} tok/s" in line
     assert data["gradient_checkpointing"] is True and data["steps"] == 2
+    assert data["alloc_conf"] == "max_split_size_mb:64" and data["precision"] == "fp32"
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--steps >= 1" in err[0]

@@ -111,3 +111,19 @@ def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
     autocast = capsys.readouterr().out
     assert from_recipe == explicit
     assert from_recipe != autocast and "autocast" in autocast.splitlines()[0]
+
+
+def test_bench_follows_train_precision(tmp_path):
+    out = tmp_path / "b.json"
+    sets = ["--set", "train.precision=bf16-true", "--set", "model.num_hidden_layers=1"]
+    args = ["--steps", "1", "--device", "cpu", "--out", str(out)]
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, *args]) == 0
+    data = json.loads(out.read_text())
+    assert data["precision"] == "bf16-true"
+    # the estimate books bf16 parameters: the estimator's own bf16 figure
+    from poetxq.estimate import estimate_memory
+
+    recipe = load_recipe("recipes/tiny/poetxq.yaml", {"train.precision": "bf16-true",
+                                                      "model.num_hidden_layers": 1})  # fmt: skip
+    est = estimate_memory(recipe, vocab_size=data["vocab_size"], precision="bf16")
+    assert data["estimated_peak_bytes"] == est.peak
