@@ -210,8 +210,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    "deleted when the new run starts; a folder of other files is "
                    "refused")  # fmt: skip
     g.add_argument(
-        "--eval-every", type=int, help="steps between validation [train.eval_every, default 150]"
-    )
+        "--eval-every", type=int,
+        help="steps between validation; 0: only at the start and the end "
+        "[train.eval_every, default 150]",
+    )  # fmt: skip
     g.add_argument(
         "--log-with", metavar="TRACKER", help="also log to an accelerate tracker, e.g. tensorboard"
     )
@@ -440,7 +442,12 @@ def _only_startup_files(run_dir: Path) -> bool:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from poetxq.train import check_writable, resolve_run_dir, train  # heavy: only for training
+    from poetxq.train import (  # heavy: only for training
+        check_not_in_use,
+        check_writable,
+        resolve_run_dir,
+        train,
+    )
 
     check_kernels_env()
     _check_tracker(args.log_with)
@@ -455,6 +462,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.resume:
         from poetxq.checkpoint import plan_resume
 
+        if args.resume != "auto" and Path(args.resume).is_dir():  # a live run, not a mismatch
+            check_not_in_use(Path(args.resume))
         recipe, run_dir, ckpt = plan_resume(
             args.resume, recipe_path=args.recipe, overrides=_overrides(args),
             run_name=args.run_name,

@@ -85,6 +85,30 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     )
 
 
+def graph_hint(recipe: Any, device: torch.device | str, world: int = 1) -> str | None:
+    """One note for a run that ``train.cuda_graph: auto`` leaves eager although a graph would
+    serve it: a POET method on one CUDA device with ``train.optimizer_in_backward`` and 8-bit
+    states, which :class:`poetxq.graph_optim.GraphedInBackward` captures inside the backward.
+    ``auto`` stays eager there because under the allocator's defaults the graph's private pool
+    can hold more than the eager step (13B: 16.45 against 15.81 GiB); None otherwise."""
+    tc = recipe.train
+    if (
+        tc.cuda_graph != "auto"
+        or torch.device(device).type != "cuda"
+        or world != 1
+        or recipe.method not in POET_METHODS
+        or not tc.optimizer_in_backward
+        or recipe.optim.state_bits != 8
+    ):
+        return None
+    return (
+        "note: train.cuda_graph: true would run this step from a CUDA graph with the 8-bit "
+        "optimizer inside its backward, about 1.6x faster (Llama-13B checkpointed: 0.54 s "
+        "against 0.87 s eagerly; 15.80 GiB reserved with "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True and train.precision: bf16-true)"
+    )
+
+
 def grad_sync_mode(train: Any, graph: bool, world: int) -> str:
     """How a run averages its replicas' gradients (``train.grad_sync`` resolved): ``"none"``
     in one process; ``"ddp"`` (DistributedDataParallel, all-reduce inside backward) or

@@ -147,7 +147,7 @@ class TrainConfig(_Section):
     batch_size: int = Field(8, gt=0)
     grad_accum: int = Field(1, gt=0)
     seq_len: int = Field(128, gt=1)
-    eval_every: int = Field(150, gt=0)
+    eval_every: int = Field(150, ge=0)  # 0: validation at the start and the end only
     eval_max_batches: int | None = Field(None, gt=0)
     log_every: int = Field(10, gt=0)
     seed: int = 0

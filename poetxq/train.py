@@ -39,7 +39,13 @@ from poetxq.checkpoint import (
     save_training_checkpoint,
     write_tensors,
 )
-from poetxq.cudagraph import GraphedMicroStep, capture_micro_step, grad_sync_mode, graph_wanted
+from poetxq.cudagraph import (
+    GraphedMicroStep,
+    capture_micro_step,
+    grad_sync_mode,
+    graph_hint,
+    graph_wanted,
+)
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.distributed import (
     ShardedBatches,
@@ -207,14 +213,7 @@ def lock_run_dir(run_dir: Path) -> None:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip()
-        handle.close()
-        who = f" (pid {owner})" if owner.isdigit() else ""
-        raise RunDirError(
-            f"run directory '{run_dir}' is in use by another poetxq process{who}; wait for it to "
-            "finish or choose another --run-name"
-        ) from None
+        raise _in_use(run_dir, handle) from None
     except OSError:  # a file system without flock (some network mounts): train unlocked
         handle.close()
         return
@@ -223,6 +222,44 @@ def lock_run_dir(run_dir: Path) -> None:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     _HELD_LOCKS[key] = handle
+
+
+def _in_use(run_dir: Path, handle: IO[str]) -> RunDirError:
+    """The error for a lock another process holds (``handle``: the lock file, closed here)."""
+    handle.seek(0)
+    owner = handle.read().strip()
+    handle.close()
+    who = f" (pid {owner})" if owner.isdigit() else ""
+    return RunDirError(
+        f"run directory '{run_dir}' is in use by another poetxq process{who}; wait for it to "
+        "finish or choose another --run-name"
+    )
+
+
+def check_not_in_use(run_dir: Path) -> None:
+    """Refuse ``run_dir`` when another process holds its :func:`lock_run_dir` lock, without
+    taking it (``--resume RUN_DIR`` asks before it reads the run's recipe, so a live run is
+    named as such rather than as a recipe mismatch). Nothing happens without a lock file, in
+    the holding process, or where ``flock`` is unavailable.
+
+    Raises:
+        RunDirError: another process holds the lock.
+    """
+    lock = run_dir / RUN_LOCK
+    if str(run_dir.resolve()) in _HELD_LOCKS or not lock.is_file():
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux / macOS
+        return
+    handle = lock.open("r", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(run_dir, handle) from None
+    except OSError:
+        pass
+    handle.close()  # releases the probe's lock
 
 
 def unlock_run_dir(run_dir: Path) -> None:
@@ -357,6 +394,9 @@ def train(
             "or train.loss_chunk_tokens: 0"
         )
     say = echo if main else (lambda _s: None)
+    hint = graph_hint(recipe, accelerator.device, world)  # a graph would serve this run
+    if hint:
+        say(hint)
     if sync != "none":
         say(
             f"grad sync: {sync} across {world} processes ("
@@ -612,7 +652,7 @@ def train(
             )
         )
         saving = bool(tc.save_every) and step % tc.save_every == 0 and step < tc.max_steps
-        evaluating = step % tc.eval_every == 0 and step < tc.max_steps
+        evaluating = bool(tc.eval_every) and step % tc.eval_every == 0 and step < tc.max_steps
         logging = step % tc.log_every == 0 or step == tc.max_steps
         if merging or saving or evaluating or logging:
             loss_value = check_finite(step)  # a NaN model is never merged, evaluated or saved

@@ -293,6 +293,16 @@ def test_eval_lines_carry_the_current_loss_and_metrics_are_strict_json(tmp_path)
     assert evals and math.isfinite(evals[0]["loss"]) and evals[0]["loss"] > 0
 
 
+def test_eval_every_0_validates_at_the_start_and_the_end_only(tmp_path, capsys):
+    assert _run(tmp_path, "--run-name", "e0", "--max-steps", "4", "--eval-every", "0") == 0
+    lines = (tmp_path / "e0" / "metrics.jsonl").read_text().splitlines()
+    evals = [r["step"] for r in map(json.loads, lines) if "val_ppl" in r]
+    summary = json.loads((tmp_path / "e0" / "summary.json").read_text())
+    assert evals == [0, 4] and math.isfinite(summary["final_val_ppl"])
+    assert _run(tmp_path, "--run-name", "neg", "--eval-every", "-1") != 0
+    assert "train.eval_every" in capsys.readouterr().err
+
+
 def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, monkeypatch):
     # log_every 1000: the NaN of step 3 is caught before the merge of step 4, not at the end
     import poetxq.train as train_mod
@@ -536,6 +546,11 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
         assert sorted(p.name for p in run.iterdir()) == [
             ".poetxq.lock", "model.safetensors", "recipe.yaml"]  # fmt: skip
         assert (run / "model.safetensors").read_bytes() == b"precious"
+        # --resume of the live run (flags that differ from its recipe): named as in use
+        assert main(["train", "--resume", str(run), "--max-steps", "9"]) == 2
+        assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in (
+            _one_error_line(capsys)
+        )
     finally:
         holder.kill()
         holder.wait()

@@ -192,6 +192,36 @@ def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, 
     assert graph_wanted(recipe, device, world) is want
 
 
+_OIB8 = {"train.optimizer_in_backward": True, "optim.grad_clip": 0.0, "optim.state_bits": 8}
+
+
+@pytest.mark.parametrize(
+    ("over", "device", "world", "want"),
+    [
+        (_OIB8, "cuda", 1, True),
+        ({**_OIB8, "train.gradient_checkpointing": True, "train.offload_activations": True,
+          "train.loss_chunk_tokens": 256}, "cuda", 1, True),
+        (_OIB8, "cpu", 1, False),  # no graph without CUDA
+        ({**_OIB8, "train.cuda_graph": True}, "cuda", 1, False),  # already a graph
+        ({**_OIB8, "train.cuda_graph": False}, "cuda", 1, False),  # eager on purpose
+        ({**_OIB8, "optim.state_bits": 32}, "cuda", 1, False),  # the graph's update is 8-bit
+        ({"train.optimizer_in_backward": True, "optim.grad_clip": 0.0}, "cuda", 1, False),
+        ({"optim.state_bits": 8}, "cuda", 1, False),  # auto takes the graph itself there
+        ({**_OIB8, "method": "adamw", "optim.state_bits": 32}, "cuda", 1, False),
+    ],
+)  # fmt: skip
+def test_graph_hint_names_the_graph_where_auto_stays_eager_but_one_serves(over, device, world,
+                                                                         want):  # fmt: skip
+    from poetxq.cudagraph import graph_hint, graph_wanted
+
+    recipe = load_recipe(None, over)
+    hint = graph_hint(recipe, device, world)
+    assert (hint is not None) is want
+    if want:
+        assert not graph_wanted(recipe, device, world)
+        assert hint.startswith("note: train.cuda_graph: true") and "expandable_segments" in hint
+
+
 @pytest.mark.parametrize(
     "setting,graph,world,want",
     [("auto", True, 2, "step"), ("auto", False, 2, "ddp"), ("ddp", False, 4, "ddp"),
