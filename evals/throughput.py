@@ -4,7 +4,8 @@ For each model (default Llama-1B and 3B), sequence length (default 256 and 1024)
 (default poetxq int8, poetx, qgalore, qapollo, adamw) this runs :func:`poetxq.bench.run_bench`
 on random tokens with the recipe ``MODEL:METHOD`` at ``--tokens`` tokens per step (one
 micro-batch of ``tokens / seq`` sequences, no accumulation): fp32 parameters under bf16
-autocast, as ``poetxq train`` runs on a GPU. It records tokens/s, MFU, peak memory and the
+autocast, as ``poetxq train`` runs on a GPU (``--set train.precision=bf16-true``: bf16
+parameters, for the methods that take it). It records tokens/s, MFU, peak memory and the
 estimator's prediction per run, and the ratios the issue targets (poetxq >= 1.3x qgalore and
 >= 0.9x adamw) per (model, seq), measured in the same process.
 
@@ -152,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     runs, ratios = [], []
 
     def save():  # after every (model, seq): a run cut short keeps what finished
+        precision = dict(parse_override(t) for t in args.set).get("train.precision", "auto")
         doc = {
             "what": "training tokens/s, MFU and peak memory per method on random tokens "
-            "(poetxq bench), fp32 params + bf16 autocast on a GPU; ratios measured side by side",
+            "(poetxq bench), train.precision as given (auto: fp32 params + bf16 autocast on a "
+            "GPU; bf16-true: bf16 params, no autocast); ratios measured side by side",
+            "train_precision": precision,
             **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
             "tokens_per_step": args.tokens,
             "kernel_flags": flags,
