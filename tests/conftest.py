@@ -16,3 +16,31 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
+
+
+def _tiny_train(tmp_path, name: str, *extra: str) -> tuple[list[float], list[dict]]:
+    """``poetxq train`` of a 2-layer Llama (d 64, ragged MLP 136, b 16) on pydoc for 3 steps,
+    merging every 2, logging every step, into ``tmp_path/name``; ``extra`` flags go last.
+    Returns the per-step training losses and every metrics.jsonl record."""
+    import json
+
+    from poetxq.cli import main
+
+    args = [
+        "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
+        "--max-steps", "3", "--eval-every", "20", "--no-progress", "--output-dir", str(tmp_path),
+        "--run-name", name, "--set", "poet.block_size=16", "--set", "model.hidden_size=64",
+        "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
+        "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
+        "--set", "poet.merge_interval=2", *extra,
+    ]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "grad_norm" in r], rows
+
+
+@pytest.fixture
+def tiny_train(tmp_path, monkeypatch):
+    """:func:`_tiny_train` bound to this test's ``tmp_path``, with the data cache inside it."""
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+    return lambda name, *extra: _tiny_train(tmp_path, name, *extra)

@@ -244,27 +244,17 @@ def test_estimate_accounts_for_each_option():
     assert base.peak - every.peak > 2**30  # 1.2 GB of the 2.5 GB above the persistent state
 
 
-def _run(tmp_path, name, *extra):
-    args = [
-        "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
-        "--max-steps", "3", "--eval-every", "20", "--no-progress", "--output-dir", str(tmp_path),
-        "--run-name", name, "--set", "poet.block_size=16", "--set", "model.hidden_size=64",
-        "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
-        "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
-        "--set", "optim.warmup_steps=1", "--set", "optim.grad_clip=0",
-        "--set", "train.gradient_checkpointing=true", "--set", "poet.merge_interval=2",
-        "--set", "train.precision=fp32", *extra,  # fp32 on a GPU too: compared at 1e-5
-    ]  # fmt: skip
-    assert main(args) == 0
-    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "grad_norm" in r], rows
+_LOWMEM_BASE = (
+    "--set", "optim.warmup_steps=1", "--set", "optim.grad_clip=0",
+    "--set", "train.gradient_checkpointing=true",
+    "--set", "train.precision=fp32",  # fp32 on a GPU too: compared at 1e-5
+)  # fmt: skip
 
 
-def test_training_with_every_option_equals_training_without(tmp_path, monkeypatch):
-    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
-    want, _ = _run(tmp_path, "plain")
-    got, rows = _run(
-        tmp_path, "lowmem", "--set", "train.optimizer_in_backward=true",
+def test_training_with_every_option_equals_training_without(tmp_path, tiny_train):
+    want, _ = tiny_train("plain", *_LOWMEM_BASE)
+    got, rows = tiny_train(
+        "lowmem", *_LOWMEM_BASE, "--set", "train.optimizer_in_backward=true",
         "--set", "train.offload_activations=true", "--set", "train.loss_chunk_tokens=40",
     )  # fmt: skip
     assert len(want) == len(got) == 3  # three steps, a merge after step 2

@@ -60,26 +60,11 @@ def test_cast_parameters_casts_every_float_parameter_and_no_buffer(bits):
     assert cast_parameters(model) == 0  # already bf16
 
 
-def _run(tmp_path, name, *extra):
-    args = [
-        "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",
-        "--max-steps", "3", "--eval-every", "20", "--no-progress", "--output-dir", str(tmp_path),
-        "--run-name", name, "--set", "poet.block_size=16", "--set", "model.hidden_size=64",
-        "--set", "model.intermediate_size=136", "--set", "model.num_attention_heads=4",
-        "--set", "model.num_hidden_layers=2", "--set", "train.log_every=1",
-        "--set", "poet.merge_interval=2", *extra,
-    ]  # fmt: skip
-    assert main(args) == 0
-    rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "grad_norm" in r]
-
-
 def test_bf16_true_run_trains_bf16_parameters_and_matches_fp32_to_bf16_precision(
-    tmp_path, monkeypatch
+    tmp_path, tiny_train
 ):
-    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
-    want = _run(tmp_path, "fp32", "--set", "train.precision=fp32")
-    got = _run(tmp_path, "bf16", "--set", "train.precision=bf16-true")
+    want, _ = tiny_train("fp32", "--set", "train.precision=fp32")
+    got, _ = tiny_train("bf16", "--set", "train.precision=bf16-true")
     assert len(got) == 3 and all(map(torch.isfinite, torch.tensor(got)))
     # the first loss is the initial model's: the same function, bf16 arithmetic
     assert got[0] == pytest.approx(want[0], rel=2e-2)

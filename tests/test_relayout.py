@@ -108,33 +108,16 @@ def test_relayout_is_wanted_on_cuda_with_expandable_segments_only(monkeypatch, e
     assert relayout_wanted(torch.device("cpu")) is False
 
 
-def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tmp_path, monkeypatch, capsys):
+def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tiny_train, monkeypatch, capsys):
     """The trainer's relayout (forced on the CPU) changes no number of a 3-step run with a merge."""
-    import json
-
     import poetxq.relayout as relayout_mod
-    from poetxq.cli import main
 
-    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
+    extra = ("--set", "optim.warmup_steps=1", "--set", "optim.state_bits=8",
+             "--set", "train.precision=fp32")  # fmt: skip
 
-    def run(name: str) -> list[float]:
-        args = [
-            "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
-            "--batch-size", "4", "--max-steps", "3", "--eval-every", "20", "--no-progress",
-            "--output-dir", str(tmp_path), "--run-name", name, "--set", "poet.block_size=16",
-            "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
-            "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=2",
-            "--set", "train.log_every=1", "--set", "optim.warmup_steps=1",
-            "--set", "optim.state_bits=8", "--set", "poet.merge_interval=2",
-            "--set", "train.precision=fp32",
-        ]  # fmt: skip
-        assert main(args) == 0
-        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-        return [r["loss"] for r in map(json.loads, lines) if "grad_norm" in r]
-
-    want = run("plain")
+    want, _ = tiny_train("plain", *extra)
     assert "laid out afresh" not in capsys.readouterr().out
     monkeypatch.setattr(relayout_mod, "relayout_wanted", lambda device: True)
-    got = run("relaid")
+    got, _ = tiny_train("relaid", *extra)
     assert "device memory laid out afresh (expandable segments)" in capsys.readouterr().out
     assert len(want) == 3 and got == want
