@@ -68,7 +68,9 @@ def relayout_wanted(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and expandable_segments()
 
 
-def model_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> list:
+def model_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> list[torch.Tensor]:
     """Every tensor of a built model a relayout must move: parameters, their gradients, buffers,
     and the flat buffers of an optimizer's flattened groups (``optimizer.flat_groups``).
 
@@ -121,8 +123,8 @@ def relayout(tensors: Iterable[torch.Tensor], device: torch.device | str) -> Rel
         :class:`RelayoutReport`.
 
     Raises:
-        RuntimeError: the host copy fails (out of host memory); the tensors that were already
-            moved stay on the host, valid, and the caller's ``model.to(device)`` restores them.
+        RuntimeError: out of host or device memory during the copies; every tensor then still
+            points at a valid copy of its values, but some of them on the host.
     """
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
