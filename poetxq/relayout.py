@@ -130,24 +130,24 @@ def relayout(tensors: Iterable[torch.Tensor], device: torch.device | str) -> Rel
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
-    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    # by storage; no name here may keep a device storage alive past the copies to the host
+    groups: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
         if t.device != dev or id(t) in seen or t.untyped_storage().nbytes() == 0:
             continue
         seen.add(id(t))
-        st = t.untyped_storage()
-        groups.setdefault(st.data_ptr(), (st, []))[1].append(t)
+        groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
     moved: list[tuple[torch.UntypedStorage, list[torch.Tensor]]] = []
     total = 0
-    for ts in [ts for _, ts in groups.values()]:
+    for ts in groups.values():
         host = torch.empty(ts[0].untyped_storage().nbytes(), dtype=torch.uint8).untyped_storage()
         host.copy_(ts[0].untyped_storage())
         for t in ts:
             t.data = _view(host, t)
         moved.append((host, ts))
         total += host.nbytes()
-    groups.clear()  # with these references the last device storages go
+    groups.clear()  # every tensor points at the host now: the device storages are free
     gc.collect()
     left = 0
     if dev.type == "cuda":
