@@ -31,6 +31,7 @@ import torch
 
 from poetxq.precision import ESTIMATOR_PRECISION, run_precision
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
+from poetxq.relayout import alloc_conf
 from poetxq.text import count
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
@@ -86,7 +87,8 @@ class BenchResult:
     #: the POET layer variant (``fast`` keeps the GEMM output, ``mem`` recomputes it); None for
     #: the baselines
     variant: str | None = None
-    #: ``PYTORCH_CUDA_ALLOC_CONF`` of the run ("" when unset): it changes the reserved bytes
+    #: the allocator settings of the run (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``,
+    #: "" when unset; :func:`poetxq.relayout.alloc_conf`): they change the reserved bytes
     alloc_conf: str = ""
 
     def summary_line(self) -> str:
@@ -340,7 +342,7 @@ def run_bench(
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,
-        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        alloc_conf=alloc_conf(),
     )  # fmt: skip
 
 

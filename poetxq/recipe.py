@@ -290,7 +290,8 @@ class Recipe(_Section):
         if self.train.precision == "bf16-true" and self.method not in (*POET_METHODS, "adamw"):
             raise ValueError(
                 f"train.precision bf16-true applies to poetxq, poetx and adamw, not "
-                f"{self.method} (its int8 weights keep fp32 gradients); use auto or bf16"
+                f"{self.method} (the GaLore / APOLLO optimizers and int8 weights are not built "
+                "for bf16 parameters here); use auto or bf16"
             )
         if self.optim.state_bits == 8 and self.method not in POET_METHODS:
             raise ValueError(

@@ -50,15 +50,24 @@ class RelayoutReport:
     left_on_device: int
 
 
+#: the environment variables torch's caching allocator reads its settings from (old, new name)
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def alloc_conf() -> str:
+    """The allocator settings of this process: ``PYTORCH_CUDA_ALLOC_CONF`` and
+    ``PYTORCH_ALLOC_CONF`` joined by ``,`` (empty ones left out; "" when neither is set)."""
+    return ",".join(v for v in (os.environ.get(k, "") for k in ALLOC_CONF_VARS) if v)
+
+
 def expandable_segments() -> bool:
-    """Whether ``PYTORCH_CUDA_ALLOC_CONF`` (or torch's newer ``PYTORCH_ALLOC_CONF``) turns on
-    ``expandable_segments``; the last setting of the key wins, as in torch's own parser."""
+    """Whether the allocator settings (:func:`alloc_conf`) turn on ``expandable_segments``;
+    the last setting of the key wins, as in torch's own parser."""
     on = False
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        for item in os.environ.get(var, "").split(","):
-            key, _, value = item.partition(":")
-            if key.strip() == "expandable_segments":
-                on = value.strip().lower() == "true"
+    for item in alloc_conf().split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            on = value.strip().lower() == "true"
     return on
 
 

@@ -162,7 +162,13 @@ def run_tool(args: argparse.Namespace) -> int:
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
-        precision = args.precision or ESTIMATOR_PRECISION[run_precision(recipe.train, "cuda")]
+        runs = ESTIMATOR_PRECISION[run_precision(recipe.train, "cuda")]
+        precision = args.precision or runs
+        if precision != runs:
+            print(
+                f"note: --precision {precision} estimates another setting than the recipe's "
+                f"train.precision {recipe.train.precision} runs on a GPU ({runs})"
+            )
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
         alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
         if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it

@@ -125,6 +125,7 @@ class TrainResult:
     memory_options: list[str] = field(default_factory=list)
     cuda_graph: bool = False  # the micro-steps replayed a CUDA graph (train.cuda_graph resolved)
     grad_sync: str = "none"  # "none" (one process), "ddp" or "step" (train.grad_sync resolved)
+    precision: str = ""  # "autocast", "bf16-true" or "fp32" (train.precision resolved)
 
 
 def _finite(record: dict) -> dict:
@@ -224,16 +225,16 @@ def lock_run_dir(run_dir: Path) -> None:
     _HELD_LOCKS[key] = handle
 
 
-def _in_use(run_dir: Path, handle: IO[str]) -> RunDirError:
-    """The error for a lock another process holds (``handle``: the lock file, closed here)."""
+def _in_use(
+    run_dir: Path, handle: IO[str], fix: str = "wait for it to finish or choose another --run-name"
+) -> RunDirError:
+    """The error for a lock another process holds (``handle``: the lock file, closed here;
+    ``fix``: what to do about it)."""
     handle.seek(0)
     owner = handle.read().strip()
     handle.close()
     who = f" (pid {owner})" if owner.isdigit() else ""
-    return RunDirError(
-        f"run directory '{run_dir}' is in use by another poetxq process{who}; wait for it to "
-        "finish or choose another --run-name"
-    )
+    return RunDirError(f"run directory '{run_dir}' is in use by another poetxq process{who}; {fix}")
 
 
 def check_not_in_use(run_dir: Path) -> None:
@@ -256,7 +257,9 @@ def check_not_in_use(run_dir: Path) -> None:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise _in_use(run_dir, handle) from None
+        raise _in_use(
+            run_dir, handle, "wait for it to finish (or stop it) and resume then"
+        ) from None
     except OSError:
         pass
     handle.close()  # releases the probe's lock
@@ -394,6 +397,11 @@ def train(
             "or train.loss_chunk_tokens: 0"
         )
     say = echo if main else (lambda _s: None)
+    if not cuda and precision != "fp32":  # what a user on a laptop would wonder about
+        say(
+            f"note: train.precision {tc.precision} on the CPU: bf16 arithmetic there can be ~10x "
+            "slower than fp32 (CPUs without native bf16); it is meant for the GPU"
+        )
     hint = graph_hint(recipe, accelerator.device, world)  # a graph would serve this run
     if hint:
         say(hint)
@@ -737,6 +745,7 @@ def train(
             device=str(device)
             + {"autocast": " bf16", "bf16-true": " bf16-true"}.get(precision, " fp32"),
             method=method_label(recipe),
+            precision=precision,
             peak_memory_bytes=(
                 torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             ),

@@ -53,6 +53,7 @@ def test_bench_cpu_measures_tokens_and_mfu(method):
 
 def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")  # recorded, not used
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # torch's newer name
     out = tmp_path / "b.json"
     sets = [x for k, v in SMALL.items() for x in ("--set", f"{k}={v}")]
     args = ["--steps", "2", "--device", "cpu", "--gradient-checkpointing", "--out", str(out)]
@@ -65,7 +66,8 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):
     assert data["variant"] == "mem"
     assert f"{data['tokens_per_s']:,.0f} tok/s" in line
     assert data["gradient_checkpointing"] is True and data["steps"] == 2
-    assert data["alloc_conf"] == "max_split_size_mb:64" and data["precision"] == "fp32"
+    assert data["alloc_conf"] == "max_split_size_mb:64,expandable_segments:False"
+    assert data["precision"] == "fp32"
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--steps >= 1" in err[0]

@@ -548,9 +548,9 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
         assert (run / "model.safetensors").read_bytes() == b"precious"
         # --resume of the live run (flags that differ from its recipe): named as in use
         assert main(["train", "--resume", str(run), "--max-steps", "9"]) == 2
-        assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in (
-            _one_error_line(capsys)
-        )
+        line = _one_error_line(capsys)
+        assert f"'{run}' is in use by another poetxq process (pid {holder.pid})" in line
+        assert line.endswith("wait for it to finish (or stop it) and resume then")
     finally:
         holder.kill()
         holder.wait()

@@ -81,8 +81,9 @@ def test_bf16_true_run_trains_bf16_parameters_and_matches_fp32_to_bf16_precision
 
 
 def test_bf16_true_is_refused_for_the_int8_baselines():
-    with pytest.raises(RecipeError, match="bf16-true applies to poetxq, poetx and adamw"):
-        load_recipe("llama-60m:qgalore", {"train.precision": "bf16-true"})
+    for method in ("qgalore", "galore", "qapollo", "apollo"):
+        with pytest.raises(RecipeError, match="bf16-true applies to poetxq, poetx and adamw"):
+            load_recipe(f"llama-60m:{method}", {"train.precision": "bf16-true"})
     load_recipe("llama-60m:adamw", {"train.precision": "bf16-true"})  # accepted
 
 
@@ -91,11 +92,26 @@ def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
     assert main([*base, "--set", "train.precision=bf16-true"]) == 0
     from_recipe = capsys.readouterr().out
     assert main([*base, "--precision", "bf16"]) == 0
-    explicit = capsys.readouterr().out
+    explicit = capsys.readouterr().out.splitlines()
     assert main(base) == 0
     autocast = capsys.readouterr().out
-    assert from_recipe == explicit
+    # an explicit --precision other than the recipe's runs says so in a note first
+    assert explicit[0] == (
+        "note: --precision bf16 estimates another setting than the recipe's train.precision "
+        "auto runs on a GPU (autocast)"
+    )
+    assert from_recipe.splitlines() == explicit[1:] and "note: --precision" not in from_recipe
     assert from_recipe != autocast and "autocast" in autocast.splitlines()[0]
+
+
+def test_summary_and_the_cpu_note_name_the_precision(tiny_train, tmp_path, capsys):
+    tiny_train("b", "--set", "train.precision=bf16-true", "--max-steps", "1")
+    out = capsys.readouterr().out
+    assert "note: train.precision bf16-true on the CPU: bf16 arithmetic there can be" in out
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["precision"] == "bf16-true"
+    tiny_train("f", "--set", "train.precision=fp32", "--max-steps", "1")
+    assert "on the CPU: bf16" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "f" / "summary.json").read_text())["precision"] == "fp32"
 
 
 def test_bench_follows_train_precision(tmp_path):
