@@ -535,11 +535,12 @@ def _run_validate(args: argparse.Namespace) -> int:
             print(f"poetxq: error: {exc}", file=sys.stderr)
             bad += 1
             continue
-        detail = (
-            f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
-            if recipe.method in POET_METHODS
-            else f"rank={recipe.baseline.rank}"
-        )
+        if recipe.method in POET_METHODS:
+            detail = f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
+        elif recipe.method == "adamw":  # no projection: no rank
+            detail = f"lr={recipe.optim.lr:g}"
+        else:
+            detail = f"rank={recipe.baseline.rank}"
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
         for note in recipe.notes:
             print(f"{path}: note: {note}")

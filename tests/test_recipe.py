@@ -166,6 +166,12 @@ def test_validate_command_reports_every_file(tmp_path, capsys):
     assert f"{latin1}: not UTF-8 text" in err[2]
     assert "absent.yaml' does not exist" in err[3]
     assert main(["validate", str(good)]) == 0
+    adamw, qgalore = ROOT / "recipes/tiny/adamw.yaml", ROOT / "recipes/tiny/qgalore.yaml"
+    capsys.readouterr()
+    assert main(["validate", str(adamw), str(qgalore)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "method=adamw, lr=" in lines[0] and "rank" not in lines[0]  # adamw projects nothing
+    assert "method=qgalore, rank=" in lines[1]
     # --set checks an override against the schema too, for every file
     assert main(["validate", str(good), "--set", "poet.block_size=128"]) == 0
     assert "b=128" in capsys.readouterr().out
