@@ -206,17 +206,8 @@ def lock_run_dir(run_dir: Path) -> None:
     key = str(run_dir.resolve())
     if key in _HELD_LOCKS:
         return
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Linux / macOS
-        return
-    handle = (run_dir / RUN_LOCK).open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(run_dir, handle) from None
-    except OSError:  # a file system without flock (some network mounts): train unlocked
-        handle.close()
+    handle = _flock(run_dir, "a+", "wait for it to finish or choose another --run-name")
+    if handle is None:  # no flock here: train unlocked
         return
     handle.seek(0)
     handle.truncate()
@@ -225,44 +216,50 @@ def lock_run_dir(run_dir: Path) -> None:
     _HELD_LOCKS[key] = handle
 
 
-def _in_use(
-    run_dir: Path, handle: IO[str], fix: str = "wait for it to finish or choose another --run-name"
-) -> RunDirError:
-    """The error for a lock another process holds (``handle``: the lock file, closed here;
-    ``fix``: what to do about it)."""
-    handle.seek(0)
-    owner = handle.read().strip()
-    handle.close()
-    who = f" (pid {owner})" if owner.isdigit() else ""
-    return RunDirError(f"run directory '{run_dir}' is in use by another poetxq process{who}; {fix}")
+def _flock(run_dir: Path, mode: str, fix: str) -> IO[str] | None:
+    """``run_dir``'s lock file opened with ``mode`` and locked exclusively without waiting:
+    the open handle (closing it releases the lock), or None where ``fcntl`` is missing or the
+    file system refuses ``flock`` (some network mounts).
+
+    Raises:
+        RunDirError: another process holds the lock (its pid named when it wrote one; ``fix``
+            says what to do).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on Linux / macOS
+        return None
+    handle = (run_dir / RUN_LOCK).open(mode, encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip()
+        handle.close()
+        who = f" (pid {owner})" if owner.isdigit() else ""
+        raise RunDirError(
+            f"run directory '{run_dir}' is in use by another poetxq process{who}; {fix}"
+        ) from None
+    except OSError:
+        handle.close()
+        return None
+    return handle
 
 
 def check_not_in_use(run_dir: Path) -> None:
     """Refuse ``run_dir`` when another process holds its :func:`lock_run_dir` lock, without
-    taking it (``--resume RUN_DIR`` asks before it reads the run's recipe, so a live run is
+    keeping it (``--resume RUN_DIR`` asks before it reads the run's recipe, so a live run is
     named as such rather than as a recipe mismatch). Nothing happens without a lock file, in
     the holding process, or where ``flock`` is unavailable.
 
     Raises:
         RunDirError: another process holds the lock.
     """
-    lock = run_dir / RUN_LOCK
-    if str(run_dir.resolve()) in _HELD_LOCKS or not lock.is_file():
+    if str(run_dir.resolve()) in _HELD_LOCKS or not (run_dir / RUN_LOCK).is_file():
         return
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Linux / macOS
-        return
-    handle = lock.open("r", encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(
-            run_dir, handle, "wait for it to finish (or stop it) and resume then"
-        ) from None
-    except OSError:
-        pass
-    handle.close()  # releases the probe's lock
+    handle = _flock(run_dir, "r", "wait for it to finish (or stop it) and resume then")
+    if handle is not None:
+        handle.close()  # the probe's lock goes with it
 
 
 def unlock_run_dir(run_dir: Path) -> None:
