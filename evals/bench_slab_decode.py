@@ -178,12 +178,19 @@ def _parse(name: str) -> dict:
 
 
 def _gemm_table(
-    side: str, acts: list[torch.Tensor], w_bf: torch.Tensor, settings: dict, others: dict
+    side: str,
+    acts: list[torch.Tensor],
+    w_bf: torch.Tensor,
+    settings: dict,
+    others: dict,
+    slab_mibs: tuple[int, ...] = (32, 64),
+    bandings: tuple[bool, ...] = (False, True),
 ) -> dict:
     """One side (``forward`` x @ Wᵀ or ``dX`` g @ W) of one shape: bf16 cuBLAS, ``others``
     (name → call on one activation, e.g. bitsandbytes' path), then every decoder setting × slab
-    size × banding: the streamed call, its decodes alone and its slab GEMMs alone; each call
-    made once per activation buffer (3) inside the timed graph."""
+    size (``slab_mibs``) × banding (``bandings``: equal-sized bands or not): the streamed call,
+    its decodes alone and its slab GEMMs alone; each call made once per activation buffer (3)
+    inside the timed graph."""
     n, k = w_bf.shape
     fwd = side == "forward"
     m = acts[0].shape[0]
@@ -191,7 +198,7 @@ def _gemm_table(
     for name, fn in others.items():
         fns[name] = functools.partial(lambda f: [f(a) for a in acts], fn)
     run = streamed_matmul_nt if fwd else streamed_matmul_nn
-    for (name, dec), mib, balanced in itertools.product(settings.items(), (32, 64), (False, True)):
+    for (name, dec), mib, balanced in itertools.product(settings.items(), slab_mibs, bandings):
         sb = mib * 2**20
         band = (streamed._band if balanced else _old_band)(
             n if fwd else k, k if fwd else n, 2, sb, 128 if fwd else 64
@@ -239,27 +246,35 @@ def _bnb_nf4(w: torch.Tensor) -> dict:
     }
 
 
-def gemm_ratios(best_int8: str, best_nf4: str | None) -> list[dict]:
-    """Part 2: streamed GEMMs against bf16 cuBLAS, defaults against the picked settings."""
+def gemm_ratios(
+    best_int8: str | None,
+    best_nf4: str | None,
+    shapes: list[tuple[int, int, int]] = GEMM_SHAPES,
+    nf4: bool = True,
+    **table_kw,
+) -> list[dict]:
+    """Part 2: streamed GEMMs against bf16 cuBLAS at ``shapes`` (M, K, N), the default decoders
+    (NF4 too with ``nf4``, beside bitsandbytes) against the picked settings (none when
+    ``best_*`` is None); ``table_kw`` go to :func:`_gemm_table` (slab sizes, bandings)."""
     out = []
     bf = torch.bfloat16
-    for m, k, n in GEMM_SHAPES:
+    for m, k, n in shapes:
         wt = _weights(n, k)
         cb, scb = wt["cb"], wt["scb"]
-        settings = {
-            "int8 default": int8_decoder(cb, scb),
-            "int8 picked": int8_decoder(cb, scb, **_parse(best_int8)),
-        }
+        settings = {"int8 default": int8_decoder(cb, scb)}
+        if best_int8:
+            settings["int8 picked"] = int8_decoder(cb, scb, **_parse(best_int8))
         others: dict = {"forward": {}, "dX": {}}
-        if best_nf4 and "nf4" in wt:
+        if (nf4 or best_nf4) and "nf4" in wt:
             p, a, c = wt["nf4"]
             settings["nf4 default"] = fourbit_decoder(p, a, c, 64, k)
-            settings["nf4 picked"] = fourbit_decoder(p, a, c, 64, k, **_parse(best_nf4))
+            if best_nf4:
+                settings["nf4 picked"] = fourbit_decoder(p, a, c, 64, k, **_parse(best_nf4))
             others = _bnb_nf4(wt["w_f32"])
         row: dict = {"M": m, "K": k, "N": n}
         for side, width in (("forward", k), ("dX", n)):
             acts = [torch.randn(m, width, device="cuda", dtype=bf) for _ in range(3)]
-            table = _gemm_table(side, acts, wt["w_bf16"], settings, others[side])
+            table = _gemm_table(side, acts, wt["w_bf16"], settings, others[side], **table_kw)
             print(f"M={m} K={k} N={n} {side}: bf16 {table['bf16_matmul']['ms']:.3f} ms", flush=True)
             for key, v in table.items():
                 if key.startswith("bnb"):
