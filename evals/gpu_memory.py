@@ -14,7 +14,7 @@ checkpointing (``poetxq.lowmem.enable_activation_checkpointing``, non-reentrant;
 keeps the layer inputs in pinned host memory). The memory options of a recipe apply through
 ``--set``: ``train.optimizer_in_backward=true optim.grad_clip=0`` (each parameter updated during
 backward, no clipping) and ``train.loss_chunk_tokens=N`` (chunked cross-entropy).
-``poetxq.estimate.estimate_memory(..., precision="bf16")`` gives the prediction beside each
+``poetxq.estimate.estimate_memory(..., precision="bf16-true")`` gives the prediction beside each
 measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
 project's issue) and the issue's targets are recorded next to them.
 
@@ -204,7 +204,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             unfuse_elementwise(model)
         graphed = None  # capture again: checkpointing and the fusion change the graph
         r.train.fuse_elementwise = fused  # what this setting ran
-        est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16")
+        est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16-true")
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracing = bool(args.peak_report) and dev.type == "cuda"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from poetxq.precision import ESTIMATOR_PRECISION, run_precision
+from poetxq.precision import run_precision
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
 from poetxq.relayout import alloc_conf
 from poetxq.text import count
@@ -324,10 +324,10 @@ def run_bench(
         peak_tflops_for(name) if dev.type == "cuda" else None
     )  # fmt: skip
     n_dense = dense_param_count(recipe, V)
-    est = estimate_memory(recipe, vocab_size=V, precision=ESTIMATOR_PRECISION[precision])
+    est = estimate_memory(recipe, vocab_size=V, precision=precision)
     return BenchResult(
         recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
-        device=name, precision="bf16-autocast" if amp else precision, batch_size=tc.batch_size,
+        device=name, precision=precision, batch_size=tc.batch_size,
         grad_accum=tc.grad_accum, seq_len=tc.seq_len, vocab_size=V, steps=steps,
         warmup_steps=warmup, gradient_checkpointing=tc.gradient_checkpointing,
         tokens_per_step=tokens_per_step, step_time_s=elapsed / steps, tokens_per_s=tps,

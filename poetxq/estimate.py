@@ -71,7 +71,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from poetxq.cudagraph import graph_wanted
 from poetxq.flat import BNB_STATE_BLOCK
@@ -79,8 +79,11 @@ from poetxq.fuse import fuse_wanted
 from poetxq.loss import SLICE_BYTES
 from poetxq.recipe import POET_METHODS, Recipe, method_label
 
-Precision = str  # "bf16" | "autocast" | "fp32"
-PRECISIONS = ("bf16", "autocast", "fp32")
+#: how a run holds its parameters and computes, named as :data:`poetxq.precision.RunPrecision`
+#: (``train.precision: auto`` runs ``autocast`` on a GPU and ``fp32`` on the CPU; ``bf16-true``
+#: is every parameter in bf16 without autocast)
+Precision = Literal["autocast", "bf16-true", "fp32"]
+PRECISIONS: tuple[Precision, ...] = ("autocast", "bf16-true", "fp32")
 STATE_BLOCK = 256  # bitsandbytes' block for 8-bit optimizer states
 NF4_BLOCK = 64
 NESTED_BLOCK = 256
@@ -193,9 +196,9 @@ def _gpu_kernel_path(measured_faster: bool, precision: Precision) -> bool:
     """Whether the run this estimate describes takes a GPU-only opt-in kernel path (its
     ``*_MEASURED_FASTER`` flag, or ``POETXQ_KERNELS=fused``): never for ``fp32`` (CPU training:
     CPU tensors take the torch path) nor under ``POETXQ_KERNELS=torch``. The precision stands
-    for the device: ``autocast`` / ``bf16`` estimates describe a GPU run (a CPU run in bf16 takes
-    no such path and keeps a little more; a GPU run in fp32 takes them and keeps a little
-    less)."""
+    for the device: ``autocast`` / ``bf16-true`` estimates describe a GPU run (a CPU run in
+    bf16 takes no such path and keeps a little more; a GPU run in fp32 takes them and keeps a
+    little less)."""
     import quant_kernels
 
     mode = quant_kernels.kernel_mode()
@@ -334,8 +337,8 @@ def estimate_memory(
         batch_size: sequences per micro-batch (default ``train.batch_size``).
         seq_len: tokens per sequence (default ``train.seq_len``).
         precision: ``"autocast"`` (fp32 parameters, bf16 compute: ``poetxq train`` on a GPU),
-            ``"bf16"`` (parameters and compute in bf16, the official code's setting) or ``"fp32"``
-            (CPU training).
+            ``"bf16-true"`` (parameters and compute in bf16, ``train.precision: bf16-true``, the
+            official code's setting) or ``"fp32"`` (CPU training).
 
     Returns:
         :class:`MemoryEstimate` with every component in bytes.
@@ -356,7 +359,7 @@ def estimate_memory(
     T = B * S
     d, f, h, L = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_hidden_layers
     hd = d // h
-    p = 2 if precision == "bf16" else 4  # parameter (and Q) bytes
+    p = 2 if precision == "bf16-true" else 4  # parameter (and Q) bytes
     c = 4 if precision == "fp32" else 2  # compute (activation) bytes
     r = p  # residual stream follows the embedding output dtype
     is_poet = recipe.method in POET_METHODS
@@ -458,14 +461,14 @@ def estimate_memory(
     lm_head_grad = V * d * p
 
     # --- activations (bytes saved by autograd) -------------------------------------------------
-    slope = {"bf16": 24 * d + 8 * f, "autocast": 34 * d + 8 * f, "fp32": 40 * d + 16 * f}
+    slope = {"bf16-true": 24 * d + 8 * f, "autocast": 34 * d + 8 * f, "fp32": 40 * d + 16 * f}
     layer_tok = slope[precision] + 8 + 4 * h
     if is_poet and pc.variant == "mem":
         # POETXSwiGLUMLP: SiLU(gate) and the product are recomputed, only gate and up are kept
         layer_tok -= (8 if precision == "fp32" else 4) * f
     if is_poet and pc.variant == "fast":
         # the inputs mem layers keep and fast layers do not (norm outputs, down_proj input)
-        saved_inputs = {"bf16": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
+        saved_inputs = {"bf16-true": 2 * (2 * d + f), "autocast": 2 * (5 * d + f)}
         saved_inputs["fp32"] = 4 * (2 * d + f)
         layer_tok += fast_extra - saved_inputs[precision]
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
@@ -483,7 +486,7 @@ def estimate_memory(
                 f"fused input cast (quant_kernels.fused_input_cast): {saving} bytes less per "
                 "token and layer (fp32 inputs shared, no bf16 copy per projection)"
             )
-    head_norm = {"bf16": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
+    head_norm = {"bf16-true": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
     graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
     if graph and tc.optimizer_in_backward and tc.loss_chunk_tokens and not mc.tie_word_embeddings:
         # the chunked loss hands it to the update inside the graph a slice at a time
@@ -498,7 +501,7 @@ def estimate_memory(
         )
     layer_const = cnp_const + cast_weights
     layer_full = T * layer_tok + layer_const
-    rotary = 2 * S * hd * (2 if precision == "bf16" else 4)  # cos, sin [1, S, head_dim]
+    rotary = 2 * S * hd * (2 if precision == "bf16-true" else 4)  # cos, sin [1, S, head_dim]
     head = 8 * B * (S + 1) + rotary + T * head_norm
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
     host = 0

@@ -23,9 +23,6 @@ from torch import nn
 
 RunPrecision = Literal["autocast", "bf16-true", "fp32"]
 
-#: ``poetxq.estimate.estimate_memory``'s name for each run precision
-ESTIMATOR_PRECISION = {"autocast": "autocast", "bf16-true": "bf16", "fp32": "fp32"}
-
 
 def run_precision(train: Any, device: torch.device | str) -> RunPrecision:
     """``train.precision`` (``auto`` / ``bf16`` / ``bf16-true`` / ``fp32``) as the run uses it

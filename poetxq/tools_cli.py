@@ -39,6 +39,22 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [data.vocab_size]")
 
 
+def _estimate_precision(text: str) -> str:
+    """``estimate-memory --precision``: a run precision (:data:`poetxq.estimate.PRECISIONS`).
+    ``bf16`` is refused by name: as ``train.precision`` it means autocast, elsewhere it is often
+    read as everything-bf16."""
+    from poetxq.estimate import PRECISIONS
+
+    if text == "bf16":
+        raise argparse.ArgumentTypeError(
+            "'bf16' is ambiguous: use autocast (fp32 parameters, bf16 compute; what "
+            "train.precision: bf16 runs) or bf16-true (every parameter bf16)"
+        )
+    if text not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"'{text}': choose from {', '.join(PRECISIONS)}")
+    return text
+
+
 def add_tool_parsers(sub: Any) -> None:
     """Add ``estimate-memory``, ``bench`` and ``report`` to the ``poetxq`` sub-parsers."""
     p = sub.add_parser(
@@ -56,10 +72,12 @@ def add_tool_parsers(sub: Any) -> None:
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
         "number is bytes",
     )  # fmt: skip
-    p.add_argument("--precision", choices=("autocast", "bf16", "fp32"), default=None,
-                   help="autocast: fp32 parameters + bf16 compute (poetxq train on a GPU); "
-                   "bf16: everything bf16 (train.precision: bf16-true); fp32: CPU. Default: "
-                   "what the recipe's train.precision runs on a GPU")  # fmt: skip
+    p.add_argument("--precision", type=_estimate_precision, default=None,
+                   metavar="{autocast,bf16-true,fp32}",
+                   help="autocast: fp32 parameters + bf16 compute (train.precision auto or bf16 "
+                   "on a GPU); bf16-true: every parameter bf16, no autocast (train.precision: "
+                   "bf16-true); fp32: everything fp32 (the CPU). Default: what the recipe's "
+                   "train.precision runs on a GPU")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
 
     p = sub.add_parser(
@@ -157,12 +175,12 @@ def run_tool(args: argparse.Namespace) -> int:
             other_variant,
             parse_bytes,
         )
-        from poetxq.precision import ESTIMATOR_PRECISION, run_precision
+        from poetxq.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
-        runs = ESTIMATOR_PRECISION[run_precision(recipe.train, "cuda")]
+        runs = run_precision(recipe.train, "cuda")
         precision = args.precision or runs
         if precision != runs:
             print(

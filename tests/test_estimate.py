@@ -157,10 +157,12 @@ def _saved_bytes(model, windows, autocast=False):
 
 
 ACT_CASES = [
-    ("poetxq", "bf16", {}), ("poetxq", "autocast", {}), ("poetxq", "fp32", {}),
-    ("poetxq", "bf16", {"poet.variant": "fast"}), ("poetxq", "autocast", {"poet.variant": "fast"}),
-    ("poetx", "fp32", {"poet.variant": "fast"}), ("adamw", "bf16", {}), ("adamw", "autocast", {}),
-    ("qgalore", "autocast", {}), ("poetxq", "bf16", {"train.gradient_checkpointing": True}),
+    ("poetxq", "bf16-true", {}), ("poetxq", "autocast", {}), ("poetxq", "fp32", {}),
+    ("poetxq", "bf16-true", {"poet.variant": "fast"}),
+    ("poetxq", "autocast", {"poet.variant": "fast"}),
+    ("poetx", "fp32", {"poet.variant": "fast"}), ("adamw", "bf16-true", {}),
+    ("adamw", "autocast", {}),
+    ("qgalore", "autocast", {}), ("poetxq", "bf16-true", {"train.gradient_checkpointing": True}),
     ("poetxq", "autocast", {"train.gradient_checkpointing": True}),
     # 8-bit states, b = 128: every Q fills whole 256-element blocks, the flat group is gapless
     # and the batched CNP reads Q through a view (poetxq.flat), no concatenated copy
@@ -179,7 +181,7 @@ def test_activations_equal_what_autograd_saves(method, precision, over, monkeypa
     )
     est = estimate_memory(recipe, vocab_size=V, precision=precision)
     torch.manual_seed(0)
-    model, _ = _build(recipe, torch.bfloat16 if precision == "bf16" else torch.float32)
+    model, _ = _build(recipe, torch.bfloat16 if precision == "bf16-true" else torch.float32)
     if recipe.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -187,7 +189,7 @@ def test_activations_equal_what_autograd_saves(method, precision, over, monkeypa
     if recipe.train.gradient_checkpointing:
         # the estimate adds one recomputed layer; the rotary cos/sin [1, S, 16] are kept as
         # checkpoint inputs, not through saved-tensor hooks
-        rotary = 2 * 16 * 16 * (2 if precision == "bf16" else 4)
+        rotary = 2 * 16 * 16 * (2 if precision == "bf16-true" else 4)
         assert saved == est.activations - est.layer_activations - rotary
     else:
         assert saved == est.activations
@@ -195,9 +197,9 @@ def test_activations_equal_what_autograd_saves(method, precision, over, monkeypa
 
 def test_checkpointing_shrinks_activations_and_format():
     r = load_recipe("llama-8b:poetxq", {"poet.block_size": 256})
-    a = estimate_memory(r, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16")
+    a = estimate_memory(r, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16-true")
     r2 = load_recipe("llama-8b:poetxq", {"train.gradient_checkpointing": True})
-    b = estimate_memory(r2, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16")
+    b = estimate_memory(r2, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16-true")
     assert b.activations < a.activations / 5 and b.peak < a.peak
     # int8 W0 of the 7 projections x 32 layers: ~6.5 GB, 1.000x bytes per weight
     assert math.isclose(a.frozen_weights / a.num_frozen, 1.0, rel_tol=1e-3)
@@ -334,7 +336,7 @@ def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
     def acts(flag: bool, **over) -> int:
         monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", flag)
         r = _recipe(**{"model.intermediate_size": 192, "poet.variant": "fast", **over})
-        return estimate_memory(r, vocab_size=V, precision="bf16").activations
+        return estimate_memory(r, vocab_size=V, precision="bf16-true").activations
 
     for over in ({}, {"poet.bits": 4}):
         assert acts(False, **over) - acts(True, **over) == 2 * 32 * 2 * 192 * 2  # L 2, T 32, bf16
@@ -360,7 +362,7 @@ def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
     d, L, T = 64, 2, 32
     assert acts(False) - acts(True) == L * T * 2 * d
     assert acts(False, **{"poet.bits": 4}) - acts(True, **{"poet.bits": 4}) == L * T * 2 * d
-    for precision in ("bf16", "fp32"):
+    for precision in ("bf16-true", "fp32"):
         assert acts(False, precision) == acts(True, precision)
     for over in ({"poet.variant": "fast"}, {"poet.block_size": 48}):
         assert acts(False, **over) == acts(True, **over)

@@ -199,7 +199,7 @@ def test_estimate_accounts_for_each_option():
     """Llama-8B, batch 1 x 2048, bf16, 8-bit states, checkpointing: each option's term by hand."""
     over = {"train.gradient_checkpointing": True, "optim.state_bits": 8, "optim.grad_clip": 0,
             "poet.block_size": 256, "train.grad_accum": 1}  # fmt: skip
-    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16"}
+    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16-true"}
     base = estimate_memory(load_recipe("llama-8b:poetxq", over), **kw)
     T, d, L, V = 2048, 4096, 32, 32000
 
@@ -358,7 +358,7 @@ def test_estimate_names_the_phase_of_the_peak():
     of backward the peak; with the layer inputs offloaded the gradients at its end are; with the
     optimizer in backward as well, the start again."""
     over = {"train.gradient_checkpointing": True, "optim.grad_clip": 0, "train.grad_accum": 1}
-    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16"}
+    kw = {"vocab_size": 32000, "batch_size": 1, "seq_len": 2048, "precision": "bf16-true"}
     phases = []
     off = {"train.offload_activations": True}
     for extra in ({}, off, {**off, "train.optimizer_in_backward": True}):
@@ -437,10 +437,12 @@ def test_estimate_books_the_optimizer_inside_a_cuda_graph_as_in_backward():
     optimizer_in_backward run's (one layer alive), not as the graph's static gradients."""
     over = {"optim.grad_clip": 0, "optim.state_bits": 8, "train.gradient_checkpointing": True,
             "train.optimizer_in_backward": True}  # fmt: skip
-    eager = estimate_memory(_recipe(**over, **{"train.cuda_graph": False}), precision="bf16")
-    graph = estimate_memory(_recipe(**over, **{"train.cuda_graph": True}), precision="bf16")
-    static = estimate_memory(_recipe(**{**over, "train.optimizer_in_backward": False,
-                                        "train.cuda_graph": True}), precision="bf16")  # fmt: skip
+    eager = estimate_memory(_recipe(**over, **{"train.cuda_graph": False}), precision="bf16-true")
+    graph = estimate_memory(_recipe(**over, **{"train.cuda_graph": True}), precision="bf16-true")
+    static = estimate_memory(
+        _recipe(**{**over, "train.optimizer_in_backward": False, "train.cuda_graph": True}),
+        precision="bf16-true",
+    )
     assert graph.cuda_graph and graph.peak < static.peak
     # the same booking as eagerly (the graph's fused RMSNorm / rotary keep a little less)
     assert abs(graph.peak - eager.peak) < 0.01 * eager.peak
@@ -460,12 +462,12 @@ def test_estimate_books_the_lm_head_gradient_by_slices_inside_a_graph_with_a_chu
     v = 32000
     whole = v * 1024 * 2  # bf16 [V, d]: 62.5 MiB, two slices' worth
     graph = estimate_memory(_recipe(**over, **{"train.cuda_graph": True}), vocab_size=v,
-                            precision="bf16")  # fmt: skip
+                            precision="bf16-true")  # fmt: skip
     eager = estimate_memory(_recipe(**over, **{"train.cuda_graph": False}), vocab_size=v,
-                            precision="bf16")  # fmt: skip
+                            precision="bf16-true")  # fmt: skip
     tied = estimate_memory(_recipe(**over, **{"train.cuda_graph": True,
                                               "model.tie_word_embeddings": True}),
-                           vocab_size=v, precision="bf16")  # fmt: skip
+                           vocab_size=v, precision="bf16-true")  # fmt: skip
     assert graph.lm_head_grad == SLICE_BYTES < whole
     assert eager.lm_head_grad == tied.lm_head_grad == whole
     assert any("a slice of rows at a time" in n for n in graph.notes)

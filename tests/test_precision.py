@@ -91,17 +91,27 @@ def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
     base = ["estimate-memory", "--recipe", "llama-60m:poetxq"]
     assert main([*base, "--set", "train.precision=bf16-true"]) == 0
     from_recipe = capsys.readouterr().out
-    assert main([*base, "--precision", "bf16"]) == 0
+    assert main([*base, "--precision", "bf16-true"]) == 0
     explicit = capsys.readouterr().out.splitlines()
     assert main(base) == 0
     autocast = capsys.readouterr().out
     # an explicit --precision other than the recipe's runs says so in a note first
     assert explicit[0] == (
-        "note: --precision bf16 estimates another setting than the recipe's train.precision "
-        "auto runs on a GPU (autocast)"
+        "note: --precision bf16-true estimates another setting than the recipe's "
+        "train.precision auto runs on a GPU (autocast)"
     )
     assert from_recipe.splitlines() == explicit[1:] and "note: --precision" not in from_recipe
     assert from_recipe != autocast and "autocast" in autocast.splitlines()[0]
+    # the names are the recipe's run precisions: "bf16" (autocast as train.precision) is
+    # refused by name rather than read as everything-bf16
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--precision", "bf16"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "'bf16' is ambiguous: use autocast" in err and "or bf16-true" in err
+    with pytest.raises(SystemExit):
+        main([*base, "--precision", "fp16"])
+    assert "'fp16': choose from autocast, bf16-true, fp32" in capsys.readouterr().err
 
 
 def test_summary_and_the_cpu_note_name_the_precision(tiny_train, tmp_path, capsys):
@@ -126,5 +136,5 @@ def test_bench_follows_train_precision(tmp_path):
 
     recipe = load_recipe("recipes/tiny/poetxq.yaml", {"train.precision": "bf16-true",
                                                       "model.num_hidden_layers": 1})  # fmt: skip
-    est = estimate_memory(recipe, vocab_size=data["vocab_size"], precision="bf16")
+    est = estimate_memory(recipe, vocab_size=data["vocab_size"], precision="bf16-true")
     assert data["estimated_peak_bytes"] == est.peak
