@@ -3,6 +3,10 @@
 Used to choose the embedded default's learning rates, batch and steps (on the GPU, where a run
 takes seconds). Each variant is a list of ``poetxq quantize-and-train`` arguments.
 
+The results JSON starts with the provenance header (date, GPU, torch, commit, command) and
+holds each variant under ``runs``: its arguments, final and unigram validation perplexity,
+tokens/s, the run's precision and wall time (or the exit code of a run that failed).
+
 Usage:
     python evals/sweep.py --out sweep.json --variant "name: --lr 3e-3 --max-steps 300" ...
 """
@@ -17,6 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+from _common import provenance, write_json_atomic
+
 from poetxq.cli import main as poetxq_main
 
 
@@ -25,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--variant", action="append", required=True, metavar="'NAME: ARGS'")
     args = ap.parse_args(argv)
-    rows = {}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {**provenance(device, argv), "runs": {}}
+    rows = doc["runs"]
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.variant:
             name, _, rest = spec.partition(":")
@@ -41,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
             s = json.loads((Path(tmp) / name / "summary.json").read_text())
             rows[name] = {"args": rest.strip(), "final_val_ppl": s["final_val_ppl"],
                           "unigram_val_ppl": s["unigram_val_ppl"],
+                          "tokens_per_s": s.get("tokens_per_s"), "precision": s.get("precision"),
+                          "steps": s.get("steps"),
                           "wall_s": time.perf_counter() - start}  # fmt: skip
-            Path(args.out).write_text(json.dumps(rows, indent=2))
+            write_json_atomic(args.out, doc)
     for name, r in rows.items():
         ppl = r.get("final_val_ppl", float("nan"))
         print(f"{name:12s} {ppl:8.2f}  ratio {ppl / r.get('unigram_val_ppl', 1):.3f}  {r['args']}")
