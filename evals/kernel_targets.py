@@ -258,10 +258,16 @@ def _floor_text(row: dict[str, Any]) -> str:
     return ""
 
 
-def render(doc: dict[str, Any], source: str) -> str:
-    """Markdown of a run's target rows, its provenance and the int8 layer's kernel profile."""
+def render(
+    doc: dict[str, Any],
+    source: str,
+    heading: str = "# Issue 3 kernel targets, one run",
+    profile: bool = True,
+) -> str:
+    """Markdown of a run's target rows, its provenance and (``profile``) the int8 layer's
+    kernel profile, under ``heading``."""
     lines = [
-        "# Issue 3 kernel targets, one run",
+        heading,
         "",
         f"{doc['gpu']}, {doc['date']}, commit {doc['commit']}, torch {doc['torch']}. Command: "
         f"`{doc['command']}`. Source: `{source}`.",
@@ -301,7 +307,7 @@ def render(doc: dict[str, Any], source: str) -> str:
         for r in official:
             ratios = ", ".join(f"{k[9:]} {v:.2f}" for k, v in r["official_ratios"].items() if v)
             lines.append(f"- {r['target'].split(', ')[-1]}: {ratios}")
-    if doc.get("layer_profile"):
+    if profile and doc.get("layer_profile"):
         lines += [
             "",
             "Top CUDA kernels of one int8 `mem` layer forward+backward, 4096 → 14336:",

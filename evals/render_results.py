@@ -272,6 +272,24 @@ SLAB_GEMM_COLUMNS = (
 )
 
 
+#: the newest one-run measurement of issue 3's kernel targets (evals/kernel_targets.py)
+KERNEL_TARGETS = "kernel_targets_h200_7857f3d.json"
+
+
+def _kernel_targets(name: str = KERNEL_TARGETS) -> list[str]:
+    """Issue 3's targets from one run, each beside its floor (``evals/kernel_targets.py``)."""
+    import kernel_targets
+
+    d = _load(name)
+    if d is None:
+        return []
+    d["targets"] = kernel_targets.targets(d)
+    text = kernel_targets.render(
+        d, f"evals/results/{name}", heading="## Kernel targets in one run", profile=False
+    )
+    return [*text.splitlines(), ""]
+
+
 def _slab_gemms(name: str = "slab_decode_h200_8b1763c.json") -> list[str]:
     """The weight GEMMs against bf16 cuBLAS in GPU time (``evals/bench_slab_decode.py``)."""
     d = _load(name)
@@ -1171,7 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "### Llama-8B / 13B: checkpointing with the memory options, eager and in a CUDA graph",
     )
-    lines += _slab_gemms() + _kernels() + _cnp() + _cnp_hybrid() + _fused_perm() + _multi_gpu()
+    lines += _kernel_targets() + _slab_gemms() + _kernels() + _cnp() + _cnp_hybrid()
+    lines += _fused_perm() + _multi_gpu()
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0

@@ -59,6 +59,18 @@ def test_slab_gemm_table_reads_every_ratio_from_the_json():
     assert render._slab_gemms("no_such_file.json") == []
 
 
+def test_results_page_has_the_kernel_targets_of_one_run():
+    render = _load("render_results")
+    doc = json.loads((REPO / "evals/results" / render.KERNEL_TARGETS).read_text())
+    page = "\n".join(render._kernel_targets())
+    assert page.startswith("## Kernel targets in one run")
+    assert f"commit {doc['commit']}" in page and "Top CUDA kernels" not in page
+    cnp = doc["cnp"]["ms"]
+    speedup = cnp["reference"]["fwd_bwd"] / cnp["fused_hybrid"]["fwd_bwd"]
+    assert f"| {speedup:.3f} | >= 3.00 | **no** |" in page
+    assert render._kernel_targets("no_such_file.json") == []
+
+
 def test_results_page_refuses_an_unwritable_out_before_drawing(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     render = _load("render_results")
