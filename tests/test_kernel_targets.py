@@ -46,7 +46,7 @@ def test_cnp_and_gemm_floors_by_hand(kt):
     # int8 8192 x 4096 x 14336: 9.621e11 FLOP = 0.97238 ms; decode 3 B/weight = 36.70 us
     g = kt.gemm_floor(8192, 4096, 14336, bf16_ms=1.0, code_bytes_per_weight=1.0)
     assert g["gemm_flop_floor_ms"] == pytest.approx(0.972380, rel=1e-5)
-    assert g["streamed_ratio_floor"] == pytest.approx(1.0367002, rel=1e-6)
+    assert g["decode_share"] == pytest.approx(0.0367002, rel=1e-5)
     p = kt.peak_floor_mib(4096, 14336)
     assert p == {"activations_mib": 184.0, "weight_bf16_mib": 112.0}
 
