@@ -361,13 +361,17 @@ def _ratio_line(row: dict) -> str:
     for key in others:
         if key == "poetxq":
             continue
+        graphed = row.get(f"{key}_over_adamw_graph")
+        vs_graph = f", {graphed:.2f}× AdamW in a CUDA graph" if graphed is not None else ""
         if f"{key}_over_qgalore" in row:
             parts.append(
                 f"POET-XQ {_ratio_key_label(key)}: {row[f'{key}_over_qgalore']:.2f}× Q-GaLore, "
-                f"{row[f'{key}_over_adamw']:.2f}× AdamW"
+                f"{row[f'{key}_over_adamw']:.2f}× AdamW{vs_graph}"
             )
         else:
-            parts.append(f"{_ratio_key_label(key)} / AdamW = {row[f'{key}_over_adamw']:.2f}")
+            parts.append(
+                f"{_ratio_key_label(key)} / AdamW = {row[f'{key}_over_adamw']:.2f}{vs_graph}"
+            )
     model = f"{row['model']}, " if "model" in row else ""
     return f"- {model}seq {row['seq_len']}: " + "; ".join(parts)
 

@@ -112,6 +112,9 @@ class OptimConfig(_Section):
 METHODS = ("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo")
 #: methods whose decoder linears become POET-X(Q) layers
 POET_METHODS: tuple[str, ...] = ("poetxq", "poetx")
+#: the methods whose micro-steps can replay a CUDA graph (``train.cuda_graph: true``); ``auto``
+#: takes one for the POET methods only (:func:`poetxq.cudagraph.graph_wanted`)
+GRAPH_METHODS: tuple[str, ...] = (*POET_METHODS, "adamw")
 Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"]
 
 
@@ -164,8 +167,8 @@ class TrainConfig(_Section):
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # fixed shapes. auto: on for the POET methods on CUDA without gradient_checkpointing /
     # offload_activations / loss_chunk_tokens / optimizer_in_backward, and with several
-    # processes unless grad_sync: ddp; else off (poetxq.cudagraph.graph_wanted); true
-    # refuses what it cannot serve
+    # processes unless grad_sync: ddp; else off (poetxq.cudagraph.graph_wanted); true (POET
+    # methods and adamw) refuses what it cannot serve
     cuda_graph: bool | Literal["auto"] = "auto"
     # how the replicas of a multi-process run (torchrun / accelerate launch) average gradients.
     # ddp: DistributedDataParallel all-reduces them in buckets during backward; step: every
@@ -281,10 +284,17 @@ class Recipe(_Section):
                 if note not in self._notes:
                     self._notes.append(note)
             m.max_position_embeddings = self.train.seq_len
-        if self.train.cuda_graph is True and self.method not in POET_METHODS:
+        if self.train.cuda_graph is True and self.method not in GRAPH_METHODS:
             raise ValueError(
-                f"train.cuda_graph applies to the POET methods, not {self.method}; set "
-                "train.cuda_graph: false or auto"
+                f"train.cuda_graph applies to the POET methods and adamw, not {self.method}; "
+                "set train.cuda_graph: false or auto"
+            )
+        tc = self.train
+        if tc.cuda_graph is True and self.method not in POET_METHODS and tc.optimizer_in_backward:
+            raise ValueError(  # the update the graph captures is POET's 8-bit AdamW
+                f"train.cuda_graph with train.optimizer_in_backward applies to the POET "
+                f"methods (the graph captures their 8-bit update), not {self.method}; set "
+                "train.cuda_graph: false"
             )
         self._check_memory_options()
         if self.train.precision == "bf16-true" and self.method not in (*POET_METHODS, "adamw"):

@@ -5,7 +5,7 @@ import torch
 from test_checkpoint import TINY  # the tiny real run the resume tests use
 
 from poetxq.bench import BenchError, run_bench
-from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep
+from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
 from poetxq.recipe import RecipeError, load_recipe
 
 
@@ -102,6 +102,26 @@ def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkey
     assert graph == pytest.approx(eager, rel=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_adamw_with_a_cuda_graph_trains_like_it_does_eagerly(tmp_path, monkeypatch, precision):
+    """The AdamW baseline with train.cuda_graph: true (static gradients, the fused update
+    outside the graph) against the same run eager; under bf16 autocast too, where the graph
+    replays the weight casts."""
+    from poetxq.cli import main
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    common = [*TINY, "--method", "adamw", "--output-dir", str(tmp_path), "--max-steps", "7",
+              "--set", f"train.precision={precision}", "--set", "train.grad_accum=2",
+              "--set", "train.fuse_elementwise=false"]  # fmt: skip
+    assert main(["train", *common, "--run-name", "eager", "--set", "train.cuda_graph=false"]) == 0
+    assert main(["train", *common, "--run-name", "graph", "--set", "train.cuda_graph=true"]) == 0
+    eager, graph = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
+    assert len(eager) == len(graph) == 7
+    assert graph != pytest.approx(graph[0])  # trained
+    assert graph == pytest.approx(eager, rel=1e-5 if precision == "fp32" else 1e-3)
+
+
 # b = 64, d = 256: every Q has >= 4096 elements, so the Q group is one flat 8-bit group
 WIDER = ["--set", "model.hidden_size=256", "--set", "model.intermediate_size=512",
          "--set", "poet.block_size=64"]  # fmt: skip
@@ -152,11 +172,20 @@ def test_recipe_takes_a_cuda_graph_with_the_chunked_loss_and_with_offload():
     assert recipe.train.offload_activations  # to host buffers made once (poetxq.lowmem)
 
 
-def test_recipe_refuses_cuda_graph_for_a_baseline():
+def test_recipe_refuses_cuda_graph_for_a_baseline_other_than_adamw():
     from poetxq.recipe import RecipeError
 
-    with pytest.raises(RecipeError, match=r"train\.cuda_graph applies to the POET methods"):
-        load_recipe(None, {"method": "adamw", "train.cuda_graph": True})
+    for method in ("qgalore", "qapollo", "galore", "apollo"):
+        with pytest.raises(RecipeError, match=r"cuda_graph applies to the POET methods and adamw"):
+            load_recipe(None, {"method": method, "train.cuda_graph": True})
+    # adamw replays a graph when asked; auto keeps it eager (graph_wanted)
+    recipe = load_recipe(None, {"method": "adamw", "train.cuda_graph": True})
+    assert graph_wanted(recipe, "cuda")
+    assert not graph_wanted(load_recipe(None, {"method": "adamw"}), "cuda")
+    # the update captured inside the backward is POET's 8-bit one
+    with pytest.raises(RecipeError, match=r"with train\.optimizer_in_backward applies to the POET"):
+        load_recipe(None, {"method": "adamw", "train.cuda_graph": True, "optim.grad_clip": 0,
+                           "train.optimizer_in_backward": True})  # fmt: skip
 
 
 @pytest.mark.parametrize(

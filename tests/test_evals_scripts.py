@@ -235,8 +235,13 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
     assert mod.target_ratios({"poetxq": 1.0}) == {}
     fast = mod.target_ratios({"poetxq_fast_graph": 45.0, "adamw": 50.0, "qgalore": 15.0})
     assert fast == {"poetxq_fast_graph_over_adamw": 0.9, "poetxq_fast_graph_over_qgalore": 3.0}
+    # AdamW in a CUDA graph too: every POET-XQ key also gets its ratio to that run
+    both = mod.target_ratios({"poetxq_graph": 45.0, "adamw": 50.0, "adamw_graph": 60.0})
+    assert both == {"poetxq_graph_over_adamw": 0.9, "poetxq_graph_over_adamw_graph": 0.75}
     assert mod.split_method("poetxq+fast") == ("poetxq", "fast", "poetxq_fast")
     render = _load("render_results")
+    line = render._ratio_line({"seq_len": 256, **both})
+    assert line == "- seq 256: in a CUDA graph / AdamW = 0.90, 0.75× AdamW in a CUDA graph"
     assert render._ratio_key_label("poetxq_fast_graph") == "fast in a CUDA graph"
     assert render._ratio_key_label("poetxq4_graph") == "4-bit in a CUDA graph"
     assert mod.split_method("adamw") == ("adamw", None, "adamw")
@@ -246,7 +251,7 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
     # a profile folder that is a file
     (tmp_path / "afile").write_text("x")
     for flags, why in [
-        (["--graph-methods", "adamw"], "train.cuda_graph applies to the POET methods"),
+        (["--graph-methods", "qgalore"], "train.cuda_graph applies to the POET methods and adamw"),
         (["--graph-methods", "poetxq", "--device", "cpu"], "--graph-methods needs a CUDA device"),
         (["--profile-dir", str(tmp_path / "afile"), "--device", "cpu"], "is a file"),
         (["--methods", "adamw+fast", "--device", "cpu"], "only the POET methods have a variant"),
