@@ -566,7 +566,8 @@ def plan_resume(
 
     Raises:
         CheckpointError: missing run directory or checkpoint, ``auto`` without ``run_name``, a
-            corrupted checkpoint, a finished run, or a recipe that differs from the
+            corrupted checkpoint, a finished run (its last checkpoint at ``max_steps`` and its
+            ``model.safetensors`` written), or a recipe that differs from the
             checkpoint's in a key outside :data:`RESUMABLE_KEYS` (one line, naming the keys).
         poetxq.recipe.RecipeError: a bad recipe file or override.
     """
@@ -636,8 +637,15 @@ def plan_resume(
             "start a new run"
         )
     if meta["step"] >= recipe.train.max_steps:
-        raise CheckpointError(
-            f"--resume: run '{run_dir}' already finished (step {meta['step']} of "
-            f"{recipe.train.max_steps}); start a new run to train further"
+        if (run_dir / "model.safetensors").is_file():
+            raise CheckpointError(
+                f"--resume: run '{run_dir}' already finished (step {meta['step']} of "
+                f"{recipe.train.max_steps}); start a new run to train further"
+            )
+        # stopped after its last checkpoint, before the final model was written (killed, or a
+        # full disk): the session evaluates and writes the final model and summary, no step
+        recipe.add_note(
+            f"run '{run_dir}' reached step {meta['step']} of {recipe.train.max_steps} but has "
+            "no final model.safetensors: it is evaluated and written now, without training"
         )
     return recipe, run_dir, ckpt

@@ -8,6 +8,8 @@ written to the run directory.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib.util
 import os
 import sys
@@ -16,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from poetxq.paths import RUN_LOCK
-from poetxq.recipe import POET_METHODS, RecipeError, load_recipe, parse_override
+from poetxq.recipe import (
+    POET_METHODS,
+    RecipeError,
+    load_recipe,
+    merge_overrides,
+    parse_override,
+)
 
 # flag dest -> recipe key
 _FLAG_KEYS = {
@@ -312,21 +320,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        key: getattr(args, dest)
+    """The recipe overrides of a train command line (:func:`poetxq.recipe.merge_overrides`: a
+    ``--set`` of a key a flag also sets, with another value, is refused)."""
+    flags: dict[str, tuple[str, Any]] = {
+        key: ("--" + dest.replace("_", "-"), getattr(args, dest))
         for dest, key in _FLAG_KEYS.items()
         if getattr(args, dest) is not None  # flags not given leave the recipe alone
     }
+    if args.freeze_orthogonal:
+        flags["poet.freeze_orthogonal"] = ("--freeze-orthogonal", True)
+    implied: dict[str, Any] = {}
     if args.data is not None and not args.data.startswith("hf:"):
         # --data replaces the source: the recipe's hub settings do not apply to local text
-        out["data.hf_config"] = None
-        out["data.hf_val_split"] = None
-    if args.freeze_orthogonal:
-        out["poet.freeze_orthogonal"] = True
-    for text in args.overrides:
-        key, value = parse_override(text)
-        out[key] = value
-    return out
+        implied = {"data.hf_config": None, "data.hf_val_split": None}
+    return {**implied, **merge_overrides(flags, args.overrides)}
 
 
 def check_kernels_env() -> None:
@@ -554,6 +561,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         return _main(argv)
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool
+        with contextlib.suppress(OSError):  # no flush of what is left into the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except KeyboardInterrupt as exc:  # DataPrepInterrupted carries its own line
         args = list(sys.argv[1:] if argv is None else argv)
         hint = ""
@@ -615,6 +626,8 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"poetxq: error: {bad}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    from safetensors import SafetensorError
+
     from poetxq.checkpoint import CheckpointError
     from poetxq.data import DataError
     from poetxq.export import ExportError
@@ -636,12 +649,31 @@ def _main(argv: Sequence[str] | None) -> int:
     ) as exc:  # fmt: skip
         _print_error(str(exc), same_on_every_rank=isinstance(exc, RecipeError))
         return 2
-    except (ValueError, OSError) as exc:  # input checks deeper down (batch vs data size, trackers)
-        # an OSError made with a message only (no errno) is one of ours, already a sentence
-        ours = isinstance(exc, OSError) and exc.errno is None and len(exc.args) == 1
-        text = str(exc) if ours else f"{type(exc).__name__}: {exc}"
-        _print_error(text.splitlines()[0] if text else text)
-        return 2
+    except BrokenPipeError:
+        raise  # main() ends quietly
+    except (OSError, SafetensorError) as exc:
+        if isinstance(exc, SafetensorError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # a full disk while writing outputs (checkpoints are written to a temporary folder
+            # and renamed, so the ones already there are whole)
+            _print_error(
+                f"cannot write the run's files ({str(exc).splitlines()[0]}); free space or "
+                "choose another --output-dir; checkpoints already written are intact (resume "
+                "with --resume RUN_DIR)"
+            )
+            return 2
+        return _input_error(exc)
+    except ValueError as exc:
+        return _input_error(exc)
+
+
+def _input_error(exc: Exception) -> int:
+    """One line for a ``ValueError`` / ``OSError`` from input checks deeper down (batch vs data
+    size, trackers, paths); status 2."""
+    # an OSError made with a message only (no errno) is one of ours, already a sentence
+    ours = isinstance(exc, OSError) and exc.errno is None and len(exc.args) == 1
+    text = str(exc) if ours else f"{type(exc).__name__}: {exc}"
+    _print_error(text.splitlines()[0] if text else text)
+    return 2
 
 
 if __name__ == "__main__":

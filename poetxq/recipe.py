@@ -16,7 +16,7 @@ import contextlib
 import copy
 import os
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -445,6 +445,33 @@ def parse_override(text: str) -> tuple[str, Any]:
         with contextlib.suppress(ValueError):
             value = float(value)
     return key.strip(), value
+
+
+def merge_overrides(flags: dict[str, tuple[str, Any]], sets: Iterable[str]) -> dict[str, Any]:
+    """The recipe overrides of a command line: its flags, then its ``--set KEY=VALUE`` texts.
+
+    Args:
+        flags: recipe key -> (the flag as typed, e.g. ``"--bits"``, its value), for the flags
+            given.
+        sets: the ``--set`` texts, in order (a later one of the same key wins).
+
+    Returns:
+        dict: recipe key -> value.
+
+    Raises:
+        RecipeError: a ``--set`` names a key a flag also sets, with another value (which one
+            should win is the user's call, not ours), or a malformed ``--set``.
+    """
+    out = {key: value for key, (_, value) in flags.items()}
+    for text in sets:
+        key, value = parse_override(text)
+        if key in flags and flags[key][1] != value:
+            flag, given = flags[key]
+            raise RecipeError(
+                f"--set {text} conflicts with {flag} {given} (both set {key}); give only one"
+            )
+        out[key] = value
+    return out
 
 
 #: reserved top-level keys of a recipe file, consumed by composition (never reach the schema)

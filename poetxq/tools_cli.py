@@ -117,19 +117,16 @@ def add_tool_parsers(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace):  # -> Recipe
-    from poetxq.recipe import load_recipe, parse_override
+    from poetxq.recipe import load_recipe, merge_overrides
 
-    over: dict[str, Any] = {}
-    for flag, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len"),
+    flags: dict[str, tuple[str, Any]] = {}
+    for dest, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len"),
                       ("grad_accum", "train.grad_accum")):  # fmt: skip
-        if getattr(args, flag, None) is not None:
-            over[key] = getattr(args, flag)
+        if getattr(args, dest, None) is not None:
+            flags[key] = ("--" + dest.replace("_", "-"), getattr(args, dest))
     if args.gradient_checkpointing:
-        over["train.gradient_checkpointing"] = True
-    for text in args.overrides:
-        key, value = parse_override(text)
-        over[key] = value
-    return load_recipe(args.recipe, over)
+        flags["train.gradient_checkpointing"] = ("--gradient-checkpointing", True)
+    return load_recipe(args.recipe, merge_overrides(flags, args.overrides))
 
 
 def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:

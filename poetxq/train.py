@@ -713,7 +713,9 @@ def train(
         """Final checkpoint, evaluation, model file and summary."""
         interrupted = step < tc.max_steps
         train_seconds = seconds_before + time.perf_counter() - train_start
-        if tc.save_checkpoint or interrupted:  # at the end, and always on SIGTERM/SIGINT
+        # at the end, and always on SIGTERM/SIGINT; not again for a resume that trained no
+        # step (a run that only needed its final model written: the checkpoint is there)
+        if (tc.save_checkpoint or interrupted) and not (resumed and step == start_step):
             checkpoint(step)
         same = replicas_identical(raw_model) if world > 1 else None
         # this session's training steps only: evaluations and checkpoint writes left out

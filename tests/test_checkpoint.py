@@ -256,6 +256,31 @@ def test_resume_finished_run_is_refused(saved_run, capsys):
     assert _snapshot(saved_run) == before
 
 
+def test_resume_writes_the_final_model_of_a_run_stopped_after_its_last_checkpoint(
+    saved_run, tmp_path, capsys
+):
+    """A run killed (or out of disk) between its last checkpoint and its model.safetensors is
+    finished by --resume: evaluated and written, no step trained, the checkpoint left as is."""
+    run = tmp_path / "r"
+    shutil.copytree(saved_run, run)
+    final = (run / "model.safetensors").read_bytes()
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "model.safetensors").unlink()
+    (run / "summary.json").unlink()
+    ckpt = _snapshot(run / "checkpoints")
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "reached step 4 of 4 but has no final model.safetensors" in out
+    assert (run / "model.safetensors").read_bytes() == final  # the same weights, bit for bit
+    again = json.loads((run / "summary.json").read_text())
+    assert again["steps"] == 4 and again["resumed_from"] == [4]
+    assert again["final_val_ppl"] == pytest.approx(summary["final_val_ppl"], rel=1e-6)
+    assert _snapshot(run / "checkpoints") == ckpt
+    # now it is finished: a second --resume is refused as before
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+
+
 def test_resume_missing_dir(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
     assert "does not exist" in _one_error_line(capsys)

@@ -628,3 +628,50 @@ def test_under_a_launcher_a_recipe_error_is_printed_once(tmp_path, capsys, monke
     assert _run(tmp_path, "--data", str(tmp_path / "nope")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("poetxq: error (process 1 of 2): ")
+
+
+def test_a_set_that_contradicts_a_flag_is_one_line(tmp_path, capsys):
+    assert _run(tmp_path, "--bits", "8", "--set", "poet.bits=4") == 2
+    line = _one_error_line(capsys)
+    assert line.endswith(
+        "--set poet.bits=4 conflicts with --bits 8 (both set poet.bits); give only one"
+    )
+    assert not list(tmp_path.iterdir())  # refused before any work
+    # the same value twice is no conflict; nor is a --set of a key no flag gave
+    est = ["estimate-memory", "--batch-size", "2"]
+    assert main([*est, "--set", "train.batch_size=2", "--set", "train.seq_len=64"]) == 0
+    assert "batch 2 x seq 64" in capsys.readouterr().out
+    assert main([*est, "--set", "train.batch_size=4"]) == 2
+    assert "conflicts with --batch-size 2" in _one_error_line(capsys)
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from poetxq import checkpoint as ck
+
+    real = ck.write_tensors
+
+    def full_at_step_4(tensors, path):  # the disk fills up while the step-4 checkpoint is written
+        if "step-00000004" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(tensors, path)
+
+    monkeypatch.setattr(ck, "write_tensors", full_at_step_4)
+    assert _run(tmp_path, "--max-steps", "4", "--save-every", "2", "--run-name", "r") == 2
+    line = _one_error_line(capsys)
+    assert "cannot write the run's files ([Errno 28] No space left on device" in line
+    assert "free space or choose another --output-dir" in line
+    # the first checkpoint stayed whole, no torn one is taken for the latest
+    assert ck.latest_checkpoint(tmp_path / "r").name == "step-00000002"
+
+
+def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
+    import poetxq.cli as cli
+
+    def reader_gone(argv):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(cli, "_main", reader_gone)
+    assert cli.main(["estimate-memory"]) == 141
+    assert capsys.readouterr().err == ""
