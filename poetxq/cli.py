@@ -352,7 +352,15 @@ def check_kernels_env() -> None:
 
 
 def _check_tracker(name: str | None) -> None:
-    """Fail early (before any work) when the asked-for tracker's package is missing."""
+    """Fail early (before any work) when the asked-for tracker is not one accelerate knows
+    (``accelerate.utils.LoggerType``) or its package is missing."""
+    if name is None:
+        return
+    from accelerate.utils import LoggerType
+
+    known = [t.value for t in LoggerType]
+    if name not in known:
+        raise RecipeError(f"--log-with {name}: not an accelerate tracker; choose one of {known}")
     packages = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
     if name in packages and not any(importlib.util.find_spec(p) for p in packages[name]):
         extra = (

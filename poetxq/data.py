@@ -48,8 +48,8 @@ import math
 import os
 import re
 import shutil
+import sys
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1052,10 +1052,16 @@ def _save_cache(entry: Path, key: str, streams: _Streams, save_tokenizer: bool) 
             if not (entry / "meta.json").is_file():
                 raise
     except OSError as e:
-        warnings.warn(f"could not write data cache {entry}: {e}", stacklevel=3)
+        _note(f"could not write the data cache {entry} ({type(e).__name__}: {e.strerror or e}); "
+              "the data is tokenized again next time")  # fmt: skip
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _note(text: str) -> None:
+    """One ``note:`` line on stderr (the data cache's troubles: the run goes on without it)."""
+    print(f"note: {text}", file=sys.stderr)
 
 
 def _load_cache(entry: Path, key: str, spec: _TokenizerSpec) -> _Streams | None:
@@ -1076,7 +1082,10 @@ def _load_cache(entry: Path, key: str, spec: _TokenizerSpec) -> _Streams | None:
         else:
             encoder = spec.load()
     except (OSError, ValueError, KeyError) as e:
-        warnings.warn(f"ignoring unreadable data cache {entry}: {e}", stacklevel=3)
+        # one line, not the loader's message (numpy's suggests unpickling, never done here);
+        # the entry goes, so the tokens written next take its place
+        _note(f"the data cache {entry} is unreadable ({type(e).__name__}); tokenizing again")
+        shutil.rmtree(entry, ignore_errors=True)
         return None
     encoder.vocab_size, encoder.eos_id = int(meta["vocab_size"]), int(meta["eos_id"])
     return _Streams(train, val, encoder, meta["description"])

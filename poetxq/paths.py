@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -16,8 +17,16 @@ def nearest_existing(path: Path) -> Path:
 
 def writable_dir(path: Path) -> bool:
     """Whether files can be created in ``path``: a directory this user may write and enter on a
-    file system mounted read-write."""
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    file system mounted read-write, where a file can really be made (``/proc`` passes the
+    permission check for root but takes no new files): a temporary file is created and
+    removed."""
+    if not (path.is_dir() and os.access(path, os.W_OK | os.X_OK)):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
 
 
 #: advisory lock file of a run directory, held by the process that trains into it

@@ -196,6 +196,32 @@ def test_missing_tracker_package_is_one_line(tmp_path, capsys, monkeypatch):
     line = _one_error_line(capsys)
     assert "pip install tensorboard" in line and 'pip install -e ".[tensorboard]"' in line
     assert not any(tmp_path.iterdir())
+    # a name accelerate does not know: refused up front with the ones it does
+    assert _run(tmp_path, "--log-with", "wandbx") == 2
+    line = _one_error_line(capsys)
+    assert "--log-with wandbx: not an accelerate tracker; choose one of" in line
+    assert "'tensorboard'" in line and not any(tmp_path.iterdir())
+
+
+def test_an_output_dir_that_takes_no_files_is_refused_before_any_work(
+    tmp_path, capsys, monkeypatch
+):
+    """A folder that passes the permission check but takes no new file (/proc for root, a
+    full or odd mount): the probe file says so before the data is prepared."""
+    import tempfile
+
+    from poetxq.paths import writable_dir
+
+    assert writable_dir(tmp_path)
+
+    def refuse(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    assert not writable_dir(tmp_path)
+    assert _run(tmp_path, "--run-name", "r") == 2
+    assert "is read-only or not writable by this user" in _one_error_line(capsys)
+    assert not any(tmp_path.iterdir())
 
 
 def test_set_empty_value_is_not_dropped_and_bad_yaml_is_one_line(tmp_path, capsys):

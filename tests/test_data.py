@@ -108,6 +108,19 @@ def test_cache_hit_is_fast_identical_and_pickle_free(embedded_gpt2) -> None:
         assert not p.read_bytes().startswith(b"\x80")  # no pickle protocol header
 
 
+def test_a_corrupt_cache_entry_is_one_note_and_rebuilt(tmp_path: Path, capsys) -> None:
+    cfg = DataConfig(source="pydoc", vocab_size=512, cache_dir=str(tmp_path))
+    first = prepare_data(cfg, 32, progress=False)
+    entry = next(Path(cfg.cache_dir).iterdir())
+    (entry / "train.npy").write_bytes(b"\x93NUMPY garbage")  # not an array file any more
+    capsys.readouterr()
+    again = prepare_data(cfg, 32, progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"note: the data cache {entry} is unreadable (ValueError); tokenizing again"]
+    assert torch.equal(again.train, first.train)  # rebuilt from the source, the same tokens
+    assert np.load(entry / "train.npy", allow_pickle=False).size == first.train_tokens
+
+
 @pytest.mark.slow
 def test_embedded_trained_bpe_has_over_2m_tokens(tmp_path: Path) -> None:
     cfg = DataConfig(source="embedded", vocab_size=1024, cache_dir=str(tmp_path))
