@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from poetxq.precision import run_precision
+from poetxq.precision import cpu_note, run_precision
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
 from poetxq.relayout import alloc_conf
 from poetxq.text import count
@@ -256,6 +256,8 @@ def run_bench(
     model.train()
     qmods = quant_modules(model)
     precision = run_precision(tc, dev)  # bf16-true: parameters cast by poetxq.build
+    if note := cpu_note(tc, dev):
+        echo(note)
     amp = precision == "autocast"
     data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len

@@ -25,13 +25,25 @@ RunPrecision = Literal["autocast", "bf16-true", "fp32"]
 
 
 def run_precision(train: Any, device: torch.device | str) -> RunPrecision:
-    """``train.precision`` (``auto`` / ``bf16`` / ``bf16-true`` / ``fp32``) as the run uses it
-    on ``device``: ``auto`` is ``autocast`` on CUDA and ``fp32`` elsewhere, ``bf16`` is
-    ``autocast`` everywhere (CPU autocast too)."""
+    """``train.precision`` (``auto`` / ``bf16`` or ``autocast`` / ``bf16-true`` / ``fp32``) as
+    the run uses it on ``device``: ``auto`` is ``autocast`` on CUDA and ``fp32`` elsewhere,
+    ``bf16`` (or its other name ``autocast``) is ``autocast`` everywhere (CPU autocast too)."""
     setting = train.precision
     if setting == "auto":
         return "autocast" if torch.device(device).type == "cuda" else "fp32"
-    return {"bf16": "autocast", "bf16-true": "bf16-true", "fp32": "fp32"}[setting]
+    return {"bf16": "autocast", "autocast": "autocast", "bf16-true": "bf16-true",
+            "fp32": "fp32"}[setting]  # fmt: skip
+
+
+def cpu_note(train: Any, device: torch.device | str) -> str | None:
+    """The one note for a run in bf16 (autocast or ``bf16-true``) on a CPU, where bf16
+    arithmetic can be ~10× slower than fp32; None elsewhere."""
+    if torch.device(device).type == "cuda" or run_precision(train, device) == "fp32":
+        return None
+    return (
+        f"note: train.precision {train.precision} on the CPU: bf16 arithmetic there can be ~10x "
+        "slower than fp32 (CPUs without native bf16); it is meant for the GPU"
+    )
 
 
 def cast_parameters(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:

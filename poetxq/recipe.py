@@ -161,9 +161,10 @@ class TrainConfig(_Section):
     gradient_checkpointing: bool = False
     save_every: int = Field(0, ge=0)  # full training checkpoint every N steps (0: only at exit)
     keep_last: int = Field(2, ge=1)  # checkpoints kept under <run>/checkpoints/
-    # auto: bf16 autocast on a GPU (fp32 parameters), else fp32; bf16: autocast everywhere;
-    # bf16-true: bf16 parameters, no autocast (poetxq.precision)
-    precision: Literal["auto", "fp32", "bf16", "bf16-true"] = "auto"
+    # auto: bf16 autocast on a GPU (fp32 parameters), else fp32; bf16 (or autocast, the name
+    # summary.json and bench record): autocast everywhere; bf16-true: bf16 parameters, no
+    # autocast (poetxq.precision)
+    precision: Literal["auto", "fp32", "bf16", "autocast", "bf16-true"] = "auto"
     # replay each micro-batch's forward+backward from one CUDA graph (poetxq.cudagraph): CUDA,
     # fixed shapes. auto: on for the POET methods on CUDA without gradient_checkpointing /
     # offload_activations / loss_chunk_tokens / optimizer_in_backward, and with several

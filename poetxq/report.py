@@ -335,7 +335,7 @@ def _plots(runs: list[Run], out: Path) -> None:
 
     def bars(values: list[float | None], fname: str, ylabel: str) -> None:
         fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(runs)), 4))
-        labels = [f"{r.model}\n{r.method}" for r in runs]
+        labels = bar_labels(runs)
         heights = [v if v is not None else 0.0 for v in values]
         bars_ = ax.bar(range(len(runs)), heights, color=[f"C{_order(r)[1]}" for r in runs])
         for rect, v in zip(bars_, values):
@@ -355,6 +355,15 @@ def _plots(runs: list[Run], out: Path) -> None:
     kinds = {k for _, k in mem if k}
     bars([None if b is None else b / 2**30 for b, _ in mem], "peak_memory.png",
          "peak memory (GiB" + (", " + "/".join(sorted(kinds)) if kinds else "") + ")")  # fmt: skip
+
+
+def bar_labels(runs: list[Run]) -> list[str]:
+    """One bar label per run: model and method, and the run's folder name where two runs would
+    otherwise share a label (runs of one recipe and method, e.g. seeds or settings)."""
+    labels = [f"{r.model}\n{r.method}" for r in runs]
+    if len(set(labels)) < len(labels):
+        labels = [f"{label}\n{r.name}" for label, r in zip(labels, runs, strict=True)]
+    return labels
 
 
 def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:

@@ -67,7 +67,7 @@ from poetxq.optim import (
     merge_and_reset,
 )
 from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
-from poetxq.precision import run_precision
+from poetxq.precision import cpu_note, run_precision
 from poetxq.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
 from poetxq.relayout import relayout_if_wanted
 from poetxq.text import count
@@ -394,11 +394,8 @@ def train(
             "or train.loss_chunk_tokens: 0"
         )
     say = echo if main else (lambda _s: None)
-    if not cuda and precision != "fp32":  # what a user on a laptop would wonder about
-        say(
-            f"note: train.precision {tc.precision} on the CPU: bf16 arithmetic there can be ~10x "
-            "slower than fp32 (CPUs without native bf16); it is meant for the GPU"
-        )
+    if note := cpu_note(tc, accelerator.device):  # what a user on a laptop would wonder about
+        say(note)
     hint = graph_hint(recipe, accelerator.device, world)  # a graph would serve this run
     if hint:
         say(hint)

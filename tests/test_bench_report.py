@@ -339,6 +339,19 @@ def test_report_names_memory_options_and_8bit_states():
     assert _memory_options(lean) == "checkpointing, chunked loss (256), 8-bit states"
 
 
+def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
+    from poetxq.recipe import load_recipe
+    from poetxq.report import Run, bar_labels
+
+    def run(name: str, method: str = "poetxq") -> Run:
+        return Run(tmp_path / name, load_recipe(None, {"method": method}), {})
+
+    a, b, c = run("seed0"), run("seed1"), run("base", "adamw")
+    assert bar_labels([a, c]) == ["tiny\npoetxq", "tiny\nadamw"]
+    assert bar_labels([a, b, c]) == ["tiny\npoetxq\nseed0", "tiny\npoetxq\nseed1",
+                                     "tiny\nadamw\nbase"]  # fmt: skip
+
+
 def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path):
     """A run that stopped on a NaN loss (train logs a ``diverged`` event and writes no summary)
     is "diverged at step N", not "interrupted"; a POET run with ``poet.freeze_orthogonal`` is

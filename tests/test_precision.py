@@ -22,6 +22,8 @@ from poetxq.surgery import build_llama, convert_to_poetx
         ("auto", "cpu", "fp32"),
         ("bf16", "cpu", "autocast"),
         ("bf16", "cuda", "autocast"),
+        ("autocast", "cpu", "autocast"),  # the name summary.json and bench record
+        ("autocast", "cuda", "autocast"),
         ("bf16-true", "cpu", "bf16-true"),
         ("bf16-true", "cuda", "bf16-true"),
         ("fp32", "cuda", "fp32"),
@@ -122,6 +124,18 @@ def test_summary_and_the_cpu_note_name_the_precision(tiny_train, tmp_path, capsy
     tiny_train("f", "--set", "train.precision=fp32", "--max-steps", "1")
     assert "on the CPU: bf16" not in capsys.readouterr().out
     assert json.loads((tmp_path / "f" / "summary.json").read_text())["precision"] == "fp32"
+
+
+def test_bench_notes_bf16_on_the_cpu_as_train_does(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    sets = ["--set", "model.num_hidden_layers=1", "--steps", "1", "--device", "cpu"]
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, "--out", str(out),
+                 "--set", "train.precision=autocast"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "note: train.precision autocast on the CPU: bf16 arithmetic there can be ~10x" in text
+    assert json.loads(out.read_text())["precision"] == "autocast"
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, "--out", str(out)]) == 0
+    assert "on the CPU: bf16" not in capsys.readouterr().out  # auto is fp32 there
 
 
 def test_bench_follows_train_precision(tmp_path):
