@@ -460,6 +460,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import (  # heavy: only for training
         check_not_in_use,
         check_writable,
+        release_unused_run_dir,
         resolve_run_dir,
         train,
     )
@@ -474,6 +475,7 @@ def _run_train(args: argparse.Namespace) -> int:
             "(they go with --resume auto)"
         )
     ckpt = run_dir = None
+    claim = False  # whether this process created an automatically named run directory
     if args.resume:
         from poetxq.checkpoint import plan_resume
 
@@ -505,10 +507,21 @@ def _run_train(args: argparse.Namespace) -> int:
         restart = args.resume == "auto" and _only_startup_files(
             Path(recipe.train.output_dir) / args.run_name
         )
-        run_dir = resolve_run_dir(recipe, args.run_name, overwrite=args.overwrite or restart)
-    result = train(
-        recipe, run_dir, log_with=args.log_with, progress=not args.no_progress, resume_from=ckpt
-    )
+        # an automatic name is taken now (created), so two runs of one recipe started within
+        # the same second get two directories; under a launcher process 0 alone writes there
+        claim = args.run_name is None and _launcher_rank()[1] == 1
+        run_dir = resolve_run_dir(
+            recipe, args.run_name, overwrite=args.overwrite or restart, claim=claim
+        )
+    try:
+        result = train(
+            recipe, run_dir, log_with=args.log_with, progress=not args.no_progress,
+            resume_from=ckpt,
+        )  # fmt: skip
+    except BaseException:
+        if claim:
+            release_unused_run_dir(run_dir)  # the run failed before writing anything there
+        raise
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
         rank, world = _launcher_rank()
         if rank == 0:  # once, not once per DDP process

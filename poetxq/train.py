@@ -13,6 +13,7 @@ when SIGTERM/SIGINT arrives; ``resume_from`` continues a run exactly where its c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -136,9 +137,17 @@ def _finite(record: dict) -> dict:
     }
 
 
-def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = False) -> Path:
-    """``<train.output_dir>/<run_name or <name>-<method>-timestamp>`` (:func:`run_label`);
-    nothing is created here.
+def resolve_run_dir(
+    recipe: Recipe, run_name: str | None, *, overwrite: bool = False, claim: bool = False
+) -> Path:
+    """``<train.output_dir>/<run_name or <name>-<method>-timestamp>`` (:func:`run_label`).
+
+    Nothing is created here, except with ``claim`` and no ``run_name``: then the automatic name
+    is taken by creating its (empty) directory, and where another run holds it already (two
+    runs of one recipe started within the same second) the first free of ``<name>-2``,
+    ``<name>-3``, ... is created instead. The caller removes it again if the run fails before it
+    writes anything (:func:`release_unused_run_dir`). Only one process may claim: under a
+    launcher every process computes its own name, and only process 0 writes there.
 
     Raises:
         RunDirError: the directory exists and is not empty (and ``overwrite`` is False, or
@@ -155,6 +164,9 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
         )
     name = run_name or f"{run_label(recipe)}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(recipe.train.output_dir) / name
+    if claim and run_name is None:
+        check_writable(path, "choose a writable --output-dir")
+        return _claim(path)
     for p in (path.parent, path):
         if p.exists() and not p.is_dir():
             raise RunDirError(f"'{p}' exists and is not a directory; choose another run location")
@@ -173,6 +185,27 @@ def resolve_run_dir(recipe: Recipe, run_name: str | None, *, overwrite: bool = F
             )
     check_writable(path, "choose a writable --output-dir")
     return path
+
+
+def _claim(path: Path) -> Path:
+    """Create ``path`` (or the first of ``path-2``, ``path-3``, ... that does not exist yet) and
+    return it; creating is atomic, so two processes never take the same one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return candidate
+    raise RunDirError(f"'{path}' and 998 numbered variants exist; give --run-name")
+
+
+def release_unused_run_dir(path: Path) -> None:
+    """Remove ``path`` if it is an empty directory (a claimed run directory, see
+    :func:`resolve_run_dir`, of a run that failed before writing anything); else nothing."""
+    with contextlib.suppress(OSError):
+        path.rmdir()  # only succeeds when empty
 
 
 def check_writable(path: Path, fix: str) -> None:

@@ -122,6 +122,44 @@ def test_read_only_output_dir_is_refused_before_any_work(tmp_path, capsys, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_automatic_run_names_started_in_one_second_get_their_own_directories(tmp_path, monkeypatch):
+    """Without --run-name the directory is claimed (created) at once: a second run of the same
+    recipe within the same second takes ``<name>-2`` instead of stopping later as "in use"."""
+    import poetxq.train
+    from poetxq.recipe import load_recipe, run_label
+
+    monkeypatch.setattr(poetxq.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    recipe = load_recipe(None)
+    recipe.train.output_dir = str(tmp_path / "runs")
+    name = f"{run_label(recipe)}-20261202-000000"
+    first = poetxq.train.resolve_run_dir(recipe, None, claim=True)
+    second = poetxq.train.resolve_run_dir(recipe, None, claim=True)
+    assert (first, second) == (tmp_path / "runs" / name, tmp_path / "runs" / f"{name}-2")
+    assert first.is_dir() and second.is_dir() and list(first.iterdir()) == []
+    assert poetxq.train.resolve_run_dir(recipe, None) == first  # unclaimed: nothing created
+    assert poetxq.train.resolve_run_dir(recipe, "named", claim=True) == tmp_path / "runs" / "named"
+    assert not (tmp_path / "runs" / "named").exists()  # a given name is not claimed
+
+
+def test_a_failed_run_leaves_no_claimed_directory(tmp_path, capsys):
+    assert _run(tmp_path, "--data", str(tmp_path / "nope")) == 2
+    assert "does not exist" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_automatically_named_run_trains_into_a_fresh_directory(tmp_path, monkeypatch):
+    import poetxq.train
+    from poetxq.recipe import load_recipe, run_label
+
+    monkeypatch.setattr(poetxq.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    taken = tmp_path / f"{run_label(load_recipe(None))}-20261202-000000"
+    taken.mkdir()  # another run's, started in the same second
+    (taken / "recipe.yaml").write_text("{}")
+    assert _run(tmp_path, "--max-steps", "1", "--set", "train.save_checkpoint=false") == 0
+    assert (taken.parent / f"{taken.name}-2" / "summary.json").is_file()
+    assert (taken / "recipe.yaml").read_text() == "{}"
+
+
 @pytest.mark.parametrize("name", ["../escape", "a/b", ".hidden", ".."])
 def test_run_name_must_be_a_plain_folder_name(tmp_path, capsys, name):
     assert _run(tmp_path, "--run-name", name) == 2
