@@ -571,7 +571,7 @@ def plan_resume(
             checkpoint's in a key outside :data:`RESUMABLE_KEYS` (one line, naming the keys).
         poetxq.recipe.RecipeError: a bad recipe file or override.
     """
-    from poetxq.recipe import load_recipe
+    from poetxq.recipe import RecipeError, load_recipe
 
     own = None  # RUN_DIR/recipe.yaml when the recipe comes from there
     if resume == "auto":
@@ -610,6 +610,14 @@ def plan_resume(
         # that may change between sessions there), else the checkpoint's
         if recipe_path is None and (run_dir / "recipe.yaml").is_file():
             own = run_dir / "recipe.yaml"
+        if own is not None:
+            try:  # the file alone first: its own error names the checkpoint's copy
+                load_recipe(own)
+            except RecipeError as exc:
+                raise RecipeError(
+                    f"{exc} (the run's recipe; fix it, or move it away to resume with the "
+                    f"checkpoint's copy, {ckpt / 'recipe.yaml'})"
+                ) from None
         recipe = load_recipe(recipe_path or own or ckpt / "recipe.yaml", overrides)
         # the run stays where it is, whatever output_dir the recipe names
     meta = read_checkpoint(ckpt)

@@ -353,6 +353,26 @@ def test_resume_takes_the_run_directorys_recipe(saved_run, tmp_path, capsys):
     assert "log_every: 2" in own.read_text()
 
 
+def test_a_broken_run_recipe_names_the_checkpoints_copy(saved_run, tmp_path, capsys):
+    """A run directory's recipe.yaml that no longer parses is one error line that names the
+    checkpoint's copy to resume from instead; moving it away resumes from that copy."""
+    run = tmp_path / "r"
+    shutil.copytree(saved_run, run)
+    shutil.rmtree(dict(list_checkpoints(run))[4])  # stopped after step 2: resumable
+    (run / "summary.json").unlink()
+    own = run / "recipe.yaml"
+    own.write_text("train: [unclosed\n")
+    before = _snapshot(run)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
+    line = _one_error_line(capsys)
+    copy = run / "checkpoints" / "step-00000002" / "recipe.yaml"
+    assert str(own) in line and f"resume with the checkpoint's copy, {copy}" in line
+    assert _snapshot(run) == before
+    own.rename(tmp_path / "broken.yaml")
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
 def test_how_a_step_is_run_is_not_a_recipe_difference():
     from poetxq.checkpoint import recipe_differences
 
