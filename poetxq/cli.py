@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from poetxq.paths import RUN_LOCK
+from poetxq.paths import RUN_LOCK, nearest_existing
 from poetxq.recipe import (
     POET_METHODS,
     RecipeError,
@@ -510,6 +510,7 @@ def _run_train(args: argparse.Namespace) -> int:
         # an automatic name is taken now (created), so two runs of one recipe started within
         # the same second get two directories; under a launcher process 0 alone writes there
         claim = args.run_name is None and _launcher_rank()[1] == 1
+        existed = nearest_existing(Path(recipe.train.output_dir))
         run_dir = resolve_run_dir(
             recipe, args.run_name, overwrite=args.overwrite or restart, claim=claim
         )
@@ -520,7 +521,7 @@ def _run_train(args: argparse.Namespace) -> int:
         )  # fmt: skip
     except BaseException:
         if claim:
-            release_unused_run_dir(run_dir)  # the run failed before writing anything there
+            release_unused_run_dir(run_dir, existed)  # the run failed before writing there
         raise
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
         rank, world = _launcher_rank()

@@ -13,7 +13,6 @@ when SIGTERM/SIGINT arrives; ``resume_from`` continues a run exactly where its c
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -201,11 +200,19 @@ def _claim(path: Path) -> Path:
     raise RunDirError(f"'{path}' and 998 numbered variants exist; give --run-name")
 
 
-def release_unused_run_dir(path: Path) -> None:
+def release_unused_run_dir(path: Path, existed: Path) -> None:
     """Remove ``path`` if it is an empty directory (a claimed run directory, see
-    :func:`resolve_run_dir`, of a run that failed before writing anything); else nothing."""
-    with contextlib.suppress(OSError):
-        path.rmdir()  # only succeeds when empty
+    :func:`resolve_run_dir`, of a run that failed before writing anything), and every folder
+    above it that is empty now, up to ``existed`` (the closest folder that existed before the
+    claim, :func:`poetxq.paths.nearest_existing`; kept); else nothing."""
+    existed = existed.absolute()
+    path = path.absolute()
+    while path != existed and existed in path.parents:
+        try:
+            path.rmdir()  # only succeeds when empty
+        except OSError:
+            return
+        path = path.parent
 
 
 def check_writable(path: Path, fix: str) -> None:

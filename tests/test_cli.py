@@ -145,6 +145,11 @@ def test_a_failed_run_leaves_no_claimed_directory(tmp_path, capsys):
     assert _run(tmp_path, "--data", str(tmp_path / "nope")) == 2
     assert "does not exist" in _one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+    # nor the output folders it made for it; a folder that was there stays
+    out = tmp_path / "a" / "b"
+    assert main(["quantize-and-train", *TINY, "--output-dir", str(out), "--data", "nope"]) == 2
+    assert "does not exist" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_an_automatically_named_run_trains_into_a_fresh_directory(tmp_path, monkeypatch):
