@@ -18,7 +18,7 @@ import os
 import typing
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -91,6 +91,10 @@ class POETConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
 
+#: an Adam moment coefficient: 1 or above never forgets (torch refuses it, GaLore would not)
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(_Section):
     """AdamW with POET param groups, cosine schedule and post-merge clip re-warm."""
 
@@ -98,7 +102,7 @@ class OptimConfig(_Section):
     poet_lr: float = Field(4e-3, gt=0)
     poet_lr_scale: float = Field(0.5, gt=0)  # Q params use poet_lr * poet_lr_scale
     weight_decay: float = Field(0.0, ge=0)  # on >= 2-D non-Q params
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)  # Adam's beta1, beta2, each in [0, 1)
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.01, ge=0, le=1)
@@ -319,6 +323,11 @@ class Recipe(_Section):
         for note in notes:
             if note not in self._notes:
                 self._notes.append(note)
+        for section in ("poet", "baseline"):
+            if not getattr(self, section).target_modules:
+                raise ValueError(
+                    f"{section}.target_modules is empty; list one or more of {TARGET_MODULES}"
+                )
         unknown = (set(self.poet.target_modules) | set(self.baseline.target_modules)) - set(
             TARGET_MODULES
         )

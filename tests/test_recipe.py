@@ -60,6 +60,11 @@ def test_typo_key_names_file_key_and_allowed(tmp_path):
         ({"train": {"max_steps": 0}}, "train.max_steps"),
         ({"data": {"val_fraction": 0.9}}, "data.val_fraction"),
         ([1, 2], "mapping"),
+        ({"optim": {"betas": [1.5, 0.9]}}, r"optim\.betas\.0': Input should be less than 1"),
+        ({"optim": {"betas": [0.9, 1.0]}}, r"optim\.betas\.1': Input should be less than 1"),
+        ({"optim": {"betas": [-0.1, 0.9]}}, r"optim\.betas\.0': Input should be greater"),
+        ({"poet": {"target_modules": []}}, r"poet\.target_modules is empty; list one or more"),
+        ({"baseline": {"target_modules": []}}, "baseline.target_modules is empty"),
     ],
 )
 def test_bad_values(tmp_path, tree, needle):
