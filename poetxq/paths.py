@@ -29,6 +29,18 @@ def writable_dir(path: Path) -> bool:
         return False
 
 
+def unwritable_reason(path: Path) -> str | None:
+    """Why no folder can be made at ``path`` (None where it can): the nearest existing folder
+    (:func:`nearest_existing`) is a file (``"'/x' is a file, not a directory"``), or it cannot
+    be written (``"'/x' is read-only or not writable by this user"``)."""
+    anchor = nearest_existing(path)
+    if anchor.exists() and not anchor.is_dir():
+        return f"'{anchor}' is a file, not a directory"
+    if not writable_dir(anchor):
+        return f"'{anchor}' is read-only or not writable by this user"
+    return None
+
+
 #: advisory lock file of a run directory, held by the process that trains into it
 #: (:func:`poetxq.train.lock_run_dir`); not a run output
 RUN_LOCK = ".poetxq.lock"

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from poetxq.paths import nearest_existing, writable_dir
+from poetxq.paths import unwritable_reason
 from poetxq.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_label, run_label
 from poetxq.text import count
 
@@ -391,11 +391,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
     if (out / "recipe.yaml").is_file() or (out / "checkpoints").is_dir():
         raise ReportError(f"'{out}' is a run directory; write the report elsewhere (-o report/)")
-    if not writable_dir(anchor := nearest_existing(out)):
-        raise ReportError(
-            f"cannot write '{out}': '{anchor}' is read-only or not writable by this user; "
-            "choose another -o"
-        )
+    if (why := unwritable_reason(out)) is not None:
+        raise ReportError(f"cannot write '{out}': {why}; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
     _plots(runs, out)
     rows = results_rows(runs)

@@ -66,7 +66,7 @@ from poetxq.optim import (
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.paths import RUN_LOCK, nearest_existing, writable_dir
+from poetxq.paths import RUN_LOCK, unwritable_reason
 from poetxq.precision import cpu_note, run_precision
 from poetxq.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
 from poetxq.relayout import relayout_if_wanted
@@ -222,11 +222,8 @@ def check_writable(path: Path, fix: str) -> None:
     Raises:
         RunDirError: one line naming the folder and ``fix``.
     """
-    anchor = nearest_existing(path)
-    if not writable_dir(anchor):
-        raise RunDirError(
-            f"cannot write '{path}': '{anchor}' is read-only or not writable by this user; {fix}"
-        )
+    if (why := unwritable_reason(path)) is not None:
+        raise RunDirError(f"cannot write '{path}': {why}; {fix}")
 
 
 _HELD_LOCKS: dict[str, IO[str]] = {}

@@ -216,6 +216,13 @@ def test_report_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "read-only or not writable by this user; choose another -o" in err[0]
     assert not (tmp_path / "rep").exists()
+    (tmp_path / "file").write_text("x")  # a file where a folder of -o would go
+    assert main(["report", str(run), "-o", str(tmp_path / "file" / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"poetxq: error: cannot write '{tmp_path / 'file' / 'rep'}': "
+        f"'{tmp_path / 'file'}' is a file, not a directory; choose another -o"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,17 @@ def test_read_only_output_dir_is_refused_before_any_work(tmp_path, capsys, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_output_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert _run(tmp_path / "notes.txt") == 2
+    err = _one_error_line(capsys)
+    assert f"'{tmp_path / 'notes.txt'}' is a file, not a directory; choose a writable" in err
+    assert _run(tmp_path / "notes.txt", "--run-name", "r") == 2
+    err = _one_error_line(capsys)
+    assert f"'{tmp_path / 'notes.txt'}' exists and is not a directory; choose another" in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_automatic_run_names_started_in_one_second_get_their_own_directories(tmp_path, monkeypatch):
     """Without --run-name the directory is claimed (created) at once: a second run of the same
     recipe within the same second takes ``<name>-2`` instead of stopping later as "in use"."""
