@@ -383,7 +383,8 @@ def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
 
 
 def _source_of(key: str, provenance: dict[str, str] | None, default: str) -> str:
-    """The file that set ``key`` (or the closest enclosing/contained key) per ``provenance``."""
+    """The file that set ``key`` (or the closest enclosing key) per ``provenance``; for a whole
+    section (an error between its keys), every file and override that set keys in it."""
     if not provenance:
         return default
     parts = key.split(".")
@@ -391,8 +392,8 @@ def _source_of(key: str, provenance: dict[str, str] | None, default: str) -> str
         hit = provenance.get(".".join(parts[:i]))
         if hit is not None:
             return hit
-    inner = sorted(v for k, v in provenance.items() if k.startswith(key + "."))
-    return inner[0] if inner else default
+    inner = sorted({v for k, v in provenance.items() if k.startswith(key + ".")})
+    return ", ".join(inner) if inner else default
 
 
 def format_validation_error(
@@ -708,6 +709,12 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
         RecipeError: missing/unreadable file, bad YAML, unknown key or invalid value (one line,
             naming the file that set the offending key).
     """
+    for key in overrides or {}:
+        if key.split(".")[0] in ("base", "by_model"):
+            raise RecipeError(
+                f"override {key}: 'base' and 'by_model' compose recipe files and are read from a "
+                "file only; write them in a recipe YAML and pass it with --recipe"
+            )
     tree, prov, source = compose_recipe_tree(path, overrides)
     try:
         return Recipe.model_validate(tree)

@@ -226,3 +226,22 @@ def test_a_warmup_as_long_as_the_run_gets_a_note():
         "and never reaches optim.lr; lower optim.warmup_steps for a short run"
     ]
     assert load_recipe(None, {"train.max_steps": 21, "optim.warmup_steps": 20}).notes == []
+
+
+@pytest.mark.parametrize("key", ["base", "by_model.llama-60m", "by_model"])
+def test_composition_keys_are_refused_as_overrides(key):
+    """``base`` / ``by_model`` compose files; as a --set they are named as file-only keys (they
+    used to be reported as unknown while the message listed them as allowed)."""
+    with pytest.raises(RecipeError, match=f"override {key}: 'base' and 'by_model' compose"):
+        load_recipe(None, {key: "x.yaml"})
+
+
+def test_an_error_between_keys_of_a_section_names_every_source():
+    """hidden_size vs num_attention_heads: the line names both overrides and the file, not
+    only the first override (which may be the innocent one)."""
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(None, {"model.hidden_size": 64, "model.num_attention_heads": 3})
+    text = str(exc.value)
+    assert "override model.hidden_size=64" in text
+    assert "override model.num_attention_heads=3" in text
+    assert "hidden_size 64 is not divisible by num_attention_heads 3" in text
