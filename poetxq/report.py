@@ -66,6 +66,8 @@ class Run:
     summary: dict[str, Any]
     metrics: list[dict[str, Any]] = field(default_factory=list)
     has_summary: bool = True  # False: summary derived from metrics.jsonl (an interrupted run)
+    # set by mark_shapes where runs of one recipe name differ in model shape, e.g. " (d 64, 2L)"
+    shape_note: str = ""
 
     @property
     def method(self) -> str:
@@ -91,9 +93,22 @@ class Run:
 
     @property
     def model(self) -> str:
-        """The recipe name without its method suffix (runs with the same one share a table)."""
+        """The recipe name without its method suffix, plus :attr:`shape_note` (runs with the
+        same one share a table)."""
         label = run_label(self.recipe)
-        return label[: -len(method_label(self.recipe)) - 1]
+        return label[: -len(method_label(self.recipe)) - 1] + self.shape_note
+
+    @property
+    def shape(self) -> str:
+        """The model's shape in a few words: ``d 64, 2 layers, MLP 136, 4 heads`` (or the
+        checkpoint a ``--model`` run continued from)."""
+        m = self.recipe.model
+        if m.pretrained is not None:
+            return f"from {m.pretrained}"
+        return (
+            f"d {m.hidden_size}, {m.num_hidden_layers} layers, MLP {m.intermediate_size}, "
+            f"{m.num_attention_heads} heads"
+        )
 
     @property
     def name(self) -> str:
@@ -254,6 +269,19 @@ def read_run(path: str | Path) -> Run:
     return Run(p, recipe, summary, metrics, has_summary=has_summary)
 
 
+def mark_shapes(runs: list[Run]) -> None:
+    """Give each run whose recipe name it shares with a run of another model shape that shape
+    as its :attr:`Run.shape_note`, so they go to separate tables and plots (``--set model.*``
+    changes a model without renaming it)."""
+    shapes: dict[str, set[str]] = {}
+    for run in runs:
+        run.shape_note = ""
+        shapes.setdefault(run.model, set()).add(run.shape)
+    for run in runs:
+        if len(shapes[run.model]) > 1:
+            run.shape_note = f" ({run.shape})"
+
+
 def _order(run: Run) -> tuple[str, int, str]:
     m = run.method
     return (run.model, METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), run.name)
@@ -386,6 +414,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
             repeated.append(str(p))
         given.setdefault(Path(p).resolve(), p)
     runs = [read_run(p) for p in given.values()]  # all read before anything is written
+    mark_shapes(runs)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
@@ -400,7 +429,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
             "wall time", "memory options"]  # fmt: skip
     lines = ["# Results", ""]
     lines.append(
-        f"{count(len(runs), 'run')}; runs of the same model are side by "
+        f"{count(len(runs), 'run')}; runs of the same model (recipe name and shape) are side by "
         "side. Peak memory is "
         "`torch.cuda.max_memory_allocated` on a GPU, the process's peak RSS (marked) on the CPU."
     )

@@ -152,7 +152,7 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
     assert main(["report", *map(str, dirs), again, "-o", str(out)]) == 0
     assert capsys.readouterr().out.strip().endswith("report.md (2 runs)")  # not 3
     md = (out / "report.md").read_text()
-    assert md.count("2 runs; runs of the same model are side by side") == 1
+    assert md.count("2 runs; runs of the same model (recipe name and shape) are side by side") == 1
     assert f"Given more than once and reported once: `{again}`." in md
     rows = [line for line in md.splitlines() if line.startswith("| tiny-")]
     assert len(rows) == 2 and md.count("## tiny\n") == 1  # one table: side by side
@@ -357,6 +357,26 @@ def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
     assert bar_labels([a, c]) == ["tiny\npoetxq", "tiny\nadamw"]
     assert bar_labels([a, b, c]) == ["tiny\npoetxq\nseed0", "tiny\npoetxq\nseed1",
                                      "tiny\nadamw\nbase"]  # fmt: skip
+
+
+def test_runs_of_one_recipe_name_but_other_shapes_get_their_own_tables(tmp_path):
+    """``--set model.*`` changes the model and keeps the recipe name: such runs are not put
+    side by side as one model; runs of one shape keep the plain name."""
+    from poetxq.recipe import load_recipe
+    from poetxq.report import Run, mark_shapes, results_rows
+
+    def run(name: str, **model: int) -> Run:
+        over = {f"model.{k}": v for k, v in model.items()}
+        return Run(tmp_path / name, load_recipe(None, over), {"tokens_per_s": 1.0})
+
+    small, big = run("small", hidden_size=64, intermediate_size=136), run("big")
+    same = run("same")
+    mark_shapes([big, same])
+    assert (big.model, same.model) == ("tiny", "tiny")
+    mark_shapes([small, big, same])
+    assert small.model == "tiny (d 64, 4 layers, MLP 136, 4 heads)"
+    assert big.model == same.model == "tiny (d 256, 4 layers, MLP 704, 4 heads)"
+    assert [r["model"] for r in results_rows([small, big])] == [big.model, small.model]
 
 
 def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path):
