@@ -12,7 +12,9 @@ import contextlib
 import errno
 import importlib.util
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -514,11 +516,13 @@ def _run_train(args: argparse.Namespace) -> int:
         run_dir = resolve_run_dir(
             recipe, args.run_name, overwrite=args.overwrite or restart, claim=claim
         )
+    global _TRAIN_RETURNED
     try:
         result = train(
             recipe, run_dir, log_with=args.log_with, progress=not args.no_progress,
             resume_from=ckpt,
         )  # fmt: skip
+        _TRAIN_RETURNED = True
     except BaseException:
         if claim:
             release_unused_run_dir(run_dir, existed)  # the run failed before writing there
@@ -576,27 +580,63 @@ def _run_validate(args: argparse.Namespace) -> int:
     return 2 if bad else 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM before a training loop takes the signal over (:class:`poetxq.distributed.
+    StopSignals`): while data and model are prepared, which write nothing worth resuming."""
+
+
+#: set once ``train`` returned: a SIGTERM after that takes the default action again
+_TRAIN_RETURNED = False
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    if _TRAIN_RETURNED:  # outputs written: end as an unhandled SIGTERM would
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    raise _Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poetxq`` console script; returns the exit status.
 
-    Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130.
+    Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130. For
+    ``train`` a SIGTERM before the first step (the loop checkpoints on one after that) is one
+    line and status 143.
     """
+    args = list(sys.argv[1:] if argv is None else argv)
+    global _TRAIN_RETURNED
+    _TRAIN_RETURNED = False
+    training = bool(args) and args[0] in ("train", "quantize-and-train")
+    previous = None
+    if training and threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)
-    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool
-        with contextlib.suppress(OSError):  # no flush of what is left into the closed pipe
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE
+    except _Terminated:
+        print(
+            "poetxq: stopped by SIGTERM before the first training step; nothing to resume: run "
+            "the command again (with --resume auto and a --run-name it starts over)",
+            file=sys.stderr,
+        )
+        return 143
     except KeyboardInterrupt as exc:  # DataPrepInterrupted carries its own line
-        args = list(sys.argv[1:] if argv is None else argv)
         hint = ""
-        if not str(exc) and args and args[0] in ("train", "quantize-and-train"):
+        if not str(exc) and training:
             hint = (
                 " (aborted: checkpoints already written are intact; continue or start over with "
                 "--resume auto and the same --run-name)"
             )
         print(f"poetxq: {str(exc) or 'interrupted'}{hint}", file=sys.stderr)
-        return 130
+        # SIGTERM while the data was prepared: the data step's own line, the signal's status
+        return 143 if isinstance(exc.__context__, _Terminated) else 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a shell tool
+        with contextlib.suppress(OSError):  # no flush of what is left into the closed pipe
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _launcher_rank() -> tuple[int, int]:

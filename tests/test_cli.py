@@ -516,6 +516,40 @@ def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
     ]
 
 
+def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, capsys, monkeypatch):
+    """A SIGTERM while the model is built (before the loop takes SIGTERM over) is one line;
+    during the data preparation it is that step's line; both exit 143 and leave no run."""
+    import os
+    import signal
+
+    import poetxq.train as train_mod
+
+    real_build, real_data = train_mod.build_for_training, train_mod.prepare_data
+
+    def terminated(real):
+        def call(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+
+        return call
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(train_mod, "build_for_training", terminated(real_build))
+    assert _run(tmp_path) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "poetxq: stopped by SIGTERM before the first training step; nothing to resume: run the "
+        "command again (with --resume auto and a --run-name it starts over)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+    monkeypatch.setattr(train_mod, "build_for_training", real_build)
+    monkeypatch.setattr(train_mod, "prepare_data", terminated(real_data))
+    assert _run(tmp_path) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: interrupted during data preparation; nothing was written"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
     import os
     import signal
