@@ -23,6 +23,7 @@ from poetxq.paths import RUN_LOCK, nearest_existing
 from poetxq.recipe import (
     POET_METHODS,
     RecipeError,
+    compose_recipe_tree,
     load_recipe,
     merge_overrides,
     parse_override,
@@ -577,6 +578,13 @@ def _run_validate(args: argparse.Namespace) -> int:
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
         for note in recipe.notes:
             print(f"{path}: note: {note}")
+        tree = compose_recipe_tree(path, overrides)[0]
+        if "model" not in tree and "name" not in tree:  # e.g. recipes/methods/*.yaml alone
+            print(
+                f"{path}: note: it names no model, so the embedded tiny model's defaults fill in; "
+                f"give one with MODEL:METHOD (e.g. llama-60m:{Path(path).stem}) or a file whose "
+                "base lists a model file"
+            )
     return 2 if bad else 0
 
 

@@ -245,3 +245,22 @@ def test_an_error_between_keys_of_a_section_names_every_source():
     assert "override model.hidden_size=64" in text
     assert "override model.num_attention_heads=3" in text
     assert "hidden_size 64 is not divisible by num_attention_heads 3" in text
+
+
+def test_validate_says_when_a_file_names_no_model(capsys):
+    """A method file alone validates on the schema's defaults (the embedded tiny model): one
+    note says so and how to pick a model; files that name one get no such note."""
+    from poetxq.cli import main
+
+    method = ROOT / "recipes/methods/poetxq4.yaml"
+    assert (
+        main(["validate", str(method), "llama-60m:poetxq4", str(ROOT / "recipes/tiny/poetxq.yaml")])
+        == 0
+    )
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"{method}: ok (tiny-poetxq: method=poetxq, bits=4, b=256)"
+    assert lines[1] == (
+        f"{method}: note: it names no model, so the embedded tiny model's defaults fill in; give "
+        "one with MODEL:METHOD (e.g. llama-60m:poetxq4) or a file whose base lists a model file"
+    )
+    assert len(lines) == 4 and "note" not in lines[2] + lines[3]
