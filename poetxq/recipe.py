@@ -591,7 +591,12 @@ def _read_mapping(path: Path, included_from: str | None) -> dict[str, Any]:
     if path.is_dir():
         raise RecipeError(f"recipe path '{path}'{where} is a directory; pass a YAML file")
     if not path.exists():
-        raise RecipeError(f"recipe file '{path}'{where} does not exist; pass an existing YAML file")
+        shipped = recipes_dir().parent / path
+        if not path.is_absolute() and path.parts[:1] == ("recipes",) and shipped.is_file():
+            fix = f"the shipped one is '{shipped}' (relative paths start in the current folder)"
+        else:
+            fix = "pass an existing YAML file"
+        raise RecipeError(f"recipe file '{path}'{where} does not exist; {fix}")
     try:
         loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:

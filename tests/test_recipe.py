@@ -264,3 +264,18 @@ def test_validate_says_when_a_file_names_no_model(capsys):
         "one with MODEL:METHOD (e.g. llama-60m:poetxq4) or a file whose base lists a model file"
     )
     assert len(lines) == 4 and "note" not in lines[2] + lines[3]
+
+
+def test_a_shipped_recipe_path_from_another_folder_names_the_shipped_file(tmp_path, monkeypatch):
+    """``recipes/tiny/qgalore.yaml`` run outside the checkout: the error points at the shipped
+    file; a path that names no shipped recipe keeps the plain fix."""
+    monkeypatch.chdir(tmp_path)
+    shipped = (ROOT / "recipes/tiny/qgalore.yaml").resolve()
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("recipes/tiny/qgalore.yaml")
+    assert str(exc.value) == (
+        f"recipe file 'recipes/tiny/qgalore.yaml' does not exist; the shipped one is '{shipped}' "
+        "(relative paths start in the current folder)"
+    )
+    with pytest.raises(RecipeError, match="does not exist; pass an existing YAML file"):
+        load_recipe("recipes/tiny/nope.yaml")
