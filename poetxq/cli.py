@@ -609,15 +609,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poetxq`` console script; returns the exit status.
 
     Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130. For
-    ``train`` a SIGTERM before the first step (the loop checkpoints on one after that) is one
-    line and status 143.
+    ``train`` without a launcher a SIGTERM before the first step (the loop checkpoints on one
+    after that) is one line and status 143.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     global _TRAIN_RETURNED
     _TRAIN_RETURNED = False
     training = bool(args) and args[0] in ("train", "quantize-and-train")
     previous = None
-    if training and threading.current_thread() is threading.main_thread():
+    # not under a launcher: torchrun sends SIGTERM to the other workers when one fails, and one
+    # unwinding into a collective's barrier would wait there instead of ending at once
+    single = _launcher_rank()[1] == 1
+    if training and single and threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)
