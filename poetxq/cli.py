@@ -23,7 +23,6 @@ from poetxq.paths import RUN_LOCK, nearest_existing
 from poetxq.recipe import (
     POET_METHODS,
     RecipeError,
-    compose_recipe_tree,
     load_recipe,
     merge_overrides,
     parse_override,
@@ -517,17 +516,17 @@ def _run_train(args: argparse.Namespace) -> int:
         run_dir = resolve_run_dir(
             recipe, args.run_name, overwrite=args.overwrite or restart, claim=claim
         )
-    global _TRAIN_RETURNED
     try:
         result = train(
             recipe, run_dir, log_with=args.log_with, progress=not args.no_progress,
             resume_from=ckpt,
         )  # fmt: skip
-        _TRAIN_RETURNED = True
     except BaseException:
         if claim:
             release_unused_run_dir(run_dir, existed)  # the run failed before writing there
         raise
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:  # outputs written: the default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # action again (main restores its own)
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
         rank, world = _launcher_rank()
         if rank == 0:  # once, not once per DDP process
@@ -578,8 +577,8 @@ def _run_validate(args: argparse.Namespace) -> int:
         print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
         for note in recipe.notes:
             print(f"{path}: note: {note}")
-        tree = compose_recipe_tree(path, overrides)[0]
-        if "model" not in tree and "name" not in tree:  # e.g. recipes/methods/*.yaml alone
+        # the keys the files and overrides gave (pydantic's record), not the defaults
+        if {"model", "name"}.isdisjoint(recipe.model_fields_set):  # e.g. a method file alone
             print(
                 f"{path}: note: it names no model, so the embedded tiny model's defaults fill in; "
                 f"give one with MODEL:METHOD (e.g. llama-60m:{Path(path).stem}) or a file whose "
@@ -593,15 +592,7 @@ class _Terminated(KeyboardInterrupt):
     StopSignals`): while data and model are prepared, which write nothing worth resuming."""
 
 
-#: set once ``train`` returned: a SIGTERM after that takes the default action again
-_TRAIN_RETURNED = False
-
-
 def _raise_terminated(signum: int, frame: object) -> None:
-    if _TRAIN_RETURNED:  # outputs written: end as an unhandled SIGTERM would
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
     raise _Terminated
 
 
@@ -613,8 +604,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     after that) is one line and status 143.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    global _TRAIN_RETURNED
-    _TRAIN_RETURNED = False
     training = bool(args) and args[0] in ("train", "quantize-and-train")
     previous = None
     # not under a launcher: torchrun sends SIGTERM to the other workers when one fails, and one
