@@ -15,6 +15,14 @@ per-op rounding).
 compiled, never the POET-X(Q) layers (their Triton kernels and custom autograd functions stay as
 they are). The first forward compiles (tens of seconds); later calls reuse the compiled code for
 every layer.
+
+Shapes: the first call compiles for its exact shapes (static kernels, as a run of one shape
+wants); a call whose batch, sequence or width differs recompiles once with that size symbolic
+(``torch.compile``'s automatic dynamic shapes), so a process that runs many shapes (an
+evaluation batch, ``evals/throughput.py`` over models and sequence lengths) keeps the fused code
+instead of piling up one static compile per shape until dynamo's ``recompile_limit`` (8) sends
+every later shape to eager. Fusing another model starts dynamo afresh (``torch._dynamo.reset``),
+so each model's first shapes compile static again, as in a run of that model alone.
 """
 
 from __future__ import annotations
@@ -66,18 +74,25 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     Notes:
         The rotary function (in ``transformers.models.llama.modeling_llama``) and the SwiGLU
         maps are replaced for the whole process (every model there uses the compiled ones;
-        same results).
+        same results). A model not fused before resets dynamo's compiled code of the whole
+        process (``torch._dynamo.reset``; module docstring: shapes): other compiled functions
+        compile again at their next call.
     """
-    done = 0
-    for module in model.modules():
-        if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is None:
-            module.compile(backend=backend, dynamic=False)
-            done += 1
+    norms = [
+        m for m in model.modules()
+        if _is_rms_norm(m) and getattr(m, "_compiled_call_impl", None) is None
+    ]  # fmt: skip
+    if norms:  # a new model: its first shapes compile static, not as sizes seen before
+        torch._dynamo.reset()
+    for module in norms:
+        # dynamic=None: static first, a changed size recompiles once with that size symbolic
+        module.compile(backend=backend, dynamic=None)
+    done = len(norms)
     from poetxq import swiglu as maps
 
     for key, fn in (("forward", maps.swiglu), ("grads", maps.swiglu_grads)):
         if maps.SWIGLU_OPS[key] is fn:  # the fused MLPs' elementwise maps (process-wide)
-            maps.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=False)
+            maps.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=None)
             done += 1
     try:
         from transformers.models.llama import modeling_llama
@@ -85,7 +100,7 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
         return done
     rope = modeling_llama.apply_rotary_pos_emb
     if not getattr(rope, "_poetxq_compiled", False):
-        compiled = torch.compile(rope, backend=backend, dynamic=False)
+        compiled = torch.compile(rope, backend=backend, dynamic=None)
         compiled._poetxq_compiled = True  # type: ignore[attr-defined]
         compiled._poetxq_original = rope  # type: ignore[attr-defined]
         modeling_llama.apply_rotary_pos_emb = compiled

@@ -91,3 +91,47 @@ def test_recipe_refuses_a_bad_fuse_value():
     assert load_recipe(None, {"train.fuse_elementwise": False}).train.fuse_elementwise is False
     with pytest.raises(RecipeError, match="fuse_elementwise"):
         load_recipe(None, {"train.fuse_elementwise": "maybe"})
+
+
+def _fused_tiny(hidden: int) -> torch.nn.Module:
+    cfg = ModelConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=1,
+                      max_position_embeddings=32)  # fmt: skip
+    model = build_llama(cfg, vocab_size=97)
+    convert_to_poetx(model, POETConfig(block_size=16, bits=8), generator=torch.Generator())
+    return model
+
+
+def test_many_shapes_stay_compiled(restore_rope):
+    """Batch and sequence lengths that change, in more shapes than dynamo's recompile_limit, and
+    a second model of another width: every call runs compiled code (no fallback to eager), with
+    at most a static and a dynamic compile per function and model."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for hidden in (64, 32):
+        model = _fused_tiny(hidden)
+        assert fuse_elementwise(model, backend="aot_eager") > 0
+        limit = torch._dynamo.config.recompile_limit
+        for i, seq in enumerate(range(4, 4 + limit + 4)):
+            ids = torch.randint(0, 97, (1 + i % 3, seq), generator=torch.Generator())
+            model(input_ids=ids, labels=ids).loss.backward()
+    fell_back = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
+    assert not fell_back
+    assert counters["frames"]["ok"] == counters["frames"]["total"]
+    # norm, rotary, two SwiGLU maps, for each of the two models: static (batch 1, which dynamo
+    # always specializes), then a symbolic sequence length, then a symbolic batch as well
+    assert counters["frames"]["total"] <= 4 * 3 * 2
+
+
+def test_a_new_model_starts_dynamo_afresh(restore_rope, monkeypatch):
+    """Fusing a model not fused before resets dynamo (its first shapes compile static, as in a
+    run of it alone); fusing it again (nothing to do) does not."""
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    model = _fused_tiny(32)
+    fuse_elementwise(model, backend="aot_eager")
+    assert len(resets) == 1
+    assert fuse_elementwise(model, backend="aot_eager") == 0 and len(resets) == 1
+    fuse_elementwise(_fused_tiny(32), backend="aot_eager")
+    assert len(resets) == 2
