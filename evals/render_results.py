@@ -33,6 +33,22 @@ LABELS = {
 }
 
 
+#: the embedded default recipe, 300 steps (``evals/vertical_slice.py``): CPU, H200, H200 ``fast``
+VERTICAL_SLICES = (
+    "vertical_slice_cpu.json",
+    "vertical_slice_h200_8253a59.json",
+    "vertical_slice_fast_h200_8253a59.json",
+)
+#: ``train.precision`` A/Bs at Llama-60M
+PRECISION_RUNS = (
+    "precision_60m_h200_c67f615.json",
+    "precision_60m_seeds_h200_2dd220d.json",
+    "precision_60m_1200_h200_2dd220d.json",
+)
+#: the current ``evals/throughput.py`` files (every method side by side at 1B / 3B)
+THROUGHPUT = {"1b": "throughput_1b_h200_90a76c3.json", "3b": "throughput_3b_h200_90a76c3.json"}
+
+
 def _load(name: str) -> dict[str, Any] | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.is_file() else None
@@ -97,104 +113,54 @@ def _comparison(img: Path) -> list[str]:
     return lines
 
 
-def _throughput(img: Path) -> list[str]:
-    name = "throughput_1b_h200.json"
+def _throughput(img: Path, name: str = THROUGHPUT["1b"]) -> list[str]:
+    """A bar chart of the tokens/s of every run (method, variant, CUDA graph) of one
+    ``evals/throughput.py`` file, per sequence length."""
     d = _load(name)
     if d is None:
         return []
-    rows = d["runs"]
+    rows = [r for r in d["runs"] if "tokens_per_s" in r]
     seqs = sorted({r["seq_len"] for r in rows})
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    lines = [
-        f"## Training throughput, Llama-1B, {d['tokens_per_step']:,} tokens per step",
-        "",
-        "Random tokens (`poetxq bench`), fp32 parameters + bf16 autocast; tokens/s (MFU).",
-        "",
-        "| method | " + " | ".join(f"seq {s}" for s in seqs) + " | peak memory (GiB) |",
-        "|---|" + "---:|" * (len(seqs) + 1),
-    ]
-    for m in methods:
-        cells = []
-        for s in seqs:
-            r = next(x for x in rows if x["method"] == m and x["seq_len"] == s)
-            cells.append(f"{r['tokens_per_s']:,.0f} ({100 * r['mfu']:.1f} %)")
-        peak = next(x for x in rows if x["method"] == m)["peak_memory_bytes"] / 2**30
-        lines.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + f" | {peak:.1f} |")
-    lines.append("")
-    for ratio in d.get("ratios", []):
-        lines.append(
-            f"- seq {ratio['seq_len']}: POET-XQ / Q-GaLore = {ratio['poetxq_over_qgalore']:.2f} "
-            f"(target ≥ 1.3), POET-XQ / AdamW = {ratio['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
-        )
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    labels = list(dict.fromkeys(_run_label(r) for r in rows))
+    fig, ax = plt.subplots(figsize=(7.2, 4))
     width = 0.8 / len(seqs)
     for i, s in enumerate(seqs):
-        vals = [
-            next(x for x in rows if x["method"] == m and x["seq_len"] == s)["tokens_per_s"]
-            for m in methods
-        ]
-        ax.bar([j + i * width for j in range(len(methods))], vals, width, label=f"seq {s}")
-    ax.set_xticks([j + width * (len(seqs) - 1) / 2 for j in range(len(methods))], methods)
-    ax.set_ylabel("tokens/s")
+        by_label = {_run_label(r): r["tokens_per_s"] for r in rows if r["seq_len"] == s}
+        vals = [by_label.get(lab, 0.0) for lab in labels]
+        ax.barh([j + i * width for j in range(len(labels))], vals, width, label=f"seq {s}")
+    ax.set_yticks([j + width * (len(seqs) - 1) / 2 for j in range(len(labels))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s")
     ax.legend()
     fig.tight_layout()
     fig.savefig(img / "throughput_1b.png", dpi=120)
     plt.close(fig)
-    lines += ["", "![throughput](img/throughput_1b.png)", "", _provenance(name, d), ""]
-    lean_name = "throughput_1b_lean_h200.json"
-    lean = _load(lean_name)
-    if lean is not None:
-        lines += [
-            "After the lean-activation changes (one batched Cayley–Neumann per forward, CNP "
-            "backward by recomputation, fused SwiGLU down projection), same script:",
-            "",
-            "| method | seq | tokens/s |",
-            "|---|---:|---:|",
-        ]
-        for r in lean["runs"]:
-            lines.append(
-                f"| {LABELS.get(r['method'], r['method'])} | {r['seq_len']} | "
-                f"{r['tokens_per_s']:,.0f} |"
-            )
-        lines.append("")
-        for ratio in lean.get("ratios", []):
-            lines.append(
-                f"- seq {ratio['seq_len']}: POET-XQ / AdamW = "
-                f"{ratio['poetxq_over_adamw']:.2f} (target ≥ 0.9)"
-            )
-        lines += ["", _provenance(lean_name, lean), ""]
-    return lines
+    return ["![throughput](img/throughput_1b.png)", ""]
 
 
-def _memory() -> list[str]:
-    name, before_name = "gpu_memory_h200.json", "gpu_memory_h200_before_lean.json"
-    d, before = _load(name), _load(before_name)
+def _memory(name: str = "gpu_memory_h200.json") -> list[str]:
+    """The estimator against the measured peak of one eager step at 8B / 13B."""
+    d = _load(name)
     if d is None:
         return []
-    prev = {(r["model"], r["gradient_checkpointing"]): r for r in (before or {}).get("results", [])}
     lines = [
-        "## POET-XQ at 8B / 13B: peak memory and step time (batch 1, seq 2048, int8 W0, b = 256)",
+        "### The estimate against the measured peak (eager, 32-bit Adam states)",
         "",
-        "One full training step (forward, backward, clip, AdamW), bf16. *Before* is the same "
-        "script before the lean-activation changes.",
+        "One full training step (forward, backward, clip, AdamW), bf16, batch 1 × 2,048 tokens, "
+        "int8 `W0`, b = 256, measured before the later memory work (the current peaks are in the "
+        "side-by-side tables above); the official code's peaks are the issue's quotes.",
         "",
-        "| model | checkpointing | peak (GiB) | estimate (GiB) | before (GiB) | official code "
-        "(GiB) | target (GiB) | step (s) | before (s) | official step (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | checkpointing | peak (GiB) | estimate (GiB) | official code (GiB) | "
+        "target (GiB) |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in d["results"]:
-        p = prev.get((r["model"], r["gradient_checkpointing"]))
         lines.append(
             f"| {r['model']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
             f"{r['peak_memory_gib']:.2f} | {r['estimated_peak_gib']:.2f} | "
-            f"{p['peak_memory_gib'] if p else float('nan'):.2f} | "
-            f"{r['official_peak_gib']:.2f} | {r['target_peak_gib']} | {r['step_time_s']:.3f} | "
-            f"{p['step_time_s'] if p else float('nan'):.3f} | {r['official_step_s']:.2f} |"
+            f"{r['official_peak_gib']:.2f} | {r['target_peak_gib']} |"
         )
-    lines += ["", _provenance(name, d)]
-    if before is not None:
-        lines.append(_provenance(before_name, before).replace("Source", "Before"))
-    return [*lines, ""]
+    return [*lines, "", _provenance(name, d), ""]
 
 
 def _sweep() -> list[str]:
@@ -212,55 +178,6 @@ def _sweep() -> list[str]:
         ppl = r.get("final_val_ppl")
         shown = f"{ppl:.2f}" if ppl is not None else ("diverged" if "error" not in r else "n/a")
         lines.append(f"| {setting} | {shown} |")
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
-
-
-def _kernels() -> list[str]:
-    name = "gpu_suite_streamed_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "## Weight GEMMs: int8 / NF4 dequant-matmul against bf16 cuBLAS (eager, older decoders)",
-        "",
-        "Eager CUDA-event times, which include the host's Triton launches (the section above "
-        "times the GPU alone). Time of each path divided by bf16 `torch.matmul` with the weight "
-        "already in bf16, same process. *streamed*: quant_kernels/streamed.py with a 32 / 64 "
-        "MiB slab; *fused*: the Triton dequant-matmul; *whole*: dequantize the whole weight, "
-        "then cuBLAS; *bnb*: `bitsandbytes.matmul_4bit`.",
-        "",
-        "| M × K × N | int8 fwd streamed 32/64 | fused | whole | int8 dX streamed 32/64 | fused "
-        "| NF4 fwd streamed | bnb | NF4 dX streamed |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|",
-    ]
-    for r in d["dequant_matmul"]:
-        f, b = r["forward"], r["backward_input"]
-        nf, nb = r.get("nf4_forward", {}), r.get("nf4_backward_input", {})
-
-        def q(t: dict, k: str) -> str:
-            return f"{t[k]['ratio_vs_bf16']:.2f}" if k in t else "n/a"
-
-        lines.append(
-            f"| {r['M']} × {r['K']} × {r['N']} | {q(f, 'int8_streamed_32MiB')} / "
-            f"{q(f, 'int8_streamed_64MiB')} | {q(f, 'int8_fused')} | "
-            f"{q(f, 'int8_torch_dequant_then_matmul')} | {q(b, 'int8_streamed_32MiB')} / "
-            f"{q(b, 'int8_streamed_64MiB')} | {q(b, 'int8_fused')} | "
-            f"{q(nf, 'nf4_streamed_32MiB')} | {q(nf, 'bnb_matmul_4bit')} | "
-            f"{q(nb, 'nf4_streamed_32MiB')} |"
-        )
-    lines += ["", "POET-X(Q) layer forward+backward at the Llama-8B MLP shapes, input "
-              "[1, 2048, d], bf16 (ratio to `nn.Linear`):", "",
-              "| shape | int8 mem | int8 fast | NF4 mem | bf16 W0 fast | nn.Linear (ms) |",
-              "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in d.get("layer_speed_8b_mlp_bf16", []):
-
-        def lr(k: str, r: dict = r) -> str:
-            return f"{r[k]['ratio_vs_nn_linear']:.2f}" if "ms" in r.get(k, {}) else "n/a"
-
-        lines.append(
-            f"| {r['shape']} | {lr('poetxq_int8_mem')} | {lr('poetxq_int8_fast')} | "
-            f"{lr('poetxq_nf4_mem')} | {lr('poetx_bf16_fast')} | {r['nn_linear_ms']:.2f} |"
-        )
     return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
@@ -376,27 +293,6 @@ def _ratio_line(row: dict) -> str:
     return f"- {model}seq {row['seq_len']}: " + "; ".join(parts)
 
 
-def _opt_in_ab(name: str = "opt_in_ab_h200_d8a3ac2.json") -> list[str]:
-    """The A/B of the two session-10 opt-in paths: tokens/s and reserved peak off → on."""
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "### The fused input cast and the lean fast SwiGLU, A/B (CUDA graph, 8,192 tokens)",
-        "",
-        "| path | model | seq | run | tokens/s off → on | × | reserved GiB off → on |",
-        "|---|---|---:|---|---:|---:|---:|",
-    ]
-    for key, label in (("fused_input_cast", "fused input cast"), ("lean_fast_swiglu", "lean")):
-        for r in d[key]:
-            lines.append(
-                f"| {label} | {r['model']} | {r['seq_len']} | {r['run']} | "
-                f"{r['tokens_per_s_off']:,.0f} → {r['tokens_per_s_on']:,.0f} | "
-                f"{r['speedup']:.3f} | {r['reserved_gib_off']:.2f} → {r['reserved_gib_on']:.2f} |"
-            )
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
-
-
 def _tokens_table(name: str, heading: str) -> list[str]:
     """Tokens/s per (seq, method) of one ``evals/throughput.py`` file, with its ratio lines
     (peak memory: :func:`_peak_cell`)."""
@@ -452,82 +348,6 @@ def _gpu_time_table(name: str, heading: str) -> list[str]:
         + " |"
     )
     return [*lines, "", _provenance(name, d), ""]
-
-
-def _fast_layer_table() -> list[str]:
-    """GPU time of one layer forward+backward per path (``fast_feature_major_h200.json``), with
-    its ratio to ``nn.Linear`` measured in the same call. The row keys are that file's (ac87b34):
-    ``bits*_fast`` the autograd path, ``bits*_fast_feature_major`` the feature-major one; later
-    ``gpu_suite.py`` files name them ``bits*_fast_autograd`` and ``bits*_fast``."""
-    name = "fast_feature_major_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    cols = [("bits8_mem", "POET-XQ int8 mem"), ("bits8_fast", "POET-XQ int8 fast, autograd"),
-            ("bits8_fast_feature_major", "POET-XQ int8 fast, feature-major"),
-            ("bits16_mem", "POET-X bf16 mem"), ("bits16_fast", "POET-X bf16 fast, autograd"),
-            ("bits16_fast_feature_major", "POET-X bf16 fast, feature-major")]  # fmt: skip
-    lines = [
-        "### One layer at the Llama-8B MLP shapes: GPU time against `nn.Linear`",
-        "",
-        "Input [1, 2048, d] bf16, b = 256, forward+backward replayed from a CUDA graph (GPU time; "
-        "an eager call of one layer measures the host, see the JSON's `eager_ms`). Milliseconds, "
-        "and the ratio to `nn.Linear` (targets: int8 mem ≤ 1.15, bf16 fast ≤ 0.9).",
-        "",
-        "| shape | nn.Linear | " + " | ".join(label for _, label in cols) + " |",
-        "|---|---:|" + "---:|" * len(cols),
-    ]
-    for row in d["layer_overhead"]:
-        runs = [row.get(k, {}) for k, _ in cols]
-        cells = [
-            f"{r['gpu_ms_graph']:.3f} ({r['gpu_ratio']:.2f}×)" if "gpu_ratio" in r else "–"
-            for r in runs
-        ]
-        lines.append(
-            f"| {row['shape']} | {row['nn_linear']['gpu_ms_graph']:.3f} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    return [*lines, "", _provenance(name, d), ""]
-
-
-def _throughput_now() -> list[str]:
-    return _tokens_table(
-        "throughput_1b_h200_da2e9d8.json",
-        "### Llama-1B tokens/s with the streamed GEMMs and on-device model build",
-    )
-
-
-def _throughput_3b() -> list[str]:
-    return _tokens_table("throughput_3b_h200_c1669ad.json", "### Llama-3B tokens/s")
-
-
-def _memory_state8(name: str = "gpu_memory_state8_h200.json", when: str = "") -> list[str]:
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "### Llama-8B / 13B with 8-bit optimizer states (`optim.state_bits=8`), eager and "
-        f"CUDA graph{when}",
-        "",
-        "Batch 1 × 2,048 tokens, POET-XQ int8, b = 256, mem variant, bf16. *CUDA graph*: the "
-        "forward+backward replayed from one graph (`evals/gpu_memory.py --cuda-graph`, "
-        "`poetxq.cudagraph`); its activations live in the graph's pool, so its memory is the "
-        "reserved peak (an upper bound), not the allocated one.",
-        "",
-        "| model | checkpointing | CUDA graph | peak (GiB) | estimate (GiB) | official (GiB) | "
-        "target (GiB) | step (s) | official step (s) | speed-up (target ≥ 1.5) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in d["results"]:
-        ckpt, graph, peak = _setting_cells(r)
-        lines.append(
-            f"| {r['model']} | {ckpt} | {graph} | {peak} | "
-            f"{r['estimated_peak_gib']:.2f} | {r['official_peak_gib']:.2f} | "
-            f"{r['target_peak_gib']} | {r['step_time_s']:.3f} | {r['official_step_s']:.2f} | "
-            f"{r['speedup_vs_official']:.2f} |"
-        )
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
 def _peak_cell(r: dict[str, Any], digits: int) -> str:
@@ -646,27 +466,6 @@ def _memory_options_table(names: list[str], title: str) -> list[str]:
     return [*lines, ""]
 
 
-def _cnp() -> list[str]:
-    name = "cnp_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        f"## Cayley–Neumann blocks: {d['num_blocks']:,} blocks of b = {d['block_size']} "
-        "(every block of Llama-8B), forward+backward",
-        "",
-        "| dtype | torch reference (ms) | lean (ms) | fused Triton (ms) | fused / reference |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for dt, r in d["results"].items():
-        ms = r["ms"]
-        lines.append(
-            f"| {dt} | {ms['reference']['fwd_bwd']:.1f} | {ms['lean']['fwd_bwd']:.1f} | "
-            f"{ms['fused']['fwd_bwd']:.1f} | {r['ratio_fused_vs_reference']['fwd_bwd']:.2f} |"
-        )
-    return [*lines, "", _provenance(name, d), ""]
-
-
 def _cnp_hybrid() -> list[str]:
     name = "cnp_hybrid_h200.json"
     d = _load(name)
@@ -677,8 +476,8 @@ def _cnp_hybrid() -> list[str]:
         f"b = {d['block_size']} (every block of Llama-8B)",
         "",
         "Milliseconds; the speed-up is the torch reference's time over the path's (target ≥ 3 "
-        "for forward+backward). *packed*: the all-Triton kernels of `quant_kernels.cnp_triton`; "
-        "*hybrid*: `quant_kernels.cnp_hybrid` (the default).",
+        "for forward+backward). *packed*: an all-Triton layout, "
+        "removed since (git history); *hybrid*: `quant_kernels.cnp_hybrid` (the default).",
         "",
         "| dtype | pass | reference | lean | packed | hybrid | reference / packed | "
         "reference / hybrid | hybrid peak extra (MiB) |",
@@ -697,38 +496,13 @@ def _cnp_hybrid() -> list[str]:
     return [*lines, "", _provenance(name, d), ""]
 
 
-def _fused_perm() -> list[str]:
-    name = "bench_block_diag_perm_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "## Permutation-fused block-diagonal kernels against gather + `bmm` (bf16)",
-        "",
-        "Ratio fused / torch (above 1: the fused kernel is slower; they stay off by default).",
-        "",
-        "| tokens × dim | b | input side fwd | output side fwd | block gradient |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in d["results"]:
-
-        def ratio(k: str, r: dict = r) -> str:
-            return f"{r[k]['ratio']:.2f}" if "ratio" in r.get(k, {}) else "n/a"
-
-        lines.append(
-            f"| {r['tokens']} × {r['dim']} | {r['b']} | {ratio('input_side_forward')} | "
-            f"{ratio('output_side_forward')} | {ratio('block_grad_gathered')} |"
-        )
-    return [*lines, "", _provenance(name, d), ""]
-
-
 def _multi_gpu() -> list[str]:
     name = "multi_gpu_h200x2.json"
-    d = _load(name)
+    d, sync = _load(name), _multi_gpu_sync()
     if d is None:
-        return []
+        return ["## Two H200s", "", *sync] if sync else []
     eq, res, tp = d["equivalence"], d["resume"], d["throughput"]
-    lines = ["## Two H200s (DDP)", ""]
+    lines = ["### DDP: equivalence, resume and tokens/s", ""]
     for m, e in eq.items():
         lines.append(
             f"- {LABELS.get(m, m)}: 1 GPU × batch 8 against 2 GPUs × batch 4, fp32, "
@@ -747,25 +521,68 @@ def _multi_gpu() -> list[str]:
     if d.get("skipped"):
         lines.append(f"- Not run (time budget): {', '.join(d['skipped'])}")
     lines += ["", _provenance(name, d), ""]
-    name = "multi_gpu_tput_h200x2.json"
-    t = _load(name)
-    if t is not None:
-        lines += ["Tokens/s at 1 and 2 GPUs, measured in one later run, side by side:", ""]
-        for m in ("poetxq", "adamw"):
-            r = t["throughput"].get(m, {})
-            if "scaling_2_over_1" in r:
-                lines.append(
-                    f"- {LABELS.get(m, m)} Llama-1B, seq 256, 16 sequences per GPU: "
-                    f"{r['1gpu']['tokens_per_s_median']:,.0f} → "
-                    f"{r['2gpu']['tokens_per_s_median']:,.0f} tokens/s "
-                    f"({r['scaling_2_over_1']:.2f}×)"
-                )
-        for n in ("1gpu", "2gpu"):
-            ratio = t["throughput"].get(f"poetxq_over_adamw_{n}")
-            if ratio:
-                lines.append(f"- POET-XQ / AdamW at {n[0]} GPU(s): {ratio:.2f}")
-        lines += ["", _provenance(name, t), ""]
-    return lines + _multi_gpu_sync()
+    return ["## Two H200s", "", *sync, *lines]
+
+
+def _vertical_slice(names: tuple[str, ...] = VERTICAL_SLICES) -> list[str]:
+    """Final validation perplexity of the embedded default recipe (300 steps) per run of
+    ``evals/vertical_slice.py``, one column per file."""
+    files = [(n, d) for n in names if (d := _load(n)) is not None]
+    if not files:
+        return []
+    runs = list(dict.fromkeys(k for _, d in files for k in d["runs"]))
+    lines = [
+        "## The embedded default recipe (the quick start), 300 steps",
+        "",
+        "Validation perplexity at the end of `poetxq train` on the embedded corpus (4-layer "
+        "Llama, d = 256, 2.5M tokens of English). *int8*: POET-XQ (the default); *bits16*: "
+        "POET-X; *nf4*: `--bits 4`; *control*: `--freeze-orthogonal` (R = P = I, only "
+        "embeddings, norms and lm_head train). The unigram baseline on the same tokens is "
+        "574.2. On the CPU the last digits vary with the thread count.",
+        "",
+        "| run | " + " | ".join(f"file {i}" for i in range(1, len(files) + 1)) + " |",
+        "|---|" + "---:|" * len(files),
+    ]
+    for run in runs:
+        cells = []
+        for _, d in files:
+            r = d["runs"].get(run)
+            cells.append(f"{r['final_val_ppl']:.2f}" if r and "final_val_ppl" in r else "–")
+        lines.append(f"| {run} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for i, (name, d) in enumerate(files, 1):
+        machine = d.get("machine") or d.get("gpu", "?")
+        lines.append(
+            f"{i}. Source: `evals/results/{name}` ({machine}, {d.get('date', '?')}, "
+            f"commit {str(d.get('commit', '?'))[:7]}): `{d.get('command', '?')}`."
+        )
+    return [*lines, ""]
+
+
+def _precision(names: tuple[str, ...] = PRECISION_RUNS) -> list[str]:
+    """``train.precision`` bf16-true against auto (fp32 parameters under bf16 autocast) at
+    Llama-60M: final validation perplexity and tokens/s of each run."""
+    files = [(n, d) for n in names if (d := _load(n)) is not None]
+    if not files:
+        return []
+    lines = [
+        "### `train.precision: bf16-true` against the default autocast, Llama-60M",
+        "",
+        "POET-XQ int8 on the offline corpus, 256 × 256 tokens per step; one run per row.",
+        "",
+        "| file | run | steps | final val ppl | tokens/s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for i, (_, d) in enumerate(files, 1):
+        for key, r in d["runs"].items():
+            r = r.get("summary", r)  # the first A/B file nests each run's summary
+            lines.append(
+                f"| {i} | {key} | {r['steps']} | {r['final_val_ppl']:.2f} | "
+                f"{r['tokens_per_s']:,.0f} |"
+            )
+    lines.append("")
+    lines += [f"{i}. {_provenance(n, d)}" for i, (n, d) in enumerate(files, 1)]
+    return [*lines, ""]
 
 
 def _sync_label(spec: str, summary: dict[str, Any]) -> str:
@@ -881,7 +698,9 @@ def _side_by_side_layers(name: str) -> list[str]:
 
 
 def _side_by_side_steps(
-    names: list[str], title: str = "", official_from: list[str] = ()
+    names: list[str],
+    title: str = "Llama-8B / 13B training steps beside the official code",
+    official_from: list[str] = (),
 ) -> list[str]:
     """Whole-step rows of ``evals/gpu_memory.py`` files: ours (eager, CUDA graph, memory
     options) beside the official code's step measured in the same call (``--official``); rows of
@@ -903,7 +722,7 @@ def _side_by_side_steps(
             if "official_measured" in r:
                 official.setdefault(same_setting(r), r["official_measured"])  # the first file's
     lines = [
-        f"### Llama-8B / 13B training steps beside the official code{title}",
+        f"### {title}",
         "",
         "Batch 1 × 2,048 tokens, int8 `W0`, b = 256, bf16, 8-bit optimizer states; one step = "
         "forward, backward, gradient clipping (none with the optimizer in backward) and the "
@@ -969,47 +788,13 @@ def _side_by_side_steps(
 _SLICED_BEFORE_THE_FIELD = ("3490c42", "10193c1")
 
 SIDE_BY_SIDE_COMMIT = "d5a8a3e"
-#: later calls without the official step in them: (files, title)
+#: later calls without the official step in them, compared with the first call's official step
 LATER_STEPS = [
-    (
-        ["optim8bit_13b_off_h200_ef47a77.json", "optim8bit_13b_ours_h200_ef47a77.json"],
-        " (a later call: bitsandbytes' CUDA 8-bit update against ours, quant_kernels.adam8bit)",
-    ),
-    (
-        [
-            "gpu_memory_8b_graph_oib_h200_374b7c9.json",
-            "gpu_memory_8b_graph_oib_static_h200_374b7c9.json",
-            "gpu_memory_8b_graph_oib_off_h200_0ae9b77.json",
-            "gpu_memory_8b_graph_oib_off_split64_h200_314af78.json",
-            "gpu_memory_8b_graph_oib_off_pow2_h200_314af78.json",
-            "gpu_memory_13b_graph_oib_static_h200_374b7c9.json",
-            "gpu_memory_13b_graph_oib_off_h200_0ae9b77.json",
-        ],
-        " (later calls: the optimizer step inside the CUDA graph, poetxq.graph_optim)",
-    ),
-    (
-        [
-            "gpu_memory_13b_graph_oib_off_h200_91baad0.json",
-            "gpu_memory_13b_graph_oib_off_expandable_h200_91baad0.json",
-            "gpu_memory_13b_graph_oib_off_compact_h200_f8a5684.json",
-            "gpu_memory_13b_graph_oib_off_compact_split64_h200_f8a5684.json",
-            "gpu_memory_8b_graph_oib_off_slices_h200_3490c42.json",
-            "gpu_memory_13b_graph_oib_off_slices_h200_3490c42.json",
-            "gpu_memory_13b_graph_oib_off_slices_expandable_h200_10193c1.json",
-        ],
-        " (later calls: the build's holes, the allocator's settings, the LM-head gradient by "
-        "slices)",
-    ),
-    (
-        [
-            "gpu_memory_13b_default_sizes_h200_e0551b7.json",
-            "gpu_memory_13b_expandable_sizes_h200_e0551b7.json",
-            "gpu_memory_13b_relayout_expandable_h200_68dc694.json",
-            "gpu_memory_8b_relayout_expandable_h200_68dc694.json",
-        ],
-        " (later calls: every storage laid out afresh after the optimizer's build, "
-        "poetxq.relayout, under expandable segments)",
-    ),
+    "optim8bit_13b_ours_h200_ef47a77.json",
+    "gpu_memory_8b_graph_oib_off_split64_h200_314af78.json",
+    "gpu_memory_13b_default_sizes_h200_e0551b7.json",
+    "gpu_memory_13b_relayout_expandable_h200_68dc694.json",
+    "gpu_memory_8b_relayout_expandable_h200_68dc694.json",
 ]
 
 
@@ -1024,12 +809,16 @@ def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
     body += _side_by_side_steps(steps)
     body += _side_by_side_steps(
         [f"optim8bit_{run}_h200_2e10d2e.json" for run in ("13b_off", "13b_on", "13b_off2")],
-        " (a later call: without the chunked loss, bitsandbytes' 8-bit update as its CUDA op and "
-        "as its Triton kernel)",
+        "Llama-13B without the chunked loss, beside the official step of a later call "
+        "(bitsandbytes' 8-bit update as its CUDA op and as its Triton kernel)",
     )
     first_call = [f"gpu_memory_{m}_official_h200_{commit}.json" for m in ("8b", "13b")]
-    for names, title in LATER_STEPS:
-        body += _side_by_side_steps(names, title, official_from=first_call)
+    body += _side_by_side_steps(
+        LATER_STEPS,
+        "Later calls against the first call's official step (our 8-bit update; the optimizer "
+        "step inside the CUDA graph; every storage laid out afresh after the optimizer's build)",
+        official_from=first_call,
+    )
     return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
 
 
@@ -1054,147 +843,71 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {sbs_out}")
     img = out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
+    sections = [
+        _vertical_slice(),
+        _comparison(img) + _sweep() + _precision(),
+        [
+            "## Training throughput at Llama-1B and 3B",
+            "",
+            "`poetxq bench` on random tokens through `evals/throughput.py`, 8,192 tokens per "
+            "step, fp32 parameters under bf16 autocast unless a table says otherwise. The POET "
+            "runs replay a CUDA graph (`train.cuda_graph: auto`), the baselines run eagerly with "
+            "torch's fused AdamW; a CUDA-graph run's memory is its reserved peak. *fast* is "
+            "`poet.variant=fast`; the recipes' default is `mem`.",
+            "",
+            *_throughput(img),
+            *_tokens_table(THROUGHPUT["1b"], "### Llama-1B, every method"),
+            *_tokens_table(THROUGHPUT["3b"], "### Llama-3B, every method"),
+            *_gpu_time_table(
+                "throughput_1b_profiled_h200_daf8277.json",
+                "### Where the GPU time of a Llama-1B step goes (seq 256, torch.profiler)",
+            ),
+            *_tokens_table(
+                "throughput_1b_nf4_h200_e853350.json", "### NF4 `W0` (`poetxq4`) at Llama-1B"
+            ),
+            *_tokens_table(
+                "throughput_bf16true_h200_51324b4.json",
+                "### `train.precision: bf16-true` (bf16 parameters, no autocast)",
+            ),
+            *_tokens_table(
+                "throughput_1b_adamw_graph_h200_880ffdd.json",
+                "### AdamW in a CUDA graph too (`train.cuda_graph: true`)",
+            ),
+        ],
+        side_by_side(),
+        [
+            "## Llama-8B / 13B on one GPU: memory",
+            "",
+            *_memory(),
+            *_memory_lowmem(),
+            *_memory_options_table(
+                [
+                    "gpu_memory_graph_h200_90a76c3.json",
+                    "gpu_memory_graph_ckpt_chunk_h200_90a76c3.json",
+                ],
+                "### A CUDA graph's reserved peak against the estimate",
+            ),
+            *_ab_table(
+                "fuse_elementwise_h200.json",
+                "### Fused RMSNorm and rotary (`train.fuse_elementwise`), A/B",
+                "fuse_elementwise",
+                "fused",
+            ),
+        ],
+        _kernel_targets() + _slab_gemms() + _cnp_hybrid(),
+        _multi_gpu(),
+    ]
     lines = [
         "# Results",
         "",
-        "Generated by `python evals/render_results.py` from the JSON files in `evals/results/`;",
-        "each section names its file, GPU, date and commit. Ratios are measured side by side in",
-        "one run.",
+        "Generated by `python evals/render_results.py` from the JSON files in `evals/results/`, "
+        "which hold the current measurement of each thing (older ones are in git history). Each "
+        "table names its file, machine, date and commit; ratios are measured side by side in one "
+        "run. A heading appears once.",
         "",
     ]
-    lines += side_by_side()
-    lines += _comparison(img) + _sweep() + _throughput(img) + _throughput_now() + _throughput_3b()
-    lines += _memory() + _memory_state8() + _memory_lowmem()
-    lines += _memory_state8("gpu_memory_state8_graph_h200.json", " (again, one call, later commit)")
-    lines += _memory_state8(
-        "gpu_memory_nosync_h200.json",
-        " (feature-major layer, fused bf16 CNP, 8-bit AdamW without per-parameter sync)",
-    )
-    lines += _tokens_table(
-        "throughput_1b_fm_h200.json", "### Llama-1B tokens/s with the feature-major layer"
-    )
-    lines += _tokens_table(
-        "throughput_3b_fm_h200.json", "### Llama-3B tokens/s with the feature-major layer"
-    )
-    lines += _ab_table(
-        "flat_optimizer_ab_h200.json",
-        "### Flattened optimizer groups (`poetxq.flat`), Llama-13B eager A/B",
-        "optimizer_groups",
-        "optimizer groups",
-    )
-    lines += _ab_table(
-        "fuse_elementwise_h200.json",
-        "### Fused RMSNorm and rotary (`train.fuse_elementwise`), A/B and CUDA-graph steps",
-        "fuse_elementwise",
-        "fused",
-    )
-    lines += _tokens_table(
-        "throughput_1b_fuse_h200.json", "### Llama-1B tokens/s with fused RMSNorm and rotary"
-    )
-    lines += _memory_state8(
-        "gpu_memory_13b_graph_fecbb52_h200.json",
-        " (fused SwiGLU maps too, one update launch per flat group)",
-    )
-    lines += ["## Hybrid Cayley–Neumann kernels, no key/value cache in the loss", ""]
-    for name, when in (
-        ("gpu_memory_13b_graph_hybrid_h200.json", " (hybrid CNP)"),
-        ("gpu_memory_8b_graph_hybrid_h200.json", " (hybrid CNP)"),
-        ("gpu_memory_8b_eager_hybrid_h200.json", " (hybrid CNP, eager)"),
-        ("gpu_memory_8b_eager_ckpt_hybrid_h200.json", " (hybrid CNP, eager, unfused)"),
-        ("gpu_memory_13b_eager_ckpt_hybrid_h200.json", " (hybrid CNP, eager, unfused)"),
-        ("gpu_memory_13b_eager_hybrid_h200.json", " (hybrid CNP, eager, slow host)"),
-    ):
-        lines += _memory_state8(name, when)
-    lines += _tokens_table(
-        "throughput_1b_hybrid_autocast_h200.json", "### Llama-1B tokens/s with the hybrid CNP"
-    )
-    lines += [
-        "## Tokens/s of the five methods, eager and in a CUDA graph",
-        "",
-        "Fused torch AdamW for AdamW and for POET's non-orthogonal parameters; permutation "
-        "gradients by gather. 8,192 tokens per step (one micro-batch).",
-        "",
-    ]
-    lines += _tokens_table("throughput_1b_h200_54e0272.json", "### Llama-1B")
-    lines += _tokens_table("throughput_3b_h200_54e0272.json", "### Llama-3B")
-    lines += _gpu_time_table(
-        "throughput_1b_profiled_h200_5448cae.json",
-        "### Where the GPU time of a Llama-1B step goes (seq 256, eager, torch.profiler)",
-    )
-    lines += [
-        "## The fast variant feature-major: POET-XQ at AdamW's tokens/s",
-        "",
-        "The `fast` layer variant keeps the GEMM output for backward (no recompute: two weight "
-        "GEMMs per layer instead of the `mem` variant's three) and, since cc98250, runs "
-        "feature-major like `mem` (`FAST_FEATURE_MAJOR_MEASURED_FASTER`). *POET-XQ (int8 W0), "
-        "fast*: the poetxq recipe with `poet.variant=fast` (`evals/throughput.py --methods "
-        "poetxq+fast`); the recipe's default stays `mem`, which holds less memory. 8,192 tokens "
-        "per step; a CUDA-graph run's memory is its reserved peak.",
-        "",
-    ]
-    lines += _fast_layer_table()
-    lines += _tokens_table(
-        "throughput_1b_h200_cc98250.json", "### Llama-1B tokens/s with the fast variant"
-    )
-    lines += _tokens_table(
-        "throughput_3b_h200_51993ff.json", "### Llama-3B tokens/s with the fast variant"
-    )
-    lines += _gpu_time_table(
-        "throughput_1b_profiled_h200_ac87b34.json",
-        "### Where the GPU time of a Llama-1B step goes, fast variant (seq 256, torch.profiler)",
-    )
-    lines += [
-        "## Attention without a mask in CUDA graphs; both session-10 paths on",
-        "",
-        "While a CUDA graph was captured, transformers built a `[B, 1, S, S]` causal mask "
-        "(it cannot read tensor values during a capture), so every graphed step ran masked "
-        "attention: 25.6 against 12.1 ms of GPU time per Llama-1B step at seq 1024. Since "
-        "f0ed639 the capture keeps `is_causal=True` without a mask (`poetxq/attention.py`). "
-        "SDPA alone costs the same eagerly and in a graph (`bench_attention_h200.json`).",
-        "",
-    ]
-    lines += _opt_in_ab()
-    lines += _tokens_table(
-        "throughput_graph_h200_f0ed639.json",
-        "### Llama-1B and 3B tokens/s in a CUDA graph, attention without a mask",
-    )
-    lines += _gpu_time_table(
-        "throughput_1b_profiled_h200_f0ed639.json",
-        "### Where the GPU time goes at seq 1024, after the attention fix (torch.profiler)",
-    )
-    lines += _tokens_table(
-        "throughput_1b_h200_5ee40a3.json",
-        "### Llama-1B, every method (graph rows before the attention fix)",
-    )
-    for name, when in (
-        ("gpu_memory_13b_graph_h200_f0ed639.json", " (attention without a mask)"),
-        ("gpu_memory_8b_graph_h200_f0ed639.json", " (attention without a mask)"),
-    ):
-        lines += _memory_state8(name, when)
-    lines += [
-        "## Every method after the attention fix; the memory options in a CUDA graph",
-        "",
-        "The five methods side by side at the session-11 defaults (the baselines eager, the POET "
-        "runs in a CUDA graph, 8,192 tokens per step), then Llama-8B / 13B with checkpointing "
-        "and the memory options, eager and in a graph.",
-        "",
-    ]
-    lines += _tokens_table("throughput_1b_h200_90a76c3.json", "### Llama-1B, every method")
-    lines += _tokens_table("throughput_3b_h200_90a76c3.json", "### Llama-3B, every method")
-    lines += _memory_options_table(
-        [
-            "gpu_memory_graph_h200_90a76c3.json",
-            "gpu_memory_graph_ckpt_chunk_h200_90a76c3.json",
-            "gpu_memory_ckpt_chunk_graph_h200_3b707b2.json",
-            "gpu_memory_ckpt_chunk_graph_expseg_h200_3b707b2.json",
-            "gpu_memory_ckpt_chunk_eager_h200_3b707b2.json",
-            "gpu_memory_ckpt_chunk_oib_eager_h200_3b707b2.json",
-            "gpu_memory_13b_ckpt_chunk_oib_off_h200_3b707b2.json",
-        ],
-        "### Llama-8B / 13B: checkpointing with the memory options, eager and in a CUDA graph",
-    )
-    lines += _kernel_targets() + _slab_gemms() + _kernels() + _cnp() + _cnp_hybrid()
-    lines += _fused_perm() + _multi_gpu()
+    for sec in sections:
+        lines += sec
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
     return 0
