@@ -1,5 +1,4 @@
-"""Benchmark + real-size check of the fused CNP layouts (:mod:`quant_kernels.cnp_triton`,
-:mod:`quant_kernels.cnp_hybrid`) (GPU).
+"""Benchmark + real-size check of the fused CNP (:mod:`quant_kernels.cnp_hybrid`) (GPU).
 
 The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
 ``recipes/models/llama-8b.yaml`` as :mod:`poetxq.estimate` reads them (32 layers; q, k, v, o
@@ -8,19 +7,17 @@ The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` —
 :mod:`poetxq.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
 ``‖Q‖₂ ≈ 0.4``.
 
-For fp32 and bf16 ``packed``: each fused layout's result against the torch reference (max abs
+For fp32 and bf16 ``packed``: the fused result against the torch reference (max abs
 error of ``G`` and of ``d_packed``; relative errors vs a float64 evaluation on a subset of
 blocks), then forward (no grad) and forward+backward times of
 :func:`quant_kernels.reference.cayley_neumann` under plain autograd,
 :func:`quant_kernels.cnp.cayley_neumann_lean` and
-:func:`quant_kernels.cnp_triton.cayley_neumann_fused` in its ``packed`` (``fused``) and
-``hybrid`` (``fused_hybrid``) layouts (median of CUDA-event timings after warm-up), the ratios,
-and the extra peak memory of one forward+backward. fp32 matmuls run without tf32 (torch's
-default) everywhere. About a minute on an H200. ``--sweep`` also times the forward+backward for
-other tilings of both layouts (a minute or two more), to choose
-:func:`quant_kernels.cnp_triton.default_config` and
-:func:`quant_kernels.cnp_hybrid.default_q2_config`; ``--profile`` prints the kernel-level
-CUDA times of each layout.
+:func:`quant_kernels.cnp_hybrid.cayley_neumann_fused` (``fused_hybrid``; median of CUDA-event
+timings after warm-up), the ratios, and the extra peak memory of one forward+backward. fp32
+matmuls run without tf32 (torch's default) everywhere. About a minute on an H200. ``--sweep``
+also times the forward+backward for other tilings (a minute or two more), to choose
+:func:`quant_kernels.cnp_hybrid.default_q2_config`; ``--profile`` prints the kernel-level CUDA
+times of the fused path.
 
 Usage:  python evals/bench_cnp.py [--out FILE.json] [--block-size 256] [--dtypes fp32,bf16]
                                   [--sweep] [--profile] [--chunk-sweep]
@@ -47,10 +44,6 @@ from poetxq.recipe import load_recipe
 from quant_kernels import cnp, reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SWEEP = {  # (tile, num_warps) tried by --sweep
-    torch.float32: [(16, 4), (32, 4), (32, 8), (64, 8)],
-    torch.bfloat16: [(32, 4), (64, 4), (64, 8), (128, 8)],
-}
 SWEEP_HYBRID = {  # (BM, BK, num_warps, num_stages) of the hybrid's Q² kernel tried by --sweep
     torch.float32: [(32, 32, 4, 2), (32, 16, 4, 3), (64, 32, 8, 2)],
     torch.bfloat16: [(64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 2)],
@@ -60,7 +53,7 @@ CHUNK_MIB = (2, 4, 8, 16, 32, 64, 128, 256)  # hybrid chunk sizes tried by --chu
 
 
 def chunk_sweep(packed: torch.Tensor, d_g: torch.Tensor, b: int, reps: int) -> dict:
-    """Forward and forward+backward of the hybrid layout at each chunk size of
+    """Forward and forward+backward of the fused CNP at each chunk size of
     :data:`CHUNK_MIB` (MiB per ``[chunk, b, b]`` buffer), timed eagerly (CUDA events, host
     launches included) and replayed from a CUDA graph (GPU time, as a captured training step
     runs it), beside the torch reference timed both ways. Small chunks keep a chunk's
@@ -139,21 +132,16 @@ def bench_dtype(
     profile: bool = False,
 ) -> dict:
     """Check and time the CNP paths on ``packed [nb, b(b-1)/2]`` with upstream ``d_g`` (with
-    ``sweep``, the fused layouts under each configuration of :data:`SWEEP` and
-    :data:`SWEEP_HYBRID`; with ``profile``, one profiled forward+backward per fused layout)."""
-    from quant_kernels.cnp_hybrid import default_q2_config
-    from quant_kernels.cnp_triton import cayley_neumann_fused, default_config
-
-    def fused_packed(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
-        return cayley_neumann_fused(p, b_, k, config=config, layout="packed")
+    ``sweep``, the fused path under each configuration of :data:`SWEEP_HYBRID`; with
+    ``profile``, one profiled forward+backward of it)."""
+    from quant_kernels.cnp_hybrid import cayley_neumann_fused, default_q2_config
 
     def fused_hybrid(p: torch.Tensor, b_: int, k: int, config=None) -> torch.Tensor:
-        return cayley_neumann_fused(p, b_, k, config=config, layout="hybrid")
+        return cayley_neumann_fused(p, b_, k, config=config)
 
     paths = {
         "reference": reference.cayley_neumann,
         "lean": cnp.cayley_neumann_lean,
-        "fused": fused_packed,
         "fused_hybrid": fused_hybrid,
     }
     leaf = packed.detach().requires_grad_(True)
@@ -168,17 +156,14 @@ def bench_dtype(
 
         return run
 
-    res: dict = {
-        "fused_config": list(default_config(b, packed.dtype)),
-        "fused_hybrid_config": list(default_q2_config(b, packed.dtype)),
-    }
+    res: dict = {"fused_hybrid_config": list(default_q2_config(b, packed.dtype))}
     # correctness at full size: fused vs the torch reference in the same dtype
     g_ref = reference.cayley_neumann(leaf, b, 3)
     (dp_ref,) = torch.autograd.grad(g_ref, leaf, d_g)
     g_ref = g_ref.detach()
     fused_paths = [n for n in paths if n.startswith("fused")]
     for name in fused_paths:
-        key = "check_vs_reference" if name == "fused" else f"check_{name}_vs_reference"
+        key = f"check_{name}_vs_reference"
         g_fused = paths[name](leaf, b, 3)
         (dp_fused,) = torch.autograd.grad(g_fused, leaf, d_g)
         fa, fr = _max_rel(g_fused.detach(), g_ref)
@@ -223,16 +208,17 @@ def bench_dtype(
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
             res["profile"][name] = table
             print(f"--- {name}\n{table}", flush=True)
-    res["ratio_fused_vs_lean"] = {k: ms["fused"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")}
+    res["ratio_fused_hybrid_vs_lean"] = {
+        k: ms["fused_hybrid"][k] / ms["lean"][k] for k in ("fwd", "fwd_bwd")
+    }
     for name in fused_paths:
         res[f"ratio_{name}_vs_reference"] = {
             k: ms[name][k] / ms["reference"][k] for k in ("fwd", "fwd_bwd")
         }
     if sweep:
         res["sweep_fwd_bwd_ms"] = {}
-        tried = [(fused_packed, cfg, "tile{}_warps{}".format(*cfg)) for cfg in SWEEP[packed.dtype]]
-        tried += [(fused_hybrid, cfg, "hybrid_bm{}_bk{}_warps{}_stages{}".format(*cfg))
-                  for cfg in SWEEP_HYBRID[packed.dtype]]  # fmt: skip
+        tried = [(fused_hybrid, cfg, "hybrid_bm{}_bk{}_warps{}_stages{}".format(*cfg))
+                 for cfg in SWEEP_HYBRID[packed.dtype]]  # fmt: skip
         for path, cfg, key in tried:
             fn = lambda p, b_, k, path=path, cfg=cfg: path(p, b_, k, config=cfg)  # noqa: E731
             try:
@@ -260,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--chunk-sweep", action="store_true",
-        help="also time the hybrid layout per chunk size, eager and from a CUDA graph",
+        help="also time the fused CNP per chunk size, eager and from a CUDA graph",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Benchmark + real-size check of the fused int8 and NF4 dequant-matmuls vs bf16 cuBLAS (GPU).
+"""Benchmark + real-size check of the int8 and NF4 dequant-matmuls vs bf16 cuBLAS (GPU).
 
 For each (M, K, N): bf16 ``x @ Wᵀ`` (cuBLAS, weight in bf16), our fused int8 kernel, and the
 torch dequantize-then-matmul path; and for the backward-input GEMM ``dy @ W`` the same three.
@@ -21,12 +21,7 @@ import torch
 from _common import cuda_peak_extra_mib, cuda_time_ms
 
 from quant_kernels import reference
-from quant_kernels.dequant_matmul import (
-    blockwise_4bit_matmul,
-    blockwise_4bit_matmul_t,
-    int8_matmul,
-    int8_matmul_t,
-)
+from quant_kernels.dequant_matmul import int8_matmul, int8_matmul_t
 from quant_kernels.streamed import (
     fourbit_decoder,
     int8_decoder,
@@ -61,8 +56,7 @@ def _measure(table: dict, flops: int) -> dict:
     """Time every entry of ``table`` (name → zero-argument call) side by side; ratios vs bf16."""
     res = {}
     for name, fn in table.items():
-        slow = "fused" in name and "nf4" in name  # the fused NF4 kernels take tens of ms
-        t = cuda_time_ms(fn, warmup=2, iters=5) if slow else cuda_time_ms(fn)
+        t = cuda_time_ms(fn)
         peak = cuda_peak_extra_mib(fn, minus_result=True)  # transients only, not the output
         res[name] = {"ms": t, "tflops": flops / t / 1e9, "peak_extra_mib": peak}
     base = res["bf16_matmul"]["ms"]
@@ -156,13 +150,11 @@ def _bench_nf4(res: dict, w: torch.Tensor, xs, gs, flops: int) -> None:
         "nf4_streamed_32MiB": streamed_nt,
         "nf4_streamed_select_32MiB": select_nt,
         "bnb_matmul_4bit": lambda: bnb.matmul_4bit(xs(), packed.t(), quant_state=state),
-        "nf4_fused": lambda: blockwise_4bit_matmul(xs(), packed, absmax(), code, 64, (n, k)),
     }
     bwd = {
         "bf16_matmul": lambda: gs() @ w_deq,
         "nf4_streamed_32MiB": streamed_nn,
         "nf4_streamed_select_32MiB": select_nn,
-        "nf4_fused": lambda: blockwise_4bit_matmul_t(gs(), packed, absmax(), code, 64, (n, k)),
     }
     res["nf4_forward"] = _measure(fwd, flops)
     res["nf4_backward_input"] = _measure(bwd, flops)

@@ -3,7 +3,7 @@
 The POET-X(Q) layer permutes its input and output along the feature axis (five gathers per layer
 per step, ~20 % of a Llama-1B step's GPU time; ``evals/results/profiles/``). This compares torch's
 routes against the bandwidth floor (read + write of ``x``): ``index_select`` (what the layer uses),
-advanced indexing, ``torch.gather``, int32 indices, the project's Triton row gather, and — for the
+advanced indexing, ``torch.gather``, int32 indices, and — for the
 layout question in ``evals/notes/streamed_and_layer.md`` — a row gather of the transposed
 activation, alone and with the transpose, and the permute-and-transpose kernels of
 :mod:`quant_kernels.transpose_perm` at three tile shapes. Each result is checked against
@@ -40,11 +40,9 @@ def _routes(x: torch.Tensor, perm: torch.Tensor) -> dict[str, Callable[[], torch
         "transpose_then_rows": lambda: x.t().contiguous().index_select(0, perm),
     }
     try:
-        from quant_kernels.permute import permute_last_triton
         from quant_kernels.transpose_perm import permute_to_feature_major, permute_to_row_major
     except ImportError:  # no Triton: only the torch routes
         return routes
-    routes["triton_row_gather"] = lambda: permute_last_triton(x, perm, None)
     inv = torch.argsort(perm)
     for tile in ((64, 64), (32, 128), (128, 32)):
         name = f"{tile[0]}x{tile[1]}"

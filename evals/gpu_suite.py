@@ -302,11 +302,9 @@ def layer_overhead(n: int, m: int, b: int, poet: ModuleType | None = None) -> di
 
 
 #: the layer's paths other than the default, as (quant_kernels flag, value, row suffix): the
-#: permutations fused into the block kernels (opt-in), the input cast fused into the first
-#: permutation (opt-in), the row-major path (the feature-major one switched off) and two weight
-#: decodes per int8 backward (the one-decode one switched off)
+#: input cast fused into the first permutation, the row-major path (the feature-major one
+#: switched off) and two weight decodes per int8 backward (the one-decode one switched off)
 OTHER_LAYER_PATHS = (
-    ("FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER", True, "fused_perm"),
     # (only the correctness part's fp32 input under bf16 autocast has a cast to fuse; the timed
     # parts feed bf16 inputs, where these rows equal the default path)
     ("FUSED_INPUT_CAST_MEASURED_FASTER", True, "fused_cast"),

@@ -125,22 +125,6 @@ def _forward_autograd(
     return quant_kernels.permute_last(u, side_r.inv_perm, side_r.perm)
 
 
-def _forward_fused(
-    x: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-) -> torch.Tensor:
-    """:func:`_forward_autograd` without autograd, the permutations fused into the block
-    multiplies (:mod:`quant_kernels.block_diag_perm`): two kernels and the GEMM, no gathers."""
-    z = quant_kernels.block_diag_perm_matmul(x, g_p, in_perm=side_p.perm)
-    h = frozen.matmul(z)
-    # y = u[..., inv_perm_R]  <=>  y[..., perm_R[j]] = u[..., j]
-    return quant_kernels.block_diag_perm_matmul(h, g_r, out_perm=side_r.perm)
-
-
 def _feature_major(
     x: torch.Tensor,
     frozen: FrozenWeight,
@@ -164,12 +148,10 @@ def _forward(
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
-    """The layer's forward: fused without grad where :func:`quant_kernels.fused_perm_block_diag`
-    allows, else from autograd ops."""
+    """The layer's forward: feature-major without grad where :func:`_feature_major` allows, else
+    from autograd ops."""
     if not torch.is_grad_enabled() and _feature_major(x, frozen, side_p, side_r):
         return _forward_fm(x, g_p, g_r, frozen, side_p, side_r)[0]
-    if not torch.is_grad_enabled() and quant_kernels.fused_perm_block_diag(x):
-        return _forward_fused(x, g_p, g_r, frozen, side_p, side_r)
     return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
 
 
@@ -216,8 +198,6 @@ def _mem_backward(
     if _feature_major(x, frozen, sp, sr):
         return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
     x = x.to(g_p.dtype)  # an uncast x whose forward was feature-major (the switches changed)
-    if quant_kernels.fused_perm_block_diag(x):
-        return _mem_backward_fused(x, dy, g_p, g_r, frozen, sp, sr, needs)
     xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)
     h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
@@ -233,37 +213,6 @@ def _mem_backward(
     if needs[0]:
         dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
         dx = quant_kernels.permute_last(dxp, sp.inv_perm)
-    return dx, dg_p, dg_r
-
-
-def _mem_backward_fused(
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenWeight,
-    sp: OrthogonalSide,
-    sr: OrthogonalSide,
-    needs: tuple[bool, ...],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`_mem_backward` with the permutations fused into the block kernels: ``x' = x[Ψ_n]``
-    and ``du = dy[Ψ_m]`` are never materialized, nor are padded copies for ragged dims."""
-    kern = quant_kernels
-    h = frozen.matmul(kern.block_diag_perm_matmul(x, g_p, in_perm=sp.perm))
-    dg_r = (
-        kern.block_diag_perm_grad(dy, h, sr.nb, sr.block_size, a_perm=sr.perm) if needs[2] else None
-    )
-    del h
-    # du = dy[..., perm_R];  dh = du @ BD(G_R)  (G_Rᵀ per block)
-    dh = kern.block_diag_perm_matmul(dy, g_r, in_perm=sr.perm, transpose_g=True)
-    dz = frozen.matmul_t(dh)
-    del dh
-    dg_p = (
-        kern.block_diag_perm_grad(dz, x, sp.nb, sp.block_size, v_perm=sp.perm) if needs[1] else None
-    )
-    dx = None
-    if needs[0]:  # dx = (dz @ BD(G_P))[..., inv_perm_P]  <=>  dx[..., perm_P[j]] = (·)[..., j]
-        dx = kern.block_diag_perm_matmul(dz, g_p, out_perm=sp.perm, transpose_g=True)
     return dx, dg_p, dg_r
 
 

@@ -50,8 +50,6 @@ __all__ = [
     "KERNEL_MODES",
     "block_diag_grad",
     "block_diag_matmul",
-    "block_diag_perm_grad",
-    "block_diag_perm_matmul",
     "blockwise_4bit_backward_fm",
     "blockwise_4bit_matmul",
     "blockwise_4bit_matmul_fm",
@@ -62,7 +60,6 @@ __all__ = [
     "dequant_int8_rowwise",
     "feature_major_layer",
     "fused_input_cast",
-    "fused_perm_block_diag",
     "int8_rowwise_backward_fm",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_fm",
@@ -106,25 +103,6 @@ FUSED_CNP_MEASURED_FASTER = True
 #: (``evals/results/cnp_hybrid_h200.json``).
 FUSED_CNP_BF16_MEASURED_FASTER = True
 _FUSED_CNP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-#: whether the fused CNP runs in its ``hybrid`` layout (:mod:`quant_kernels.cnp_hybrid`: Triton
-#: for ``Q``, ``Q²`` and the elementwise terms, cuBLAS for the full products, chunked) rather
-#: than the all-Triton ``packed`` one (:mod:`quant_kernels.cnp_triton`). True: over the Llama-8B
-#: blocks at b = 256 it takes 11.7 ms forward+backward in bf16 against 20.6 ms, and 56.1 against
-#: 167.6 ms in fp32, with half the transient memory (``evals/results/cnp_hybrid_h200.json``).
-HYBRID_CNP_MEASURED_FASTER = True
-
-
-def _cnp_layout() -> str:
-    return "hybrid" if HYBRID_CNP_MEASURED_FASTER else "packed"
-
-
-#: whether the POET-X(Q) layers use the permutation-fused block-diagonal kernels
-#: (:mod:`quant_kernels.block_diag_perm`) on CUDA under ``auto``. False: on the H200 they are
-#: 2.6–10.7× slower than a gather + ``bmm`` (``evals/results/bench_block_diag_perm_h200.json``);
-#: ``POETXQ_KERNELS=fused`` still uses them.
-FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER = False
-
-
 #: whether the POET-X(Q) ``mem`` layers run feature-major between their two permutations
 #: (:mod:`quant_kernels.transpose_perm`, ``FrozenWeight.matmul_fm``) on CUDA under ``auto``
 #: (non-ragged sides, int8 and 16-bit stores). True: the layer's GPU time at the 8B MLP shapes
@@ -259,35 +237,6 @@ def permute_to_row_major(
     return transpose_perm.permute_to_row_major(xt, perm, out_dtype=out_dtype)
 
 
-def fused_perm_block_diag(x: torch.Tensor) -> bool:
-    """Whether the layers' block multiplies take the permutation-fused Triton kernels for the
-    activation ``x``: CUDA, Triton, fp32/bf16/fp16, and either
-    :data:`FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER` or ``POETXQ_KERNELS=fused``."""
-    return x.dtype in _FUSED_CNP_DTYPES and opt_in_kernel(x, FUSED_PERM_BLOCK_DIAG_MEASURED_FASTER)
-
-
-def block_diag_perm_matmul(x: torch.Tensor, g: torch.Tensor, **kw: object) -> torch.Tensor:
-    """:func:`quant_kernels.block_diag_perm.block_diag_perm_matmul` (imported on first use)."""
-    from quant_kernels import block_diag_perm
-
-    return block_diag_perm.block_diag_perm_matmul(x, g, **kw)  # type: ignore[arg-type]
-
-
-def block_diag_perm_grad(
-    a: torch.Tensor, v: torch.Tensor, nb: int, b: int, **kw: object
-) -> torch.Tensor:
-    """:func:`quant_kernels.block_diag_perm.block_diag_perm_grad` (imported on first use)."""
-    from quant_kernels import block_diag_perm
-
-    return block_diag_perm.block_diag_perm_grad(a, v, nb, b, **kw)  # type: ignore[arg-type]
-
-
-#: whether :func:`permute_last` uses the Triton permutation on CUDA under ``auto``. False: it
-#: measured 115.6 µs against torch's 84 µs (``gpu_suite_permute_h200.json``);
-#: ``POETXQ_KERNELS=fused`` uses it regardless.
-TRITON_PERMUTE_MEASURED_FASTER = False
-
-
 def _rows(t: torch.Tensor) -> int:
     return t.numel() // max(t.shape[-1], 1)
 
@@ -305,9 +254,11 @@ def weight_gemm_path(act: torch.Tensor, *, bits: int = 8) -> str:
     mode = kernel_mode()
     if not (act.is_cuda and _HAS_TRITON) or mode == "torch":
         return "torch"
-    if mode != "auto":
+    if bits == 4 or mode == "streamed":
+        return "streamed"  # the only Triton path of a 4-bit weight
+    if mode == "fused":
         return mode
-    return "streamed" if bits == 4 or _rows(act) >= STREAMED_MIN_M else "fused"
+    return "streamed" if _rows(act) >= STREAMED_MIN_M else "fused"
 
 
 def int8_rowwise_matmul(x: torch.Tensor, cb: torch.Tensor, scb: torch.Tensor) -> torch.Tensor:
@@ -444,11 +395,6 @@ def blockwise_4bit_matmul(
 
         dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, x.device)
         return streamed_matmul_nt(x, dec, *shape, slab_bytes=slab_bytes_for(_rows(x)))
-    if path == "fused":
-        from quant_kernels.dequant_matmul import blockwise_4bit_matmul as fused
-
-        code = reference_4bit.get_4bit_code(quant_type, x.device)
-        return fused(x, packed, absmax, code, blocksize, shape)
     return reference_4bit.blockwise_4bit_matmul(x, packed, absmax, quant_type, blocksize, shape)
 
 
@@ -469,11 +415,6 @@ def blockwise_4bit_matmul_t(
 
         dec = _fourbit_decoder(packed, absmax, quant_type, blocksize, shape, g.device)
         return streamed_matmul_nn(g, dec, *shape, slab_bytes=slab_bytes_for(_rows(g)))
-    if path == "fused":
-        from quant_kernels.dequant_matmul import blockwise_4bit_matmul_t as fused
-
-        code = reference_4bit.get_4bit_code(quant_type, g.device)
-        return fused(g, packed, absmax, code, blocksize, shape)
     return reference_4bit.blockwise_4bit_matmul_t(g, packed, absmax, quant_type, blocksize, shape)
 
 
@@ -552,18 +493,10 @@ def blockwise_4bit_backward_fm(
 def permute_last(
     x: torch.Tensor, perm: torch.Tensor, inv_perm: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x[..., perm]`` for ``x [..., d]`` and a permutation ``perm [d]`` (int64, ``x``'s device).
-
-    On CUDA with :data:`TRITON_PERMUTE_MEASURED_FASTER` (or ``POETXQ_KERNELS=fused``) the Triton
-    kernels of :mod:`quant_kernels.permute` (exact copies; the backward is the inverse permutation
-    ``inv_perm``, computed by ``argsort`` when not given); otherwise
+    """``x[..., perm]`` for ``x [..., d]`` and a permutation ``perm [d]`` (int64, ``x``'s device):
     :func:`quant_kernels.reference.permute_last` (torch ``index_select``, whose backward gathers
-    by ``inv_perm`` too). Differentiable w.r.t. ``x``.
+    by ``inv_perm``). Differentiable w.r.t. ``x``.
     """
-    if opt_in_kernel(x, TRITON_PERMUTE_MEASURED_FASTER):
-        from quant_kernels.permute import permute_last_triton
-
-        return permute_last_triton(x, perm, inv_perm)
     return reference.permute_last(x, perm, inv_perm)
 
 
@@ -599,9 +532,9 @@ def cayley_neumann(packed: torch.Tensor, block_size: int, terms: int = 3) -> tor
     """
     x = _autocast_input(packed)
     if _fused_cnp(x, terms):
-        from quant_kernels.cnp_triton import cayley_neumann_fused
+        from quant_kernels.cnp_hybrid import cayley_neumann_fused
 
-        return cayley_neumann_fused(x, block_size, terms, layout=_cnp_layout())
+        return cayley_neumann_fused(x, block_size, terms)
     return cnp.cayley_neumann(packed, block_size, terms)
 
 
@@ -611,7 +544,7 @@ def cayley_neumann_lean(packed: torch.Tensor, block_size: int, terms: int = 3) -
     """
     x = _autocast_input(packed)
     if _fused_cnp(x, terms):
-        from quant_kernels.cnp_triton import cayley_neumann_fused
+        from quant_kernels.cnp_hybrid import cayley_neumann_fused
 
-        return cayley_neumann_fused(x, block_size, terms, layout=_cnp_layout())
+        return cayley_neumann_fused(x, block_size, terms)
     return cnp.cayley_neumann_lean(packed, block_size, terms)

@@ -1,22 +1,29 @@
-"""Cayley–Neumann blocks (CNP, ``k = 3``) in Triton and cuBLAS together, chunk by chunk.
+"""Fused Cayley–Neumann blocks (CNP, ``k = 3``), forward and hand-derived backward: Triton for
+what needs index math or elementwise terms, cuBLAS for the full ``b×b`` products, chunk by chunk.
 
-The math is that of :mod:`quant_kernels.cnp_triton` (its docstring derives the gradient), with
-``S = Q²``, ``B = 2I + 2Q + S`` and ``M = ∂L/∂G``::
+CNP (POET, arXiv 2506.08001): each ``b×b`` orthogonal block is ``G = (I + Q)(I + Q + Q² + Q³)``
+with ``Q = U − Uᵀ`` skew-symmetric, ``U`` the strict upper triangle stored row-major
+(``torch.triu_indices(b, b, 1)`` order) in ``packed [nb, b(b-1)/2]``:
+``U[i, j] = packed[i·b − i(i+1)/2 + (j − i − 1)]`` (i < j). With ``S = Q²`` and
+``B = 2I + 2Q + S``::
 
     forward:   G = I + 2Q + S·B                         = I + 2Q + 2Q² + 2Q³ + Q⁴
+
+Backward, derived by hand. Let ``M = ∂L/∂G``. Reverse mode through ``G = I + 2Q + S·B``,
+``B = 2I + 2Q + S`` and ``S = Q·Q``, using ``Qᵀ = −Q`` and ``Sᵀ = S`` (so ``Bᵀ = 2I − 2Q + S``)::
+
+    ∂S = M·Bᵀ + S·M =: E,    ∂Q = 2M + 2·S·M − (E·Q + Q·E)
+
+``Q = U − Uᵀ`` gives ``∂U[i, j] = ∂Q[i, j] − ∂Q[j, i]`` (i < j). With ``N = S·M``,
+``D = E + Eᵀ`` (symmetric) and ``DQ + QD = DQ − (DQ)ᵀ`` (``D`` symmetric, ``Q`` skew)::
+
     backward:  N = S·M,  E = M·Bᵀ + N,  D = E + Eᵀ,  Y = 2M + 2N − D·Q
                d_packed = strict upper triangle of Y − Yᵀ
 
-The backward's last line is :mod:`quant_kernels.cnp_triton`'s ``A = H − Hᵀ − (DQ + QD)``
-rewritten with ``DQ + QD = DQ − (DQ)ᵀ`` (``D`` symmetric, ``Q`` skew), which needs one product
-instead of two.
-
-:mod:`quant_kernels.cnp_triton` reads ``Q`` tiles straight from the packed triangle: unaligned
-rows (no vectorized loads), transposed tiles below the diagonal and K loops of one or two tiles
-that cannot be pipelined; on the H200 its products ran at ~100 TFLOP/s. At ``b = 256`` a
-``b×b×b`` product does 87 FLOP per byte of its operands and result, below the H200's ridge
-point (~200 FLOP/B): each product is bound by memory traffic, and cuBLAS's batched GEMM runs
-them at ~300 TFLOP/s, close to that bound. So here:
+At ``b = 256`` a ``b×b×b`` product does 87 FLOP per byte of its operands and result, below the
+H200's ridge point (~200 FLOP/B): each product is bound by memory traffic, and cuBLAS's batched
+GEMM runs them at ~300 TFLOP/s, close to that bound (an all-Triton layout that read ``Q`` tiles
+straight from the packed triangle ran at ~100 TFLOP/s and was removed; ``docs/KERNELS.md``). So:
 
 - Triton writes what needs index math or elementwise terms, each tile pair ``(I ≤ J)`` of a
   block from one coalesced load: ``Q`` (and ``G₀ = I + 2Q`` in forward) from ``packed``;
@@ -25,13 +32,13 @@ them at ~300 TFLOP/s, close to that bound. So here:
 - cuBLAS runs the full products (``bmm`` / ``baddbmm_`` in place): ``G += S·B`` in forward,
   ``N = S·M``, ``E' = M·Bᵀ`` and ``Y' = 2N − D·Q`` in backward.
 - The blocks go in chunks of :data:`CHUNK_BYTES` per buffer, so the transients are a few such
-  buffers whatever the model size (the packed-layout kernels hold ``Q²``, ``E`` and ``H`` for
-  all blocks at once).
+  buffers whatever the model size.
 
 Rounding: products accumulate in fp32 and every intermediate (``Q``, ``S``, ``B``, ``N``,
 ``E'``, ``D``, ``Y'``) is stored in the input dtype, as autograd of the torch reference stores
-its intermediates. The oracle is :func:`quant_kernels.reference.cayley_neumann` (float64 in the
-tests).
+its intermediates. :func:`cayley_neumann_fused` wraps both directions in an autograd Function
+that saves only ``packed`` (like :func:`quant_kernels.cnp.cayley_neumann_lean`). The oracle is
+:func:`quant_kernels.reference.cayley_neumann` (float64 in the tests).
 """
 
 from __future__ import annotations
@@ -40,22 +47,46 @@ import torch
 import triton
 import triton.language as tl
 
-from quant_kernels.cnp_triton import (
-    _backward_inputs,
-    _block_and_pair,
-    _check,
-    _pairs,
-    _plus_eye,
-    _tile,
-)
 from quant_kernels.dequant_matmul import _dot, _interpreting
 
 __all__ = [
-    "CHUNK_BYTES", "Q2Config", "cnp_backward_hybrid", "cnp_forward_hybrid",
-    "default_q2_config",
+    "CHUNK_BYTES", "Q2Config", "cayley_neumann_fused", "cnp_backward_hybrid",
+    "cnp_forward_hybrid", "default_q2_config",
 ]  # fmt: skip
 
 _UPCAST = _interpreting()
+#: dtypes of ``packed`` the kernels accept (fp32 accumulation in all of them)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile(base, r0, c0, b, BR: tl.constexpr, BC: tl.constexpr):
+    """Rows ``r0…r0+BR`` × columns ``c0…c0+BC`` of a dense row-major ``b×b`` matrix at ``base``
+    (zero outside it), in its stored dtype."""
+    r = r0 + tl.arange(0, BR)[:, None]
+    c = c0 + tl.arange(0, BC)[None, :]
+    return tl.load(base + r * b + c, mask=(r < b) & (c < b), other=0.0)
+
+
+@triton.jit
+def _plus_eye(x, r0, c0, alpha, BR: tl.constexpr, BC: tl.constexpr):
+    """``x + alpha·I`` for the tile at rows ``r0…``, columns ``c0…``."""
+    r = r0 + tl.arange(0, BR)[:, None]
+    c = c0 + tl.arange(0, BC)[None, :]
+    return tl.where(r == c, x + alpha, x)
+
+
+@triton.jit
+def _block_and_pair(pairs_ptr, n_pairs):
+    """(block, I, J) of this program: programs run over blocks × tile pairs ``I ≤ J``."""
+    pid = tl.program_id(0)
+    p = pid % n_pairs
+    return (pid // n_pairs).to(tl.int64), tl.load(pairs_ptr + p), tl.load(pairs_ptr + n_pairs + p)
 
 
 @triton.jit
@@ -158,6 +189,54 @@ def _fold_pairs_kernel(
 # ----------------------------------------------------------------------------------------------
 # host launchers
 # ----------------------------------------------------------------------------------------------
+# host launchers
+# ----------------------------------------------------------------------------------------------
+
+
+_PAIRS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _pairs(n_tiles: int, device: torch.device) -> torch.Tensor:
+    """``[2, T(T+1)/2]`` int32: the tile pairs ``(I ≤ J)`` (cached per device)."""
+    key = (n_tiles, str(device))
+    pairs = _PAIRS.get(key)
+    if pairs is None:
+        pairs = torch.triu_indices(n_tiles, n_tiles, device=device).to(torch.int32)
+        # a tensor made during CUDA-graph capture holds its values only in the graph's replays
+        if not (pairs.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _PAIRS[key] = pairs
+    return pairs
+
+
+def _check(packed: torch.Tensor, block_size: int) -> None:
+    if block_size < 2:
+        raise ValueError(f"block size b={block_size} must be >= 2")
+    if packed.dim() != 2 or packed.shape[1] != block_size * (block_size - 1) // 2:
+        raise ValueError(
+            f"packed must be [nb, b(b-1)/2] = [nb, {block_size * (block_size - 1) // 2}] for "
+            f"b={block_size}, got {tuple(packed.shape)}"
+        )
+    if packed.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"packed dtype {packed.dtype} unsupported; use fp32, bf16 or fp16")
+    if not (packed.is_cuda or _UPCAST):
+        raise ValueError("the fused CNP needs a CUDA tensor (or TRITON_INTERPRET=1 on the CPU)")
+
+
+def _backward_inputs(
+    packed: torch.Tensor, d_g: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``packed`` and ``d_g`` checked (:func:`_check`, ``d_g`` ``[nb, b, b]``) and made
+    contiguous, ``d_g`` in ``packed.dtype``.
+
+    Raises:
+        ValueError: as :func:`_check`, or ``d_g`` of the wrong shape.
+    """
+    _check(packed, block_size)
+    nb, b = packed.shape[0], block_size
+    if d_g.shape != (nb, b, b):
+        raise ValueError(f"d_g must be [{nb}, {b}, {b}], got {tuple(d_g.shape)}")
+    return packed.contiguous(), d_g.to(packed.dtype).contiguous()
+
 
 #: ``(BM, BK, num_warps, num_stages)``: square ``BM×BM`` output tiles, ``BK``-wide K steps
 Q2Config = tuple[int, int, int, int]
@@ -186,8 +265,7 @@ def default_q2_config(block_size: int, dtype: torch.dtype) -> Q2Config:
 def _meta(packed: torch.Tensor, b: int, config: Q2Config | None) -> tuple[int, dict]:
     if config is not None and len(config) != 4:
         raise ValueError(
-            f"config {tuple(config)}: the hybrid layout takes (BM, BK, num_warps, num_stages); "
-            "(tile, num_warps) is the packed layout's"
+            f"config {tuple(config)}: the fused CNP takes (BM, BK, num_warps, num_stages)"
         )
     bm, bk, warps, stages = config or default_q2_config(b, packed.dtype)
     if (
@@ -249,8 +327,8 @@ def cnp_forward_hybrid(
     chunk of blocks: one Triton pass writes ``Q`` and ``G₀ = I + 2Q``, one writes ``S`` (upper
     tile pairs) and ``B``, and cuBLAS adds ``S·B`` into ``G`` (``baddbmm_``).
 
-    Same contract as :func:`quant_kernels.cnp_triton.cnp_forward`; transient memory three
-    buffers of ``chunk_bytes`` (``Q``, ``S``, ``B``) whatever the number of blocks.
+    No autograd; transient memory three buffers of ``chunk_bytes`` (``Q``, ``S``, ``B``)
+    whatever the number of blocks.
 
     Args:
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
@@ -264,8 +342,8 @@ def cnp_forward_hybrid(
         ``G`` ``[nb, b, b]`` in ``packed.dtype``.
 
     Raises:
-        ValueError: as :func:`quant_kernels.cnp_triton.cnp_forward`, a bad ``config`` or
-            ``chunk_bytes``.
+        ValueError: wrong width for ``b``, ``b < 2``, an unsupported dtype, not a CUDA tensor
+            (outside the Triton interpreter), a bad ``config`` or ``chunk_bytes``.
     """
     _check(packed, block_size)
     b, nb = block_size, packed.shape[0]
@@ -300,18 +378,15 @@ def cnp_backward_hybrid(
 ) -> torch.Tensor:
     """Gradient of ``⟨d_g, CNP(packed)⟩`` w.r.t. ``packed``, chunk by chunk of blocks.
 
-    With ``M = d_g``, ``S = Q²``, ``B = 2I + 2Q + S`` and :mod:`quant_kernels.cnp_triton`'s
-    ``E = M·Bᵀ + N``, ``N = S·M``, ``H = 2M + 2N``, ``D = E + Eᵀ``: since ``D`` is symmetric
-    and ``Q`` skew, ``DQ + QD = DQ − (DQ)ᵀ``, so the packed gradient is the strict upper
-    triangle of ``Y − Yᵀ`` with ``Y = 2M + 2N − D·Q``. Per chunk: Triton writes ``Q`` (one
-    coalesced load of ``U`` per tile pair), ``S`` and ``C = Bᵀ = 2I − 2Q + S``; cuBLAS
+    With ``M = d_g`` and the module docstring's ``S``, ``B``, ``N``, ``E``, ``D`` and ``Y``,
+    the packed gradient is the strict upper triangle of ``Y − Yᵀ``. Per chunk: Triton writes
+    ``Q`` (one coalesced load of ``U`` per tile pair), ``S`` and ``C = Bᵀ = 2I − 2Q + S``; cuBLAS
     runs ``N = S·M`` and ``E' = M·C``; Triton symmetrizes ``D = (E' + N) + (E' + N)ᵀ`` in
     place; cuBLAS runs ``Y' = 2N − D·Q`` in place; Triton folds ``Y' + 2M`` into
     ``d_packed``. Three full ``b×b`` products (plus ``S`` on tile pairs), against four for
     autograd of the reference.
 
-    Same contract as :func:`quant_kernels.cnp_triton.cnp_backward`; transient memory five
-    buffers of ``chunk_bytes``.
+    Transient memory five buffers of ``chunk_bytes``.
 
     Args:
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
@@ -325,8 +400,7 @@ def cnp_backward_hybrid(
         ``d_packed`` ``[nb, b(b-1)/2]`` in ``packed.dtype``.
 
     Raises:
-        ValueError: as :func:`quant_kernels.cnp_triton.cnp_backward`, a bad ``config`` or
-            ``chunk_bytes``.
+        ValueError: as :func:`cnp_forward_hybrid`, or ``d_g`` of the wrong shape.
     """
     packed, d_g = _backward_inputs(packed, d_g, block_size)
     b, nb = block_size, packed.shape[0]
@@ -356,3 +430,53 @@ def _backward_chunks(packed, d_g, d_packed, b, n_tiles, meta, chunk) -> None:
         _sym_pairs_kernel[grid](e, n, pairs, b, n_pairs, BM=_SKEW_BM)  # e ← D
         n.baddbmm_(e, q, beta=2.0, alpha=-1.0)  # n ← Y' = 2N − D·Q
         _fold_pairs_kernel[grid](n, m, d_packed[c0:c1], pairs, b, npk, n_pairs, 2.0, BM=_SKEW_BM)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
+
+
+class _CayleyNeumannFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed: torch.Tensor, block_size: int, config) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(packed)
+        ctx.block_size, ctx.config = block_size, config
+        return cnp_forward_hybrid(packed, block_size, config=config)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_g: torch.Tensor):  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        return cnp_backward_hybrid(packed, d_g, ctx.block_size, config=ctx.config), None, None
+
+
+def cayley_neumann_fused(
+    packed: torch.Tensor, block_size: int, terms: int = 3, *, config: Q2Config | None = None
+) -> torch.Tensor:
+    """Fused :func:`~quant_kernels.reference.cayley_neumann` for ``k = 3`` (POET,
+    arXiv 2506.08001): ``G = I + 2(Q + Q² + Q³) + Q⁴`` with ``Q = U − Uᵀ``.
+
+    Saves only ``packed`` for backward (like :func:`quant_kernels.cnp.cayley_neumann_lean`);
+    backward recomputes ``S = Q²`` and runs the hand-derived gradient of the module docstring.
+    Not twice differentiable.
+
+    Args:
+        packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).
+        block_size: ``b ≥ 2``.
+        terms: Neumann order; only ``3`` is fused.
+        config: ``(BM, BK, num_warps, num_stages)`` of the ``S`` kernel; default
+            :func:`default_q2_config`.
+
+    Returns:
+        ``G`` ``[nb, b, b]`` in ``packed.dtype``; differentiable w.r.t. ``packed``.
+
+    Raises:
+        ValueError: ``terms != 3``, or as :func:`cnp_forward_hybrid`.
+    """
+    if terms != 3:
+        raise ValueError(f"the fused CNP implements k = 3 Neumann terms only, got {terms}")
+    _check(packed, block_size)
+    if torch.is_grad_enabled() and packed.requires_grad:
+        return _CayleyNeumannFused.apply(packed, block_size, config)
+    return cnp_forward_hybrid(packed, block_size, config=config)

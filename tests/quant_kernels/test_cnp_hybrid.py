@@ -1,4 +1,4 @@
-"""Hybrid Triton + cuBLAS CNP (:mod:`quant_kernels.cnp_hybrid`) vs float64 and the reference.
+"""Fused Triton + cuBLAS CNP (:mod:`quant_kernels.cnp_hybrid`) vs float64 and the reference.
 
 Under ``TRITON_INTERPRET=1`` the Triton kernels use 16×16 tiles and 16-wide K steps: b = 8 (one
 partial tile), 16 (one full tile), 20 and 33 (full and partial tiles, partial last K step) and
@@ -16,10 +16,10 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         "needs a GPU or TRITON_INTERPRET=1 (set by tests/conftest.py)", allow_module_level=True
     )
 
-from _cnp_cases import packed_blocks, run_and_check
+from _cnp_cases import packed_blocks, reference_grad, run_and_check
 
-from quant_kernels.cnp_hybrid import cnp_backward_hybrid, cnp_forward_hybrid
-from quant_kernels.cnp_triton import cayley_neumann_fused, cnp_backward, cnp_forward
+from quant_kernels.cnp_hybrid import cayley_neumann_fused, cnp_backward_hybrid, cnp_forward_hybrid
+from quant_kernels.reference import skew_from_packed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_ATOL = 1e-5 if DEVICE == "cpu" else 5e-5
@@ -30,16 +30,13 @@ _GPU_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="real block sizes: GPU on
 
 
 @pytest.mark.parametrize("b,nb,config", SIZES)
-def test_fp32_matches_float64_and_packed_layout(b, nb, config, gen):
-    packed, d_g, g, d_packed = run_and_check(
+def test_fp32_matches_float64_and_autograd_of_the_reference(b, nb, config, gen):
+    packed, d_g, _, d_packed = run_and_check(
         cnp_forward_hybrid, cnp_backward_hybrid, nb, b, torch.float32, gen, DEVICE, FP32_ATOL,
         config,
     )  # fmt: skip
-    # the same algebra as the packed-layout kernels: equal up to fp32 summation order
-    g_packed = cnp_forward(packed.to(DEVICE), b)
-    dp_packed = cnp_backward(packed.to(DEVICE), d_g.to(DEVICE), b)
-    assert (g - g_packed).abs().max().item() <= 1e-6
-    assert (d_packed - dp_packed).abs().max().item() <= 1e-5
+    grad32 = reference_grad(packed, d_g, b)  # torch autograd of the reference, fp32
+    assert (d_packed.cpu() - grad32).abs().max().item() <= FP32_ATOL
 
 
 SIZES_16BIT = [(16, 2), (20, 1), pytest.param(256, 3, marks=_GPU_ONLY),
@@ -84,19 +81,21 @@ def test_zero_q_gives_identity_and_empty_stack():
 
 def test_errors():
     p = torch.zeros(2, 28, device=DEVICE)
-    with pytest.raises(ValueError, match="layout 'diagonal' unknown"):
-        cayley_neumann_fused(p, 8, layout="diagonal")
+    with pytest.raises(ValueError, match="k = 3"):
+        cayley_neumann_fused(p, 8, terms=4)
+    with pytest.raises(ValueError, match=">= 2"):
+        cnp_forward_hybrid(torch.zeros(2, 0, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="unsupported"):
+        cnp_forward_hybrid(p.double(), 8)
     with pytest.raises(ValueError, match="b\\(b-1\\)/2"):
         cnp_forward_hybrid(p, 9)
     with pytest.raises(ValueError, match="config"):
         cnp_forward_hybrid(p, 8, config=(24, 16, 4, 1))
     with pytest.raises(ValueError, match="d_g"):
         cnp_backward_hybrid(p, torch.zeros(2, 8, 9, device=DEVICE), 8)
-    # a config of the other layout, or stages < 1, named as such
-    with pytest.raises(ValueError, match="hybrid layout takes \\(BM, BK, num_warps"):
+    # a config of the wrong length, or stages < 1, named as such
+    with pytest.raises(ValueError, match="takes \\(BM, BK, num_warps, num_stages\\)"):
         cayley_neumann_fused(p, 8, config=(16, 4))
-    with pytest.raises(ValueError, match="packed layout takes \\(tile, num_warps\\)"):
-        cayley_neumann_fused(p, 8, config=(16, 16, 4, 1), layout="packed")
     with pytest.raises(ValueError, match="stages an int >= 1"):
         cnp_forward_hybrid(p, 8, config=(16, 16, 4, 0))
     for bad in (0, -5, True, 2.5, None):
@@ -115,3 +114,31 @@ def test_hybrid_products_ignore_an_enclosing_autocast(gen):
         under = cnp_forward_hybrid(packed, b), cnp_backward_hybrid(packed, d_g, b)
     assert under[0].dtype == under[1].dtype == torch.float32
     assert torch.equal(under[0], plain[0]) and torch.equal(under[1], plain[1])
+
+
+@pytest.mark.parametrize("scale", [0.15, 0.05])
+def test_orthogonal_to_fourth_order(scale, gen):
+    b = 16
+    packed = packed_blocks(2, b, gen, scale=scale)  # ‖Q‖₂ ≈ 2·scale
+    g = cnp_forward_hybrid(packed.to(DEVICE), b).double().cpu()
+    norm_q = torch.linalg.matrix_norm(skew_from_packed(packed.double(), b), ord=2).max().item()
+    err = torch.linalg.matrix_norm(g.transpose(1, 2) @ g - torch.eye(b), ord=2).max().item()
+    # (I+Q)(I+Q+Q²+Q³) = Cayley(Q) − (I+Q)Q⁴(I−Q)⁻¹: GᵀG − I = O(‖Q‖⁴) for small Q
+    assert norm_q < 0.5
+    assert err <= 4 * norm_q**4 + 1e-6
+    assert err >= 0.1 * norm_q**4  # the truncation error is really there (the check has teeth)
+
+
+def test_autograd_function_saves_only_packed_and_matches_reference(gen):
+    b = 16
+    packed = packed_blocks(2, b, gen).to(DEVICE).requires_grad_(True)
+    d_g = torch.randn(2, b, b, generator=gen).to(DEVICE)
+    g = cayley_neumann_fused(packed, b)
+    saved = g.grad_fn.saved_tensors
+    assert len(saved) == 1 and saved[0].data_ptr() == packed.data_ptr()
+    g.backward(d_g)
+    ref = reference_grad(packed.detach().cpu().double(), d_g.cpu().double(), b)
+    assert (packed.grad.double().cpu() - ref).abs().max().item() <= FP32_ATOL
+    with torch.no_grad():
+        again = cayley_neumann_fused(packed, b)
+    assert again.grad_fn is None and torch.equal(again, g.detach())

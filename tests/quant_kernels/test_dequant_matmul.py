@@ -78,54 +78,6 @@ def test_shape_errors(gen):
         int8_matmul(torch.randn(2, 16, device=DEVICE), cb.float(), scb)
 
 
-# ---- 4-bit NF4 / FP4 (bitsandbytes Params4bit layout) ---------------------------------------
-
-from quant_kernels.dequant_matmul import (  # noqa: E402
-    blockwise_4bit_matmul,
-    blockwise_4bit_matmul_t,
-)
-
-# K is a multiple of the blocksize in every real layer; N and M are odd / not tile multiples.
-SHAPES_4BIT = [(1, 3, 64), (33, 20, 128), (7, 50, 192)]
-
-
-def _bnb_4bit(n: int, k: int, quant_type: str, double_quant: bool, gen: torch.Generator):
-    w = torch.randn(n, k, generator=gen)
-    packed, state = bnb_functional.quantize_4bit(
-        w.clone(), blocksize=64, quant_type=quant_type, compress_statistics=double_quant
-    )
-    deq = bnb_functional.dequantize_4bit(packed, state).double()  # bnb's own dequantizer
-    absmax = state.absmax.float()
-    if double_quant:  # nested statistics: absmax = dequant_blockwise(codes) + offset
-        absmax = (
-            bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-        ).float()
-    return packed.to(DEVICE), absmax.to(DEVICE), state.code.float().to(DEVICE), deq
-
-
-@pytest.mark.parametrize("m,n,k", SHAPES_4BIT)
-@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-@pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_4bit_matches_bnb_dequant(m, n, k, quant_type, double_quant, dtype, gen):
-    packed, absmax, code, deq = _bnb_4bit(n, k, quant_type, double_quant, gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    g = torch.randn(m, n, generator=gen).to(dtype)
-    y = blockwise_4bit_matmul(x.to(DEVICE), packed, absmax, code, 64, (n, k))
-    dx = blockwise_4bit_matmul_t(g.to(DEVICE), packed, absmax, code, 64, (n, k))
-    assert y.dtype == dtype and y.shape == (m, n) and dx.shape == (m, k)
-    w_rounded = deq.to(dtype).double()  # the kernel rounds each dequantized weight to dtype
-    assert _rel(y, x.double() @ w_rounded.t()) <= TOL[dtype]
-    assert _rel(dx, g.double() @ w_rounded) <= TOL[dtype]
-
-
-def test_4bit_rejects_nested_absmax_codes(gen):
-    packed, absmax, code, _ = _bnb_4bit(4, 64, "nf4", False, gen)
-    with pytest.raises(ValueError, match="absmax"):
-        blockwise_4bit_matmul(torch.randn(2, 64, device=DEVICE), packed, absmax.to(torch.uint8),
-                              code, 64, (4, 64))  # fmt: skip
-
-
 def test_autotune_pruning_keeps_tiles_near_m_and_small_fp32_tiles():
     from quant_kernels.dequant_matmul import _configs, prune_configs
 

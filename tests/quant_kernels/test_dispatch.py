@@ -72,25 +72,6 @@ def test_fused_cnp_serves_the_dtypes_it_was_measured_faster_for(monkeypatch):
 
 
 @pytest.mark.skipif(not quant_kernels._HAS_TRITON, reason="triton not installed")
-def test_fused_cnp_runs_the_hybrid_layout_unless_its_flag_is_off(monkeypatch):
-    # evals/results/cnp_hybrid_v1_h200.json: hybrid 15.3 ms against 20.6 ms (packed), bf16
-    import quant_kernels.cnp_triton as cnp_triton
-
-    seen = []
-    monkeypatch.setattr(quant_kernels, "_fused_cnp", lambda packed, terms: True)
-    monkeypatch.setattr(
-        cnp_triton, "cayley_neumann_fused", lambda *a, layout: seen.append(layout) or a[0]
-    )
-    packed = torch.zeros(1, 6)
-    assert quant_kernels.HYBRID_CNP_MEASURED_FASTER
-    quant_kernels.cayley_neumann(packed, 4)
-    quant_kernels.cayley_neumann_lean(packed, 4)
-    monkeypatch.setattr(quant_kernels, "HYBRID_CNP_MEASURED_FASTER", False)
-    quant_kernels.cayley_neumann(packed, 4)
-    assert seen == ["hybrid", "hybrid", "packed"]
-
-
-@pytest.mark.skipif(not quant_kernels._HAS_TRITON, reason="triton not installed")
 def test_feature_major_layer_is_the_default_on_cuda_only(monkeypatch):
     # evals/results/feature_major_ab_h200.json: faster in every 8B/13B step setting
     monkeypatch.delenv("POETXQ_KERNELS", raising=False)
@@ -128,14 +109,14 @@ def test_fused_cnp_under_autocast_runs_in_the_autocast_dtype(monkeypatch, gen):
 
     seen = []
 
-    def fake_fused(x, b, terms, layout):
+    def fake_fused(x, b, terms):
         seen.append(x.dtype)
         return reference.cayley_neumann(x, b, terms)
 
-    import quant_kernels.cnp_triton as cnp_triton
+    import quant_kernels.cnp_hybrid as cnp_hybrid
 
     monkeypatch.setattr(quant_kernels, "_fused_cnp", lambda packed, terms: True)
-    monkeypatch.setattr(cnp_triton, "cayley_neumann_fused", fake_fused)
+    monkeypatch.setattr(cnp_hybrid, "cayley_neumann_fused", fake_fused)
     packed = (0.1 * torch.randn(2, 6, generator=gen)).requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         g = quant_kernels.cayley_neumann_lean(packed, 4)

@@ -1,9 +1,8 @@
-"""The layer's opt-in paths against its torch path: the permutation-fused block kernels
-(quant_kernels.block_diag_perm) and the feature-major path (quant_kernels.transpose_perm +
-FrozenWeight.matmul_fm).
+"""The layer's feature-major paths (poetxq.layer_fm: quant_kernels.transpose_perm +
+FrozenWeight.matmul_fm) against its torch path.
 
 On the CPU the Triton kernels run in the interpreter; the switches that a GPU would take from
-``quant_kernels.fused_perm_block_diag`` / ``quant_kernels.feature_major_layer`` are forced here.
+``quant_kernels.feature_major_layer`` and its siblings are forced here.
 """
 
 import os
@@ -60,27 +59,6 @@ def _assert_same(got, want):
             assert a is None
             continue
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * max(1.0, b.abs().max().item()))
-
-
-# ragged on both sides (40 = 2·16 + 8, 56 = 3·16 + 8) and exact (32 → 48)
-@pytest.mark.parametrize("n,m", [(40, 56), (32, 48)])
-@pytest.mark.parametrize("bits", [8, 16, 4])
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_fused_path_equals_torch_path(n, m, bits, swiglu, monkeypatch, gen):
-    args = _case(n, m, bits, swiglu, gen)
-    y_ref, g_ref = _run(*args)
-    calls = []
-    real = quant_kernels.block_diag_perm_matmul
-
-    def counting(*a, **k):
-        calls.append(k)
-        return real(*a, **k)
-
-    monkeypatch.setattr(quant_kernels, "fused_perm_block_diag", lambda _x: True)
-    monkeypatch.setattr(quant_kernels, "block_diag_perm_matmul", counting)
-    y, g = _run(*args)
-    assert len(calls) == 5  # forward: the P and R sides; backward: z recomputed, dh, dx
-    _assert_same((y, g), (y_ref, g_ref))
 
 
 # (32 -> 48, b = 16): no ragged block; (40 -> 56): ragged on both sides, which falls back;
