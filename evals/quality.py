@@ -1,0 +1,429 @@
+"""The quality study: POET-XQ against tuned baselines under one protocol (issue 32).
+
+A study file (YAML, ``evals/studies/*.yaml``) names the model, the token corpus
+(:mod:`poetxq.corpus`), the token budget per run, the settings every method shares, and per
+method its recipe, its own knobs and its learning-rate grid. The runner
+
+1. **tunes**: every grid point of every method at the tuning seeds; a method whose best point
+   (lowest ``tune`` perplexity) sits on a grid edge gets one more point past that edge (the
+   step of the grid's last ratio), until its best is inside the grid or ``max_extend`` points
+   were added per axis;
+2. **finalizes**: each method's best setting at the final seeds, plus the control runs (POET-X
+   with bf16 ``W0``, POET-XQ with frozen rotations) at POET-XQ's best setting;
+3. scores every run on the ``test`` split, per source too, and records tokens/s without
+   evaluation, the train / tune loss gap and the validation curve.
+
+Runs run as worker processes, ``--jobs`` at a time (several share one GPU; with ``--gpus`` each
+worker gets one GPU of the list in turn). Each finished run is merged into the study's results
+JSON at once, so a study stopped anywhere (``--deadline``, a lost machine) continues with
+``run`` again: finished runs are kept, an interrupted run resumes from its checkpoint when its
+run folder is still there. ``report`` renders ``docs/QUALITY.md`` from the results JSON(s)
+(:mod:`evals.quality_report`).
+
+Usage::
+
+    python evals/prepare_offline_corpus.py --out data/quality-corpus
+    python evals/quality.py plan evals/studies/llama60m_50m.yaml        # what would run next
+    python evals/quality.py run evals/studies/llama60m_50m.yaml --jobs 4 --deadline 540
+    python evals/quality.py report evals/studies/llama60m_50m.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from evals._common import git_commit, write_json_atomic  # noqa: E402
+from evals.quality_stats import best_point, decide, extension_points  # noqa: E402
+
+__all__ = ["Study", "load_study", "plan_runs", "run_id"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MethodSpec(_Strict):
+    """One method of the study: its recipe, its own knobs and its lr grid."""
+
+    recipe: str  # recipes/methods/<recipe>.yaml
+    set: dict[str, Any] = Field(default_factory=dict)  # the method's own knobs (authors' values)
+    grid: dict[str, list[float]] = Field(min_length=1)  # recipe key -> values (product grid)
+
+
+class ControlSpec(_Strict):
+    """A control run at another method's best setting (e.g. POET-X, frozen rotations)."""
+
+    recipe: str
+    like: str  # the method whose best grid point it takes
+    set: dict[str, Any] = Field(default_factory=dict)
+
+
+class Study(_Strict):
+    """A study file (see the module docstring)."""
+
+    name: str
+    corpus: str  # token corpus folder (poetxq.corpus), relative to the repository root
+    model: str  # recipes/models/<model>.yaml
+    tokens: float = Field(gt=0)  # training tokens per run
+    shared: dict[str, Any] = Field(default_factory=dict)  # recipe overrides for every run
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    eval_points: int = Field(5, ge=1)  # validation points along each run
+    val_tokens: int | None = Field(1 << 20, ge=1)  # tune tokens validated during training
+    tune_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    final_seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    max_extend: int = Field(2, ge=0)  # points added past a winning grid edge, per axis
+    methods: dict[str, MethodSpec] = Field(min_length=1)
+    controls: dict[str, ControlSpec] = Field(default_factory=dict)
+    reference: str = "poetxq"  # the method the others are compared with
+    results: str  # results JSON, relative to the repository root
+    runs_dir: str = "runs/quality"  # run folders (git-ignored), relative to the repository root
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and validate a study file (``yaml.safe_load``).
+
+    Raises:
+        SystemExit: unreadable file or invalid study (one line).
+    """
+    path = Path(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        study = Study.model_validate(tree)
+    except (OSError, yaml.YAMLError) as exc:
+        raise SystemExit(f"error: cannot read study {path}: {exc}") from None
+    except ValueError as exc:  # pydantic's ValidationError
+        first = str(exc).splitlines()
+        raise SystemExit(f"error: study {path}: {' '.join(first[:3])}") from None
+    for name, c in study.controls.items():
+        if c.like not in study.methods:
+            raise SystemExit(f"error: study {path}: control {name} is like unknown {c.like!r}")
+    return study
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def run_id(method: str, params: dict[str, Any], seed: int) -> str:
+    """Stable run name, e.g. ``poetxq__optim.lr=0.01__optim.poet_lr=0.002__s0``."""
+    keys = "__".join(f"{k}={_fmt(params[k])}" for k in sorted(params))
+    return f"{method}__{keys}__s{seed}" if keys else f"{method}__s{seed}"
+
+
+def _spec(study: Study, method: str, recipe: str, params: dict, seed: int, extra: dict) -> dict:
+    return {
+        "id": run_id(method, params, seed),
+        "method": method,
+        "recipe": recipe,
+        "params": params,
+        "seed": seed,
+        "extra": extra,
+    }
+
+
+def _grid(spec: MethodSpec, extended: list[dict[str, float]]) -> list[dict[str, float]]:
+    keys = list(spec.grid)
+    points: list[dict[str, float]] = [{}]
+    for k in keys:
+        points = [{**p, k: v} for p in points for v in spec.grid[k]]
+    return points + [p for p in extended if p not in points]
+
+
+def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[str, Any]]:
+    """The runs still to do, in order, and the study's state.
+
+    Returns:
+        ``(pending, state)``: run specs not yet in ``results["runs"]``; ``state`` holds
+        per method the points tuned so far (``"points"``), whether tuning is complete, the best
+        point, and the grid extensions.
+    """
+    done = results.get("runs", {})
+    pending: list[dict] = []
+    state: dict[str, Any] = {}
+    extensions = results.setdefault("extensions", {})
+    for method, spec in study.methods.items():
+        ext = extensions.setdefault(method, [])
+        while True:
+            points = _grid(spec, ext)
+            todo = [
+                _spec(study, method, spec.recipe, p, s, spec.set)
+                for p in points
+                for s in study.tune_seeds
+                if run_id(method, p, s) not in done
+            ]
+            if todo:
+                pending.extend(todo)
+                state[method] = {"tuned": False, "points": points}
+                break
+            scores = {
+                json.dumps(p, sort_keys=True): [
+                    done[run_id(method, p, s)]["tune_ppl"] for s in study.tune_seeds
+                ]
+                for p in points
+            }
+            best = best_point(points, scores)
+            new = extension_points(spec.grid, points, best, ext, study.max_extend)
+            if not new:
+                state[method] = {"tuned": True, "points": points, "best": best}
+                break
+            ext.extend(new)
+    for method, spec in study.methods.items():
+        if state[method]["tuned"]:
+            best = state[method]["best"]
+            for s in study.final_seeds:
+                if run_id(method, best, s) not in done:
+                    pending.append(_spec(study, method, spec.recipe, best, s, spec.set))
+    for name, c in study.controls.items():
+        if state[c.like]["tuned"]:
+            best = state[c.like]["best"]
+            extra = {**study.methods[c.like].set, **c.set}
+            for s in study.final_seeds:
+                if run_id(name, best, s) not in done:
+                    pending.append(_spec(study, name, c.recipe, best, s, extra))
+    return _unique(_round_robin(pending)), state
+
+
+def _round_robin(specs: list[dict]) -> list[dict]:
+    """Interleave the methods (first run of each, then second...), so a study stopped early has
+    tuned every method about as far."""
+    by: dict[str, list[dict]] = {}
+    for s in specs:
+        by.setdefault(s["method"], []).append(s)
+    out: list[dict] = []
+    while any(by.values()):
+        for queue in by.values():
+            if queue:
+                out.append(queue.pop(0))
+    return out
+
+
+def _unique(specs: list[dict]) -> list[dict]:
+    seen: set[str] = set()
+    return [s for s in specs if not (s["id"] in seen or seen.add(s["id"]))]
+
+
+def _read_results(path: Path, study: Study) -> dict[str, Any]:
+    if path.is_file():
+        try:
+            results = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(
+                f"error: cannot read {path} ({exc}); move it away to start over"
+            ) from None
+        if results.get("study", {}).get("name") != study.name:
+            raise SystemExit(f"error: {path} belongs to another study; give --results")
+        return results
+    return {"study": study.model_dump(mode="json"), "runs": {}, "calls": []}
+
+
+class _Worker:
+    def __init__(self, spec: dict, study_file: Path, run_dir: Path, gpu: str | None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self.spec, self.run_dir, self.gpu = spec, run_dir, gpu
+        self.log = (run_dir / "worker.log").open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "evals.quality_worker", str(study_file), str(run_dir)],
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.start = time.monotonic()
+
+
+def execute(
+    study: Study,
+    study_file: Path,
+    results_path: Path,
+    *,
+    jobs: int,
+    gpus: list[str] | None,
+    deadline: float | None,
+    max_runs: int | None,
+    echo: Any = print,
+) -> dict[str, Any]:
+    """Run pending runs until the study is done, ``max_runs`` finished or ``deadline`` seconds
+    passed (running workers then get SIGTERM, which saves their checkpoint). Returns the results.
+    """
+    t0 = time.monotonic()
+    results = _read_results(results_path, study)
+    results.setdefault("calls", []).append({
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": git_commit(),
+        "command": "python " + " ".join(sys.argv),
+        "device": _device_name(),
+    })  # fmt: skip
+    write_json_atomic(results_path, results)
+    runs_root = REPO / study.runs_dir / study.name
+    running: list[_Worker] = []
+    started = finished = 0
+    durations: list[float] = []
+    slot = 0
+    failed: set[str] = set()  # not retried in this call (their log says why)
+    while True:
+        for w in list(running):
+            if w.proc.poll() is None:
+                continue
+            running.remove(w)
+            w.log.close()
+            durations.append(time.monotonic() - w.start)
+            out = w.run_dir / "result.json"
+            if w.proc.returncode == 0 and out.is_file():
+                rec = json.loads(out.read_text())
+                results["runs"][w.spec["id"]] = rec
+                write_json_atomic(results_path, results)
+                finished += 1
+                how = "diverged" if rec["diverged"] else f"tune ppl {rec['tune_ppl']:.3f}"
+                echo(f"done {w.spec['id']}: {how}, {durations[-1]:.0f} s")
+            else:
+                failed.add(w.spec["id"])
+                echo(
+                    f"FAILED {w.spec['id']} (exit {w.proc.returncode}); see {w.run_dir}/worker.log"
+                )
+        elapsed = time.monotonic() - t0
+        if deadline is not None and elapsed >= deadline and running:
+            for w in running:
+                w.proc.send_signal(signal.SIGTERM)
+            for w in running:
+                w.proc.wait()
+                w.log.close()
+            echo(f"deadline: {len(running)} run(s) stopped with a checkpoint; run again to resume")
+            break
+        pending, _ = plan_runs(study, results)
+        skip = {w.spec["id"] for w in running} | failed
+        pending = [p for p in pending if p["id"] not in skip]
+        est = sorted(durations)[len(durations) // 2] if durations else 0.0
+        can_start = (
+            len(running) < jobs
+            and pending
+            and (max_runs is None or started < max_runs)
+            and (deadline is None or elapsed + est <= deadline)
+        )
+        if can_start:
+            spec = pending[0]
+            gpu = gpus[slot % len(gpus)] if gpus else None
+            slot += 1
+            running.append(_Worker(spec, study_file, runs_root / spec["id"], gpu))
+            started += 1
+            echo(f"start {spec['id']}" + (f" on GPU {gpu}" if gpu else ""))
+            continue
+        if not running:
+            break
+        time.sleep(0.5)
+    pending, state = plan_runs(study, results)
+    results["state"] = state
+    write_json_atomic(results_path, results)
+    echo(f"{finished} run(s) finished in {time.monotonic() - t0:.0f} s; {len(pending)} pending")
+    return results
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    import platform
+
+    return f"cpu ({platform.machine()})"
+
+
+def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
+    """Per method: best setting, final seeds' test ppl (mean, sd), and the decision against the
+    reference method (:func:`evals.quality_stats.decide`)."""
+    _, state = plan_runs(study, json.loads(json.dumps(results)))
+    runs = results.get("runs", {})
+    out: dict[str, Any] = {}
+    names = list(study.methods) + list(study.controls)
+    for name in names:
+        like = study.controls[name].like if name in study.controls else name
+        best = state.get(like, {}).get("best")
+        if best is None:
+            out[name] = {"tuned": False}
+            continue
+        seeds = {
+            s: runs[run_id(name, best, s)]
+            for s in study.final_seeds
+            if run_id(name, best, s) in runs
+        }
+        ppl = {s: r["test_ppl"] for s, r in seeds.items()}
+        vals = list(ppl.values())
+        mean = sum(vals) / len(vals) if vals else math.nan
+        sd = (
+            math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+            if len(vals) > 1
+            else math.nan
+        )
+        out[name] = {"tuned": True, "best": best, "test_ppl": ppl, "mean": mean, "sd": sd}
+    ref = out.get(study.reference, {})
+    for name, row in out.items():
+        if name != study.reference and row.get("test_ppl") and ref.get("test_ppl"):
+            row["vs_reference"] = decide(ref["test_ppl"], row["test_ppl"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="The quality study runner (plan, run, report).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for cmd, text in (("plan", "list the runs still to do"), ("run", "run them"),
+                      ("report", "render docs/QUALITY.md from the results")):  # fmt: skip
+        p = sub.add_parser(cmd, help=text, description=text)
+        p.add_argument("study", nargs="+" if cmd == "report" else None, help="study YAML file")
+        p.add_argument("--results", help="results JSON (default: the study's 'results')")
+        if cmd == "run":
+            p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+            p.add_argument("--gpus", help="comma-separated GPU ids to spread runs over")
+            p.add_argument("--deadline", type=float, help="stop after this many seconds")
+            p.add_argument("--max-runs", type=int, help="start at most this many runs")
+        if cmd == "report":
+            p.add_argument("--out", default="docs/QUALITY.md", help="Markdown report")
+    args = ap.parse_args(argv)
+    if args.cmd == "report":
+        from evals.quality_report import render
+
+        studies = [(load_study(f), f) for f in args.study]
+        loaded = []
+        for study, _ in studies:
+            path = REPO / (args.results or study.results)
+            loaded.append((study, _read_results(path, study)))
+        render(loaded, REPO / args.out)
+        print(f"wrote {args.out}")
+        return 0
+    study = load_study(args.study)
+    results_path = Path(args.results) if args.results else REPO / study.results
+    if args.cmd == "plan":
+        pending, state = plan_runs(study, _read_results(results_path, study))
+        for name, s in state.items():
+            print(f"{name}: {'tuned, best ' + json.dumps(s['best']) if s['tuned'] else 'tuning'}")
+        for p in pending:
+            print(p["id"])
+        print(f"{len(pending)} run(s) pending")
+        return 0
+    execute(
+        study, Path(args.study).resolve(), results_path, jobs=args.jobs,
+        gpus=args.gpus.split(",") if args.gpus else None, deadline=args.deadline,
+        max_runs=args.max_runs,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

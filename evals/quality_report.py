@@ -1,0 +1,202 @@
+"""Render ``docs/QUALITY.md`` (and its plots under ``docs/img/``) from quality-study results.
+
+Called by ``python evals/quality.py report STUDY.yaml [STUDY.yaml ...]``; everything shown is
+read from the studies' results JSON files, nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from evals.quality import Study, plan_runs, run_id, summarize
+
+__all__ = ["render"]
+
+
+def _lr_axes(study: Study, method: str) -> list[str]:
+    spec = study.methods[method]
+    return sorted(spec.grid, key=lambda k: -len(spec.grid[k]))
+
+
+def _plot_lr(study: Study, results: dict, state: dict, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results.get("runs", {})
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for method in study.methods:
+        axes = _lr_axes(study, method)
+        x_key, other = axes[0], axes[1:]
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for p in state.get(method, {}).get("points", []):
+            vals = [runs[run_id(method, p, s)].get("tune_ppl") for s in study.tune_seeds
+                    if run_id(method, p, s) in runs]  # fmt: skip
+            vals = [v for v in vals if v is not None]
+            if not vals:
+                continue
+            label = method + "".join(f", {k.split('.')[-1]}={p[k]:g}" for k in other)
+            groups.setdefault(label, []).append((p[x_key], sum(vals) / len(vals)))
+        for label, pts in groups.items():
+            pts.sort()
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (the grid's first axis: optim.lr, or optim.poet_lr)")
+    ax.set_ylabel("tune perplexity")
+    ax.set_title(f"{study.name}: learning-rate sensitivity (mean over tuning seeds)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_curves(study: Study, results: dict, summary: dict, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results.get("runs", {})
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for name, row in summary.items():
+        if not row.get("tuned"):
+            continue
+        rid = run_id(name, row["best"], study.final_seeds[0])
+        curve = [c for c in runs.get(rid, {}).get("val_curve", []) if c["step"] > 0]
+        if curve:
+            ax.plot([c["tokens"] / 1e6 for c in curve], [c["val_ppl"] for c in curve],
+                    marker=".", label=name)  # fmt: skip
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_yscale("log")
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("tune perplexity")
+    ax.set_title(f"{study.name}: validation perplexity vs tokens (best setting, seed "
+                 f"{study.final_seeds[0]})")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _f(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return f"{v:,.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list[str]:
+    pending, state = plan_runs(study, json.loads(json.dumps(results)))
+    summary = summarize(study, results)
+    runs = results.get("runs", {})
+    out = [f"## {study.name}: {study.model}, {study.tokens / 1e6:g}M tokens per run", ""]
+    calls = results.get("calls", [])
+    if calls:
+        last = calls[-1]
+        out.append(
+            f"Results file `{study.results}`; {len(runs)} runs finished, {len(pending)} pending;"
+            f" last call {last['date']} on {last['device']} at {last['commit']}."
+        )
+        out.append("")
+    out += ["| method | test ppl (mean ± sd) | seeds | vs " + study.reference
+            + " | best setting (effective lr) | trials | steps | epochs | tok/s (no eval) "
+            "| peak GiB | tune − train (nats) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, row in summary.items():
+        like = study.controls[name].like if name in study.controls else name
+        trials = len(state.get(like, {}).get("points", [])) * len(study.tune_seeds)
+        if name in study.controls:
+            trials = 0
+        if not row.get("tuned"):
+            done = sum(1 for r in runs.values() if r["method"] == name)
+            out.append(f"| {name} | tuning ({done} runs so far) | | | | {trials} | | | | | |")
+            continue
+        recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
+                if run_id(name, row["best"], s) in runs]  # fmt: skip
+        first = recs[0] if recs else {}
+        eff = ", ".join(f"{k} {v:.3g}" for k, v in first.get("effective_lr", {}).items())
+
+        def mean_of(key: str, recs: list[dict] = recs) -> float | None:
+            vals = [r[key] for r in recs if r.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        ppl = f"{_f(row['mean'])} ± {_f(row['sd'])}" if recs else "not run yet"
+        out.append(
+            f"| {name} | {ppl} | {len(recs)} | {row.get('vs_reference', '—')} | {eff} | {trials} "
+            f"| {first.get('steps', '')} | {_f(first.get('epochs'))} "
+            f"| {_f(mean_of('tokens_per_s'), 0)} "
+            f"| {_f(mean_of('peak_memory_gib'))} | {_f(mean_of('train_tune_gap_nats'), 3)} |"
+        )
+    out += ["", "“vs” reads: the reference is better / worse / tied against this method "
+            "(paired over seeds: better only if the mean difference exceeds two standard errors "
+            "and has the same sign on every seed).", ""]  # fmt: skip
+    sources: list[str] = []
+    for r in runs.values():
+        sources += [s for s in r.get("test_ppl_by_source", {}) if s not in sources]
+    if sources and any(row.get("tuned") for row in summary.values()):
+        out += ["Test perplexity per source (best setting, mean over the final seeds):", "",
+                "| method | " + " | ".join(sources) + " |",
+                "|---|" + "---|" * len(sources)]  # fmt: skip
+        for name, row in summary.items():
+            if not row.get("tuned"):
+                continue
+            recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
+                    if run_id(name, row["best"], s) in runs]  # fmt: skip
+            if not recs:
+                continue
+            cells = [_f(sum(r["test_ppl_by_source"].get(s, math.nan) for r in recs) / len(recs))
+                     for s in sources]  # fmt: skip
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    tag = study.name.replace("/", "_")
+    if _plot_lr(study, results, state, img_dir / f"quality_{tag}_lr.png"):
+        out += [f"![lr sensitivity]({rel}/quality_{tag}_lr.png)", ""]
+    if _plot_curves(study, results, summary, img_dir / f"quality_{tag}_curves.png"):
+        out += [f"![validation curves]({rel}/quality_{tag}_curves.png)", ""]
+    out += ["All tuning runs (tune-split perplexity, the number the learning rate is chosen by):",
+            "", "| run | tune ppl | test ppl | tok/s |", "|---|---|---|---|"]  # fmt: skip
+    for rid in sorted(runs):
+        r = runs[rid]
+        how = "diverged" if r.get("diverged") else _f(r.get("tune_ppl"), 3)
+        out.append(
+            f"| `{rid}` | {how} | {_f(r.get('test_ppl'), 3)} | {_f(r.get('tokens_per_s'), 0)} |"
+        )
+    return [*out, ""]
+
+
+def render(loaded: list[tuple[Study, dict[str, Any]]], out: Path) -> None:
+    """Write the Markdown report ``out`` and its plots (``out.parent / "img"``)."""
+    img = out.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Quality: POET-XQ against tuned baselines",
+        "",
+        "Rendered by `python evals/quality.py report " + " ".join(
+            f"evals/studies/{s.name}.yaml" for s, _ in loaded) + "` from the results files named "
+        "below; do not edit by hand. The protocol (issue 32): every generic setting is the same "
+        "for all methods (the study file's `shared`), each method keeps its authors' own knobs, "
+        "every method gets a learning-rate grid of at least four points, extended past any "
+        "winning edge, chosen on the `tune` split; the final numbers are `test`-split "
+        "perplexities at the chosen setting over three seeds.",
+        "",
+    ]  # fmt: skip
+    for study, results in loaded:
+        shared = ", ".join(f"`{k}={v}`" for k, v in study.shared.items())
+        lines += [f"Shared settings of `{study.name}`: {shared}; warmup "
+                  f"{study.warmup_fraction:.0%} of the steps.", ""]  # fmt: skip
+        lines += _study_section(study, results, img, "img")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")

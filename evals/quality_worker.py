@@ -1,0 +1,197 @@
+"""One run of the quality study (started by ``evals/quality.py run``; not meant to be run by hand).
+
+``python -m evals.quality_worker STUDY.yaml RUN_DIR`` reads ``RUN_DIR/spec.json``, trains the
+run's recipe on the study's token corpus (``train`` split; ``tune`` split for validation),
+resuming from ``RUN_DIR/checkpoints`` when an earlier attempt was stopped, then rebuilds the
+trained model from ``RUN_DIR/model.safetensors`` and scores it: the whole ``tune`` split, the
+``test`` split overall and per source, and a sample of training windows (the train / tune gap).
+It writes ``RUN_DIR/result.json`` last, so a result file always belongs to a finished run.
+
+Exit status: 0 done (a diverged run is a result too), 3 stopped by a signal (checkpoint saved).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from evals.quality import Study, load_study  # noqa: E402
+from poetxq.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
+from poetxq.corpus import TokenCorpus, pack_windows, token_data  # noqa: E402
+from poetxq.evaluate import evaluate_perplexity  # noqa: E402
+from poetxq.recipe import POET_METHODS, Recipe, load_recipe  # noqa: E402
+from poetxq.train import DivergedError, train  # noqa: E402
+
+
+def build_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
+    """The run's recipe: the study's model and the method's recipe file, then the shared
+    settings, the method's own knobs, the grid point, and the run's length, seed and schedule."""
+    path = f"{study.model}:{spec['recipe']}"
+    overrides = {**study.shared, **spec["extra"], **spec["params"]}
+    tc = load_recipe(path, overrides).train
+    steps = max(1, math.ceil(study.tokens / (tc.batch_size * tc.grad_accum * tc.seq_len)))
+    overrides = {
+        **overrides,
+        "name": f"{study.name}-{spec['id']}",
+        "train.max_steps": steps,
+        "train.seed": spec["seed"],
+        "train.eval_every": max(1, steps // study.eval_points),
+        "train.log_every": max(1, min(50, steps // 20)),
+        "train.save_checkpoint": True,
+        "optim.warmup_steps": round(study.warmup_fraction * steps),
+    }
+    return load_recipe(path, overrides)
+
+
+def effective_lrs(recipe: Recipe) -> dict[str, float]:
+    """The learning rates each group of weights actually trains at (peak of the schedule)."""
+    oc, out = recipe.optim, {"embeddings_lm_head_norms": recipe.optim.lr}
+    if recipe.method in POET_METHODS:
+        out["orthogonal_Q"] = oc.poet_lr * oc.poet_lr_scale
+    elif recipe.method == "adamw":
+        out["linear_weights"] = oc.lr
+    else:  # GaLore / APOLLO family: the projected update is scaled
+        default = 0.25 if "galore" in recipe.method else 1.0
+        scale = recipe.baseline.scale if recipe.baseline.scale is not None else default
+        out["linear_weights_projected"] = oc.lr * scale
+    return out
+
+
+def _curve(run_dir: Path, tokens_per_step: int) -> list[dict[str, float]]:
+    out = []
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        rec = json.loads(line)
+        if rec.get("val_ppl") is not None:
+            out.append({"step": rec["step"], "tokens": rec["step"] * tokens_per_step,
+                        "val_ppl": rec["val_ppl"]})  # fmt: skip
+    return out
+
+
+def _spread(windows: torch.Tensor, n: int) -> torch.Tensor:
+    if windows.shape[0] <= n:
+        return windows
+    return windows[torch.linspace(0, windows.shape[0] - 1, n).round().long()]
+
+
+def score(recipe: Recipe, run_dir: Path, corpus: TokenCorpus, train_windows: torch.Tensor) -> dict:
+    """Rebuild the trained model and measure tune, test (overall and per source) and train-sample
+    perplexity with the trainer's precision."""
+    from poetxq.build import build_for_training
+    from poetxq.precision import run_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seq = recipe.train.seq_len
+    built = build_for_training(
+        recipe, int(corpus.manifest["vocab_size"]), device,
+        generator=torch.Generator().manual_seed(0), echo=lambda s: None, cuda_graph=False,
+    )  # fmt: skip
+    model = built.model
+    missing, _ = load_model_tensors(model, run_dir / "model.safetensors")
+    if missing:
+        raise RuntimeError(f"model.safetensors lacks {missing[:3]}")
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if device.type == "cuda" and run_precision(recipe.train, "cuda") == "autocast"
+        else contextlib.nullcontext()
+    )
+    bs = recipe.train.batch_size
+
+    def loss(windows: torch.Tensor) -> float:
+        with autocast:
+            return evaluate_perplexity(model, windows, batch_size=bs, device=device)[0]
+
+    def ppl(windows: torch.Tensor) -> float:
+        return math.exp(loss(windows))
+
+    tune_w = pack_windows(corpus.tokens("tune"), seq)
+    test_stream = corpus.tokens("test")
+    # the test split is scored source by source (windows never straddle two sources); the
+    # overall test perplexity is the token-weighted mean loss over the sources
+    by_source, total, count = {}, 0.0, 0
+    for src, (a, b) in corpus.source_ranges("test").items():
+        w = pack_windows(test_stream[a:b], seq)
+        if w.shape[0]:
+            src_loss = loss(w)
+            by_source[src] = math.exp(src_loss)
+            total += src_loss * w[:, 1:].numel()
+            count += w[:, 1:].numel()
+    out = {
+        "tune_ppl": ppl(tune_w),
+        "test_ppl": math.exp(total / count),
+        "test_ppl_by_source": by_source,
+        "train_sample_ppl": ppl(_spread(train_windows, tune_w.shape[0])),
+        "tune_tokens": int(tune_w.numel()),
+        "test_tokens_scored": count,
+    }
+    out["train_tune_gap_nats"] = math.log(out["tune_ppl"]) - math.log(out["train_sample_ppl"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    study = load_study(argv[0])
+    run_dir = Path(argv[1])
+    spec = json.loads((run_dir / "spec.json").read_text())
+    recipe = build_recipe(study, spec)
+    corpus = TokenCorpus.open(REPO / study.corpus)
+    tc = recipe.train
+    data = token_data(corpus, tc.seq_len, heldout="tune", max_val_tokens=study.val_tokens)
+    per_step = tc.batch_size * tc.grad_accum * tc.seq_len
+    record: dict[str, Any] = {
+        "id": spec["id"], "method": spec["method"], "recipe": spec["recipe"],
+        "params": spec["params"], "seed": spec["seed"], "steps": tc.max_steps,
+        "tokens": tc.max_steps * per_step, "epochs": tc.max_steps * per_step / data.train_tokens,
+        "effective_lr": effective_lrs(recipe),
+        "settings": {"batch": tc.batch_size * tc.grad_accum, "seq_len": tc.seq_len,
+                     "warmup_steps": recipe.optim.warmup_steps,
+                     "min_lr_ratio": recipe.optim.min_lr_ratio, "betas": list(recipe.optim.betas),
+                     "eps": recipe.optim.eps, "weight_decay": recipe.optim.weight_decay,
+                     "grad_clip": recipe.optim.grad_clip, "precision": tc.precision},
+    }  # fmt: skip
+    resume = latest_checkpoint(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    try:
+        res = train(recipe, run_dir, data=data, progress=False, resume_from=resume)
+    except DivergedError as exc:
+        record.update({"diverged": str(exc), "tune_ppl": None, "test_ppl": None,
+                       "val_curve": _curve(run_dir, per_step)})  # fmt: skip
+    else:
+        if res.interrupted:
+            return 3
+        record.update({
+            "diverged": None,
+            "trainer_final_val_ppl": res.final_val_ppl,
+            "final_train_loss": res.final_train_loss,
+            "tokens_per_s": res.tokens_per_s,
+            "train_seconds": res.train_seconds,
+            "peak_memory_gib": (
+                None if res.peak_memory_bytes is None else res.peak_memory_bytes / 2**30
+            ),
+            "merges": res.merges,
+            "device": res.device,
+            "resumed_from": res.resumed_from,
+            "val_curve": _curve(run_dir, per_step),
+        })  # fmt: skip
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        record.update(score(recipe, run_dir, corpus, data.train))
+    tmp = run_dir / "result.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1, allow_nan=False))
+    tmp.replace(run_dir / "result.json")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    (run_dir / "model.safetensors").unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The quality study: token corpus format, decision rule, grid extension, planner, and a tiny
+study run end to end through the runner (worker processes), stopped half-way and resumed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from evals.quality import load_study, plan_runs, run_id, summarize
+from evals.quality_stats import best_point, decide, extension_points, paired_stats
+from poetxq.corpus import CorpusError, TokenCorpus, pack_windows, token_data, write_token_corpus
+
+# ------------------------------------------------------------------ decision rule (hand numbers)
+
+
+def test_decide_better_needs_two_standard_errors_and_one_sign():
+    a = {0: 20.0, 1: 20.5, 2: 19.8}
+    # b - a = 1.0, 1.1, 0.9: mean 1.0, sd 0.1, se 0.0577 -> better
+    assert decide(a, {0: 21.0, 1: 21.6, 2: 20.7}) == "better"
+    assert decide({0: 21.0, 1: 21.6, 2: 20.7}, a) == "worse"
+    # b - a = 1.0, 1.1, -0.1: one seed disagrees -> tie
+    assert decide(a, {0: 21.0, 1: 21.6, 2: 19.7}) == "tie"
+    # b - a = 0.1, 0.5, 0.9: mean 0.5, sd 0.4, se 0.231, 2 se = 0.462 < 0.5 -> better
+    assert decide(a, {0: 20.1, 1: 21.0, 2: 20.7}) == "better"
+    # b - a = 0.1, 0.1, 1.3: mean 0.5, sd 0.693, se 0.4 -> 2 se = 0.8 > 0.5 -> tie
+    assert decide(a, {0: 20.1, 1: 20.6, 2: 21.1}) == "tie"
+    assert decide({0: 20.0}, {0: 30.0}) == "tie"  # one seed never decides
+    st = paired_stats(a, {0: 21.0, 1: 21.6, 2: 20.7})
+    assert st["n"] == 3 and st["mean"] == pytest.approx(1.0)
+    assert st["sd"] == pytest.approx(0.1) and st["se"] == pytest.approx(0.1 / math.sqrt(3))
+
+
+def test_best_point_and_edge_extension():
+    grid = {"optim.lr": [1e-3, 2e-3, 4e-3, 8e-3]}
+    points = [{"optim.lr": v} for v in grid["optim.lr"]]
+    key = lambda p: json.dumps(p, sort_keys=True)  # noqa: E731
+    scores = {key(p): [s] for p, s in zip(points, [30.0, 25.0, 22.0, 21.0])}
+    best = best_point(points, scores)
+    assert best == {"optim.lr": 8e-3}
+    assert extension_points(grid, points, best, [], 2) == [{"optim.lr": 0.016}]
+    # a diverged run (None) never wins; the low edge extends downwards by the grid's ratio
+    scores = {key(p): [s] for p, s in zip(points, [20.0, 25.0, None, 30.0])}
+    best = best_point(points, scores)
+    assert best == {"optim.lr": 1e-3}
+    assert extension_points(grid, points, best, [], 2) == [{"optim.lr": 0.0005}]
+    # interior best: nothing to add; max_extend reached: nothing either
+    assert extension_points(grid, points, {"optim.lr": 2e-3}, [], 2) == []
+    added = [{"optim.lr": 0.016}, {"optim.lr": 0.032}]
+    pts = points + added
+    assert extension_points(grid, pts, {"optim.lr": 0.032}, added, 2) == []
+    # two axes: only the axis on its edge moves, the other stays at the best value
+    grid2 = {"optim.poet_lr": [4e-3, 8e-3, 1.6e-2], "optim.lr": [5e-3, 1e-2]}
+    pts2 = [
+        {"optim.poet_lr": p, "optim.lr": q}
+        for p in grid2["optim.poet_lr"]
+        for q in grid2["optim.lr"]
+    ]
+    new = extension_points(grid2, pts2, {"optim.poet_lr": 8e-3, "optim.lr": 1e-2}, [], 2)
+    assert new == [{"optim.poet_lr": 8e-3, "optim.lr": 0.02}]
+
+
+# ------------------------------------------------------------------------------ token corpus
+
+
+def _tiny_corpus(folder: Path) -> TokenCorpus:
+    import importlib
+
+    from poetxq.data import _train_bpe
+
+    topics = importlib.import_module("pydoc_data.topics").topics
+    docs = [topics[k] for k in sorted(topics)]
+    a, b = docs[::2], docs[1::2]
+    splits = {
+        "train": {"even": a[6:], "odd": b[6:]},
+        "tune": {"even": a[:3], "odd": b[:3]},
+        "test": {"even": a[3:6], "odd": b[3:6]},
+    }
+    enc = _train_bpe(a[6:] + b[6:], 512, progress=False)
+    ids = {s: {src: enc.encode_batch(d) for src, d in v.items()} for s, v in splits.items()}
+    write_token_corpus(folder, enc.tokenizer, enc.eos_id, ids, extra={"note": "test"})
+    return TokenCorpus.open(folder)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> TokenCorpus:
+    return _tiny_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_token_corpus_round_trip_and_integrity(corpus, tmp_path):
+    tok = corpus.tokenizer()
+    eos = corpus.manifest["eos_id"]
+    test = corpus.tokens("test")
+    assert test.dtype == np.dtype("<u2")
+    ranges = corpus.source_ranges("test")
+    assert list(ranges) == ["even", "odd"] and ranges["even"][1] == ranges["odd"][0]
+    assert ranges["odd"][1] == test.size
+    # every document ends with EOS; decoding the first document gives the text back
+    first_end = int(np.flatnonzero(test == eos)[0])
+    import importlib
+
+    topics = importlib.import_module("pydoc_data.topics").topics
+    docs = [topics[k] for k in sorted(topics)][::2]
+    assert tok.decode(test[:first_end].tolist()) == docs[3]
+    assert int((test == eos).sum()) == 6
+    w = pack_windows(test, 31)
+    assert w.shape == (test.size // 32, 32) and int(w[1, 0]) == int(test[32])
+    data = token_data(corpus, 31, heldout="test", max_val_tokens=64)
+    assert data.val.shape == (2, 32) and data.vocab_size == corpus.manifest["vocab_size"]
+    # a damaged file is refused by its checksum, an unknown split by name
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(corpus.folder, bad)
+    raw = bytearray((bad / "test.u16.xz").read_bytes())
+    raw[-10] ^= 0xFF
+    (bad / "test.u16.xz").write_bytes(bytes(raw))
+    with pytest.raises(CorpusError, match="SHA-256"):
+        TokenCorpus.open(bad).tokens("test")
+    with pytest.raises(CorpusError, match="split 'valid'"):
+        corpus.tokens("valid")
+    with pytest.raises(CorpusError, match="not a token corpus"):
+        TokenCorpus.open(tmp_path)
+
+
+# ------------------------------------------------------------------------- planner and runner
+
+_TINY = {
+    "model.hidden_size": 64, "model.intermediate_size": 128, "model.num_attention_heads": 2,
+    "model.num_hidden_layers": 2, "model.max_position_embeddings": 64,
+    "train.batch_size": 4, "train.grad_accum": 1, "train.seq_len": 32,
+    "optim.min_lr_ratio": 0.1, "optim.grad_clip": 1.0, "optim.weight_decay": 0.0,
+}  # fmt: skip
+
+
+def _study(tmp_path: Path, corpus_dir: Path, **over) -> Path:
+    tree = {
+        "name": "tiny",
+        "corpus": str(corpus_dir),
+        "model": "llama-60m",
+        "tokens": 4 * 32 * 6,  # 6 steps
+        "shared": _TINY,
+        "eval_points": 2,
+        "val_tokens": None,
+        "tune_seeds": [0, 1],
+        "final_seeds": [0, 1],
+        "max_extend": 0,
+        "methods": {
+            "poetxq": {"recipe": "poetxq", "set": {"poet.block_size": 32, "poet.merge_interval": 3},
+                       "grid": {"optim.poet_lr": [4e-3, 8e-3]}},
+            "adamw": {"recipe": "adamw", "grid": {"optim.lr": [1e-3, 2e-3]}},
+        },
+        "results": str(tmp_path / "results.json"),
+        "runs_dir": str(tmp_path / "runs"),
+        **over,
+    }  # fmt: skip
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+def test_planner_extends_a_winning_edge_then_finalizes(tmp_path, corpus):
+    frozen = {"recipe": "poetxq", "like": "poetxq", "set": {"poet.freeze_orthogonal": True}}
+    controls = {"frozen": frozen}
+    study = load_study(
+        _study(tmp_path, corpus.folder, max_extend=1, tune_seeds=[0], controls=controls)
+    )
+    results: dict = {"runs": {}}
+    pending, state = plan_runs(study, results)
+    assert len(pending) == 4 and not state["poetxq"]["tuned"]
+    assert [p["method"] for p in pending] == ["poetxq", "adamw", "poetxq", "adamw"]
+
+    def fake(pid: str, method: str, ppl: float) -> None:
+        results["runs"][pid] = {"method": method, "tune_ppl": ppl, "test_ppl": ppl + 1}
+
+    fake(run_id("poetxq", {"optim.poet_lr": 4e-3}, 0), "poetxq", 30.0)
+    fake(run_id("poetxq", {"optim.poet_lr": 8e-3}, 0), "poetxq", 25.0)  # upper edge wins
+    fake(run_id("adamw", {"optim.lr": 1e-3}, 0), "adamw", 28.0)
+    fake(run_id("adamw", {"optim.lr": 2e-3}, 0), "adamw", 29.0)  # lower edge wins
+    pending, state = plan_runs(study, results)
+    ids = [p["id"] for p in pending]
+    assert run_id("poetxq", {"optim.poet_lr": 0.016}, 0) in ids
+    assert run_id("adamw", {"optim.lr": 0.0005}, 0) in ids
+    fake(run_id("poetxq", {"optim.poet_lr": 0.016}, 0), "poetxq", 26.0)  # 8e-3 is interior now
+    fake(run_id("adamw", {"optim.lr": 0.0005}, 0), "adamw", 27.0)  # edge again, max_extend hit
+    pending, state = plan_runs(study, results)
+    assert state["poetxq"]["best"] == {"optim.poet_lr": 8e-3}
+    assert state["adamw"]["best"] == {"optim.lr": 0.0005}
+    ids = [p["id"] for p in pending]
+    assert sorted(ids) == sorted([
+        run_id("poetxq", {"optim.poet_lr": 8e-3}, 1), run_id("adamw", {"optim.lr": 0.0005}, 1),
+        run_id("frozen", {"optim.poet_lr": 8e-3}, 0), run_id("frozen", {"optim.poet_lr": 8e-3}, 1),
+    ])  # fmt: skip
+    frozen = next(p for p in pending if p["method"] == "frozen")
+    assert frozen["extra"] == {"poet.block_size": 32, "poet.merge_interval": 3,
+                               "poet.freeze_orthogonal": True}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
+    from evals.quality import execute
+    from evals.quality_report import render
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    study_file = _study(tmp_path, corpus.folder)
+    study = load_study(study_file)
+    results_path = Path(study.results)
+    lines: list[str] = []
+    execute(study, study_file, results_path, jobs=2, gpus=None, deadline=None, max_runs=3,
+            echo=lines.append)  # fmt: skip
+    first = json.loads(results_path.read_text())
+    assert len(first["runs"]) == 3, lines
+    execute(study, study_file, results_path, jobs=2, gpus=None, deadline=None, max_runs=None,
+            echo=lines.append)  # fmt: skip
+    results = json.loads(results_path.read_text())
+    assert len(results["calls"]) == 2
+    assert len(results["runs"]) == 8, lines  # 2 methods x 2 lrs x 2 seeds; finals reuse them
+    for rid, rec in first["runs"].items():  # finished runs are kept, not re-run
+        assert results["runs"][rid] == rec
+    for rec in results["runs"].values():
+        assert rec["diverged"] is None and rec["steps"] == 6
+        # the worker's rebuilt model scores the whole tune split as the trainer's last eval did
+        assert rec["tune_ppl"] == pytest.approx(rec["trainer_final_val_ppl"], rel=1e-4)
+        assert set(rec["test_ppl_by_source"]) == {"even", "odd"}
+        lo, hi = sorted(rec["test_ppl_by_source"].values())
+        assert lo < rec["test_ppl"] < hi  # token-weighted over the sources
+        assert math.isfinite(rec["train_tune_gap_nats"])
+    poet = results["runs"][run_id("poetxq", {"optim.poet_lr": 4e-3}, 0)]
+    assert poet["effective_lr"]["orthogonal_Q"] == pytest.approx(2e-3)
+    assert poet["merges"] == 2 and poet["settings"]["grad_clip"] == 1.0
+    assert not (tmp_path / "runs" / "tiny" / poet["id"] / "model.safetensors").exists()
+    summary = summarize(study, results)
+    assert summary["poetxq"]["tuned"] and len(summary["adamw"]["test_ppl"]) == 2
+    assert summary["adamw"]["vs_reference"] in ("better", "worse", "tie")
+    render([(study, results)], tmp_path / "docs" / "QUALITY.md")
+    text = (tmp_path / "docs" / "QUALITY.md").read_text()
+    assert "| poetxq |" in text and "| adamw |" in text
+    assert (tmp_path / "docs" / "img" / "quality_tiny_lr.png").stat().st_size > 1000
