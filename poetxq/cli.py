@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from poetxq.cli_common import check_kernels_env
 from poetxq.paths import RUN_LOCK, nearest_existing
 from poetxq.recipe import (
     POET_METHODS,
@@ -338,21 +339,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**implied, **merge_overrides(flags, args.overrides)}
 
 
-def check_kernels_env() -> None:
-    """Refuse a bad ``POETXQ_KERNELS`` at startup, not at the first kernel call (after the data
-    was prepared and the model built).
-
-    Raises:
-        RecipeError: the variable is set to an unknown mode; the message names the allowed ones.
-    """
-    from quant_kernels import kernel_mode
-
-    try:
-        kernel_mode()
-    except ValueError as exc:
-        raise RecipeError(f"environment variable {exc}") from None
-
-
 def _check_tracker(name: str | None) -> None:
     """Fail early (before any work) when the asked-for tracker is not one accelerate knows
     (``accelerate.utils.LoggerType``) or its package is missing."""
@@ -596,20 +582,46 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+#: exit status of a command that a signal stopped -> that signal
+_STOPPED_BY = {130: signal.SIGINT, 143: signal.SIGTERM}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``poetxq`` console script; returns the exit status.
 
     Ctrl-C anywhere (also while the heavy modules are imported) is one line and status 130. For
     ``train`` without a launcher a SIGTERM before the first step (the loop checkpoints on one
     after that) is one line and status 143.
+
+    Called from Python with ``argv`` (a test, a sweep script), a Ctrl-C or SIGTERM that stopped
+    the command is passed on once the command has stopped (its line printed, a stopped run's
+    checkpoint written) and the caller's signal handlers are back in place: the caller gets the
+    signal as if poetxq had not handled it (Ctrl-C: ``KeyboardInterrupt``; SIGTERM with the
+    default handler: the process ends), so the calling program stops too instead of going on
+    with its next command. Without ``argv`` (the ``poetxq`` script, ``python -m poetxq``, a
+    launcher's workers) the status is the process's exit status.
     """
+    status = _run_command(argv)
+    sig = _STOPPED_BY.get(status)
+    if argv is not None and sig is not None and _in_main_thread():
+        signal.raise_signal(sig)  # to the caller's handler (KeyboardInterrupt for SIGINT)
+    return status
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _run_command(argv: Sequence[str] | None) -> int:
+    """:func:`main` up to its exit status: the command, with Ctrl-C and an early SIGTERM as one
+    line each; the caller's SIGTERM handler is back when it returns."""
     args = list(sys.argv[1:] if argv is None else argv)
     training = bool(args) and args[0] in ("train", "quantize-and-train")
     previous = None
     # not under a launcher: torchrun sends SIGTERM to the other workers when one fails, and one
     # unwinding into a collective's barrier would wait there instead of ending at once
     single = _launcher_rank()[1] == 1
-    if training and single and threading.current_thread() is threading.main_thread():
+    if training and single and _in_main_thread():
         previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _main(argv)

@@ -1,8 +1,11 @@
 """The ``estimate-memory``, ``bench`` and ``report`` sub-commands of ``poetxq``.
 
 Kept apart from :mod:`poetxq.cli` (training flags) so each tool's flags live next to its
-runner. Errors are raised as the tools' own ``ValueError`` subclasses (:data:`TOOL_ERRORS`);
-``poetxq.cli.main`` prints them as one ``poetxq: error: ...`` line and exits with status 2.
+runner. :mod:`poetxq.cli` adds these parsers and runs them; this module never imports it (the
+checks both use live in :mod:`poetxq.cli_common`; ``evals/`` scripts import
+``check_output_file`` from here). Errors are raised as the tools' own ``ValueError`` subclasses
+(:data:`TOOL_ERRORS`); ``poetxq.cli.main`` prints them as one ``poetxq: error: ...`` line and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from poetxq.bench import BenchError
+from poetxq.cli_common import check_kernels_env, check_output_file
 from poetxq.estimate import EstimateError
-from poetxq.paths import nearest_existing, writable_dir
 from poetxq.report import ReportError
 from poetxq.text import count
 
@@ -129,29 +132,6 @@ def _load(args: argparse.Namespace):  # -> Recipe
     return load_recipe(args.recipe, merge_overrides(flags, args.overrides))
 
 
-def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
-    """Refuse an output file that could not be written, before any work: ``path`` is a
-    directory, or its nearest existing ancestor is a file or a read-only directory (the
-    missing folders between are created when the file is written).
-
-    Raises:
-        error: one line naming the flag, the path and what is wrong with it.
-    """
-    if path.is_dir():
-        raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
-    parent = nearest_existing(path.parent)
-    if not parent.is_dir():
-        raise error(
-            f"{flag} '{path}' cannot be written: '{parent}' is a file, not a directory; "
-            "choose another path"
-        )
-    if not writable_dir(parent):
-        raise error(
-            f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
-            "choose another path"
-        )
-
-
 def run_tool(args: argparse.Namespace) -> int:
     """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
     if args.command == "report":
@@ -194,7 +174,6 @@ def run_tool(args: argparse.Namespace) -> int:
             print(format_other_variant(*alt, gpu))
         return 0
     from poetxq.bench import bench_to_dict, run_bench
-    from poetxq.cli import check_kernels_env
 
     check_kernels_env()
     if args.out:  # the benchmark can take minutes: do not find out only when writing

@@ -493,7 +493,8 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_writes_nothing(tmp_path,
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_mod, "prepare_data", interrupted)
-    assert _run(tmp_path, "--run-name", "x") == 130
+    with pytest.raises(KeyboardInterrupt):  # passed on to the caller: here pytest
+        _run(tmp_path, "--run-name", "x")
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["poetxq: interrupted during data preparation; nothing was written"]
     assert not any(tmp_path.iterdir())
@@ -506,10 +507,12 @@ def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli, "build_parser", interrupted)
-    assert main(["report"]) == 130
+    monkeypatch.setattr("sys.argv", ["poetxq", "report"])
+    assert main() == 130  # the console script: the exit status, no traceback
     assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
     # train (also a second Ctrl-C that aborts a run) says how to go on
-    assert main(["train"]) == 130
+    with pytest.raises(KeyboardInterrupt):  # called from Python: passed on to the caller
+        main(["train"])
     assert capsys.readouterr().err.strip().splitlines() == [
         "poetxq: interrupted (aborted: checkpoints already written are intact; continue or start "
         "over with --resume auto and the same --run-name)"
@@ -533,18 +536,29 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, caps
 
         return call
 
-    before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(train_mod, "build_for_training", terminated(real_build))
-    assert _run(tmp_path) == 143
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "poetxq: stopped by SIGTERM before the first training step; nothing to resume: run the "
-        "command again (with --resume auto and a --run-name it starts over)"
-    )
-    assert list(tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
-    monkeypatch.setattr(train_mod, "build_for_training", real_build)
-    monkeypatch.setattr(train_mod, "prepare_data", terminated(real_data))
-    assert _run(tmp_path) == 143
+    class CallerTerminated(Exception):
+        pass
+
+    def caller(signum, frame):  # the calling program's own handler: the signal reaches it
+        raise CallerTerminated
+
+    before = signal.signal(signal.SIGTERM, caller)
+    try:
+        monkeypatch.setattr(train_mod, "build_for_training", terminated(real_build))
+        with pytest.raises(CallerTerminated):
+            _run(tmp_path)
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "poetxq: stopped by SIGTERM before the first training step; nothing to resume: run "
+            "the command again (with --resume auto and a --run-name it starts over)"
+        )
+        assert list(tmp_path.iterdir()) == []
+        assert signal.getsignal(signal.SIGTERM) is caller  # the caller's handler is back
+        monkeypatch.setattr(train_mod, "build_for_training", real_build)
+        monkeypatch.setattr(train_mod, "prepare_data", terminated(real_data))
+        with pytest.raises(CallerTerminated):
+            _run(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["poetxq: interrupted during data preparation; nothing was written"]
     assert list(tmp_path.iterdir()) == []
@@ -565,7 +579,12 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
         return real(*a, **k)
 
     monkeypatch.setattr(train_mod, "training_loss", loss_then_sigint)
-    assert _run(tmp_path, "--run-name", "int", "--max-steps", "5") == 130
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    # the run stops cleanly (checkpoint, summary, one line), then the Ctrl-C reaches the caller,
+    # here pytest, which would stop instead of going on with the next test
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "--run-name", "int", "--max-steps", "5")
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     out, err = capsys.readouterr()
     said = [line for line in (out + err).splitlines() if "after step" in line]
     run = (tmp_path / "int").resolve()
@@ -789,3 +808,37 @@ def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
     monkeypatch.setattr(cli, "_main", reader_gone)
     assert cli.main(["estimate-memory"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_the_callers_signal_handlers_are_back_after_a_run(tmp_path):
+    """main() installs its own SIGTERM handler and the trainer SIGINT/SIGTERM handlers while a
+    run goes; the caller's own are back when main returns."""
+    import signal
+
+    def mine(signum, frame):  # pragma: no cover - never called
+        pass
+
+    before = signal.signal(signal.SIGINT, mine), signal.signal(signal.SIGTERM, mine)
+    try:
+        assert _run(tmp_path, "--run-name", "h", "--max-steps", "1") == 0
+        assert signal.getsignal(signal.SIGINT) is mine
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
+def test_the_cli_modules_import_no_cycle():
+    """poetxq.cli adds and runs the sub-commands of poetxq.tools_cli; neither that module nor
+    the checks both share (poetxq.cli_common) import poetxq.cli back, at any level."""
+    import ast
+    from pathlib import Path
+
+    import poetxq
+
+    root = Path(poetxq.__file__).parent
+    for name in ("tools_cli", "cli_common"):
+        tree = ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert "poetxq.cli" not in imported, name

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # one-thread, deterministic torch, then the CLI
 PRELUDE = (
     "import sys, torch; torch.set_num_threads(1); torch.use_deterministic_algorithms(True); "
-    "from poetxq.cli import main; sys.exit(main(sys.argv[1:]))"
+    "from poetxq.cli import main; sys.exit(main())"  # a process: its exit status
 )
 MAX_STEPS, SAVE_EVERY, MERGE_INTERVAL = 16, 4, 3  # saves at 4, 8, 12; merges at 3, 6, 9, 12, 15
 COMMON = [
