@@ -446,6 +446,7 @@ def _only_startup_files(run_dir: Path) -> bool:
 
 def _run_train(args: argparse.Namespace) -> int:
     from poetxq.train import (  # heavy: only for training
+        RunDirError,
         check_not_in_use,
         check_writable,
         release_unused_run_dir,
@@ -507,28 +508,65 @@ def _run_train(args: argparse.Namespace) -> int:
             recipe, run_dir, log_with=args.log_with, progress=not args.no_progress,
             resume_from=ckpt,
         )  # fmt: skip
-    except BaseException:
+    except BaseException as exc:
+        # a full disk: say whether a checkpoint is there to resume from (before the release)
+        full = _disk_full_line(exc, run_dir) if _disk_full(exc) else None
         if claim:
             release_unused_run_dir(run_dir, existed)  # the run failed before writing there
+        if full is not None:
+            raise RunDirError(full) from exc
         raise
     if signal.getsignal(signal.SIGTERM) is _raise_terminated:  # outputs written: the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # action again (main restores its own)
     if result.interrupted:  # a checkpoint was saved; exit like the signal would
-        rank, world = _launcher_rank()
-        if rank == 0:  # once, not once per DDP process
-            how = (
-                f"the same launcher with {world} processes, e.g. torchrun --nproc_per_node "
-                f"{world} -m poetxq.cli train --resume {run_dir.resolve()}"
-                if world > 1
-                else f"poetxq train --resume {run_dir.resolve()}"
-            )
+        if _launcher_rank()[0] == 0:  # once, not once per DDP process
             print(
                 f"poetxq: stopped by {result.stop_signal} after step {result.steps}; continue "
-                f"with: {how}",
+                f"with: {_resume_command(run_dir)}",
                 file=sys.stderr,
             )
         return 130 if result.stop_signal == "SIGINT" else 143
     return 0
+
+
+def _resume_command(run_dir: Path) -> str:
+    """The command that continues ``run_dir`` from its newest checkpoint (under a launcher: the
+    same launcher, with as many processes)."""
+    world = _launcher_rank()[1]
+    if world > 1:
+        return (
+            f"the same launcher with {world} processes, e.g. torchrun --nproc_per_node {world} "
+            f"-m poetxq.cli train --resume {run_dir.resolve()}"
+        )
+    return f"poetxq train --resume {run_dir.resolve()}"
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a full disk (or quota) while files were written; safetensors reports
+    a failed write as its own error."""
+    from safetensors import SafetensorError
+
+    if isinstance(exc, SafetensorError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _disk_full_line(exc: BaseException, run_dir: Path) -> str:
+    """The one line for a training run that filled the disk: how to go on depends on whether
+    a complete checkpoint is there (checkpoints are written to a temporary folder and renamed,
+    so the ones already there are whole)."""
+    from poetxq.checkpoint import latest_checkpoint
+
+    what = f"cannot write the run's files ({str(exc).splitlines()[0]}); free space or choose "
+    if latest_checkpoint(run_dir) is not None:
+        return (
+            f"{what}another --output-dir; the checkpoints already written are intact: after "
+            f"freeing space, continue with: {_resume_command(run_dir)}"
+        )
+    return (
+        f"{what}another --output-dir, then run the command again (no checkpoint was written, "
+        "so there is nothing to resume)"
+    )
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -726,13 +764,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except BrokenPipeError:
         raise  # main() ends quietly
     except (OSError, SafetensorError) as exc:
-        if isinstance(exc, SafetensorError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            # a full disk while writing outputs (checkpoints are written to a temporary folder
-            # and renamed, so the ones already there are whole)
+        if _disk_full(exc):  # writing an export or a tool's output (train says its own line)
             _print_error(
-                f"cannot write the run's files ({str(exc).splitlines()[0]}); free space or "
-                "choose another --output-dir; checkpoints already written are intact (resume "
-                "with --resume RUN_DIR)"
+                f"cannot write the output ({str(exc).splitlines()[0]}); free space or choose "
+                "another output path"
             )
             return 2
         return _input_error(exc)

@@ -795,8 +795,28 @@ def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, cap
     line = _one_error_line(capsys)
     assert "cannot write the run's files ([Errno 28] No space left on device" in line
     assert "free space or choose another --output-dir" in line
+    run = (tmp_path / "r").resolve()
+    assert line.endswith(f"continue with: poetxq train --resume {run}")
     # the first checkpoint stayed whole, no torn one is taken for the latest
     assert ck.latest_checkpoint(tmp_path / "r").name == "step-00000002"
+
+
+def test_a_full_disk_before_any_checkpoint_advises_no_resume(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from poetxq import checkpoint as ck
+
+    def full(tensors, path):  # the disk fills up while the first checkpoint is written
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ck, "write_tensors", full)
+    assert _run(tmp_path, "--max-steps", "2", "--save-every", "2", "--run-name", "r") == 2
+    line = _one_error_line(capsys)
+    assert "free space or choose another --output-dir" in line
+    assert "--resume" not in line and line.endswith(
+        "then run the command again (no checkpoint was written, so there is nothing to resume)"
+    )
+    assert ck.latest_checkpoint(tmp_path / "r") is None
 
 
 def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
