@@ -6,7 +6,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quant_kernels.policy import KernelPolicy
 
 
 def git_commit() -> str:
@@ -96,20 +99,15 @@ def write_json_atomic(path: str | Path, doc: dict[str, Any]) -> Path:
     return Path(path)
 
 
-def set_kernel_flags(specs: list[str]) -> dict[str, bool]:
-    """Apply ``NAME=0|1`` settings to ``quant_kernels.*_MEASURED_FASTER`` flags (in this process)
-    and return every such flag's value afterwards.
+def kernel_policy(specs: list[str]) -> KernelPolicy:
+    """The measured default :class:`~quant_kernels.policy.KernelPolicy` with ``NAME=0|1``
+    overrides (``--kernel-flag``, repeatable: an A/B run of one path); the benchmark passes it to
+    what it builds and records ``to_dict()`` beside its numbers.
 
     Raises:
-        ValueError: a spec is not ``NAME=0|1`` or names no such flag (the message lists them).
+        ValueError: a spec is not ``NAME=VALUE`` or names no policy field (the message lists
+            them).
     """
-    import quant_kernels
+    from quant_kernels.policy import AUTO
 
-    known = sorted(n for n in vars(quant_kernels) if n.endswith("_MEASURED_FASTER"))
-    for spec in specs:
-        name, _, value = spec.partition("=")
-        if name not in known or value not in ("0", "1"):
-            raise ValueError(f"--kernel-flag {spec!r}: use NAME=0 or NAME=1 with NAME one of "
-                             f"{', '.join(known)}")  # fmt: skip
-        setattr(quant_kernels, name, value == "1")
-    return {n: bool(getattr(quant_kernels, n)) for n in known}
+    return AUTO.with_overrides(specs)

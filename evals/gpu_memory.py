@@ -47,7 +47,7 @@ from pathlib import Path
 
 import official_poet
 import torch
-from _common import provenance, set_kernel_flags, write_json_atomic
+from _common import kernel_policy, provenance, write_json_atomic
 from peak_alloc import fragmentation, peak_report
 
 from poetxq.cudagraph import GraphedMicroStep
@@ -126,8 +126,12 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     recipe = recipe_for(name, args)
     t0 = time.perf_counter()
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
-    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
-    optimizer = build_optimizer(model, recipe.optim, flatten=not args.no_flatten)
+    convert_to_poetx(
+        model, recipe.poet, generator=torch.Generator().manual_seed(0), kernels=args.kernels
+    )
+    optimizer = build_optimizer(
+        model, recipe.optim, flatten=not args.no_flatten, kernels=args.kernels
+    )
     relaid = None
     if not args.no_compact and dev.type == "cuda":
         # the dense bf16 weights this script builds on the GPU and the conversion frees leave
@@ -204,7 +208,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             unfuse_elementwise(model)
         graphed = None  # capture again: checkpointing and the fusion change the graph
         r.train.fuse_elementwise = fused  # what this setting ran
-        est = estimate_memory(r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16-true")
+        est = estimate_memory(
+            r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16-true",
+            kernels=args.kernels,
+        )  # fmt: skip
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         tracing = bool(args.peak_report) and dev.type == "cuda"
@@ -374,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ckpt setting: the layer inputs in pinned host memory "
                     "(train.offload_activations)")  # fmt: skip
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
-                    help="set a quant_kernels.*_MEASURED_FASTER flag (A/B timing of an opt-in "
-                    "path)")  # fmt: skip
+                    help="set a quant_kernels.KernelPolicy field (A/B timing of one path), e.g. "
+                    "triton_8bit_update=0")  # fmt: skip
     ap.add_argument("--no-flatten", action="store_true",
                     help="keep every tensor of the optimizer's groups separate (one 8-bit update "
                     "launch per tensor; A/B of poetxq.flat)")  # fmt: skip
@@ -414,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in _SETTING_KEYS:
             ap.error(f"--set {key}: the script sets it per setting; use {_SETTING_KEYS[key]}")
     try:
-        flags = set_kernel_flags(args.kernel_flag)
+        args.kernels = kernel_policy(args.kernel_flag)
     except ValueError as exc:
         ap.error(str(exc))
     try:
@@ -452,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpointing, beside poetxq.estimate's prediction",
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
-        "kernel_flags": flags,
+        "kernel_policy": args.kernels.to_dict(),
         "flattened_optimizer_groups": not args.no_flatten,
         "results": results,
     }

@@ -30,20 +30,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from unittest import mock
 
 import official_poet
 import torch
 from _common import cuda_graph_ms, cuda_peak_extra_mib, cuda_time_ms, git_commit
 
 from poetxq.layer import POETXLinear
+from quant_kernels.policy import AUTO, KernelPolicy
 
 RUNS = ["int8", "bits16", "control", "nf4"]
 
@@ -58,12 +57,14 @@ def _dense_side(side, dtype=torch.float64) -> torch.Tensor:
 
 
 def _random_layer(
-    n: int, m: int, b: int, bits: int, gen: torch.Generator, variant: str, dev: str
-) -> tuple[POETXLinear, torch.Tensor]:
+    n: int, m: int, b: int, bits: int, gen: torch.Generator, variant: str, dev: str,
+    kernels: KernelPolicy = AUTO,
+) -> tuple[POETXLinear, torch.Tensor]:  # fmt: skip
     """A POET-X(Q) layer with small random ``Q`` on both sides, and its dense float64
     ``R·W0·P`` ``[m, n]`` (``stored_w0`` undoes the store's own layout: 4-bit stores keep the
     columns in input order, int8 permutes both sides)."""
-    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev)
+    layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, generator=gen, device=dev,
+                        kernels=kernels)  # fmt: skip
     with torch.no_grad():
         for side in (layer.P, layer.R):
             side.Q.copy_(0.01 * torch.randn(side.Q.shape, generator=gen).to(dev))
@@ -79,18 +80,19 @@ def correctness(
     dev: str = "cuda",
     tokens: int = 2048,
     variant: str = "mem",
+    kernels: KernelPolicy = AUTO,
 ) -> dict:
-    """Output and dX of a POET-X(Q) layer vs a dense float64 ``x @ (R·W0·P)ᵀ``; in fp32 also its
-    block gradients (``Q_P``, ``Q_R``) vs the same layer on the torch path
-    (``POETXQ_KERNELS=torch``: reference ops, no Triton)."""
-    layer, w_dense = _random_layer(n, m, b, bits, gen, variant, dev)
+    """Output and dX of a POET-X(Q) layer under ``kernels`` vs a dense float64
+    ``x @ (R·W0·P)ᵀ``; in fp32 also its block gradients (``Q_P``, ``Q_R``) vs the same layer on
+    the torch path (``KernelPolicy(triton=False)``: reference ops, no Triton)."""
+    layer, w_dense = _random_layer(n, m, b, bits, gen, variant, dev, kernels)
     x = torch.randn(tokens, n, device=dev)
     dy = torch.randn(tokens, m, device=dev)
     y_ref = x.double() @ w_dense.t()
     dx_ref = dy.double() @ w_dense
     out: dict = {"shape": f"{n}->{m}", "b": b, "bits": bits, "variant": variant}
     # (key, input dtype, autocast): fp32; bf16 input under autocast; fp32 input under autocast,
-    # as the norm outputs arrive in training (quant_kernels.fused_input_cast's case)
+    # as the norm outputs arrive in training (KernelPolicy.fused_input_cast's case)
     for key, dtype, amp in (("fp32", torch.float32, False),
                             ("bf16_autocast", torch.bfloat16, True),
                             ("bf16_autocast_fp32_input", torch.float32, True)):  # fmt: skip
@@ -103,8 +105,9 @@ def correctness(
         if not amp:
             grads = [layer.P.Q.grad.clone(), layer.R.Q.grad.clone()]
             layer.zero_grad(set_to_none=True)
-            with mock.patch.dict(os.environ, {"POETXQ_KERNELS": "torch"}):
-                layer(x.detach().clone().requires_grad_()).backward(dy)
+            layer.use_kernels(KernelPolicy(triton=False))
+            layer(x.detach().clone().requires_grad_()).backward(dy)
+            layer.use_kernels(kernels)
             for name, got, side in (("dq_p", grads[0], layer.P), ("dq_r", grads[1], layer.R)):
                 out[key][f"{name}_rel_err_vs_torch_path"] = _rel(got, side.Q.grad)
     del w_dense
@@ -115,12 +118,12 @@ def correctness(
 
 def swiglu_correctness(
     f: int, d: int, b: int, bits: int, gen: torch.Generator, variant: str, dev: str = "cuda",
-    tokens: int = 2048,
+    tokens: int = 2048, kernels: KernelPolicy = AUTO,
 ) -> dict:  # fmt: skip
     """A down projection under SwiGLU (``POETXLinear.forward_swiglu``, the path of
-    ``POETXSwiGLUMLP``) in fp32: output and the gradients of ``gate`` and ``up`` against float64
-    autograd of ``(SiLU(gate) · up) @ (R·W0·P)ᵀ``."""
-    layer, w_dense = _random_layer(f, d, b, bits, gen, variant, dev)
+    ``POETXSwiGLUMLP``) in fp32 under ``kernels``: output and the gradients of ``gate`` and
+    ``up`` against float64 autograd of ``(SiLU(gate) · up) @ (R·W0·P)ᵀ``."""
+    layer, w_dense = _random_layer(f, d, b, bits, gen, variant, dev, kernels)
     gate, up = (torch.randn(tokens, f, device=dev) for _ in range(2))
     dy = torch.randn(tokens, d, device=dev)
     g64, u64 = (t.double().requires_grad_() for t in (gate, up))
@@ -156,10 +159,10 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     res["nn_linear_peak_extra_mib"] = cuda_peak_extra_mib(run(lin))
     label = {8: "q_int8", 4: "q_nf4", 16: "_bf16"}
 
-    def time_layer(name: str, bits: int, variant: str) -> None:
+    def time_layer(name: str, bits: int, variant: str, kernels: KernelPolicy = AUTO) -> None:
         try:
             layer = POETXLinear(n, m, block_size=b, bits=bits, variant=variant, device=dev,
-                                dtype=torch.bfloat16)  # fmt: skip
+                                dtype=torch.bfloat16, kernels=kernels)  # fmt: skip
             fn = run(layer)
             ms = cuda_time_ms(fn)
             res[name] = {"ms": ms, "ratio_vs_nn_linear": ms / base_ms,
@@ -173,10 +176,9 @@ def layer_speed(n: int, m: int, b: int) -> dict:
         for variant in ("fast", "mem"):
             time_layer(f"poetx{label[bits]}_{variant}", bits, variant)
     # the mem variants again on the other paths, side by side with the default path above
-    for flag, value, suffix in OTHER_LAYER_PATHS:
-        with _opt_in(flag, value):
-            for bits in (8, 16):
-                time_layer(f"poetx{label[bits]}_mem_{suffix}", bits, "mem")
+    for suffix, kernels in OTHER_LAYER_PATHS:
+        for bits in (8, 16):
+            time_layer(f"poetx{label[bits]}_mem_{suffix}", bits, "mem", kernels)
     return res
 
 
@@ -251,11 +253,10 @@ def layer_overhead(n: int, m: int, b: int, poet: ModuleType | None = None) -> di
                             dtype=torch.bfloat16)  # fmt: skip
         rows.append((f"bits{bits}_{variant}", layer, None))
         if variant == "mem" and bits == 8:  # the default path against its alternatives
-            for flag, value, suffix in OTHER_LAYER_PATHS:
-                rows.append((f"bits8_mem_{suffix}", layer, (flag, value)))
+            for suffix, kernels in OTHER_LAYER_PATHS:
+                rows.append((f"bits8_mem_{suffix}", layer, kernels))
         if variant == "fast":  # the autograd fast path beside the default feature-major one
-            flag = ("FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
-            rows.append((f"bits{bits}_fast_autograd", layer, flag))
+            rows.append((f"bits{bits}_fast_autograd", layer, FAST_AUTOGRAD))
     if poet is not None:  # the official code's layers side by side (evals/official_poet.py)
         for kind in official_poet.LAYER_KINDS:
             try:
@@ -265,8 +266,8 @@ def layer_overhead(n: int, m: int, b: int, poet: ModuleType | None = None) -> di
                 continue
             rows.append((f"official_{kind}", mod, None))
     base = None
-    for name, mod, flag in rows:
-        ctx = _opt_in(*flag) if flag else contextlib.nullcontext()
+    for name, mod, kernels in rows:
+        ctx = _kernels(mod, kernels) if kernels else contextlib.nullcontext()
         try:
             with ctx:
                 fn = run(mod)
@@ -301,29 +302,30 @@ def layer_overhead(n: int, m: int, b: int, poet: ModuleType | None = None) -> di
     return res
 
 
-#: the layer's paths other than the default, as (quant_kernels flag, value, row suffix): the
-#: input cast fused into the first permutation, the row-major path (the feature-major one
-#: switched off) and two weight decodes per int8 backward (the one-decode one switched off)
+#: the layer's paths other than the default, as (row suffix, policy): the input cast as a
+#: separate pass (the default fuses it into the first permutation; only the correctness part's
+#: fp32 input under bf16 autocast has a cast to fuse, the timed parts feed bf16 inputs, where this
+#: row equals the default path), the row-major path (the feature-major one switched off) and two
+#: weight decodes per int8 backward (the one-decode one switched off)
 OTHER_LAYER_PATHS = (
-    # (only the correctness part's fp32 input under bf16 autocast has a cast to fuse; the timed
-    # parts feed bf16 inputs, where these rows equal the default path)
-    ("FUSED_INPUT_CAST_MEASURED_FASTER", True, "fused_cast"),
-    ("FEATURE_MAJOR_LAYER_MEASURED_FASTER", False, "row_major"),
-    ("ONE_DECODE_BACKWARD_MEASURED_FASTER", False, "two_decodes"),
+    ("separate_cast", KernelPolicy(fused_input_cast=False)),
+    ("row_major", KernelPolicy(feature_major=False)),
+    ("two_decodes", KernelPolicy(one_decode_backward=False)),
 )
+#: the ``fast`` variant's autograd path (its feature-major one switched off)
+FAST_AUTOGRAD = KernelPolicy(fast_feature_major=False)
 
 
 @contextlib.contextmanager
-def _opt_in(flag: str, value: bool = True) -> Iterator[None]:
-    """Set one ``quant_kernels.*_MEASURED_FASTER`` flag (on by default) for the block."""
-    import quant_kernels
-
-    before = getattr(quant_kernels, flag)
-    setattr(quant_kernels, flag, value)
+def _kernels(layer: torch.nn.Module, kernels: KernelPolicy) -> Iterator[None]:
+    """Run ``layer`` (a :class:`POETXLinear`) under ``kernels`` for the block, then under its
+    own policy again."""
+    before = layer.kernels
+    layer.use_kernels(kernels)
     try:
         yield
     finally:
-        setattr(quant_kernels, flag, before)
+        layer.use_kernels(before)
 
 
 def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -> str:
@@ -418,20 +420,19 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"shape": f"{n}->{m}", "bits": bits, "variant": "fast", "error": repr(exc)}
             report["correctness"].append(row)
         for variant, lean in (("mem", False), ("fast", False), ("fast", True)):
-            with _opt_in("LEAN_FAST_SWIGLU_MEASURED_FASTER", lean):
-                try:  # the SwiGLU down projection (the lean fast one with the flag)
-                    row = swiglu_correctness(14336, 4096, 256, 8, gen, variant)
-                except Exception as exc:
-                    row = {"shape": "14336->4096", "variant": variant, "error": repr(exc)}
+            kernels = KernelPolicy(lean_fast_swiglu=lean)
+            try:  # the SwiGLU down projection (the lean fast one with the switch)
+                row = swiglu_correctness(14336, 4096, 256, 8, gen, variant, kernels=kernels)
+            except Exception as exc:
+                row = {"shape": "14336->4096", "variant": variant, "error": repr(exc)}
             report["correctness"].append({**row, "swiglu": True, "lean": lean})
-        for flag, value, suffix in OTHER_LAYER_PATHS:  # the other layer paths at real sizes
-            with _opt_in(flag, value):
-                for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):
-                    try:
-                        row = correctness(n, m, 256, bits, gen)
-                    except Exception as exc:
-                        row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
-                    report["correctness"].append({**row, "path": suffix})
+        for suffix, kernels in OTHER_LAYER_PATHS:  # the other layer paths at real sizes
+            for n, m, bits in ((4096, 14336, 8), (2736, 1024, 8), (14336, 4096, 16)):
+                try:
+                    row = correctness(n, m, 256, bits, gen, kernels=kernels)
+                except Exception as exc:
+                    row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
+                report["correctness"].append({**row, "path": suffix})
         print(json.dumps(report["correctness"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     repo = Path(__file__).resolve().parents[1]

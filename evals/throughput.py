@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from _common import provenance, set_kernel_flags, write_json_atomic
+from _common import kernel_policy, provenance, write_json_atomic
 
 from poetxq.bench import BenchError, run_bench
 from poetxq.recipe import (
@@ -96,13 +96,13 @@ def main(argv: list[str] | None = None) -> int:
                     "DIR/profile_<model>_<seq>_<method>.txt (GPU time per kind of work; also in "
                     "the JSON as gpu_time_ms)")  # fmt: skip
     ap.add_argument("--kernel-flag", action="append", default=[], metavar="NAME=0|1",
-                    help="set a quant_kernels.*_MEASURED_FASTER flag for every run (A/B timing "
-                    "of an opt-in path)")  # fmt: skip
+                    help="set a quant_kernels.KernelPolicy field for every run (A/B timing of "
+                    "one path), e.g. fused_input_cast=0")  # fmt: skip
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="recipe override for every run (smoke tests)")  # fmt: skip
     args = ap.parse_args(argv)
     try:
-        flags = set_kernel_flags(args.kernel_flag)
+        kernels = kernel_policy(args.kernel_flag)
     except ValueError as exc:
         ap.error(str(exc))
     try:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_precision": precision,
             **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
             "tokens_per_step": args.tokens,
-            "kernel_flags": flags,
+            "kernel_policy": kernels.to_dict(),
             "ratios": ratios,
             "runs": runs,
         }
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     prof = (Path(args.profile_dir) / f"profile_{model}_{seq}_{key}.txt"
                             if args.profile_dir else None)  # fmt: skip
                     res = run_bench(recipe, args.steps, warmup=args.warmup, vocab_size=VOCAB,
-                                    device=args.device, profile=prof,
+                                    device=args.device, profile=prof, kernels=kernels,
                                     echo=lambda _s: None)  # fmt: skip
                 except BenchError as exc:  # e.g. a device this torch cannot use
                     print(f"throughput: error: {exc}", file=sys.stderr)

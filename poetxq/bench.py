@@ -33,6 +33,7 @@ from poetxq.precision import cpu_note, run_precision
 from poetxq.recipe import Recipe, method_label, poet_variant, run_label
 from poetxq.relayout import alloc_conf
 from poetxq.text import count
+from quant_kernels.policy import KernelPolicy
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
@@ -153,11 +154,13 @@ def build_model_and_optimizer(
     *,
     meta_init: bool | None = None,
     echo: Callable[[str], None] = print,
+    kernels: KernelPolicy | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The recipe's Llama on ``device`` (POET methods: converted, W0 drawn from
     ``train.seed + 1``; baselines: prepared) and its optimizer, as the trainer builds them
     (:func:`poetxq.build.build_for_training`: on CUDA with meta init, no CPU copy; ``meta_init``
-    overrides that choice)."""
+    overrides that choice). ``kernels``: the POET layers' kernel policy (default
+    :func:`quant_kernels.policy.default_policy`)."""
     from poetxq.baselines import build_baseline_optimizer
     from poetxq.build import build_for_training
     from poetxq.optim import build_optimizer
@@ -165,10 +168,11 @@ def build_model_and_optimizer(
 
     gen = torch.Generator().manual_seed(recipe.train.seed + 1)
     built = build_for_training(
-        recipe, vocab_size, device, generator=gen, meta_init=meta_init, echo=echo
-    )
+        recipe, vocab_size, device, generator=gen, meta_init=meta_init, echo=echo,
+        kernels=kernels,
+    )  # fmt: skip
     if built.surgery is not None:
-        optimizer = build_optimizer(built.model, recipe.optim)
+        optimizer = build_optimizer(built.model, recipe.optim, kernels=kernels)
         relayout_if_wanted(built.model, optimizer, built.device, echo)
     else:
         assert built.baseline is not None
@@ -194,6 +198,7 @@ def run_bench(
     command: str | None = None,
     profile: Path | None = None,
     echo: Callable[[str], None] = print,
+    kernels: KernelPolicy | None = None,
 ) -> BenchResult:
     """Time ``steps`` training steps of ``recipe`` on random tokens.
 
@@ -210,6 +215,8 @@ def run_bench(
             tables and the GPU-time breakdown (:mod:`poetxq.profiling`) to this text file; the
             breakdown also goes into the result (``gpu_time_ms``).
         echo: where the progress lines go (model build time, first step done).
+        kernels: the kernel policy of the POET layers, their optimizer and the memory estimate
+            (benchmarks' A/B runs); default :func:`quant_kernels.policy.default_policy`.
 
     Returns:
         :class:`BenchResult`.
@@ -246,7 +253,7 @@ def run_bench(
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
-    model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo)
+    model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo, kernels=kernels)
     build_s = time.perf_counter() - start
     echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
@@ -326,7 +333,7 @@ def run_bench(
         peak_tflops_for(name) if dev.type == "cuda" else None
     )  # fmt: skip
     n_dense = dense_param_count(recipe, V)
-    est = estimate_memory(recipe, vocab_size=V, precision=precision)
+    est = estimate_memory(recipe, vocab_size=V, precision=precision, kernels=kernels)
     return BenchResult(
         recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
         device=name, precision=precision, batch_size=tc.batch_size,

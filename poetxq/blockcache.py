@@ -4,10 +4,10 @@ A POET-X(Q) model has two orthogonal sides per converted linear layer (168 layer
 Llama-1B). Computing each side's blocks ``G = CNP(Q)`` inside its own layer costs a dozen small
 kernels per side in forward and as many in backward; at small token counts per step those kernel
 launches, not the GPU, bound the step time. :class:`BlockCache` instead concatenates the packed
-``Q`` of every side that shares ``(b, k, dtype, device)``, runs the CNP once on the whole stack
-when the model's forward starts (a forward pre-hook), and hands each layer its slice through
-``torch.split`` (whose backward is one ``cat``, so gradients flow back to every ``Q`` in one
-node). The result equals the per-layer computation exactly: the CNP is a per-block map.
+``Q`` of every side that shares ``(b, k, dtype, device)`` and kernel policy, runs the CNP once on
+the whole stack when the model's forward starts (a forward pre-hook), and hands each layer its
+slice through ``torch.split`` (whose backward is one ``cat``, so gradients flow back to every
+``Q`` in one node). The result equals the per-layer computation exactly: the CNP is a per-block map.
 
 The cache lives for one model forward: a forward hook clears it, and each entry also checks the
 ``Q`` version counter, so a direct layer call (tests, merges) or an optimizer step in between
@@ -37,7 +37,8 @@ from poetxq.orthogonal import OrthogonalSide
 
 
 class _Group:
-    """Sides sharing ``(b, k, dtype, device)``; their blocks are computed as one stack.
+    """Sides sharing ``(b, k, dtype, device, kernel policy)``; their blocks are computed as one
+    stack.
 
     ``lazy``: computed on the first :meth:`blocks` request (not by :meth:`refresh` from a hook)
     and forgotten once every side has been served (the per-layer groups under checkpointing).
@@ -51,6 +52,7 @@ class _Group:
         self.sizes = [s.nb for s in sides]
         self.block_size = sides[0].block_size
         self.terms = sides[0].neumann_terms
+        self.kernels = sides[0].kernels
         self.lazy = lazy
         self.g: torch.Tensor | None = None
         self.versions: list[int] = []
@@ -61,7 +63,9 @@ class _Group:
         for other in self.peers:
             other.clear()
         q = _stack_q(self.sides)
-        self.g = quant_kernels.cayley_neumann_lean(q, self.block_size, self.terms)
+        self.g = quant_kernels.cayley_neumann_lean(
+            q, self.block_size, self.terms, kernels=self.kernels
+        )
         self.versions = [s.Q._version for s in self.sides]
         self.pieces = {}
         self.unserved = set(range(len(self.sides)))
@@ -131,17 +135,18 @@ def _checkpoint_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _by_key(sides: list[OrthogonalSide]) -> list[list[OrthogonalSide]]:
-    """``sides`` split by ``(b, k, dtype, device)``, the sides one CNP call can serve."""
+    """``sides`` split by ``(b, k, dtype, device, kernel policy)``, the sides one CNP call can
+    serve."""
     by_key: dict[tuple[Any, ...], list[OrthogonalSide]] = {}
     for side in sides:
-        key = (side.block_size, side.neumann_terms, side.Q.dtype, side.Q.device)
+        key = (side.block_size, side.neumann_terms, side.Q.dtype, side.Q.device, side.kernels)
         by_key.setdefault(key, []).append(side)
     return list(by_key.values())
 
 
 def q_parameters_in_cnp_order(model: nn.Module) -> list[nn.Parameter]:
     """Every side's ``Q`` under ``model``, in the order :class:`BlockCache` stacks them (by
-    ``(b, k, dtype, device)`` group, then module order)."""
+    ``(b, k, dtype, device, kernel policy)`` group, then module order)."""
     sides = [m for m in model.modules() if isinstance(m, OrthogonalSide)]
     return [s.Q for group in _by_key(sides) for s in group]
 

@@ -57,6 +57,7 @@ from poetxq.surgery import (
     materialize_meta_parameters,
     summarize,
 )
+from quant_kernels.policy import KernelPolicy
 
 #: environment switch of :func:`use_meta_init`: ``0`` never, ``1`` always (CPU too), unset: CUDA
 META_INIT_ENV = "POETXQ_META_INIT"
@@ -143,6 +144,7 @@ def build_for_training(
     echo: Callable[[str], None] = print,
     meta_init: bool | None = None,
     cuda_graph: bool | None = None,
+    kernels: KernelPolicy | None = None,
 ) -> BuiltModel:
     """The recipe's model on ``device``, converted (POET methods) or prepared (baselines).
 
@@ -156,6 +158,8 @@ def build_for_training(
             default :func:`use_meta_init`. Not available with ``model.pretrained``.
         cuda_graph: whether the run replays a CUDA graph (it decides ``fuse_elementwise:
             auto``); default :func:`poetxq.cudagraph.graph_wanted` for one process.
+        kernels: the kernel policy of the POET-X(Q) layers; default
+            :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``).
 
     Returns:
         :class:`BuiltModel` (the optimizer is built by the caller).
@@ -176,7 +180,9 @@ def build_for_training(
         keep_weights = False
         model: nn.Module = build_empty_llama(recipe.model, vocab_size)
         if is_poet:  # the meta linears are replaced before anything is allocated
-            surgery = convert_to_poetx(model, recipe.poet, generator=generator, device=dev)
+            surgery = convert_to_poetx(
+                model, recipe.poet, generator=generator, device=dev, kernels=kernels
+            )
         else:  # decoder layer by layer: at most one layer's dense fp32 weights beside the rest
             baseline = _prepare_baseline_layerwise(model, recipe, dev)
         materialize_meta_parameters(model, dev)
@@ -189,7 +195,7 @@ def build_for_training(
         if is_poet:  # on a GPU each layer's W0 is moved there and quantized there
             surgery = convert_to_poetx(
                 model, recipe.poet, generator=generator, keep_weights=keep_weights,
-                device=dev if on_gpu else None,
+                device=dev if on_gpu else None, kernels=kernels,
             )  # fmt: skip
         else:
             if on_gpu:  # int8 baselines quantize on the GPU

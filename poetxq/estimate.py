@@ -30,9 +30,9 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
   per-row scale only, ``8d`` less per layer and ``4d`` less for the final norm.) POET
   ``mem`` layers keep only their input, the same tensor a ``nn.Linear`` keeps — on a GPU under
   autocast the fp32 input that q/k/v (and gate/up) share, not a bf16 copy each
-  (:func:`quant_kernels.fused_input_cast`: ``2d`` less); ``fast`` also keeps
+  (kernel policy ``fused_input_cast``: ``2d`` less); ``fast`` also keeps
   the permuted input and the GEMM output, ``c·(n_pad + m_pad)`` per layer, but not the input
-  (and with :func:`quant_kernels.lean_fast_swiglu` neither ``SiLU(gate)`` nor the down
+  (and with the policy's ``lean_fast_swiglu`` neither ``SiLU(gate)`` nor the down
   projection's permuted input: ``2c·f`` less). Each
   POET side adds its blocks ``G`` in the compute dtype, ``⌈d/b⌉·b²·c`` bytes; the Cayley–Neumann
   map keeps no intermediates (its backward recomputes them), only its packed input: once for the
@@ -78,6 +78,7 @@ from poetxq.flat import BNB_STATE_BLOCK
 from poetxq.fuse import fuse_wanted
 from poetxq.loss import SLICE_BYTES
 from poetxq.recipe import POET_METHODS, Recipe, method_label
+from quant_kernels.policy import KernelPolicy, default_policy
 
 #: how a run holds its parameters and computes, named as :data:`poetxq.precision.RunPrecision`
 #: (``train.precision: auto`` runs ``autocast`` on a GPU and ``fp32`` on the CPU; ``bf16-true``
@@ -192,44 +193,33 @@ def parse_bytes(text: str) -> int:
     return size
 
 
-def _gpu_kernel_path(measured_faster: bool, precision: Precision) -> bool:
-    """Whether the run this estimate describes takes a GPU-only opt-in kernel path (its
-    ``*_MEASURED_FASTER`` flag, or ``POETXQ_KERNELS=fused``): never for ``fp32`` (CPU training:
-    CPU tensors take the torch path) nor under ``POETXQ_KERNELS=torch``. The precision stands
-    for the device: ``autocast`` / ``bf16-true`` estimates describe a GPU run (a CPU run in
-    bf16 takes no such path and keeps a little more; a GPU run in fp32 takes them and keeps a
+def _gpu_kernel_path(kernels: KernelPolicy, switch: str, precision: Precision) -> bool:
+    """Whether the run this estimate describes takes the GPU-only path ``switch`` (a
+    :class:`~quant_kernels.policy.KernelPolicy` field): never for ``fp32`` (CPU training: CPU
+    tensors take the torch path) nor without Triton (``POETXQ_KERNELS=torch``). The precision
+    stands for the device: ``autocast`` / ``bf16-true`` estimates describe a GPU run (a CPU run
+    in bf16 takes no such path and keeps a little more; a GPU run in fp32 takes them and keeps a
     little less)."""
-    import quant_kernels
-
-    mode = quant_kernels.kernel_mode()
-    if precision == "fp32" or mode == "torch":
-        return False
-    return mode == "fused" or measured_faster
+    return precision != "fp32" and kernels.on_gpu(switch)
 
 
-def _lean_fast_swiglu(precision: Precision) -> bool:
-    """Whether the run takes the lean ``fast`` SwiGLU down projection
-    (:func:`quant_kernels.lean_fast_swiglu`; see :func:`_gpu_kernel_path`)."""
-    import quant_kernels
-
-    flags = quant_kernels.LEAN_FAST_SWIGLU_MEASURED_FASTER
-    # the lean path runs inside the fast variant's feature-major path, behind its own switch
-    flags = flags and quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER
-    return _gpu_kernel_path(flags, precision)
-
-
-def _fused_input_cast(precision: Precision) -> bool:
-    """Whether the run passes fp32 inputs uncast into feature-major POET layers
-    (:func:`quant_kernels.fused_input_cast`; see :func:`_gpu_kernel_path`): only under autocast,
-    where the inputs are fp32 and the compute bf16."""
-    import quant_kernels
-
-    # taken only where the mem layer is feature-major (quant_kernels.feature_major_layer)
-    flag = (
-        quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER
-        and quant_kernels.FEATURE_MAJOR_LAYER_MEASURED_FASTER
+def _lean_fast_swiglu(kernels: KernelPolicy, precision: Precision) -> bool:
+    """Whether the run takes the lean ``fast`` SwiGLU down projection (``lean_fast_swiglu``,
+    which runs inside the fast variant's feature-major path, behind its own switch)."""
+    return _gpu_kernel_path(kernels, "lean_fast_swiglu", precision) and _gpu_kernel_path(
+        kernels, "fast_feature_major", precision
     )
-    return precision == "autocast" and _gpu_kernel_path(flag, precision)
+
+
+def _fused_input_cast(kernels: KernelPolicy, precision: Precision) -> bool:
+    """Whether the run passes fp32 inputs uncast into feature-major ``mem`` POET layers
+    (``fused_input_cast``, taken only where the layer is feature-major): only under autocast,
+    where the inputs are fp32 and the compute bf16."""
+    return (
+        precision == "autocast"
+        and _gpu_kernel_path(kernels, "fused_input_cast", precision)
+        and _gpu_kernel_path(kernels, "feature_major", precision)
+    )
 
 
 #: projections of a decoder layer that read one shared input (the attention norm's, the MLP
@@ -328,6 +318,7 @@ def estimate_memory(
     batch_size: int | None = None,
     seq_len: int | None = None,
     precision: Precision = "autocast",
+    kernels: KernelPolicy | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one steady-state training step of ``recipe`` (module docstring).
 
@@ -339,6 +330,8 @@ def estimate_memory(
         precision: ``"autocast"`` (fp32 parameters, bf16 compute: ``poetxq train`` on a GPU),
             ``"bf16-true"`` (parameters and compute in bf16, ``train.precision: bf16-true``, the
             official code's setting) or ``"fp32"`` (CPU training).
+        kernels: the kernel policy the run's layers are built with (what they keep for backward
+            depends on it); default :func:`quant_kernels.policy.default_policy`, as the layers'.
 
     Returns:
         :class:`MemoryEstimate` with every component in bytes.
@@ -352,6 +345,7 @@ def estimate_memory(
                        ("seq-len", seq_len)):  # fmt: skip
         if size is not None and size < 1:  # 0 would fall back to the recipe's value silently
             raise EstimateError(f"--{flag} must be a positive integer, got {size}")
+    kernels = default_policy() if kernels is None else kernels
     mc, pc, tc, oc = recipe.model, recipe.poet, recipe.train, recipe.optim
     V = vocab_size or recipe.data.vocab_size
     B = batch_size or tc.batch_size
@@ -473,17 +467,17 @@ def estimate_memory(
         layer_tok += fast_extra - saved_inputs[precision]
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
         # the lean path needs the feature-major one: no ragged side
-        if _lean_fast_swiglu(precision) and mlp and f % b == 0 and d % b == 0:
+        if _lean_fast_swiglu(kernels, precision) and mlp and f % b == 0 and d % b == 0:
             # poetxq.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down projection's
             # permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
-            notes.append("lean fast SwiGLU (quant_kernels.lean_fast_swiglu): 2·f fewer saved")
-    if is_poet and pc.variant == "mem" and _fused_input_cast(precision):
+            notes.append("lean fast SwiGLU (kernel policy lean_fast_swiglu): 2·f fewer saved")
+    if is_poet and pc.variant == "mem" and _fused_input_cast(kernels, precision):
         saving = _fused_cast_saving(recipe, targets, bits, b)
         layer_tok -= saving
         if saving:
             notes.append(
-                f"fused input cast (quant_kernels.fused_input_cast): {saving} bytes less per "
+                f"fused input cast (kernel policy fused_input_cast): {saving} bytes less per "
                 "token and layer (fp32 inputs shared, no bf16 copy per projection)"
             )
     head_norm = {"bf16-true": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]

@@ -11,7 +11,7 @@ Math (POET-X, arXiv 2603.05500). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
     y  = u[..., inv_perm_R]              # gather by the inverse output permutation
 
 4-bit stores keep the columns in input order, ``W'' = Ψ_m W0``, and gather ``z`` back by
-``Ψ_nᵀ`` before the GEMM (:class:`_InputOrderStore`): their 64-blocks then never regroup at merges.
+``Ψ_nᵀ`` before the GEMM (:class:`_Store`): their 64-blocks then never regroup at merges.
 
 The dense ``m×m`` / ``n×n`` factors and ``R·W0·P`` are never built in the training path. ``W'`` has
 no gradient; backward needs one GEMM for dX (``dz = dh @ W'``) and the small block gradients.
@@ -22,9 +22,14 @@ Variants:
   its own autograd Function: 3 big GEMMs per step, no ``[N, m]`` activation kept. POET-XQ uses mem.
 
 On a GPU both variants run feature-major between their two permutations (:mod:`poetxq.layer_fm`)
-when no side is ragged, the store is not the 4-bit input-order one and the compute dtype is one
-Triton takes (fp32, bf16, fp16); this module holds the row-major path, which is the CPU path, the
-fallback and the oracle, and chooses between the two (``_feature_major``).
+when no side is ragged and the compute dtype is one Triton takes (fp32, bf16, fp16); this module
+holds the row-major path, which is the CPU path, the fallback and the oracle, and chooses between
+the two (``_feature_major``).
+
+Every kernel choice comes from the layer's :class:`~quant_kernels.policy.KernelPolicy`, fixed
+when the layer is built (``kernels``, default :func:`quant_kernels.policy.default_policy`). The
+autograd Functions keep the store they ran with, policy included, so a backward always takes the
+path its forward took.
 
 ``merge_then_reinitialize()`` folds ``R`` and ``P`` into the stored weight (in fp32, then
 re-quantized), draws new permutations and resets ``Q`` to zero; the layer's function is unchanged
@@ -45,6 +50,7 @@ from poetxq import swiglu as maps
 from poetxq.layer_fm import _forward_fm, _mem_backward_fm, _POETXFastFmFn, _SwiGLUDownFastFmFn
 from poetxq.orthogonal import OrthogonalSide
 from poetxq.quant import FrozenWeight, make_frozen_weight
+from quant_kernels.policy import KernelPolicy, default_policy
 
 Variant = Literal["fast", "mem"]
 VARIANTS: tuple[str, ...] = ("fast", "mem")
@@ -55,32 +61,41 @@ def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
     return t if d == size else F.pad(t, (0, size - d))
 
 
-class _InputOrderStore:
-    """A frozen store kept with its columns in the *original* input order, ``W'' = Ψ_m W0``.
+class _Store:
+    """What a layer's GEMMs multiply by: its frozen store ``W'`` under the layer's kernel policy.
 
-    4-bit blockwise formats quantize 64 consecutive entries of the flattened weight together; with
-    ``n`` a multiple of the blocksize a block lies within one row, so permuting rows only reorders
-    blocks, but permuting columns would regroup them at every merge (quantization drift) and make
-    an exported weight one extra rounding away from the trained one. The cost is one more gather
-    per GEMM: ``z`` (in ``P``'s permuted order) is put back in input order before ``W''``, and the
-    transposed product is permuted again.
+    With ``side_p`` (4-bit stores) the store keeps its columns in the *original* input order,
+    ``W'' = Ψ_m W0``: 4-bit blockwise formats quantize 64 consecutive entries of the flattened
+    weight together; with ``n`` a multiple of the blocksize a block lies within one row, so
+    permuting rows only reorders blocks, but permuting columns would regroup them at every merge
+    (quantization drift) and make an exported weight one extra rounding away from the trained
+    one. The cost is one more gather per GEMM: ``z`` (in ``P``'s permuted order) is put back in
+    input order before ``W''``, and the transposed product is permuted again.
     """
 
-    def __init__(self, frozen: FrozenWeight, side_p: OrthogonalSide) -> None:
-        self.frozen, self.side_p = frozen, side_p
+    def __init__(
+        self, frozen: FrozenWeight, kernels: KernelPolicy, side_p: OrthogonalSide | None = None
+    ) -> None:
+        self.frozen, self.kernels, self.side_p = frozen, kernels, side_p
 
     def matmul(self, z: torch.Tensor) -> torch.Tensor:
-        return self.frozen.matmul(quant_kernels.permute_last(z, self.side_p.inv_perm))
+        if self.side_p is not None:
+            z = quant_kernels.permute_last(z, self.side_p.inv_perm)
+        return self.frozen.matmul(z, kernels=self.kernels)
 
     def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.permute_last(self.frozen.matmul_t(dh), self.side_p.perm)
+        dz = self.frozen.matmul_t(dh, kernels=self.kernels)
+        return dz if self.side_p is None else quant_kernels.permute_last(dz, self.side_p.perm)
 
     # feature-major (``[features, T]``): the permutations become row gathers of whole rows
     def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        return self.frozen.matmul_fm(zt.index_select(0, self.side_p.inv_perm))
+        if self.side_p is not None:
+            zt = zt.index_select(0, self.side_p.inv_perm)
+        return self.frozen.matmul_fm(zt, kernels=self.kernels)
 
     def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        return self.frozen.matmul_t_fm(dht).index_select(0, self.side_p.perm)
+        dzt = self.frozen.matmul_t_fm(dht, kernels=self.kernels)
+        return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
 
     def backward_fm(
         self,
@@ -89,17 +104,18 @@ class _InputOrderStore:
         row_align: int,
         on_rows: Callable[[int, torch.Tensor], None],
     ) -> torch.Tensor:
+        if self.side_p is None:
+            return self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
         zt_in = zt.index_select(0, self.side_p.inv_perm)
-        return self.frozen.backward_fm(zt_in, dht, row_align, on_rows).index_select(
-            0, self.side_p.perm
-        )
+        dzt = self.frozen.backward_fm(zt_in, dht, row_align, on_rows, kernels=self.kernels)
+        return dzt.index_select(0, self.side_p.perm)
 
 
 class _FrozenMatmul(torch.autograd.Function):
     """``z @ W'ᵀ`` with a frozen store: backward is ``dh @ W'`` only (no weight gradient)."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, frozen: FrozenWeight) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, z: torch.Tensor, frozen: _Store) -> torch.Tensor:  # type: ignore[override]
         ctx.frozen = frozen
         return frozen.matmul(z)
 
@@ -112,7 +128,7 @@ def _forward_autograd(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
@@ -127,24 +143,24 @@ def _forward_autograd(
 
 def _feature_major(
     x: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
     *,
     fast: bool = False,
 ) -> bool:
-    """Whether the feature-major path serves this call: allowed for ``x``
-    (:func:`quant_kernels.feature_major_layer`, or for the ``fast`` variant's training forward
-    :func:`quant_kernels.fast_feature_major_layer`) and no ragged block on either side."""
-    allowed = quant_kernels.fast_feature_major_layer if fast else quant_kernels.feature_major_layer
-    return allowed(x) and side_p.padded_dim == side_p.dim and side_r.padded_dim == side_r.dim
+    """Whether the feature-major path serves this call: allowed for ``x`` by the store's policy
+    (``feature_major``, or for the ``fast`` variant's training forward ``fast_feature_major``)
+    and no ragged block on either side."""
+    allowed = frozen.kernels.feature_major_for(x, fast=fast)
+    return allowed and side_p.padded_dim == side_p.dim and side_r.padded_dim == side_r.dim
 
 
 def _forward(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
@@ -164,7 +180,7 @@ class _POETXMemFn(torch.autograd.Function):
         x: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: FrozenWeight,
+        frozen: _Store,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:
@@ -186,7 +202,7 @@ def _mem_backward(
     dy: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     sp: OrthogonalSide,
     sr: OrthogonalSide,
     needs: tuple[bool, ...],
@@ -194,10 +210,9 @@ def _mem_backward(
     """Backward of the ``mem`` forward from its saved input: ``(dx, dG_P, dG_R)`` (None where
     ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
     n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
-    dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: quant_kernels.fused_input_cast)
-    if _feature_major(x, frozen, sp, sr):
+    dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: KernelPolicy.fused_input_cast)
+    if _feature_major(x, frozen, sp, sr):  # as in forward: same store, same policy
         return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
-    x = x.to(g_p.dtype)  # an uncast x whose forward was feature-major (the switches changed)
     xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)
     h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
@@ -230,7 +245,7 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
         up: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: FrozenWeight,
+        frozen: _Store,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:
@@ -283,6 +298,8 @@ class POETXLinear(nn.Module):
         weight: initial ``W0`` ``[m, n]``; default: normalized Gaussian from ``generator``.
         bias: add a trainable bias (Llama projections have none).
         stochastic_requant: stochastic rounding when re-quantizing at merges.
+        kernels: the kernel policy of every call of this layer (and of its two orthogonal
+            sides); default :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``).
         generator: RNG for ``W0`` and the permutations.
         dtype: of ``Q`` (and of a 16-bit ``W'``); default fp32.
         device: where parameters and buffers live.
@@ -308,6 +325,7 @@ class POETXLinear(nn.Module):
         device: torch.device | str | None = None,
         quant_type: str = "nf4",
         double_quant: bool = True,
+        kernels: KernelPolicy | None = None,
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -321,16 +339,17 @@ class POETXLinear(nn.Module):
             raise ValueError(
                 f"weight shape {tuple(weight.shape)} != (out, in) = ({out_features}, {in_features})"
             )
+        self._kernels = default_policy() if kernels is None else kernels
         self.P = OrthogonalSide(
             in_features, block_size, neumann_terms=neumann_terms, generator=generator,
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, kernels=self._kernels,
         )  # fmt: skip
         self.R = OrthogonalSide(
             out_features, block_size, neumann_terms=neumann_terms, generator=generator,
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, kernels=self._kernels,
         )  # fmt: skip
         w = weight.detach().to(device=device, dtype=torch.float32 if bits in (4, 8) else dtype)
-        #: 4-bit: W'' = Ψ_m W0 (columns in input order, see _InputOrderStore); else W' = Ψ_m W0 Ψ_nᵀ
+        #: 4-bit: W'' = Ψ_m W0 (columns in input order, see _Store); else W' = Ψ_m W0 Ψ_nᵀ
         self.input_order_store = bits == 4
         stored = self._to_store_order(w)
         self.frozen = make_frozen_weight(
@@ -347,9 +366,22 @@ class POETXLinear(nn.Module):
         w = w[self.R.perm]
         return w if self.input_order_store else w[:, self.P.perm]
 
-    def _store_op(self) -> FrozenWeight | _InputOrderStore:
-        """What the GEMMs multiply by: ``W'`` in ``P``'s permuted column order."""
-        return _InputOrderStore(self.frozen, self.P) if self.input_order_store else self.frozen
+    @property
+    def kernels(self) -> KernelPolicy:
+        """The kernel policy of this layer's calls (fixed at build time; :meth:`use_kernels`)."""
+        return self._kernels
+
+    def use_kernels(self, kernels: KernelPolicy) -> None:
+        """Run this layer (and its orthogonal sides) under ``kernels`` from the next forward on
+        (benchmarks that time one layer on several paths; a backward keeps the policy of its
+        forward). Call it before :func:`poetxq.blockcache.attach_block_cache`, which groups
+        sides by policy."""
+        self._kernels = self.P.kernels = self.R.kernels = kernels
+
+    def _store_op(self) -> _Store:
+        """What the GEMMs multiply by: ``W'`` in ``P``'s permuted column order, under this
+        layer's policy."""
+        return _Store(self.frozen, self._kernels, self.P if self.input_order_store else None)
 
     def stored_w0(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized frozen ``W0`` ``[m, n]`` in original coordinates (tests, drift)."""
@@ -379,13 +411,11 @@ class POETXLinear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y
 
-    def _casts_inside(
-        self, x: torch.Tensor, cdtype: torch.dtype, store: FrozenWeight | _InputOrderStore
-    ) -> bool:
+    def _casts_inside(self, x: torch.Tensor, cdtype: torch.dtype, store: _Store) -> bool:
         """Whether this call passes ``x`` uncast and lets the feature-major path cast it in its
-        first permutation (:func:`quant_kernels.fused_input_cast`): only when every path this
-        call can take is feature-major (the ``fast`` training path asks its own switch)."""
-        if not quant_kernels.fused_input_cast(x, cdtype):
+        first permutation (the policy's ``fused_input_cast``): only when every path this call
+        can take is feature-major (the ``fast`` training path asks its own switch)."""
+        if not self._kernels.fused_input_cast_for(x, cdtype):
             return False
         fm = _feature_major(x, store, self.P, self.R)
         if self.variant == "fast" and torch.is_grad_enabled():
@@ -395,7 +425,7 @@ class POETXLinear(nn.Module):
     def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``
         for backward (the ``mem`` variant), or ``gate``, ``up`` and the GEMM output (the ``fast``
-        variant on its feature-major path with :func:`quant_kernels.lean_fast_swiglu`);
+        variant on its feature-major path with the policy's ``lean_fast_swiglu``);
         otherwise the plain composition.
 
         Args:
@@ -409,7 +439,7 @@ class POETXLinear(nn.Module):
         store = self._store_op()
         if self.variant == "mem":
             fn: Any = _SwiGLUDownMemFn
-        elif quant_kernels.lean_fast_swiglu(gate) and _feature_major(
+        elif self._kernels.lean_fast_swiglu_for(gate) and _feature_major(
             gate, store, self.P, self.R, fast=True
         ):
             fn = _SwiGLUDownFastFmFn

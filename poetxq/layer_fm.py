@@ -3,29 +3,33 @@
 The activations stay ``[dim, T]`` between the layer's two permutations, each of which also
 changes the layout in one coalesced pass (:mod:`quant_kernels.transpose_perm`); the block
 multiplies are ``bmm``s over ``[nb, b, T]`` views and the weight GEMMs multiply feature-major
-(``FrozenWeight.matmul_fm`` / ``matmul_t_fm`` / ``backward_fm``). Derivation and timings:
-``evals/notes/streamed_and_layer.md``. :mod:`poetxq.layer` chooses between this path and its
-row-major autograd one (``_feature_major``); the ``mem`` Function lives there, the ``fast`` ones
-here. The torch path of :mod:`poetxq.layer` is the oracle of every function below.
+(``FrozenWeight.matmul_fm`` / ``matmul_t_fm`` / ``backward_fm`` under the layer's policy).
+Derivation and timings: ``evals/notes/streamed_and_layer.md``. :mod:`poetxq.layer` chooses
+between this path and its row-major autograd one (``_feature_major``); the ``mem`` Function lives
+there, the ``fast`` ones here. The torch path of :mod:`poetxq.layer` is the oracle of every
+function below.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 import quant_kernels
 from poetxq import swiglu as maps
 from poetxq.orthogonal import OrthogonalSide
-from poetxq.quant import FrozenWeight
+
+if TYPE_CHECKING:
+    from poetxq.layer import _Store
 
 
 def _forward_fm(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,7 +38,7 @@ def _forward_fm(
     (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``).
 
     ``x`` may come in another dtype than the blocks ``g_p`` (the compute dtype): the first
-    permutation casts it (:func:`quant_kernels.fused_input_cast`).
+    permutation casts it (the policy's ``fused_input_cast``).
 
     Returns:
         ``(y [..., m], x'ᵀ [n, T], hᵀ = W' zᵀ [m, T])``: the output and what the ``fast``
@@ -68,7 +72,7 @@ def _mem_backward_fm(
     dy: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     sp: OrthogonalSide,
     sr: OrthogonalSide,
     needs: tuple[bool, ...],
@@ -137,7 +141,7 @@ class _POETXFastFmFn(torch.autograd.Function):
         x: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: FrozenWeight,
+        frozen: _Store,
         sp: OrthogonalSide,
         sr: OrthogonalSide,
     ) -> torch.Tensor:
@@ -159,7 +163,7 @@ def _output_side_backward_fm(
     dy: torch.Tensor,
     ht: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: FrozenWeight,
+    frozen: _Store,
     sr: OrthogonalSide,
     needs_r: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -188,7 +192,7 @@ class _SwiGLUDownFastFmFn(torch.autograd.Function):
     layer's permuted input ``x'ᵀ`` beside them: two more ``[T, f]`` tensors. Here the product
     and ``x'ᵀ`` are recomputed in backward (one elementwise map, one permute-transpose) and the
     SwiGLU gradients come from :data:`poetxq.swiglu.SWIGLU_OPS` as in the ``mem`` MLP; ``hᵀ``
-    still spares the GEMM recompute. Opt-in: :func:`quant_kernels.lean_fast_swiglu`.
+    still spares the GEMM recompute. Taken with the policy's ``lean_fast_swiglu``.
     """
 
     @staticmethod
@@ -198,7 +202,7 @@ class _SwiGLUDownFastFmFn(torch.autograd.Function):
         up: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: FrozenWeight,
+        frozen: _Store,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:

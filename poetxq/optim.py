@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import quant_kernels
 from poetxq.blockcache import q_parameters_in_cnp_order
 from poetxq.recipe import OptimConfig
 from poetxq.surgery import poet_layers
+from quant_kernels.policy import KernelPolicy, default_policy
 
 
 def orthogonal_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -29,7 +29,11 @@ def orthogonal_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, flatten: bool = True
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    flatten: bool = True,
+    kernels: KernelPolicy | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable params with POET param groups (module docstring).
 
@@ -40,8 +44,13 @@ def build_optimizer(
     per parameter, :func:`adamw8bit_class`) instead of ``torch.optim.AdamW``; with ``flatten``
     the ``poet`` and ``no_decay`` groups' tensors are then re-homed into one buffer per group
     (:class:`poetxq.flat.FlatParams`: same values, one update launch per group; do it after the
-    model is on its device).
+    model is on its device). ``kernels`` decides whether the flat 8-bit step runs the Triton
+    update (``triton_8bit_update``); default: the policy of ``model``'s POET-X(Q) layers (the
+    first one's), else :func:`quant_kernels.policy.default_policy`.
     """
+    if kernels is None:
+        layers = poet_layers(model)
+        kernels = layers[0].kernels if layers else default_policy()
     q_ids = {id(p) for p in orthogonal_parameters(model)}
     # Q in the order the batched CNP stacks them (poetxq.blockcache), so that a flattened group
     # hands the CNP one view instead of a concatenation
@@ -63,7 +72,7 @@ def build_optimizer(
     for g in groups:
         g["initial_lr"] = g["lr"]
     if cfg.state_bits == 8:
-        opt = adamw8bit_class()(groups, betas=cfg.betas, eps=cfg.eps)
+        opt = adamw8bit_class()(groups, betas=cfg.betas, eps=cfg.eps, kernels=kernels)
         for i, g in enumerate(groups):  # Q and the norms: hundreds of tensors, one launch each
             params = g["params"]
             one_kind = len({(p.dtype, p.device) for p in params}) == 1
@@ -140,7 +149,9 @@ def adamw8bit_class() -> type:
     layer with it). Because every tensor starts on a block boundary, each call quantizes exactly
     the blocks the per-tensor calls would, and the result is the same (bit-identical on the CPU:
     test). On a GPU the flat runs go through :func:`quant_kernels.adam8bit.adam8bit_update`
-    (``quant_kernels.TRITON_8BIT_UPDATE_MEASURED_FASTER``): the same rule and state format, 3×
+    (``kernels.triton_8bit_update``, a :class:`~quant_kernels.policy.KernelPolicy` given to the
+    constructor; default :func:`~quant_kernels.policy.default_policy`): the same rule and state
+    format, 3×
     faster than bitsandbytes' CUDA op, equal to it up to the rounding of a few state codes. The
     per-tensor path (bitsandbytes' op) is taken instead, for that step, when a parameter of the
     group has no gradient, a state is not 8-bit, the steps of the group's tensors differ, or a
@@ -154,8 +165,9 @@ def adamw8bit_class() -> type:
     class AdamW8bit(bnb.optim.AdamW8bit):
         __doc__ = adamw8bit_class.__doc__
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, kernels: KernelPolicy | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.kernels = default_policy() if kernels is None else kernels
             self._flat: dict[int, FlatParams] = {}
             self._flat_state: dict[int, dict[str, Any]] = {}
 
@@ -260,7 +272,7 @@ def adamw8bit_class() -> type:
             bs = BNB_STATE_BLOCK  # every parameter starts on a state block: runs share none
             maps = (self.name2qmap["dynamic"], self.name2qmap["udynamic"])
             ours = (self.optimizer_name == "adam" and not config["skip_zeros"]
-                    and quant_kernels.triton_8bit_update(flat.flat))  # fmt: skip
+                    and self.kernels.triton_8bit_update_for(flat.flat))  # fmt: skip
             if ours:
                 from quant_kernels.adam8bit import adam8bit_update  # Triton: a GPU here
             for first, _, grad in runs:

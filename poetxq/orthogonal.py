@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import quant_kernels
+from quant_kernels.policy import KernelPolicy, default_policy
 
 
 def num_blocks(dim: int, block_size: int) -> int:
@@ -67,6 +68,8 @@ class OrthogonalSide(nn.Module):
         neumann_terms: Neumann order ``k`` of the CNP.
         generator: RNG for the initial permutation.
         dtype, device: of ``Q``.
+        kernels: the kernel policy of :meth:`blocks` (the owning layer's); default
+            :func:`quant_kernels.policy.default_policy`.
 
     Raises:
         ValueError: if ``b < 2`` or ``b > dim``.
@@ -85,8 +88,11 @@ class OrthogonalSide(nn.Module):
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        kernels: KernelPolicy | None = None,
     ) -> None:
         super().__init__()
+        #: kernel policy of the CNP (set by the owning layer: ``POETXLinear.use_kernels``)
+        self.kernels = default_policy() if kernels is None else kernels
         if block_size < 2:
             raise ValueError(f"block size b={block_size} must be >= 2")
         if block_size > dim:
@@ -124,7 +130,9 @@ class OrthogonalSide(nn.Module):
         recomputes the CNP intermediates instead of keeping them, see
         :func:`quant_kernels.cayley_neumann_lean`)."""
         q = self.Q if self.mask is None else self.Q * self.mask
-        return quant_kernels.cayley_neumann_lean(q, self.block_size, self.neumann_terms)
+        return quant_kernels.cayley_neumann_lean(
+            q, self.block_size, self.neumann_terms, kernels=self.kernels
+        )
 
     def blocks_as(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`blocks` cast to ``dtype``, taken from the model's batched

@@ -27,6 +27,7 @@ from torch import nn
 
 import quant_kernels
 from quant_kernels import reference_4bit as q4
+from quant_kernels.policy import AUTO, KernelPolicy
 
 INT8_ROW_FORMAT = 0  # bitsandbytes ``weight_format`` code for row-major int8
 
@@ -41,22 +42,22 @@ class FrozenWeight(nn.Module, abc.ABC):
     in_features: int
 
     @abc.abstractmethod
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``x @ Wᵀ``: ``[..., n]`` → ``[..., m]`` in ``x.dtype``."""
 
     @abc.abstractmethod
-    def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
+    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``g @ W``: ``[..., m]`` → ``[..., n]`` in ``g.dtype``."""
 
-    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``W @ zt``: a feature-major activation ``[n, T]`` → ``[m, T]`` contiguous, the forward
         GEMM with both sides feature-major (default: :meth:`matmul` and a transpose copy)."""
-        return self.matmul(zt.t()).t().contiguous()
+        return self.matmul(zt.t(), kernels=kernels).t().contiguous()
 
-    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``Wᵀ @ dht``: ``[m, T]`` → ``[n, T]`` contiguous, the dX GEMM feature-major (default:
         :meth:`matmul_t` and a transpose copy)."""
-        return self.matmul_t(dht.t()).t().contiguous()
+        return self.matmul_t(dht.t(), kernels=kernels).t().contiguous()
 
     def backward_fm(
         self,
@@ -64,14 +65,16 @@ class FrozenWeight(nn.Module, abc.ABC):
         dht: torch.Tensor,
         row_align: int,
         on_rows: Callable[[int, torch.Tensor], None],
+        *,
+        kernels: KernelPolicy = AUTO,
     ) -> torch.Tensor:
         """Both weight GEMMs of a feature-major ``mem`` backward: the recompute ``W @ zt``
         (``[n, T]`` → ``[m, T]``), handed to ``on_rows(row0, rows)`` in bands of whole
         ``row_align``-row groups (default: one band), and the returned dX GEMM ``Wᵀ @ dht``
         (``[m, T]`` → ``[n, T]`` contiguous). A store may decode each part of itself once for
         both."""
-        on_rows(0, self.matmul_fm(zt))
-        return self.matmul_t_fm(dht)
+        on_rows(0, self.matmul_fm(zt, kernels=kernels))
+        return self.matmul_t_fm(dht, kernels=kernels)
 
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -109,17 +112,17 @@ class Int8RowwiseWeight(FrozenWeight):
         self.register_buffer("SCB", scb)
         self.register_buffer("weight_format", torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul(x, self.weight, self.SCB)
+    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul(x, self.weight, self.SCB, kernels=kernels)
 
-    def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_t(g, self.weight, self.SCB)
+    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul_t(g, self.weight, self.SCB, kernels=kernels)
 
-    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_fm(zt, self.weight, self.SCB)
+    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul_fm(zt, self.weight, self.SCB, kernels=kernels)
 
-    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_t_fm(dht, self.weight, self.SCB)
+    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.int8_rowwise_matmul_t_fm(dht, self.weight, self.SCB, kernels=kernels)
 
     def backward_fm(
         self,
@@ -127,9 +130,11 @@ class Int8RowwiseWeight(FrozenWeight):
         dht: torch.Tensor,
         row_align: int,
         on_rows: Callable[[int, torch.Tensor], None],
+        *,
+        kernels: KernelPolicy = AUTO,
     ) -> torch.Tensor:
         return quant_kernels.int8_rowwise_backward_fm(
-            zt, dht, self.weight, self.SCB, row_align, on_rows
+            zt, dht, self.weight, self.SCB, row_align, on_rows, kernels=kernels
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -228,17 +233,19 @@ class Blockwise4bitWeight(FrozenWeight):
         shape = (self.out_features, self.in_features)
         return self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize, shape
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul(x, *self._gemm_args())  # streamed on CUDA
+    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul(
+            x, *self._gemm_args(), kernels=kernels
+        )  # streamed on CUDA
 
-    def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_t(g, *self._gemm_args())
+    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul_t(g, *self._gemm_args(), kernels=kernels)
 
-    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_fm(zt, *self._gemm_args())
+    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul_fm(zt, *self._gemm_args(), kernels=kernels)
 
-    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_t_fm(dht, *self._gemm_args())
+    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
+        return quant_kernels.blockwise_4bit_matmul_t_fm(dht, *self._gemm_args(), kernels=kernels)
 
     def backward_fm(
         self,
@@ -246,9 +253,11 @@ class Blockwise4bitWeight(FrozenWeight):
         dht: torch.Tensor,
         row_align: int,
         on_rows: Callable[[int, torch.Tensor], None],
+        *,
+        kernels: KernelPolicy = AUTO,
     ) -> torch.Tensor:
         return quant_kernels.blockwise_4bit_backward_fm(
-            zt, dht, *self._gemm_args(), row_align, on_rows
+            zt, dht, *self._gemm_args(), row_align, on_rows, kernels=kernels
         )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -361,16 +370,16 @@ class DenseWeight(FrozenWeight):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().clone())
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         return x @ self.weight.to(x.dtype).t()
 
-    def matmul_t(self, g: torch.Tensor) -> torch.Tensor:
+    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         return g @ self.weight.to(g.dtype)
 
-    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         return self.weight.to(zt.dtype) @ zt
 
-    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         return self.weight.to(dht.dtype).t() @ dht
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

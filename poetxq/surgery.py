@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from poetxq.blockcache import attach_block_cache
 from poetxq.layer import POETXLinear, POETXSwiGLUMLP
 from poetxq.recipe import ModelConfig, POETConfig
+from quant_kernels.policy import KernelPolicy, default_policy
 
 
 @dataclass
@@ -182,6 +183,7 @@ def convert_to_poetx(
     generator: torch.Generator | None = None,
     keep_weights: bool = False,
     device: torch.device | str | None = None,
+    kernels: KernelPolicy | None = None,
 ) -> SurgeryReport:
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
@@ -201,6 +203,8 @@ def convert_to_poetx(
         keep_weights: use each layer's existing weight (and bias) as ``W0``.
         device: where the POET-X(Q) layers are created and ``W0`` is drawn and quantized; default
             each linear's own device. Required when the linears are on the meta device.
+        kernels: the kernel policy of every converted layer; default
+            :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``), read once here.
 
     Returns:
         A :class:`SurgeryReport` listing the converted layers.
@@ -220,6 +224,7 @@ def convert_to_poetx(
     if not targets:
         raise ValueError(f"no nn.Linear named one of {cfg.target_modules} found in the model")
     b = cfg.block_size
+    kernels = default_policy() if kernels is None else kernels
     for name, lin in targets:
         n, m = lin.in_features, lin.out_features
         if b > min(n, m):
@@ -254,6 +259,7 @@ def convert_to_poetx(
             device=dev,
             quant_type=cfg.quant_type,
             double_quant=cfg.double_quant,
+            kernels=kernels,
         )
         if keep_weights and lin.bias is not None:
             with torch.no_grad():
@@ -276,7 +282,7 @@ def fuse_swiglu_mlps(model: nn.Module) -> int:
     """Replace each SiLU-gated MLP whose three projections are POET-X(Q) layers of one variant
     by a :class:`POETXSwiGLUMLP` (same submodules and state-dict keys). ``mem``: keeps two
     ``[T, f]`` tensors for backward instead of four; ``fast``: the plain composition, or with
-    :func:`quant_kernels.lean_fast_swiglu` three instead of four plus the permuted input.
+    the kernel policy's ``lean_fast_swiglu`` three instead of four plus the permuted input.
     Returns how many MLPs were replaced."""
     count = 0
     for name, mod in list(model.named_modules()):

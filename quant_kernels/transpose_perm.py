@@ -16,8 +16,8 @@ between its GEMMs (cuBLAS writes either layout at the same cost):
 
 Both are exact copies (equal to torch's indexing). On the H200 they run at 2.2–3.1× the floor at
 the large shapes (2.5× faster than ``index_select`` at 2048 × 14336 and 8192 × 5632), slower at
-2048 × 4096. The layer's opt-in feature-major ``mem`` path uses them
-(:func:`quant_kernels.feature_major_layer`); ``evals/bench_gather.py`` times them alone.
+2048 × 4096. The layers' feature-major path uses them (``KernelPolicy.feature_major``, the
+default on a GPU); ``evals/bench_gather.py`` times them alone.
 """
 
 from __future__ import annotations

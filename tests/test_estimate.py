@@ -1,6 +1,7 @@
 """The memory estimator against a hand computation, real byte counts of built models and
 optimizers after one step, and the tensors autograd really saves (CPU)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from poetxq.evaluate import causal_lm_loss
 from poetxq.optim import build_optimizer
 from poetxq.recipe import load_recipe
 from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+from quant_kernels.policy import AUTO, KernelPolicy
 
 V = 96
 
@@ -91,10 +93,11 @@ def test_hand_computation_poetxq_int8_autocast():
     assert flat.activations == L * layer + head + 4 * q
 
 
-def _build(recipe, dtype=torch.float32):
+def _build(recipe, dtype=torch.float32, kernels=None):
     model = build_llama(recipe.model, V, dtype=dtype if dtype != torch.float32 else None)
     if recipe.method in ("poetxq", "poetx"):
-        convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        convert_to_poetx(model, recipe.poet, generator=g, kernels=kernels)
         opt = build_optimizer(model, recipe.optim)
     else:
         rep = prepare_baseline(model, recipe.method, recipe.baseline)
@@ -174,7 +177,8 @@ ACT_CASES = [
 @pytest.mark.parametrize("method,precision,over", ACT_CASES, ids=lambda x: str(x))
 def test_activations_equal_what_autograd_saves(method, precision, over, monkeypatch):
     # the CPU model runs eager RMSNorms and the torch layer path: the estimate without
-    # poetxq.fuse's compiled ones and without the GPU's kernel paths (POETXQ_KERNELS=torch)
+    # poetxq.fuse's compiled ones and without the GPU's kernel paths (POETXQ_KERNELS=torch,
+    # which the estimate reads as the layers do)
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
     recipe = _recipe(
         method, **{"model.intermediate_size": 192, "train.fuse_elementwise": False, **over}
@@ -304,61 +308,63 @@ def test_gpu_mem_help_says_gb_is_gib(capsys):
 def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypatch):
     """The fast variant on its feature-major path (the GPU default; forced here, the Triton
     kernels run in the interpreter), with and without the lean SwiGLU down projection
-    (quant_kernels.lean_fast_swiglu), against the estimate; d = 64, f = 192, b = 32."""
+    (KernelPolicy.lean_fast_swiglu), against the estimate; d = 64, f = 192, b = 32."""
     import os
-
-    import quant_kernels
 
     if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton interpreter
         pytest.skip("forces the Triton paths on CPU tensors: needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
-    monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: lean)
-    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _p: lean)  # fp32 = CPU there
+    kernels = KernelPolicy(interpret_on_cpu=True, weight_gemm="torch", fused_cnp=False,
+                           lean_fast_swiglu=lean)  # fmt: skip
+    # the estimate reads an fp32 run as a CPU one (no GPU paths): tell it the path is taken
+    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _k, _p: lean)
     recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
                         "poet.variant": "fast"})  # fmt: skip
-    est = estimate_memory(recipe, vocab_size=V, precision="fp32")
+    est = estimate_memory(recipe, vocab_size=V, precision="fp32", kernels=kernels)
     torch.manual_seed(0)
-    model, _ = _build(recipe, torch.float32)
+    model, _ = _build(recipe, torch.float32, kernels)
     model.train()
     assert _saved_bytes(model, torch.randint(0, V, (2, 17))) == est.activations
-    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _p: False)
+    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _k, _p: False)
     plain = estimate_memory(recipe, vocab_size=V, precision="fp32")
     # SiLU(gate) and the down projection's permuted input: 2 x [T = 32, f = 192] fp32 per layer
     assert plain.activations - est.activations == (2 * 2 * 32 * 192 * 4 if lean else 0)
 
 
 def test_lean_fast_swiglu_is_booked_only_where_the_path_is_taken(monkeypatch):
-    """2·f·c fewer bytes per token and layer with the flag (a 4-bit store too: its input-order
-    wrapper runs feature-major); none for a ragged intermediate size (176 = 5·32 + 16) or
-    POETXQ_KERNELS=torch."""
-    import quant_kernels
+    """2·f·c fewer bytes per token and layer with the switch (a 4-bit store too: its
+    input-order wrapper runs feature-major); none for a ragged intermediate size
+    (176 = 5·32 + 16), without the fast feature-major path, or without Triton
+    (POETXQ_KERNELS=torch, the default policy the estimate reads then)."""
 
-    def acts(flag: bool, **over) -> int:
-        monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", flag)
+    def acts(lean: bool, base: KernelPolicy | None = AUTO, **over) -> int:
+        kernels = None if base is None else dataclasses.replace(base, lean_fast_swiglu=lean)
         r = _recipe(**{"model.intermediate_size": 192, "poet.variant": "fast", **over})
-        return estimate_memory(r, vocab_size=V, precision="bf16-true").activations
+        return estimate_memory(r, vocab_size=V, precision="bf16-true", kernels=kernels).activations
 
     for over in ({}, {"poet.bits": 4}):
         assert acts(False, **over) - acts(True, **over) == 2 * 32 * 2 * 192 * 2  # L 2, T 32, bf16
     assert acts(False, **{"model.intermediate_size": 176}) == acts(
         True, **{"model.intermediate_size": 176}
     )
+    no_fm = KernelPolicy(fast_feature_major=False)
+    assert acts(False, no_fm) == acts(True, no_fm)
+    assert acts(False, KernelPolicy(triton=False)) == acts(True, KernelPolicy(triton=False))
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
-    assert acts(False) == acts(True)
+    assert acts(False, None) == acts(False, KernelPolicy(triton=False))
 
 
-def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
+def test_fused_input_cast_is_booked_for_mem_under_autocast_only():
     """q/k/v keep one shared fp32 input instead of three bf16 copies (6d -> 4d bytes per token
     and layer); gate/up 4d -> 4d. Not for fast layers (they keep no input), bf16 or fp32
     (CPU) runs, a ragged q/k/v side or POETXQ_KERNELS=torch; a 4-bit store as int8."""
-    import quant_kernels
+    base = KernelPolicy()
 
     def acts(flag: bool, precision: str = "autocast", **over) -> int:
-        monkeypatch.setattr(quant_kernels, "FUSED_INPUT_CAST_MEASURED_FASTER", flag)
+        kernels = dataclasses.replace(base, fused_input_cast=flag)
         r = _recipe(**{"model.intermediate_size": 192, **over})
-        return estimate_memory(r, vocab_size=V, precision=precision).activations
+        return estimate_memory(r, vocab_size=V, precision=precision, kernels=kernels).activations
 
-    assert quant_kernels.FUSED_INPUT_CAST_MEASURED_FASTER  # on by default since measured
+    assert KernelPolicy().fused_input_cast  # on by default since measured
     d, L, T = 64, 2, 32
     assert acts(False) - acts(True) == L * T * 2 * d
     assert acts(False, **{"poet.bits": 4}) - acts(True, **{"poet.bits": 4}) == L * T * 2 * d
@@ -371,30 +377,26 @@ def test_fused_input_cast_is_booked_for_mem_under_autocast_only(monkeypatch):
         True, **{"poet.target_modules": ["q_proj", "k_proj"]}
     )
     # the cast is fused only on the mem layers' feature-major path, behind its own switch
-    monkeypatch.setattr(quant_kernels, "FEATURE_MAJOR_LAYER_MEASURED_FASTER", False)
+    base = KernelPolicy(feature_major=False)
     assert acts(False) == acts(True)
-    monkeypatch.setattr(quant_kernels, "FEATURE_MAJOR_LAYER_MEASURED_FASTER", True)
-    monkeypatch.setenv("POETXQ_KERNELS", "torch")
+    base = KernelPolicy(triton=False)  # POETXQ_KERNELS=torch
     assert acts(False) == acts(True)
 
 
-def test_fused_input_cast_activations_equal_what_autograd_saves(monkeypatch):
+def test_fused_input_cast_activations_equal_what_autograd_saves():
     """The mem variant under bf16 autocast on its feature-major path with the fused input cast
     (forced; the Triton kernels run in the interpreter) against the estimate."""
     import os
 
-    import quant_kernels
-
     if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton interpreter
         pytest.skip("forces the Triton paths on CPU tensors: needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
-    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda x, c: x.dtype != c)
-    monkeypatch.setattr(quant_kernels, "FUSED_INPUT_CAST_MEASURED_FASTER", True)  # estimator
-    monkeypatch.setattr(quant_kernels, "LEAN_FAST_SWIGLU_MEASURED_FASTER", False)
+    # the mem layers feature-major with the cast fused, the rest on the torch path
+    kernels = KernelPolicy(interpret_on_cpu=True, weight_gemm="torch", fused_cnp=False,
+                           fast_feature_major=False, lean_fast_swiglu=False)  # fmt: skip
     recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False})
-    est = estimate_memory(recipe, vocab_size=V, precision="autocast")
+    est = estimate_memory(recipe, vocab_size=V, precision="autocast", kernels=kernels)
     torch.manual_seed(0)
-    model, _ = _build(recipe, torch.float32)
+    model, _ = _build(recipe, torch.float32, kernels)
     model.train()
     assert _saved_bytes(model, torch.randint(0, V, (2, 17)), autocast=True) == est.activations
 

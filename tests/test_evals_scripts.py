@@ -192,23 +192,19 @@ def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
     assert res["bf16_autocast"]["y_rel_err"] < 2e-2, res
 
 
-def test_kernel_flags_are_set_by_name_and_bad_specs_refused():
-    import quant_kernels
+def test_kernel_flags_make_a_policy_by_field_name_and_bad_specs_are_refused():
+    """--kernel-flag NAME=0|1 builds the policy a benchmark passes to what it builds (no module
+    state changes)."""
+    from quant_kernels.policy import AUTO, KernelPolicy
 
     common = _load("_common")
-    before = quant_kernels.FUSED_CNP_MEASURED_FASTER
-    try:
-        flags = common.set_kernel_flags(["FUSED_CNP_MEASURED_FASTER=0"])
-        assert quant_kernels.FUSED_CNP_MEASURED_FASTER is False
-        assert flags["FUSED_CNP_MEASURED_FASTER"] is False
-        flags = common.set_kernel_flags(["FUSED_CNP_MEASURED_FASTER=1"])
-        assert quant_kernels.FUSED_CNP_MEASURED_FASTER is True
-        assert "FEATURE_MAJOR_LAYER_MEASURED_FASTER" in flags
-        for bad in ("FUSED_CNP_MEASURED_FASTER=yes", "NO_SUCH_FLAG=1", "FUSED_CNP"):
-            with pytest.raises(ValueError, match="NAME=0 or NAME=1"):
-                common.set_kernel_flags([bad])
-    finally:
-        quant_kernels.FUSED_CNP_MEASURED_FASTER = before
+    kernels = common.kernel_policy(["fused_cnp=0"])
+    assert kernels == KernelPolicy(fused_cnp=False) and AUTO.fused_cnp
+    assert kernels.to_dict()["fused_cnp"] is False and "feature_major" in kernels.to_dict()
+    assert common.kernel_policy([]) == AUTO
+    for bad in ("fused_cnp=yes", "NO_SUCH_FLAG=1", "FUSED_CNP_MEASURED_FASTER=0", "fused_cnp"):
+        with pytest.raises(ValueError, match="NAME=0 or NAME=1"):
+            common.kernel_policy([bad])
 
 
 @pytest.mark.parametrize("script", ["throughput", "gpu_memory"])

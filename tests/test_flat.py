@@ -14,6 +14,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 from poetxq.flat import FlatParams, adjacent_span  # noqa: E402
 from poetxq.optim import adamw8bit_class  # noqa: E402
+from quant_kernels.policy import KernelPolicy  # noqa: E402
 
 # 300 and 5000 are not multiples of 256 (gaps after them), 4096 = 16 blocks, 513 x 8: a partial
 # last block; all >= 4096 elements (bitsandbytes' threshold for 8-bit states)
@@ -99,11 +100,9 @@ def test_adjacent_span_only_for_tensors_end_to_end():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_flat_8bit_step_is_bit_identical_to_bitsandbytes_per_tensor_steps(device, monkeypatch):
-    import quant_kernels
-
     # bitsandbytes' own op on every path (its Triton kernel rounds differently: the next test)
-    monkeypatch.setattr(quant_kernels, "TRITON_8BIT_UPDATE_MEASURED_FASTER", False)
     ref, mine, opt_ref, opt = _pair(device)
+    opt.kernels = KernelPolicy(triton_8bit_update=False)
     flat = opt.flatten_group(0)
     for step in range(4):
         _step(ref, opt_ref, step)
@@ -239,13 +238,12 @@ def test_attached_grads_accumulate_into_one_run():
 def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_steps(
     device, monkeypatch
 ):
-    """With ``TRITON_8BIT_UPDATE_MEASURED_FASTER`` the flat step runs
+    """With the policy's ``triton_8bit_update`` the flat step runs
     ``quant_kernels.adam8bit.adam8bit_update`` (on the CPU through Triton's interpreter). Against
     bitsandbytes' own per-tensor steps (its CPU or CUDA op): the same rule and state layout, equal
     up to rounding of the state codes."""
     import os
 
-    import quant_kernels
     from quant_kernels import adam8bit
 
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -257,9 +255,9 @@ def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_ste
         calls.append(args[1].numel())
         return kernel(*args, **kw)
 
-    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
     monkeypatch.setattr(adam8bit, "adam8bit_update", spy)
     ref, mine, opt_ref, opt = _pair(device)
+    opt.kernels = KernelPolicy(interpret_on_cpu=True)  # CPU tensors through the interpreter
     opt.flatten_group(0)
     before = [p.detach().clone() for p in ref]
     for step in range(3):
@@ -290,6 +288,6 @@ def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_ste
             rel = ((ma - mb).abs() / scale).flatten()
             assert rel.quantile(0.999) < 0.05 and rel.mean() < 0.002, key
             torch.testing.assert_close(sa[absmax], sb[absmax], rtol=2e-2, atol=0)
-    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: False)
+    opt.kernels = KernelPolicy(triton_8bit_update=False)
     _step(mine, opt, 3)
     assert len(calls) == 3 * len(mine)  # flag off: bitsandbytes' op again

@@ -16,10 +16,13 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 
-import quant_kernels  # noqa: E402
 from poetxq.graph_optim import GraphedInBackward, hooks_for  # noqa: E402
 from poetxq.lowmem import OptimizerInBackward  # noqa: E402
 from poetxq.optim import adamw8bit_class, reset_orthogonal_state  # noqa: E402
+from quant_kernels.policy import KernelPolicy  # noqa: E402
+
+#: the eager reference's flat step through the Triton update, on the CPU in the interpreter
+TRITON_UPDATE = KernelPolicy(interpret_on_cpu=True)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # >= 4096 elements: 8-bit moments (300-wide rows leave gaps in the flat buffer); 100: fp32 moments
@@ -37,12 +40,12 @@ pytestmark = [
 
 
 def _setup(monkeypatch):
-    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
     gen = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(*s, generator=gen).to(DEV)) for s in SHAPES_8BIT]
     small = nn.Parameter(torch.randn(*SHAPE_32BIT, generator=gen).to(DEV))
     opt = adamw8bit_class()([{"params": params, "lr": LRS[0], "weight_decay": 0.1},
-                             {"params": [small], "lr": LRS[0], "weight_decay": 0.05}])  # fmt: skip
+                             {"params": [small], "lr": LRS[0], "weight_decay": 0.05}],
+                            kernels=TRITON_UPDATE)  # fmt: skip
     opt.flatten_group(0)  # the Q group of a POET model is flattened
     return [*params, small], opt
 
@@ -128,7 +131,6 @@ def test_rehearsal_compiles_without_changing_anything(monkeypatch):
         _loss(params, 0).backward()
     assert sorted(calls) == sorted(p.data_ptr() for p in params)
     monkeypatch.undo()
-    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
     with hooks.rehearsal():  # ... and what it wrote is put back
         _loss(params, 0).backward()
     assert hooks.reset_count() == 0 and hooks.active is None
@@ -222,7 +224,6 @@ def test_lm_head_updated_slice_by_slice_equals_the_whole_update(monkeypatch):
     from poetxq import loss as loss_mod
     from poetxq.loss import ChunkedLinearCrossEntropy
 
-    monkeypatch.setattr(quant_kernels, "triton_8bit_update", lambda t: True)
     monkeypatch.setattr(loss_mod, "SLICE_BYTES", 6 * 64 * 4)  # 6 rows asked: 4 (the alignment)
     gen = torch.Generator().manual_seed(3)
     w0 = torch.randn(96, 64, generator=gen) * 0.1  # 6144 elements: 8-bit moments
@@ -234,7 +235,8 @@ def test_lm_head_updated_slice_by_slice_equals_the_whole_update(monkeypatch):
 
     def make():
         w = nn.Parameter(w0.clone().to(DEV))
-        opt = adamw8bit_class()([{"params": [w], "lr": LRS[0], "weight_decay": 0.1}])
+        opt = adamw8bit_class()([{"params": [w], "lr": LRS[0], "weight_decay": 0.1}],
+                                kernels=TRITON_UPDATE)  # fmt: skip
         opt.flatten_group(0)  # the reference: our whole-tensor Triton update after backward
         return w, opt
 

@@ -1,10 +1,12 @@
 """The layer's feature-major paths (poetxq.layer_fm: quant_kernels.transpose_perm +
 FrozenWeight.matmul_fm) against its torch path.
 
-On the CPU the Triton kernels run in the interpreter; the switches that a GPU would take from
-``quant_kernels.feature_major_layer`` and its siblings are forced here.
+On the CPU the Triton kernels run in the interpreter: the layers here run under policies that
+let the Triton paths serve CPU tensors (``interpret_on_cpu``) with only the switches under test on
+(:func:`forced`), against the same layer under its default policy (the torch path on the CPU).
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -21,6 +23,17 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton 
 
 import quant_kernels
 from poetxq.layer import POETXLinear
+from quant_kernels.policy import AUTO, KernelPolicy
+
+_SWITCHES = [f.name for f in dataclasses.fields(KernelPolicy)
+             if f.name not in ("triton", "weight_gemm", "interpret_on_cpu")]  # fmt: skip
+
+
+def forced(weight_gemm: str = "torch", **on: bool) -> KernelPolicy:
+    """A policy with only the switches ``on`` (and ``weight_gemm``: by default the reference
+    GEMMs), serving CPU tensors through the Triton interpreter as a GPU would."""
+    return KernelPolicy(**{n: on.get(n, False) for n in _SWITCHES}, weight_gemm=weight_gemm,
+                        interpret_on_cpu=True)  # fmt: skip
 
 
 def _run(layer, x, gate_up=None):
@@ -80,7 +93,7 @@ def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeyp
             return _real(*a, **k)
 
         monkeypatch.setattr(quant_kernels, name, counting)
-    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    args[0].use_kernels(forced(feature_major=True))
     y, g = _run(*args)
     # forward: x in, y out; backward: x and dy in, dx out
     into, out = calls.count("permute_to_feature_major"), calls.count("permute_to_row_major")
@@ -92,7 +105,7 @@ def test_feature_major_path_equals_torch_path(n, m, bits, taken, swiglu, monkeyp
 @pytest.mark.parametrize("freeze_r", [False, True])
 def test_one_decode_backward_equals_torch_path(bits, freeze_r, monkeypatch, gen):
     """The feature-major int8 / 4-bit backward that decodes each slab once for the recompute and
-    the dX GEMM (quant_kernels.ONE_DECODE_BACKWARD_MEASURED_FASTER), in several bands of whole
+    the dX GEMM (KernelPolicy.one_decode_backward), in several bands of whole
     blocks (272 = 17·16 rows, bands of 128, 128, 16), equals the torch path; with R frozen it
     skips the recompute."""
     import quant_kernels.streamed as streamed
@@ -111,10 +124,8 @@ def test_one_decode_backward_equals_torch_path(bits, freeze_r, monkeypatch, gen)
         return real(*a, on_rows=rec, **k)
 
     monkeypatch.setattr(streamed, "streamed_backward_fm", recording)
-    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
-    monkeypatch.setattr(quant_kernels, "weight_gemm_path", lambda _a, bits=8: "streamed")
-    monkeypatch.setattr(quant_kernels, "slab_bytes_for", lambda _rows: 1)  # smallest bands
-    monkeypatch.setattr(quant_kernels, "ONE_DECODE_BACKWARD_MEASURED_FASTER", True)
+    monkeypatch.setattr(quant_kernels.ops, "slab_bytes_for", lambda _rows: 1)  # smallest bands
+    layer.use_kernels(forced("streamed", feature_major=True, one_decode_backward=True))
     y, g = _run(layer, x)
     assert bands == ([] if freeze_r else [(0, 128), (128, 128), (256, 16)])
     _assert_same((y, g), (y_ref, g_ref))
@@ -151,7 +162,7 @@ def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_sid
                          ("permute_to_feature_major", "permute_to_row_major"))  # fmt: skip
     store = type(layer.frozen)
     gemms = _count_calls(monkeypatch, store, ("matmul_fm", "matmul_t_fm", "backward_fm"))
-    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
+    layer.use_kernels(forced(fast_feature_major=True))
     y, g = _run(layer, x)
     # forward: x in, y out; backward: dy in, dx out; one forward GEMM and one dX GEMM (the
     # saved hᵀ serves dG_R: no recompute)
@@ -162,30 +173,27 @@ def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_sid
     assert (g[1 if frozen_side == "P" else 2] is None) == (frozen_side is not None)
 
 
-def test_fast_feature_major_path_is_on_by_default_on_cuda_only(gen, monkeypatch):
+def test_fast_feature_major_path_is_on_by_default_on_cuda_only(gen):
     x = torch.randn(4, 32, generator=gen)
-    assert quant_kernels.FAST_FEATURE_MAJOR_MEASURED_FASTER is True  # measured on the H200
-    assert not quant_kernels.fast_feature_major_layer(x)  # CPU tensors keep the autograd path
-    from quant_kernels import _policy
-
-    monkeypatch.setattr(_policy, "triton_enabled", lambda _t: True)  # as on a GPU
-    assert quant_kernels.fast_feature_major_layer(x)
-    assert not quant_kernels.fast_feature_major_layer(x.double())  # not a Triton dtype
-    monkeypatch.setattr(quant_kernels, "FAST_FEATURE_MAJOR_MEASURED_FASTER", False)
-    assert not quant_kernels.fast_feature_major_layer(x)
+    assert AUTO.fast_feature_major  # measured on the H200
+    assert not AUTO.feature_major_for(x, fast=True)  # CPU tensors keep the autograd path
+    as_on_a_gpu = KernelPolicy(interpret_on_cpu=True)
+    assert as_on_a_gpu.feature_major_for(x, fast=True)
+    assert not as_on_a_gpu.feature_major_for(x.double(), fast=True)  # not a Triton dtype
+    off = KernelPolicy(interpret_on_cpu=True, fast_feature_major=False)
+    assert not off.feature_major_for(x, fast=True)
 
 
 @pytest.mark.parametrize("variant", ["mem", "fast"])
 @pytest.mark.parametrize("bits", [8, 16, 4])
 def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen):
     """fp32 activations under bf16 autocast: the feature-major path takes x uncast and casts it
-    in its first permutation (quant_kernels.fused_input_cast), and returns dx in fp32 from its
+    in its first permutation (KernelPolicy.fused_input_cast), and returns dx in fp32 from its
     last one. x holds bf16-representable values, so both casts are exact and the two runs must
     agree to the bit (the interpreter truncates where torch rounds)."""
     layer, _, _ = _case(32, 48, bits, False, gen, variant=variant)
     x = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16).float()
-    for switch in ("feature_major_layer", "fast_feature_major_layer"):
-        monkeypatch.setattr(quant_kernels, switch, lambda _x: True)
+    layer.use_kernels(forced(feature_major=True, fast_feature_major=True))
     seen, written = [], []
     real_in, real_out = quant_kernels.permute_to_feature_major, quant_kernels.permute_to_row_major
 
@@ -211,7 +219,7 @@ def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen
     assert written == [torch.bfloat16, torch.bfloat16]  # y, and dx (autograd casts it back)
     seen.clear()
     written.clear()
-    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda _x, _c: True)
+    layer.use_kernels(forced(feature_major=True, fast_feature_major=True, fused_input_cast=True))
     y, g = run()
     assert (torch.float32, torch.bfloat16) in seen  # x went in uncast
     assert written == [torch.bfloat16, torch.float32]  # y; dx written in fp32 by the kernel
@@ -221,11 +229,10 @@ def test_fused_input_cast_equals_a_separate_cast(variant, bits, monkeypatch, gen
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_fused_input_cast_needs_every_path_feature_major(gen, monkeypatch):
+def test_fused_input_cast_needs_every_path_feature_major(gen):
     """A ragged layer (40 -> 56) cannot take x uncast: its autograd path needs the cast."""
     layer, _, _ = _case(40, 56, 8, False, gen)
-    monkeypatch.setattr(quant_kernels, "fused_input_cast", lambda _x, _c: True)
-    monkeypatch.setattr(quant_kernels, "feature_major_layer", lambda _x: True)
+    layer.use_kernels(forced(feature_major=True, fused_input_cast=True))
     x = torch.randn(3, 40, generator=gen)
     assert not layer._casts_inside(x, torch.bfloat16, layer._store_op())
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -237,13 +244,13 @@ def test_fused_input_cast_needs_every_path_feature_major(gen, monkeypatch):
 @pytest.mark.parametrize("frozen_side", [None, "P", "R"])
 def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_side, monkeypatch,
                                                                 gen):  # fmt: skip
-    """The fast down projection under SwiGLU (quant_kernels.lean_fast_swiglu): the same values
+    """The fast down projection under SwiGLU (KernelPolicy.lean_fast_swiglu): the same values
     and gradients as down(SiLU(gate) · up) on the fast feature-major path, with SiLU(gate) and
     the permuted input (2 · T · f fp32 elements here) no longer saved."""
     layer, _, gate_up = _case(32, 48, bits, True, gen, variant="fast")
     if frozen_side:
         getattr(layer, frozen_side).Q.requires_grad_(False)
-    monkeypatch.setattr(quant_kernels, "fast_feature_major_layer", lambda _x: True)
+    layer.use_kernels(forced(fast_feature_major=True))
 
     def run():
         saved, fns = [], []
@@ -262,7 +269,7 @@ def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_sid
         return y.detach(), grads, sum(saved), fns
 
     y_ref, g_ref, bytes_ref, fns_ref = run()
-    monkeypatch.setattr(quant_kernels, "lean_fast_swiglu", lambda _x: True)  # as on a GPU
+    layer.use_kernels(forced(fast_feature_major=True, lean_fast_swiglu=True))  # as on a GPU
     y, g, bytes_lean, fns = run()
     assert fns_ref == ["_POETXFastFmFnBackward"] and fns == ["_SwiGLUDownFastFmFnBackward"]
     assert bytes_ref - bytes_lean == 2 * 10 * 32 * 4  # SiLU(gate) and x'ᵀ: [10 tokens, f = 32]
