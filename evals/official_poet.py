@@ -126,6 +126,65 @@ def official_layer(
     return layer
 
 
+def qpoet_setup(
+    poet: ModuleType,
+    model: nn.Module,
+    *,
+    block_size: int,
+    merge_interval: int,
+    poet_lr: float,
+    base_lr: float,
+    weight_decay: float,
+    device: torch.device | str,
+    dtype: torch.dtype | None = None,
+) -> tuple[nn.Module, object, torch.optim.Optimizer]:
+    """The official POET-XQ setup of a transformers causal LM, as ``examples/torchrun_main.py
+    --optimizer q_poet`` does it: ``QPOETConfig`` (int8 W0 in groups of 256 and the POET lr scale
+    at the code's own defaults, ``weight_bits`` / ``weight_group_size`` / ``poet_scale``),
+    ``POETModel(model, cfg)`` (every linear but ``lm_head`` whose dims ``block_size`` divides
+    becomes a ``QPOETLinear``), moved to ``device`` (and cast to ``dtype`` when given: the script
+    casts to bf16), then ``get_poet_optimizer`` (``POETAdamW``: Q at ``poet_lr × poet_scale``,
+    the rest at ``base_lr``; Adam moments of Q reset every ``merge_interval`` steps).
+
+    Returns:
+        ``(wrapped model, config, optimizer)``.
+    """
+    cfg = poet.QPOETConfig(block_size=block_size, merge_interval=merge_interval, poet_lr=poet_lr,
+                           base_lr=base_lr, weight_decay=weight_decay)  # fmt: skip
+    wrapped = poet.POETModel(model, cfg).to(device=device, dtype=dtype)
+    return wrapped, cfg, poet.get_poet_optimizer(wrapped, cfg)
+
+
+def one_config_under_interpreter(poet: ModuleType) -> int:
+    """Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) give each autotuned official
+    kernel (the Cayley–Neumann kernels) one configuration, the smallest tiles: the autotuner
+    would otherwise time its configurations through a GPU driver that the interpreter lacks.
+    The tiles change the work split, not the result. No-op off the interpreter.
+
+    Returns:
+        the number of kernels narrowed.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return 0
+    from triton.runtime.autotuner import Autotuner
+
+    ops = importlib.import_module(f"{poet.__name__}.core.triton_ops")
+    narrowed = 0
+    for name in dir(ops):
+        tuner = getattr(ops, name)
+        if isinstance(tuner, Autotuner) and len(tuner.configs) > 1:
+            tuner.configs = [min(tuner.configs, key=_tile_key)]
+            narrowed += 1
+    return narrowed
+
+
+def _tile_key(config: object) -> tuple:
+    """Sort key of a Triton config: its ``BLOCK_*`` sizes, then stages and warps."""
+    kw = config.kwargs  # type: ignore[attr-defined]
+    blocks = tuple(v for k, v in sorted(kw.items()) if k.startswith("BLOCK"))
+    return (*blocks, config.num_stages, config.num_warps)  # type: ignore[attr-defined]
+
+
 def measure_step(
     poet: ModuleType,
     model_name: str,
@@ -155,10 +214,9 @@ def measure_step(
     model = build_llama(recipe.model, VOCAB, device=dev, dtype=torch.bfloat16)
     if ckpt:
         model.gradient_checkpointing_enable()
-    cfg = poet.QPOETConfig(block_size=block_size, merge_interval=400, poet_lr=1e-3, base_lr=1e-3,
-                           weight_decay=0.01)  # fmt: skip
-    model = poet.POETModel(model, cfg).to(device=dev, dtype=torch.bfloat16)
-    optimizer = poet.get_poet_optimizer(model, cfg)
+    model, _, optimizer = qpoet_setup(poet, model, block_size=block_size, merge_interval=400,
+                                      poet_lr=1e-3, base_lr=1e-3, weight_decay=0.01, device=dev,
+                                      dtype=torch.bfloat16)  # fmt: skip
     params = [p for g in optimizer.param_groups for p in g["params"]]
     cuda = dev.type == "cuda"
 
