@@ -312,10 +312,11 @@ def train_official(
                 min_ratio=OFFICIAL_CLIP_MIN_RATIO, max_steps=OFFICIAL_GD_WARMUP_STEPS,
             )  # fmt: skip
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
-            lr = optimizer.param_groups[0]["lr"]
-            poet_lr = next(g["lr"] for g in optimizer.param_groups if g.get("use_poet"))
             optimizer.step()
             scheduler.step()
+            # logged as metrics.jsonl logs ours: the group lrs after this step's scheduler.step
+            lr = optimizer.param_groups[0]["lr"]
+            poet_lr = next(g["lr"] for g in optimizer.param_groups if g.get("use_poet"))
             optimizer.zero_grad()
             count += 1
             merges += bool(model.merge_if_needed(count))
@@ -325,7 +326,7 @@ def train_official(
                 loss_curve.append({"step": step, "loss": None})
                 break
             if step % s.log_every == 0 or step == s.steps:
-                # lr / poet_lr: the group lr the step used (POETAdamW scales Q's by poet_scale)
+                # poet_lr: the Q group's lr before POETAdamW's poet_scale (ours logs it after)
                 loss_curve.append({"step": step, "loss": mean_loss, "lr": lr,
                                    "poet_lr": poet_lr, "grad_norm": float(grad_norm),
                                    "clip": clip})  # fmt: skip
