@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import random
@@ -49,6 +50,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import yaml
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +66,35 @@ OFFICIAL_GD_WARMUP_STEPS = 2000
 #: ``calc_poet_grad_clipping_value`` as the official script calls it: re-warm over 10 steps
 #: from 0.1x (the same numbers as our ``optim.clip_rewarm_steps`` and its fixed 0.1 start)
 OFFICIAL_CLIP_WARMUP_STEPS, OFFICIAL_CLIP_MIN_RATIO = 10, 0.1
+
+
+#: how the official custom ops run under autocast (``torch.library.register_autocast``: cast the
+#: floating-point inputs, run with autocast off). The official code runs in pure bf16 or fp32; under
+#: autocast with fp32 parameters its Cayley-Neumann Triton kernel would get Q in fp32 and Q² (an
+#: autocast matmul inside the op) in bf16 and refuse them, so that op runs in fp32; the layer ops
+#: run in bf16, as the script's pure-bf16 model runs them.
+OFFICIAL_AUTOCAST = {
+    "poet::cayley": torch.float32,
+    "poet::chain_layer_checkpoint_q8": torch.bfloat16,
+    "poet::chain_layer_checkpoint_mem_o2_q8": torch.bfloat16,
+}
+_AUTOCAST_REGISTERED: set[tuple[str, str]] = set()
+
+
+def official_autocast_rules(device_type: str) -> list[str]:
+    """Register :data:`OFFICIAL_AUTOCAST` for ``device_type`` (once per process; ops the loaded
+    official code lacks are skipped). Returns the ops registered so far for that device."""
+    for name, dtype in OFFICIAL_AUTOCAST.items():
+        ns, op = name.split("::")
+        if (name, device_type) in _AUTOCAST_REGISTERED or not hasattr(getattr(torch.ops, ns), op):
+            continue
+        torch.library.register_autocast(name, device_type, dtype)
+        _AUTOCAST_REGISTERED.add((name, device_type))
+    return sorted(n for n, d in _AUTOCAST_REGISTERED if d == device_type)
+
+
+class PreviousMismatch(ValueError):
+    """The earlier results given to continue from compare something else."""
 
 
 @dataclass
@@ -190,8 +221,6 @@ def train_ours(
 ) -> dict[str, Any]:
     """Our side: :func:`poetxq.train.train` into ``work/ours-seed<seed>``; the validation and
     training-loss curves read back from its ``metrics.jsonl``."""
-    import json
-
     from poetxq.train import train
 
     recipe = our_recipe(s, seed, poet_lr_scale)
@@ -280,7 +309,9 @@ def train_official(
     if compile_model:
         torch.compiler.reset()
         net = torch.compile(model)
+    autocast_rules = None
     if s.precision == "autocast":
+        autocast_rules = official_autocast_rules(device.type)
         net = _Autocast(net, device.type)
     stance = contextlib.nullcontext() if compile_model else torch.compiler.set_stance("force_eager")
     batches = train_batches(data, s, seed)
@@ -344,6 +375,7 @@ def train_official(
         "qpoet_layers": n_q8,
         "config": {k: v for k, v in asdict(cfg).items() if not callable(v)},
         "compiled": compile_model,
+        "autocast_rules": autocast_rules,
         "peak_memory_bytes": (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         ),
@@ -384,14 +416,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["se"], row["agree"] = None, None
         rows.append(row)
     final = rows[-1] if rows else None
+    trained = [r for r in rows if r["step"] > 0]
     return {
         "seeds": len(done),
-        "rule": "agree at a step: |mean official - mean ours| <= 2 x SE over seeds (>= 2 seeds)",
+        "rule": "agree at a step: |mean official - mean ours| <= 2 x SE over seeds (>= 2 seeds); "
+        "all_agree: at every evaluated step after step 0 (step 0 compares the two inits only)",
         "steps": rows,
         "final": final,
         "all_agree": None
-        if final is None or final["agree"] is None
-        else all(r["agree"] for r in rows),
+        if not trained or trained[0]["agree"] is None
+        else all(r["agree"] for r in trained),
     }
 
 
@@ -446,7 +480,8 @@ def mapping(s: Settings, poet_scale: float, official_commit: str) -> dict[str, A
             "setting": s.precision,
             "ours": "train.precision (autocast: bf16 autocast, fp32 parameters and moments)",
             "official": {
-                "autocast": "fp32 parameters, forward under bf16 autocast",
+                "autocast": "fp32 parameters, forward under bf16 autocast; its custom ops by "
+                "OFFICIAL_AUTOCAST: Cayley-Neumann in fp32, layer ops in bf16",
                 "bf16-true": "model.to(bfloat16) as the script's --dtype bfloat16",
                 "fp32": "fp32",
             }.get(s.precision),
@@ -496,10 +531,17 @@ def run_parity(
     compile_official: bool = False,
     echo: Callable[[str], None] = print,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train both sides for every seed of ``s`` (ours first) and return the document: settings,
     mapping, differences, per-seed curves and :func:`summarize`. ``on_update`` gets the document
-    after every finished side (the CLI writes it, so a stopped run keeps what was done)."""
+    after every finished side (the CLI writes it, so a stopped run keeps what was done).
+    ``previous``: the document of an earlier call with the same settings (seeds aside): its
+    finished seeds are kept and not run again (seeds spread over several calls of limited time).
+
+    Raises:
+        PreviousMismatch: ``previous`` was made with other settings, data or official code.
+    """
     scale = official_poet_scale(poet)
     official_poet.one_config_under_interpreter(poet)
     doc: dict[str, Any] = {
@@ -521,8 +563,17 @@ def run_parity(
         "differences": DIFFERENCES,
         "runs": [],
     }
+    if previous is not None:
+        kept = _finished_runs(previous, doc)
+        doc["runs"] = kept
+        done = [r["seed"] for r in kept]
+        doc["settings"]["seeds"] = done + [x for x in s.seeds if x not in done]
+        echo(f"kept the finished seeds {done} of the earlier results")
     for seed in s.seeds:
-        run: dict[str, Any] = {"seed": seed}
+        if any(r["seed"] == seed for r in doc["runs"]):
+            continue
+        run: dict[str, Any] = {"seed": seed, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                    time.gmtime())}  # fmt: skip
         doc["runs"].append(run)
         echo(f"seed {seed}: ours")
         run["ours"] = train_ours(s, seed, data, scale, work, echo)
@@ -541,6 +592,19 @@ def run_parity(
             torch.cuda.empty_cache()
     doc["summary"] = summarize(doc["runs"])
     return doc
+
+
+def _finished_runs(previous: dict[str, Any], doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """``previous``'s runs with both sides done, after checking that it compares the same thing
+    as ``doc`` (settings but the seeds, official commit)."""
+    a = {k: v for k, v in previous.get("settings", {}).items() if k != "seeds"}
+    b = {k: v for k, v in doc["settings"].items() if k != "seeds"}
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    if previous.get("official_code") != doc["official_code"]:
+        differ.append("official_code")
+    if differ:
+        raise PreviousMismatch(f"--previous results were made with other settings: {differ}")
+    return [r for r in previous.get("runs", []) if "ours" in r and "official" in r]
 
 
 def load_data(corpus_dir: Path, s: Settings) -> Any:
@@ -585,8 +649,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--work-dir", default=None, help="our run directories (default: a temp dir)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="model.KEY=VALUE",
+        help="model shape override (repeatable; smoke tests on a small model)",
+    )
+    ap.add_argument(
+        "--previous",
+        default=None,
+        help="results JSON of an earlier call with the "
+        "same settings: its finished seeds are kept and not run again",
+    )
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args(argv)  # fmt: skip
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("model."):
+            ap.error(f"--set {item!r}: only model.KEY=VALUE (the shape both sides build)")
+        overrides[key] = yaml.safe_load(value)
+    previous = None
+    if args.previous:
+        try:
+            previous = json.loads(Path(args.previous).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            ap.error(f"--previous {args.previous}: {exc}")
     try:
         poet = official_poet.load(args.official)
     except official_poet.OfficialNotFound as exc:
@@ -597,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds=args.seeds, model=args.model, block_size=args.block_size,
         merge_interval=args.merge_interval, batch_size=args.batch_size,
         grad_accum=args.grad_accum, seq_len=args.seq_len, precision=args.precision,
-        val_tokens=args.val_tokens,
+        val_tokens=args.val_tokens, model_overrides=overrides,
     )  # fmt: skip
     device = torch.device(args.device)
     data = load_data(Path(args.corpus), s)
@@ -614,9 +703,13 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         work = Path(args.work_dir) if args.work_dir else Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="parity-")))  # fmt: skip
-        doc = run_parity(s, poet, data, device=device, work=work, official_commit=commit,
-                         compile_official=args.official_compile, echo=echo,
-                         on_update=write)  # fmt: skip
+        try:
+            doc = run_parity(s, poet, data, device=device, work=work, official_commit=commit,
+                             compile_official=args.official_compile, echo=echo,
+                             on_update=write, previous=previous)  # fmt: skip
+        except PreviousMismatch as exc:
+            print(f"parity_official: error: {exc}", file=sys.stderr)
+            return 2
     write(doc)
     summ = doc["summary"]
     for row in summ["steps"]:

@@ -140,7 +140,22 @@ def test_summary_rule_on_hand_made_curves(po):
     assert f["se"] == pytest.approx(math.sqrt(0.005 / 2 + 0.005 / 2)) and f["agree"]
     far = po.summarize([run(0, [5.0, 4.0], [5.0, 4.5]), run(1, [5.0, 4.1], [5.0, 4.6])])
     assert far["final"]["agree"] is False and far["all_agree"] is False
+    # step 0 compares the two initializations only: it never decides all_agree
+    init = po.summarize([run(0, [5.0, 4.0], [5.2, 4.05]), run(1, [5.0, 4.1], [5.2, 4.15])])
+    assert init["steps"][0]["agree"] is False and init["all_agree"] is True
     assert po.summarize([{"seed": 0, "ours": {"val": []}}]) == {"seeds": 0, "steps": []}
+
+
+def test_previous_results_are_kept_only_when_they_compare_the_same_thing(po):
+    doc = {"settings": {"steps": 400, "seeds": [0]}, "official_code": {"commit": "a"}}
+    runs = [{"seed": 0, "ours": {}, "official": {}}, {"seed": 1, "ours": {}}]
+    same = {"settings": {"steps": 400, "seeds": [0, 1]}, "official_code": {"commit": "a"},
+            "runs": runs}  # fmt: skip
+    assert po._finished_runs(same, doc) == runs[:1]  # seed 1 stopped half-way: run again
+    with pytest.raises(po.PreviousMismatch, match="steps"):
+        po._finished_runs({**same, "settings": {"steps": 300}}, doc)
+    with pytest.raises(po.PreviousMismatch, match="official_code"):
+        po._finished_runs({**same, "official_code": {"commit": "b"}}, doc)
 
 
 def test_cli_without_the_official_copy_is_one_line(po, tmp_path, capsys):
@@ -167,13 +182,14 @@ def poet():
 
 
 def test_both_trainers_on_a_tiny_model_on_cpu(po, poet, tmp_path):
-    """Both sides train 4 steps (merge every 2, the last step included) on the same batches and
+    """Both sides train 4 steps (merge every 2, the last step included) under bf16 autocast (the
+    default precision; the official custom ops through OFFICIAL_AUTOCAST) on the same batches and
     are scored on the same windows at steps 0, 2, 4; the losses fall and start alike."""
     if torch.cuda.is_available():
         pytest.skip("CPU test (the GPU runs the script itself)")
     assert po.official_poet_scale(poet) == 0.5  # QPOETConfig.poet_scale @3a34bb6
     data = _token_data()
-    s = _tiny(po)
+    s = _tiny(po, precision="autocast")
     doc = po.run_parity(s, poet, data, device=torch.device("cpu"), work=tmp_path,
                         echo=lambda _line: None)  # fmt: skip
     run = doc["runs"][0]
@@ -181,6 +197,7 @@ def test_both_trainers_on_a_tiny_model_on_cpu(po, poet, tmp_path):
     assert [p["step"] for p in ours["val"]] == [p["step"] for p in off["val"]] == [0, 2, 4]
     assert ours["merges"] == off["merges"] == 2
     assert off["qpoet_layers"] == 7  # q k v o gate up down: lm_head stays dense (as ours)
+    assert "poet::cayley" in off["autocast_rules"] and ours["precision"] == "autocast"
     for side in (ours, off):
         losses = [p["val_loss"] for p in side["val"]]
         assert all(math.isfinite(x) for x in losses)
