@@ -93,6 +93,24 @@ def official_autocast_rules(device_type: str) -> list[str]:
     return sorted(n for n, d in _AUTOCAST_REGISTERED if d == device_type)
 
 
+@torch.no_grad()
+def cayley_check(block_size: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The official Cayley-Neumann op (``torch.ops.poet.cayley``, a Triton kernel) against
+    ``I + 2(Q + Q² + Q³) + Q⁴`` in fp64, on 4 random skew-symmetric ``b×b`` blocks of the size
+    training reaches (entries ~0.003) given in ``dtype``: the largest absolute error. Recorded
+    beside the official run; under Triton's CPU interpreter the bf16 kernel returns values of
+    ~1e10 (the fp32 one is exact), so a bf16 official run on the CPU is no evidence."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(4, block_size, block_size, generator=gen, dtype=torch.float64) * 3e-3
+    q64 = a - a.transpose(1, 2)
+    q2 = q64 @ q64
+    ref = torch.eye(block_size, dtype=torch.float64) + 2 * (q64 + q2 + q2 @ q64) + q2 @ q2
+    got = torch.ops.poet.cayley(q64.to(device=device, dtype=dtype))[0]
+    err = (got.double().cpu() - ref).abs().max().item()
+    return {"dtype": str(dtype).removeprefix("torch."), "block_size": block_size,
+            "max_abs_error": err if math.isfinite(err) else None}  # fmt: skip
+
+
 class PreviousMismatch(ValueError):
     """The earlier results given to continue from compare something else."""
 
@@ -300,6 +318,9 @@ def train_official(
         poet_lr=s.poet_lr, base_lr=s.lr, weight_decay=s.weight_decay, device=device, dtype=dtype,
     )  # fmt: skip
     n_q8 = sum(type(m).__name__ == "QPOETLinear" for m in model.modules())
+    # the dtype the Cayley op sees: Q's own, or fp32 under autocast (OFFICIAL_AUTOCAST)
+    check = cayley_check(s.block_size, device, dtype or torch.float32)
+    echo(f"official Cayley op ({check['dtype']}) max abs error {check['max_abs_error']}")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda st: official_lr_factor(st, s.warmup_steps, s.steps, s.min_lr_ratio),
@@ -373,6 +394,7 @@ def train_official(
         "seconds": seconds,
         "tokens_per_s": count * tokens_per_step / max(seconds - paused, 1e-9),
         "qpoet_layers": n_q8,
+        "cayley_check": check,
         "config": {k: v for k, v in asdict(cfg).items() if not callable(v)},
         "compiled": compile_model,
         "autocast_rules": autocast_rules,
@@ -552,6 +574,7 @@ def run_parity(
             **{k: v for k, v in asdict(s).items() if k != "seeds"},
             "seeds": list(s.seeds),
             "warmup_steps": s.warmup_steps,
+            "model_shape": our_recipe(s, 0, scale).model.model_dump(mode="json"),
             "tokens_per_step": s.batch_size * s.grad_accum * s.seq_len,
             "vocab_size": data.vocab_size,
             "train_windows": int(data.train.shape[0]),

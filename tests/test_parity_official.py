@@ -198,6 +198,9 @@ def test_both_trainers_on_a_tiny_model_on_cpu(po, poet, tmp_path):
     assert ours["merges"] == off["merges"] == 2
     assert off["qpoet_layers"] == 7  # q k v o gate up down: lm_head stays dense (as ours)
     assert "poet::cayley" in off["autocast_rules"] and ours["precision"] == "autocast"
+    # under autocast the official Cayley-Neumann op runs in fp32: exact to rounding
+    assert off["cayley_check"]["dtype"] == "float32"
+    assert off["cayley_check"]["max_abs_error"] < 1e-6
     for side in (ours, off):
         losses = [p["val_loss"] for p in side["val"]]
         assert all(math.isfinite(x) for x in losses)
