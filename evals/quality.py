@@ -313,7 +313,9 @@ def execute(
             len(running) < jobs
             and pending
             and (max_runs is None or started < max_runs)
-            and (deadline is None or elapsed + est <= deadline)
+            # a run that cannot finish before the deadline still starts while a minute is left:
+            # it stops with a checkpoint and resumes in the next call on the same machine
+            and (deadline is None or elapsed + min(est, 60.0) <= deadline)
         )
         if can_start:
             spec = pending[0]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Freeze the committed code into .snap/ (git-ignored) for quality-study GPU calls, so edits in the
+# working tree during a long study never reach the GPU host half-done. Run from the repository
+# root; then, in the device call (carry .whl, .snap and data/quality-corpus):
+#
+#   cd .snap && ln -sfn ../data data && ln -sfn ../.whl .whl && mkdir -p ../runs \
+#     && ln -sfn ../runs runs && evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 530 4
+#
+# runs/ lies outside .snap/ (which each call replaces), so stopped runs resume on a warm machine.
+set -euo pipefail
+grep -qx "/.snap/" .git/info/exclude 2>/dev/null || echo "/.snap/" >> .git/info/exclude
+rm -rf .snap && mkdir .snap
+git archive HEAD poetxq quant_kernels evals recipes pyproject.toml | tar -x -C .snap
+git rev-parse --short HEAD > .snap/.commit
+du -sh .snap
