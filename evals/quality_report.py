@@ -30,6 +30,7 @@ def _plot_lr(study: Study, results: dict, state: dict, path: Path) -> bool:
     runs = results.get("runs", {})
     fig, ax = plt.subplots(figsize=(7, 4.2))
     drawn = False
+    diverged: list[float] = []
     for method in study.methods:
         axes = _lr_axes(study, method)
         x_key, other = axes[0], axes[1:]
@@ -37,6 +38,8 @@ def _plot_lr(study: Study, results: dict, state: dict, path: Path) -> bool:
         for p in state.get(method, {}).get("points", []):
             vals = [runs[run_id(method, p, s)].get("tune_ppl") for s in study.tune_seeds
                     if run_id(method, p, s) in runs]  # fmt: skip
+            if any(v is None for v in vals):
+                diverged.append(p[x_key])
             vals = [v for v in vals if v is not None]
             if not vals:
                 continue
@@ -49,6 +52,9 @@ def _plot_lr(study: Study, results: dict, state: dict, path: Path) -> bool:
     if not drawn:
         plt.close(fig)
         return False
+    if diverged:  # drawn at the top edge: these runs have no perplexity
+        top = ax.get_ylim()[1]
+        ax.scatter(diverged, [top] * len(diverged), marker="x", color="k", label="diverged")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate (the grid's first axis: optim.lr, or optim.poet_lr)")
     ax.set_ylabel("tune perplexity")
@@ -109,7 +115,8 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
         last = calls[-1]
         out.append(
             f"Results file `{study.results}`; {len(runs)} runs finished, {len(pending)} pending;"
-            f" last call {last['date']} on {last['device']} at {last['commit']}."
+            f" last call {last['date']} on {last['device']} at {last['commit'][:7]}."
+            + (f" Note: {results['note']}" if results.get("note") else "")
         )
         out.append("")
     out += ["| method | test ppl (mean ± sd) | seeds | vs " + study.reference
@@ -122,8 +129,18 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
         if name in study.controls:
             trials = 0
         if not row.get("tuned"):
-            done = sum(1 for r in runs.values() if r["method"] == name)
-            out.append(f"| {name} | tuning ({done} runs so far) | | | | {trials} | | | | | |")
+            mine = [r for r in runs.values() if r["method"] == name]
+            scored = [r for r in mine if r.get("tune_ppl") is not None]
+            lead = min(scored, key=lambda r: r["tune_ppl"]) if scored else None
+            so_far = (
+                f"best tune ppl so far {lead['tune_ppl']:.2f} at "
+                + ", ".join(f"{k} {v:g}" for k, v in lead["params"].items())
+                if lead
+                else "not started"
+            )
+            out.append(
+                f"| {name} | tuning: {len(mine)} runs, {so_far} | | | | {trials} | | | | | |"
+            )
             continue
         recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
                 if run_id(name, row["best"], s) in runs]  # fmt: skip
