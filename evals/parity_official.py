@@ -239,12 +239,18 @@ def train_ours(
 ) -> dict[str, Any]:
     """Our side: :func:`poetxq.train.train` into ``work/ours-seed<seed>``; the validation and
     training-loss curves read back from its ``metrics.jsonl``."""
-    from poetxq.train import train
+    from poetxq.train import DivergedError, train
 
     recipe = our_recipe(s, seed, poet_lr_scale)
     run_dir = work / f"ours-seed{seed}"
     t0 = time.perf_counter()
-    res = train(recipe, run_dir, data=data, progress=False, echo=echo)
+    try:
+        res = train(recipe, run_dir, data=data, progress=False, echo=echo)
+    except DivergedError as exc:
+        res, diverged = None, str(exc)
+        echo(f"ours seed {seed}: {exc}")
+    else:
+        diverged = None
     seconds = time.perf_counter() - t0
     val, loss = [], []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -258,12 +264,13 @@ def train_ours(
     return {
         "val": val,
         "train": loss,
-        "merges": res.merges,
+        "diverged": diverged,
+        "merges": None if res is None else res.merges,
         "seconds": seconds,
-        "tokens_per_s": res.tokens_per_s,
-        "device": res.device,
-        "precision": res.precision,
-        "peak_memory_bytes": res.peak_memory_bytes,
+        "tokens_per_s": None if res is None else res.tokens_per_s,
+        "device": None if res is None else res.device,
+        "precision": None if res is None else res.precision,
+        "peak_memory_bytes": None if res is None else res.peak_memory_bytes,
     }
 
 
@@ -341,23 +348,25 @@ def train_official(
 
     def evaluate(step: int) -> None:
         vl, vp = evaluate_perplexity(net, data.val, batch_size=s.batch_size, device=device)
-        val.append({"step": step, "val_loss": vl, "val_ppl": vp})
+        ok = math.isfinite(vl)
+        val.append({"step": step, "val_loss": vl if ok else None, "val_ppl": vp if ok else None})
         echo(f"official seed {seed} step {step}: val loss {vl:.4f} (ppl {vp:.2f})")
 
     tokens_per_step = s.batch_size * s.grad_accum * s.seq_len
     t_start = time.perf_counter()
     paused = 0.0
+    diverged = None
     with stance:
         model.train()
         evaluate(0)
         for step in range(1, s.steps + 1):
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), device=device)
             for _ in range(s.grad_accum):
                 batch = batches.batch(position).to(device)
                 position += 1
                 loss = causal_lm_loss(net, batch)
                 (loss / s.grad_accum).backward()
-                loss_sum += loss.detach().float().item()
+                loss_sum += loss.detach().float()
             clip = poet.calc_poet_grad_clipping_value(
                 global_step=count, grad_clipping=s.grad_clip,
                 warmup_steps=OFFICIAL_CLIP_WARMUP_STEPS, poet_merge_interval=s.merge_interval,
@@ -372,17 +381,21 @@ def train_official(
             optimizer.zero_grad()
             count += 1
             merges += bool(model.merge_if_needed(count))
-            mean_loss = loss_sum / s.grad_accum
+            logging = step % s.log_every == 0 or step == s.steps
+            evaluating = (s.eval_every and step % s.eval_every == 0) or step == s.steps
+            if not (logging or evaluating):
+                continue  # no host sync on the other steps
+            mean_loss = loss_sum.item() / s.grad_accum
             if not math.isfinite(mean_loss):
-                echo(f"official seed {seed}: loss {mean_loss} at step {step}: diverged")
-                loss_curve.append({"step": step, "loss": None})
+                diverged = f"training loss {mean_loss} at step {step}"
+                echo(f"official seed {seed}: {diverged}: diverged")
                 break
-            if step % s.log_every == 0 or step == s.steps:
+            if logging:
                 # poet_lr: the Q group's lr before POETAdamW's poet_scale (ours logs it after)
                 loss_curve.append({"step": step, "loss": mean_loss, "lr": lr,
                                    "poet_lr": poet_lr, "grad_norm": float(grad_norm),
                                    "clip": clip})  # fmt: skip
-            if (s.eval_every and step % s.eval_every == 0) or step == s.steps:
+            if evaluating:
                 t0 = time.perf_counter()
                 evaluate(step)
                 paused += time.perf_counter() - t0
@@ -390,6 +403,7 @@ def train_official(
     return {
         "val": val,
         "train": loss_curve,
+        "diverged": diverged,
         "merges": merges,
         "seconds": seconds,
         "tokens_per_s": count * tokens_per_step / max(seconds - paused, 1e-9),
@@ -418,14 +432,16 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not done:
         return {"seeds": 0, "steps": []}
     by_side: dict[str, dict[int, list[float]]] = {"ours": {}, "official": {}}
+    diverged = {side: [r["seed"] for r in done if r[side].get("diverged")] for side in by_side}
     for r in done:
         for side in by_side:
             for p in r[side]["val"]:
-                by_side[side].setdefault(p["step"], []).append(p["val_loss"])
+                if p["val_loss"] is not None:
+                    by_side[side].setdefault(p["step"], []).append(p["val_loss"])
     rows = []
     for step in sorted(set(by_side["ours"]) & set(by_side["official"])):
         a, b = by_side["ours"][step], by_side["official"][step]
-        if len(a) != len(b):
+        if not len(a) == len(b) == len(done):  # a seed diverged before this step
             continue
         row: dict[str, Any] = {"step": step, "ours": statistics.fmean(a),
                                "official": statistics.fmean(b)}  # fmt: skip
@@ -445,10 +461,19 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "all_agree: at every evaluated step after step 0 (step 0 compares the two inits only)",
         "steps": rows,
         "final": final,
-        "all_agree": None
-        if not trained or trained[0]["agree"] is None
-        else all(r["agree"] for r in trained),
+        "diverged_seeds": diverged,
+        "all_agree": _all_agree(trained, diverged),
     }
+
+
+def _all_agree(trained: list[dict[str, Any]], diverged: dict[str, list[int]]) -> bool | None:
+    """False when a seed diverged on either side; None without a noise estimate (one seed);
+    else whether every trained step agrees."""
+    if any(diverged.values()):
+        return False
+    if not trained or trained[0]["agree"] is None:
+        return None
+    return all(r["agree"] for r in trained)
 
 
 def mapping(s: Settings, poet_scale: float, official_commit: str) -> dict[str, Any]:

@@ -144,6 +144,12 @@ def test_summary_rule_on_hand_made_curves(po):
     init = po.summarize([run(0, [5.0, 4.0], [5.2, 4.05]), run(1, [5.0, 4.1], [5.2, 4.15])])
     assert init["steps"][0]["agree"] is False and init["all_agree"] is True
     assert po.summarize([{"seed": 0, "ours": {"val": []}}]) == {"seeds": 0, "steps": []}
+    bad = run(1, [5.0, 4.1], [5.0, 4.2])
+    bad["official"]["val"][1]["val_loss"] = None
+    bad["official"]["diverged"] = "training loss nan at step 10"
+    div = po.summarize([run(0, [5.0, 4.0], [5.0, 4.05]), bad])
+    assert [r["step"] for r in div["steps"]] == [0]  # step 10 lacks a seed: not compared
+    assert div["diverged_seeds"] == {"ours": [], "official": [1]} and div["all_agree"] is False
 
 
 def test_previous_results_are_kept_only_when_they_compare_the_same_thing(po):
