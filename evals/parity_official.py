@@ -17,7 +17,18 @@ with the trainer's seed, ``train.seed + 2``), use the same loss (:func:`poetxq.e
 .causal_lm_loss`: next-token cross-entropy over the window, fp32) and the same evaluation
 (:func:`poetxq.evaluate.evaluate_perplexity` over the same validation windows, same batch size).
 How each setting maps onto each side, and what cannot be made equal, is written into the JSON
-(``mapping``, ``differences``).
+(``mapping``, ``differences``). The rotation lr: both sides train Q at ``--poet-lr`` × 0.5 (the
+official ``QPOETConfig.poet_scale`` default at @3a34bb6, read from the loaded code; our
+``optim.poet_lr_scale`` is set to it).
+
+Precision (``--precision``, both sides): ``autocast`` (default, as the quality study runs ours):
+fp32 parameters and moments, bf16 autocast; the official custom ops get autocast rules
+(:data:`OFFICIAL_AUTOCAST`) because the official code itself only runs in pure bf16 or fp32.
+``bf16-true``: bf16 parameters, no autocast (the official script's ``--dtype bfloat16``; ours
+``train.precision: bf16-true``). ``fp32``. The official model runs eagerly unless
+``--official-compile`` (the script compiles it; the layer's own compiled forward under autocast
+is untested). Each official run records a check of its Cayley-Neumann kernel
+(:func:`cayley_check`).
 
 The official code is never committed here: a copy of its ``poet_torch/`` lives in ``.official/``
 (git-ignored; :mod:`evals.official_poet`). Make one from a clone or a bare mirror::
@@ -25,10 +36,20 @@ The official code is never committed here: a copy of its ``poet_torch/`` lives i
     mkdir -p .official && git --git-dir=POET.git archive HEAD poet_torch | tar -x -C .official
     git --git-dir=POET.git rev-parse HEAD > .official/COMMIT   # recorded in the JSON
 
-Usage (on the GPU host; several seeds give the seed noise the curves are judged against)::
+Usage (on the GPU host; several seeds give the seed noise the curves are judged against; the
+JSON is rewritten after each finished side, and ``--previous`` continues from an earlier call's
+JSON, so seeds can be spread over calls of limited time)::
 
     python evals/parity_official.py --steps 400 --poet-lr 8e-3 --eval-every 50 \
         --seeds 0 1 --out evals/results/parity_official_60m_h200.json --official .official
+    python evals/parity_official.py ... --seeds 2 --previous FIRST.json --out BOTH.json
+
+A smoke test on the CPU (``TRITON_INTERPRET=1``, a tiny shape)::
+
+    TRITON_INTERPRET=1 python evals/parity_official.py --steps 4 --merge-interval 2 \
+        --eval-every 2 --batch-size 4 --seq-len 32 --block-size 16 --val-tokens 2048 \
+        --set model.hidden_size=32 --set model.intermediate_size=64 \
+        --set model.num_attention_heads=2 --set model.num_hidden_layers=1 --out /tmp/p.json
 """
 
 from __future__ import annotations
