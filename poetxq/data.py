@@ -408,11 +408,30 @@ def _open_text(path: Path) -> io.TextIOBase:
     return path.open(encoding="utf-8", errors="replace")
 
 
+#: share of bytes of a ``.txt`` file that may be undecodable as UTF-8 before it counts as binary
+_MAX_BAD_UTF8 = 0.01
+
+
+def _read_text_file(path: Path) -> str:
+    """A ``.txt`` file's text; a file that is binary (a NUL byte, or more than 1 % of it not
+    UTF-8) is refused by name instead of being trained on as replacement characters."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if b"\x00" in raw or bad > _MAX_BAD_UTF8 * max(len(raw), 1):
+        why = "holds NUL bytes" if b"\x00" in raw else f"is {bad / len(raw):.0%} not UTF-8"
+        raise DataError(
+            f"{path} {why}: it looks binary, not text; remove it from the data or pass a glob "
+            "that leaves it out (--data 'DIR/*.txt' matches only what you name)"
+        )
+    return text
+
+
 def _file_documents(path: Path, field_name: str) -> Iterator[str]:
     """Documents of one local file (see the module docstring for the formats)."""
     name = path.name.lower()
     if name.endswith(".txt"):
-        yield from _chunk_text(path.read_text(encoding="utf-8", errors="replace"))
+        yield from _chunk_text(_read_text_file(path))
     elif name.endswith(".parquet"):
         yield from _parquet_documents(path, field_name)
     elif name.endswith((".json", ".json.gz")) and _starts_with_bracket(path):

@@ -484,3 +484,19 @@ def test_hf_val_split_only_for_hf() -> None:
 def test_module_exports() -> None:
     assert issubclass(DataError, ValueError)
     assert data_mod.EOS_TOKEN == "<|endoftext|>"
+
+
+def test_binary_txt_file_is_refused_by_name(tmp_path: Path) -> None:
+    """A binary file named *.txt is one DataError naming it (it used to be trained on as U+FFFD)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "good.txt").write_text("Plain English text.\n\n" * 20)
+    (src / "image.txt").write_bytes(bytes(range(256)) * 8)  # NUL bytes and invalid UTF-8
+    with pytest.raises(DataError, match=r"image\.txt holds NUL bytes: it looks binary"):
+        _all_docs(DataConfig(source=str(src), val_fraction=0.2))
+    (src / "image.txt").write_bytes(b"text " + bytes(range(128, 256)) * 4)  # no NUL, 99% bad
+    with pytest.raises(DataError, match=r"image\.txt is \d+% not UTF-8"):
+        _all_docs(DataConfig(source=str(src), val_fraction=0.2))
+    # a stray undecodable byte in real text stays accepted (replaced, as before)
+    (src / "image.txt").write_bytes(("Caf\u00e9 text. " * 200).encode() + b"\xff")
+    assert any("\ufffd" in d for d in _all_docs(DataConfig(source=str(src), val_fraction=0.2)))
