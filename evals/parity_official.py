@@ -570,6 +570,8 @@ DIFFERENCES = [
     "our layers run the mem variant through our kernels; the official QPOETLinear its "
     "mem_efficient_mode=False path (convert_to_qpoet's default): same function, other kernels",
     "warmup: the official schedule is one step behind ours (lr 0 at its first step)",
+    "the official script wraps its own copy of the Llama model (peft_pretraining.modeling_llama) "
+    "unless --use_hf_model; here the transformers LlamaForCausalLM (--use_hf_model), as ours",
     "Adam eps placement (see mapping.optimizer): differs by a factor sqrt(1 - beta2^t) on eps",
 ]
 
