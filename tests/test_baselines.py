@@ -322,6 +322,7 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["poetx", *METHODS])
 def test_cli_run_learns(tmp_path, _cache, method):
     assert main(["train", *TINY, "--method", method, "--output-dir", str(tmp_path),

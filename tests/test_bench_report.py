@@ -133,6 +133,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
     runs = tmp_path / "runs"
     for method in ("poetxq", "adamw"):

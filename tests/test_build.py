@@ -145,6 +145,7 @@ def _rank_worker(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_build_identical_models(tmp_path):
     out = str(tmp_path / "res")
     mp.spawn(_rank_worker, args=(f"file://{tmp_path / 'store'}", out), nprocs=2)
@@ -153,6 +154,7 @@ def test_ranks_build_identical_models(tmp_path):
         assert res["same"] and res["differ"]
 
 
+@pytest.mark.slow
 def test_meta_init_is_faster_than_the_classic_build():
     """A mid-size model: the classic way initialises every dense linear before surgery throws it
     away; the meta way does not. Times are printed, not asserted (shared CI cores)."""
@@ -213,6 +215,7 @@ def test_meta_init_choice(monkeypatch):
         build_for_training(pre, V, "cpu", generator=torch.Generator(), meta_init=True)
 
 
+@pytest.mark.slow
 def test_trainer_builds_with_meta_init(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """The trainer's CUDA way, taken on the CPU (``POETXQ_META_INIT=1``): it trains, says how the
     model was built, and the run is a normal run (the classic way, the same run otherwise)."""

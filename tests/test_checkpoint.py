@@ -98,6 +98,7 @@ def _save(tmp_path, step, model, opt, sched, merge_gen, keep_last=3):
     )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method", ["poetxq", "poetxq-8bit", "qgalore", "qapollo", "galore", "adamw"]
 )
@@ -187,6 +188,7 @@ _KILL_MID_WRITE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_write_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
     run = tmp_path / "run"
     code = _KILL_MID_WRITE.format(tests=str(ROOT / "tests"), run=str(run))
@@ -420,6 +422,7 @@ def test_resume_corrupted_checkpoint(saved_run, tmp_path, capsys, victim):
     assert "it is the run's only checkpoint: start a new run" in _one_error_line(capsys)
 
 
+@pytest.mark.slow
 def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, tmp_path_factory):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
     args = ["train", *TINY, "--output-dir", str(saved_run.parent), "--max-steps", "4",
@@ -435,6 +438,7 @@ def _step1(run: Path) -> dict:
     return next(r for r in rows if r.get("step") == 1 and "grad_norm" in r)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_averages_like_one_big_batch(tmp_path, monkeypatch):
     # batch 8 in one micro-batch and 2 micro-batches of 4 see the same 8 windows in step 1: the
     # mean loss and the gradient (its norm) agree; the gradient was once divided twice by 2

@@ -183,6 +183,7 @@ def test_run_name_must_be_a_plain_folder_name(tmp_path, capsys, name):
     assert not (tmp_path.parent / "escape").exists()
 
 
+@pytest.mark.slow
 def test_merge_at_end_leaves_the_final_model_merged(tmp_path):
     """``poet.merge_at_end``: a merge after the last step too, so the evaluated and saved model
     has R = P = I (a same-format export writes its stored codes as they are)."""
@@ -354,6 +355,7 @@ def test_divergence_stops_with_one_line_and_saves_nothing_after(tmp_path, capsys
     assert saved and max(saved) < bad_step  # the good ones are kept, none after the divergence
 
 
+@pytest.mark.slow
 def test_tied_embeddings_run_saves_and_resumes(tmp_path):
     # lm_head.weight is embed_tokens.weight: safetensors refuses shared storage unless copied
     tied = ("--set", "model.tie_word_embeddings=true", "--save-every", "2")
@@ -364,6 +366,7 @@ def test_tied_embeddings_run_saves_and_resumes(tmp_path):
     assert step2 and all(load_file(str(p)) for p in step2)  # the periodic checkpoint too
 
 
+@pytest.mark.slow
 def test_eval_lines_carry_the_current_loss_and_metrics_are_strict_json(tmp_path):
     # eval_every 3 is not a multiple of log_every 5: the eval record must still hold a real loss
     assert _run(tmp_path, "--run-name", "ev", "--max-steps", "7", "--eval-every", "3") == 0
@@ -373,6 +376,7 @@ def test_eval_lines_carry_the_current_loss_and_metrics_are_strict_json(tmp_path)
     assert evals and math.isfinite(evals[0]["loss"]) and evals[0]["loss"] > 0
 
 
+@pytest.mark.slow
 def test_eval_every_0_validates_at_the_start_and_the_end_only(tmp_path, capsys):
     assert _run(tmp_path, "--run-name", "e0", "--max-steps", "4", "--eval-every", "0") == 0
     lines = (tmp_path / "e0" / "metrics.jsonl").read_text().splitlines()
@@ -383,6 +387,7 @@ def test_eval_every_0_validates_at_the_start_and_the_end_only(tmp_path, capsys):
     assert "train.eval_every" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, monkeypatch):
     # log_every 1000: the NaN of step 3 is caught before the merge of step 4, not at the end
     import poetxq.train as train_mod
@@ -422,6 +427,7 @@ def test_resume_auto_restarts_a_start_stopped_before_its_first_checkpoint(tmp_pa
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_signal_during_the_final_evaluation_waits_for_the_outputs(tmp_path, monkeypatch):
     import os
     import signal
@@ -564,6 +570,7 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
     import os
     import signal
@@ -594,6 +601,7 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
     assert json.loads((run / "summary.json").read_text())["interrupted"]
 
 
+@pytest.mark.slow
 def test_progress_bar_shows_both_learning_rates(tmp_path, capsys):
     # lr is the base rate (embeddings, lm_head, norms) as in metrics.jsonl; poet_lr the Q rate
     args = [a for a in TINY if a != "--no-progress"]
@@ -606,6 +614,7 @@ def test_progress_bar_shows_both_learning_rates(tmp_path, capsys):
     assert f"lr={row['lr']:.2e}," in last and f"poet_lr={row['poet_lr']:.2e}," in last
 
 
+@pytest.mark.slow
 def test_tokens_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
     """A 1 s evaluation every 2 steps shows in no logged window and not in summary.json's
     tokens/s (which counts training steps only), while train_seconds still holds it."""
@@ -633,6 +642,7 @@ def test_tokens_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
     assert summary["tokens"] / summary["tokens_per_s"] < summary["train_seconds"] - 0.95
 
 
+@pytest.mark.slow
 def test_method_switch_names_the_kept_settings(tmp_path, capsys):
     """--method on a recipe written for another method keeps that recipe's optimizer settings;
     the run says so and names the method's own tiny recipe. The same method: no note."""
@@ -653,6 +663,7 @@ def test_method_switch_names_the_kept_settings(tmp_path, capsys):
     assert "replaces the method" not in out and "s), 0 merges; val ppl" in out
 
 
+@pytest.mark.slow
 def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     """A second train into a run directory another process holds (here `--overwrite`, which
     would delete its outputs) stops with one line naming the holder's pid; nothing changes."""
@@ -734,6 +745,7 @@ def test_a_file_system_without_flock_trains_unlocked(tmp_path, monkeypatch):
         lock_run_dir(tmp_path)
 
 
+@pytest.mark.slow
 def test_a_zero_gradient_norm_is_noted_once(tmp_path, capsys, monkeypatch):
     """A run whose gradients vanish (a fresh-user review saw AdamW at lr 1e6 sit at loss ln V
     with grad norm 0 and exit 0 silently) gets one note naming the likely cause."""
@@ -778,6 +790,7 @@ def test_a_set_that_contradicts_a_flag_is_one_line(tmp_path, capsys):
     assert "conflicts with --batch-size 2" in _one_error_line(capsys)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, capsys, monkeypatch):
     import errno
 
@@ -801,6 +814,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, cap
     assert ck.latest_checkpoint(tmp_path / "r").name == "step-00000002"
 
 
+@pytest.mark.slow
 def test_a_full_disk_before_any_checkpoint_advises_no_resume(tmp_path, capsys, monkeypatch):
     import errno
 
@@ -830,6 +844,7 @@ def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_the_callers_signal_handlers_are_back_after_a_run(tmp_path):
     """main() installs its own SIGTERM handler and the trainer SIGINT/SIGTERM handlers while a
     run goes; the caller's own are back when main returns."""

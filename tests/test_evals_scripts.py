@@ -274,6 +274,7 @@ def test_cnp_rounding_emulates_the_hybrid_and_ranks_the_cheaper_factorizations()
     assert bwd["A/Z"] > 1.3 * bwd["hybrid"]
 
 
+@pytest.mark.slow
 def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     mod = _load("host_profile")
     out = tmp_path / "host.txt"

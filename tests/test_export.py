@@ -186,6 +186,7 @@ def test_export_writes_the_training_merges_codes_unpermuted(bits, quant_type, re
     assert _rel(w_out, layer.stored_w0()) < (0.005 if requant == "stochastic" else 0.001)
 
 
+@pytest.mark.slow
 def test_4bit_rows_not_multiple_of_64_match_bnb_reference_backend():
     """Blocks that straddle rows: our bytes decode the same as bitsandbytes' pure-torch backend.
 
@@ -246,6 +247,7 @@ def _digest(run_dir) -> dict[str, str]:
     }  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("bits", "fmt", "vs_ours"),
     # vs the run's own model after export's merge (where it merges): bf16 ~0.3 %; int8 export of
@@ -285,6 +287,7 @@ def test_export_loads_with_from_pretrained_and_logits_match(runs, tmp_path, bits
     assert _rel(ref, ours) < vs_ours
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("run_name", "quant_type"), [("b4", "nf4"), ("b4fp4", "fp4")])
 def test_bnb4_export_is_the_run_after_one_training_merge(runs, tmp_path, run_name, quant_type):
     """hf-bnb4 of a 4-bit run between merges (R, P != I): export merges as training does and writes
@@ -338,6 +341,7 @@ def test_bnb4_export_is_the_run_after_one_training_merge(runs, tmp_path, run_nam
     assert vs_unmerged < 0.25  # reported, not a tight bound: one 4-bit rounding
 
 
+@pytest.mark.slow
 def test_export_refuses_non_empty_out_dir(runs, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -361,6 +365,7 @@ def test_export_refuses_non_empty_out_dir(runs, tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temp left
 
 
+@pytest.mark.slow
 def test_export_into_an_unwritable_folder_is_one_line(runs, tmp_path, capsys, monkeypatch):
     from pathlib import Path
 
@@ -374,6 +379,7 @@ def test_export_into_an_unwritable_folder_is_one_line(runs, tmp_path, capsys, mo
     assert "Permission denied" in err[0] and ".tmp-" not in err[0]
 
 
+@pytest.mark.slow
 def test_a_damaged_run_config_is_one_line(runs, tmp_path, capsys):
     import shutil
 
@@ -386,6 +392,7 @@ def test_a_damaged_run_config_is_one_line(runs, tmp_path, capsys):
     assert "the run directory is damaged" in err[0] and not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_export_never_overwrites_the_run_or_its_parent(runs, capsys):
     before = sorted(p.name for p in runs.iterdir())
     files = sorted(p.name for p in (runs / "b8").iterdir())
@@ -398,6 +405,7 @@ def test_export_never_overwrites_the_run_or_its_parent(runs, capsys):
     assert sorted(p.name for p in (runs / "b8").iterdir()) == files
 
 
+@pytest.mark.slow
 def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     out.mkdir()
@@ -414,6 +422,7 @@ def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, cap
     assert not [p for p in tmp_path.iterdir() if p.name != "out"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
 def test_export_of_checkpoint_with_bad_quant_state_is_one_error(runs, tmp_path, capsys, damage):
     import shutil
@@ -441,6 +450,7 @@ def test_export_of_a_non_run_is_one_error(tmp_path, capsys):
     assert len(err) == 1 and "not a finished run directory" in err[0]
 
 
+@pytest.mark.slow
 def test_export_refuses_non_finite_weights_and_writes_into_cwd(runs, tmp_path, capsys,
                                                                monkeypatch):  # fmt: skip
     import shutil

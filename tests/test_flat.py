@@ -188,6 +188,7 @@ def _poet_model(seed: int):
     return model, OptimConfig(state_bits=8)
 
 
+@pytest.mark.slow
 def test_flattened_poet_model_trains_like_an_unflattened_one():
     """build_optimizer flattens Q (in the batched CNP's order) and the norms; the CNP then reads
     Q through one view, the gradients arrive end to end, and two training steps give the same

@@ -251,6 +251,7 @@ _LOWMEM_BASE = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_training_with_every_option_equals_training_without(tmp_path, tiny_train):
     want, _ = tiny_train("plain", *_LOWMEM_BASE)
     got, rows = tiny_train(
@@ -324,6 +325,7 @@ def test_train_refuses_the_options_under_ddp(tmp_path, capsys, monkeypatch, opti
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.slow
 def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch):
     """The chunked loss calls the decoder directly, past the autocast that accelerate wraps
     around the model's forward; the trainer must enter it itself (else bf16 runs compute the
@@ -368,6 +370,7 @@ def test_estimate_names_the_phase_of_the_peak():
     assert "at the start of backward" in format_estimate(est)
 
 
+@pytest.mark.slow
 def test_in_backward_with_8bit_states_resumes_and_may_be_turned_off(tmp_path, monkeypatch):
     """8-bit states + optimizer in backward: no false LR-scheduler-order warning; a run resumed
     from its step-2 checkpoint with the option turned off (memory settings may change on
@@ -404,6 +407,7 @@ def test_in_backward_with_8bit_states_resumes_and_may_be_turned_off(tmp_path, mo
     assert [b[s] for s in (3, 4)] == pytest.approx([a[s] for s in (3, 4)], rel=rel)
 
 
+@pytest.mark.slow
 def test_resume_may_turn_the_optimizer_into_backward_on_with_clipping_off(
     tmp_path, monkeypatch, capsys
 ):

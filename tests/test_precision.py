@@ -62,6 +62,7 @@ def test_cast_parameters_casts_every_float_parameter_and_no_buffer(bits):
     assert cast_parameters(model) == 0  # already bf16
 
 
+@pytest.mark.slow
 def test_bf16_true_run_trains_bf16_parameters_and_matches_fp32_to_bf16_precision(
     tmp_path, tiny_train
 ):
@@ -116,6 +117,7 @@ def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
     assert "'fp16': choose from autocast, bf16-true, fp32" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_summary_and_the_cpu_note_name_the_precision(tiny_train, tmp_path, capsys):
     tiny_train("b", "--set", "train.precision=bf16-true", "--max-steps", "1")
     out = capsys.readouterr().out
@@ -129,6 +131,7 @@ def test_summary_and_the_cpu_note_name_the_precision(tiny_train, tmp_path, capsy
     assert json.loads((tmp_path / "f" / "summary.json").read_text())["precision"] == "fp32"
 
 
+@pytest.mark.slow
 def test_bench_notes_bf16_on_the_cpu_as_train_does(tmp_path, capsys):
     out = tmp_path / "b.json"
     sets = ["--set", "model.num_hidden_layers=1", "--steps", "1", "--device", "cpu"]
@@ -141,6 +144,7 @@ def test_bench_notes_bf16_on_the_cpu_as_train_does(tmp_path, capsys):
     assert "on the CPU: bf16" not in capsys.readouterr().out  # auto is fp32 there
 
 
+@pytest.mark.slow
 def test_bench_follows_train_precision(tmp_path):
     out = tmp_path / "b.json"
     sets = ["--set", "train.precision=bf16-true", "--set", "model.num_hidden_layers=1"]

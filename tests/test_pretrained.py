@@ -116,6 +116,7 @@ def test_step0_logits_equal_original_within_quantization_error(checkpoint, bits)
         torch.testing.assert_close(w0.norm(dim=1), w.norm(dim=1), rtol=rtol, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("bits", "fmt"), [(8, "hf-bnb8"), (4, "hf-bf16")])
 def test_model_trains_and_exports_back(checkpoint, tmp_path, bits, fmt):
     code = main(["quantize-and-train", *RUN, "--model", str(checkpoint), "--bits", str(bits),

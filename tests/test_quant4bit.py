@@ -133,6 +133,7 @@ def test_make_frozen_weight_rejects_unknown_quant_type():
         make_frozen_weight(torch.randn(4, 64), 4, quant_type="int3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [True, False])
 def test_stochastic_rounding_is_unbiased(quant_type, double_quant, gen):
@@ -197,6 +198,7 @@ def test_dequantize_4bit_blockwise_dtype(gen):
     assert torch.equal(out, F.dequantize_4bit(ref, st))
 
 
+@pytest.mark.slow
 def test_cli_bits4_short_run_writes_bnb_keys(tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
     from test_cli import TINY

@@ -108,6 +108,7 @@ def test_relayout_is_wanted_on_cuda_with_expandable_segments_only(monkeypatch, e
     assert relayout_wanted(torch.device("cpu")) is False
 
 
+@pytest.mark.slow
 def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tiny_train, monkeypatch, capsys):
     """The trainer's relayout (forced on the CPU) changes no number of a 3-step run with a merge."""
     import poetxq.relayout as relayout_mod
