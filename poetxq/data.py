@@ -18,6 +18,10 @@ Sources (``DataConfig.source``):
   If a directory (or glob) holds files whose names contain ``validation`` and files whose names
   contain ``train``, those files are the validation and training splits (as in a local C4 copy)
   and ``val_fraction`` is not used; files matching neither are ignored.
+* a token corpus folder (``corpus.json`` inside; :mod:`poetxq.corpus`, built by
+  ``evals/prepare_offline_corpus.py``) -- already tokenized and split: its ``train`` split trains,
+  its ``tune`` split validates, with its own tokenizer (``vocab_size`` and ``val_fraction`` do not
+  apply; ``max_train_tokens`` / ``max_val_tokens`` do).
 * ``"hf:<name>"`` -- a Hugging Face dataset (e.g. ``hf:allenai/c4`` with ``hf_config="en"``),
   streamed by default; streaming needs ``max_train_tokens``. Validation comes from
   ``hf_val_split`` when set, else from the document split.
@@ -1115,6 +1119,28 @@ def _load_cache(entry: Path, key: str, spec: _TokenizerSpec) -> _Streams | None:
 # --------------------------------------------------------------------------------------------
 
 
+def _token_corpus_data(cfg: DataConfig, seq_len: int) -> TokenData | None:
+    """A pre-tokenized corpus folder (:mod:`poetxq.corpus`, ``corpus.json`` inside): its
+    ``train`` split trains, its ``tune`` split validates; its own tokenizer is used."""
+    from poetxq.corpus import MANIFEST, CorpusError, TokenCorpus, token_data
+
+    path = Path(cfg.source.strip()).expanduser()
+    if not (path / MANIFEST).is_file():
+        return None
+    if cfg.tokenizer != "bpe":
+        raise DataError(
+            f"{path} is a pre-tokenized corpus with its own tokenizer; drop --tokenizer "
+            f"{cfg.tokenizer} (data.tokenizer)"
+        )
+    try:
+        return token_data(
+            TokenCorpus.open(path), seq_len, heldout="tune",
+            max_train_tokens=cfg.max_train_tokens, max_val_tokens=cfg.max_val_tokens,
+        )  # fmt: skip
+    except CorpusError as exc:
+        raise DataError(str(exc)) from None
+
+
 def prepare_data(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenData:
     """Load, split, tokenize (cached on disk) and pack the corpus named by ``cfg``.
 
@@ -1124,6 +1150,9 @@ def prepare_data(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> Tok
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be at least 1, got {seq_len}")
+    corpus = _token_corpus_data(cfg, seq_len)
+    if corpus is not None:
+        return corpus
     source = _resolve_source(cfg)
     spec = _resolve_tokenizer(cfg)
     key = _cache_key(cfg, source, spec)

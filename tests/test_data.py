@@ -500,3 +500,26 @@ def test_binary_txt_file_is_refused_by_name(tmp_path: Path) -> None:
     # a stray undecodable byte in real text stays accepted (replaced, as before)
     (src / "image.txt").write_bytes(("Caf\u00e9 text. " * 200).encode() + b"\xff")
     assert any("\ufffd" in d for d in _all_docs(DataConfig(source=str(src), val_fraction=0.2)))
+
+
+def test_token_corpus_folder_is_a_data_source(tmp_path: Path) -> None:
+    """A poetxq.corpus folder trains on its train split and validates on its tune split, with its
+    own tokenizer; its windows are the corpus's streams cut at seq_len + 1."""
+    from poetxq.corpus import write_token_corpus
+
+    enc = data_mod._train_bpe(DOCS, 300, progress=False)
+    ids = {
+        "train": {"a": enc.encode_batch(DOCS[:30])},
+        "tune": {"a": enc.encode_batch(DOCS[30:35])},
+        "test": {"a": enc.encode_batch(DOCS[35:])},
+    }
+    write_token_corpus(tmp_path / "c", enc.tokenizer, enc.eos_id, ids)
+    td = prepare_data(DataConfig(source=str(tmp_path / "c"), max_val_tokens=None), 15)
+    train = [t for doc in ids["train"]["a"] for t in [*doc, enc.eos_id]]
+    tune = [t for doc in ids["tune"]["a"] for t in [*doc, enc.eos_id]]
+    assert td.train_tokens == len(train) and td.eos_id == enc.eos_id
+    assert td.train.flatten().tolist() == train[: len(train) // 16 * 16]
+    assert td.val.flatten().tolist() == tune[: len(tune) // 16 * 16]
+    assert td.vocab_size == enc.tokenizer.get_vocab_size(with_added_tokens=True)
+    with pytest.raises(DataError, match="pre-tokenized corpus with its own tokenizer"):
+        prepare_data(DataConfig(source=str(tmp_path / "c"), tokenizer="gpt2"), 15)
