@@ -231,6 +231,39 @@ def _read_results(path: Path, study: Study) -> dict[str, Any]:
     return {"study": study.model_dump(mode="json"), "runs": {}, "calls": []}
 
 
+def _corpus_identity(study: Study) -> dict[str, Any]:
+    from poetxq.corpus import CorpusError, TokenCorpus
+
+    try:
+        m = TokenCorpus.open(REPO / study.corpus).manifest
+    except CorpusError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return {
+        "vocab_size": m["vocab_size"],
+        "splits": {
+            name: {k: s[k] for k in ("tokens", "documents", "sha256")}
+            for name, s in m["splits"].items()
+        },
+        "sources": {
+            src: {split: s["sources"].get(src, [0, 0, 0])[2] for split, s in m["splits"].items()}
+            for src in m["splits"]["train"]["sources"]
+        },
+    }
+
+
+def _check_corpus(study: Study, results: dict[str, Any]) -> None:
+    """Record the corpus's splits (tokens, documents, SHA-256) in the results; refuse a corpus
+    that differs from the one the earlier runs of this study used."""
+    now = _corpus_identity(study)
+    before = results.get("corpus")
+    if before is not None and before["splits"] != now["splits"]:
+        raise SystemExit(
+            f"error: {study.corpus} is not the corpus this study's earlier runs used (its splits' "
+            "SHA-256 differ); rebuild it with the same command or start a new results file"
+        )
+    results["corpus"] = now
+
+
 class _Worker:
     def __init__(self, spec: dict, study_file: Path, run_dir: Path, gpu: str | None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,6 +296,7 @@ def execute(
     """
     t0 = time.monotonic()
     results = _read_results(results_path, study)
+    _check_corpus(study, results)
     results.setdefault("calls", []).append({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),

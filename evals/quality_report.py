@@ -119,6 +119,23 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             + (f" Note: {results['note']}" if results.get("note") else "")
         )
         out.append("")
+    corpus = results.get("corpus")
+    if corpus:
+        sp = corpus["splits"]
+        out += [
+            f"Corpus `{study.corpus}` (vocabulary {corpus['vocab_size']:,}): "
+            + ", ".join(
+                f"{k} {v['tokens'] / 1e6:.2f}M tokens / {v['documents']:,} documents"
+                for k, v in sp.items()
+            )
+            + f"; {study.tokens / sp['train']['tokens']:.2f} epochs per run. Sources (documents "
+            "per split): "
+            + "; ".join(
+                f"{s} {'/'.join(str(n) for n in c.values())}" for s, c in corpus["sources"].items()
+            )
+            + ".",
+            "",
+        ]
     out += ["| method | test ppl (mean ± sd) | seeds | vs " + study.reference
             + " | best setting (effective lr) | trials | steps | epochs | tok/s (no eval) "
             "| peak GiB | tune − train (nats) |",
