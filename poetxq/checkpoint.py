@@ -27,7 +27,6 @@ Only after the new checkpoint is complete are the oldest ones beyond ``keep_last
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -42,6 +41,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from poetxq.paths import file_sha256
 
 FORMAT = "poetxq-training-checkpoint"
 VERSION = 1
@@ -221,14 +222,6 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of ``run_dir`` as ``(step, path)``, oldest first (temp dirs ignored)."""
     root = Path(run_dir) / CHECKPOINT_DIR
@@ -377,7 +370,7 @@ def save_training_checkpoint(
         files = {}
         for f in _FILES:
             _fsync_path(tmp / f)
-            files[f] = {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
+            files[f] = {"bytes": (tmp / f).stat().st_size, "sha256": file_sha256(tmp / f)}
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -444,7 +437,7 @@ def read_checkpoint(ckpt_dir: Path) -> dict[str, Any]:
         path = ckpt_dir / name
         if not path.is_file():
             raise CheckpointError(f"checkpoint file '{path}' is missing; {hint}")
-        if path.stat().st_size != info["bytes"] or _sha256(path) != info["sha256"]:
+        if path.stat().st_size != info["bytes"] or file_sha256(path) != info["sha256"]:
             raise CheckpointError(
                 f"checkpoint file '{path}' is corrupted (size or SHA-256 differs from "
                 f"state.json); {hint}"

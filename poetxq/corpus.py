@@ -24,7 +24,6 @@ takes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import lzma
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from poetxq.paths import file_sha256
+
 __all__ = ["FORMAT", "CorpusError", "TokenCorpus", "token_data", "write_token_corpus"]
 
 FORMAT = "poetxq-token-corpus/1"
@@ -42,14 +43,6 @@ MANIFEST = "corpus.json"
 
 class CorpusError(ValueError):
     """A token corpus folder that is missing, damaged or of another format (one-line message)."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_token_corpus(
@@ -103,7 +96,7 @@ def write_token_corpus(
         tmp.replace(folder / name)
         manifest["splits"][split] = {
             "file": name,
-            "sha256": _sha256(folder / name),
+            "sha256": file_sha256(folder / name),
             "tokens": int(stream.size),
             "documents": n_docs,
             "sources": ranges,
@@ -166,7 +159,7 @@ class TokenCorpus:
         path = self.folder / info["file"]
         if not path.is_file():
             raise CorpusError(f"{path} is missing; rebuild or copy the whole corpus folder")
-        if _sha256(path) != info["sha256"]:
+        if file_sha256(path) != info["sha256"]:
             raise CorpusError(f"{path} does not match its SHA-256 in {MANIFEST}; copy it again")
         data = lzma.decompress(path.read_bytes())
         stream = np.frombuffer(data, dtype="<u2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -44,3 +45,12 @@ def unwritable_reason(path: Path) -> str | None:
 #: advisory lock file of a run directory, held by the process that trains into it
 #: (:func:`poetxq.train.lock_run_dir`); not a run output
 RUN_LOCK = ".poetxq.lock"
+
+
+def file_sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 16 MiB chunks (checkpoint and corpus manifests)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
