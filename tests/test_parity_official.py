@@ -187,6 +187,7 @@ def poet():
         return op.load(OFFICIAL)
 
 
+@pytest.mark.slow
 def test_both_trainers_on_a_tiny_model_on_cpu(po, poet, tmp_path):
     """Both sides train 4 steps (merge every 2, the last step included) under bf16 autocast (the
     default precision; the official custom ops through OFFICIAL_AUTOCAST) on the same batches and
