@@ -113,7 +113,7 @@ def test_many_shapes_stay_compiled(restore_rope):
         for hidden in (64, 32):
             model = _fused_tiny(hidden)
             assert fuse_elementwise(model, backend="aot_eager") > 0
-            for batch, seq in ((2, 4), (3, 5), (2, 6), (3, 7)):  # batch 1 would be specialized
+            for batch, seq in ((2, 4), (3, 5), (2, 6)):  # batch 1 would be specialized
                 ids = torch.randint(0, 97, (batch, seq), generator=torch.Generator())
                 model(input_ids=ids, labels=ids).loss.backward()
     fell_back = [k for k in counters["unimplemented"] if "recompile limit" in k.lower()]
