@@ -7,7 +7,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import signal
+
 import pytest
+
+# A shell that starts a command in the background (`cmd &`, as CI wrappers may) hands it SIGINT
+# ignored; the interrupt tests need Python's own Ctrl-C handler, as in an interactive run.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Keep CPU tests reproducible and light on the 2-core CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
