@@ -280,6 +280,15 @@ class _Worker:
         self.start = time.monotonic()
 
 
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a worker's log (its error line, or a traceback's last)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    return next((ln.strip() for ln in reversed(lines) if ln.strip()), "empty log")
+
+
 def execute(
     study: Study,
     study_file: Path,
@@ -327,8 +336,10 @@ def execute(
                 echo(f"done {w.spec['id']}: {how}, {durations[-1]:.0f} s")
             else:
                 failed.add(w.spec["id"])
+                log = w.run_dir / "worker.log"
                 echo(
-                    f"FAILED {w.spec['id']} (exit {w.proc.returncode}); see {w.run_dir}/worker.log"
+                    f"FAILED {w.spec['id']} (exit {w.proc.returncode}): {_last_line(log)}; "
+                    f"see {log}"
                 )
         elapsed = time.monotonic() - t0
         if deadline is not None and elapsed >= deadline and running:
@@ -446,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     study = load_study(args.study)
     results_path = Path(args.results) if args.results else REPO / study.results
     if args.cmd == "plan":
+        _corpus_identity(study)  # a missing or incomplete corpus: one line now, not in a worker
         pending, state = plan_runs(study, _read_results(results_path, study))
         for name, s in state.items():
             print(f"{name}: {'tuned, best ' + json.dumps(s['best']) if s['tuned'] else 'tuning'}")

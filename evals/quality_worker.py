@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from evals.quality import Study, load_study  # noqa: E402
 from poetxq.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
-from poetxq.corpus import TokenCorpus, pack_windows, token_data  # noqa: E402
+from poetxq.corpus import CorpusError, TokenCorpus, pack_windows, token_data  # noqa: E402
 from poetxq.evaluate import evaluate_perplexity  # noqa: E402
 from poetxq.recipe import POET_METHODS, Recipe, load_recipe  # noqa: E402
 from poetxq.train import DivergedError, train  # noqa: E402
@@ -139,7 +139,16 @@ def score(recipe: Recipe, run_dir: Path, corpus: TokenCorpus, train_windows: tor
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """Train and score the run in ``argv[1]`` (``[STUDY.yaml, RUN_DIR]``); returns the exit
+    status (0 done, 3 stopped by a signal, 2 a damaged or incomplete corpus: one line)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except CorpusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     study = load_study(argv[0])
     run_dir = Path(argv[1])
     spec = json.loads((run_dir / "spec.json").read_text())

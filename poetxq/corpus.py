@@ -116,10 +116,12 @@ class TokenCorpus:
 
     @classmethod
     def open(cls, folder: str | Path) -> TokenCorpus:
-        """Read ``folder/corpus.json``.
+        """Read ``folder/corpus.json`` and check that the files it names are there (their
+        contents are checked when read: :meth:`tokens`, :meth:`tokenizer`).
 
         Raises:
-            CorpusError: no manifest, unreadable JSON, or another format.
+            CorpusError: no manifest, unreadable JSON, another format, or a missing tokenizer or
+                split file (one line naming the file and how to get it back).
         """
         folder = Path(folder)
         path = folder / MANIFEST
@@ -134,6 +136,16 @@ class TokenCorpus:
             raise CorpusError(f"{path} is unreadable ({exc}); rebuild the corpus") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CorpusError(f"{path} is not of format {FORMAT}; rebuild the corpus")
+        splits = manifest.get("splits")
+        if not isinstance(splits, dict) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) for s in splits.values()
+        ):
+            raise CorpusError(f"{path} lists no valid splits; rebuild the corpus")
+        files = {str(manifest.get("tokenizer", "tokenizer.json")): "tokenizer"}
+        files.update({s["file"]: f"{name} split" for name, s in splits.items()})
+        for name, what in files.items():
+            if not (folder / name).is_file():
+                raise CorpusError(_missing(folder, name, what))
         return cls(folder, manifest)
 
     @property
@@ -158,7 +170,7 @@ class TokenCorpus:
         info = self._split(split)
         path = self.folder / info["file"]
         if not path.is_file():
-            raise CorpusError(f"{path} is missing; rebuild or copy the whole corpus folder")
+            raise CorpusError(_missing(self.folder, info["file"], f"{split} split"))
         if file_sha256(path) != info["sha256"]:
             raise CorpusError(f"{path} does not match its SHA-256 in {MANIFEST}; copy it again")
         data = lzma.decompress(path.read_bytes())
@@ -174,10 +186,34 @@ class TokenCorpus:
         return {s: (r[0], r[1]) for s, r in self._split(split)["sources"].items()}
 
     def tokenizer(self) -> Any:
-        """The corpus's ``tokenizers.Tokenizer``."""
+        """The corpus's ``tokenizers.Tokenizer``.
+
+        Raises:
+            CorpusError: the tokenizer file is missing or unreadable.
+        """
         from tokenizers import Tokenizer
 
-        return Tokenizer.from_file(str(self.folder / self.manifest["tokenizer"]))
+        name = str(self.manifest.get("tokenizer", "tokenizer.json"))
+        path = self.folder / name
+        if not path.is_file():
+            raise CorpusError(_missing(self.folder, name, "tokenizer"))
+        try:
+            return Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a bad file
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise CorpusError(
+                f"{path} is not a readable tokenizer ({first}); copy it again from the folder "
+                f"the corpus was built in, or rebuild the corpus"
+            ) from None
+
+
+def _missing(folder: Path, name: str, what: str) -> str:
+    """The one line for a corpus file that is not there: which file, and the two ways out."""
+    return (
+        f"token corpus {folder} lacks {name} (its {what}); rebuild the folder with python "
+        f"evals/prepare_offline_corpus.py --out {folder}, or copy {name} from the corpus folder "
+        "it was built in"
+    )
 
 
 def pack_windows(stream: np.ndarray, seq_len: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,65 @@ def test_token_corpus_round_trip_and_integrity(corpus, tmp_path):
         corpus.tokens("valid")
     with pytest.raises(CorpusError, match="not a token corpus"):
         TokenCorpus.open(tmp_path)
+
+
+def _without(corpus: TokenCorpus, tmp_path: Path, name: str) -> Path:
+    """A copy of ``corpus`` without the file ``name``."""
+    import shutil
+
+    folder = tmp_path / "incomplete"
+    shutil.copytree(corpus.folder, folder)
+    (folder / name).unlink()
+    return folder
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "test.u16.xz"])
+def test_a_missing_corpus_file_is_one_line_naming_it_and_the_fix(corpus, tmp_path, name):
+    folder = _without(corpus, tmp_path, name)
+    with pytest.raises(CorpusError) as err:
+        TokenCorpus.open(folder)
+    msg = str(err.value)
+    assert "\n" not in msg and f"lacks {name}" in msg
+    assert f"prepare_offline_corpus.py --out {folder}" in msg and f"copy {name}" in msg
+    # a file lost after opening: tokenizer() and tokens() say the same
+    opened = TokenCorpus.open(corpus.folder)
+    opened.folder = folder
+    with pytest.raises(CorpusError, match=re.escape(f"lacks {name}")):
+        opened.tokenizer() if name == "tokenizer.json" else opened.tokens("test")
+    # a damaged tokenizer file is one line too (tokenizers raises a bare Exception)
+    (tmp_path / "bad_tok").mkdir()
+    opened.folder = tmp_path / "bad_tok"
+    (opened.folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CorpusError, match="not a readable tokenizer"):
+        opened.tokenizer()
+
+
+def test_cli_paths_report_an_incomplete_corpus_in_one_line(corpus, tmp_path, capsys):
+    """``quality.py plan`` / ``run`` and ``poetxq train --data`` on a corpus without its
+    tokenizer: one error line naming the file, a non-zero exit, no traceback."""
+    import subprocess
+    import sys
+
+    from evals.quality import main as quality_main
+    from poetxq.cli import main as poetxq_main
+
+    folder = _without(corpus, tmp_path, "tokenizer.json")
+    study = _study(tmp_path, folder)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "evals/quality.py", "plan", str(study)],
+        cwd=repo, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    err = proc.stderr.strip()
+    assert proc.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "lacks tokenizer.json" in err and "prepare_offline_corpus.py" in err
+    with pytest.raises(SystemExit, match=r"lacks tokenizer\.json"):
+        quality_main(["run", str(study)])
+    assert not (tmp_path / "runs").exists()  # no worker started
+    capsys.readouterr()
+    code = poetxq_main(["train", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "lacks tokenizer.json" in err[0], err
 
 
 # ------------------------------------------------------------------------- planner and runner
