@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,7 +50,10 @@ sys.path.insert(0, str(REPO))
 from evals._common import git_commit, write_json_atomic  # noqa: E402
 from evals.quality_stats import best_point, decide, extension_points  # noqa: E402
 
-__all__ = ["Study", "load_study", "plan_runs", "run_id"]
+if TYPE_CHECKING:
+    from poetxq.recipe import Recipe
+
+__all__ = ["Study", "check_runs", "load_study", "plan_runs", "run_id", "run_recipe"]
 
 
 class _Strict(BaseModel):
@@ -134,6 +137,78 @@ def _spec(study: Study, method: str, recipe: str, params: dict, seed: int, extra
         "seed": seed,
         "extra": extra,
     }
+
+
+def run_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
+    """The run's recipe: the study's model and the method's recipe file, then the shared
+    settings, the method's own knobs, the grid point, and the run's length, seed and schedule.
+
+    The one place a run's config is composed: the worker trains with it, and :func:`check_runs`
+    builds it for every run at plan time.
+
+    Raises:
+        RecipeError: an unknown key or invalid value (one line naming the key).
+    """
+    from poetxq.recipe import load_recipe
+
+    path = f"{study.model}:{spec['recipe']}"
+    overrides = {**study.shared, **spec["extra"], **spec["params"]}
+    tc = load_recipe(path, overrides).train
+    steps = max(1, math.ceil(study.tokens / (tc.batch_size * tc.grad_accum * tc.seq_len)))
+    overrides = {
+        **overrides,
+        "name": f"{study.name}-{spec['id']}",
+        "train.max_steps": steps,
+        "train.seed": spec["seed"],
+        "train.eval_every": max(1, steps // study.eval_points),
+        "train.log_every": max(1, min(50, steps // 20)),
+        "train.save_checkpoint": True,
+        "optim.warmup_steps": round(study.warmup_fraction * steps),
+    }
+    return load_recipe(path, overrides)
+
+
+def _probe_specs(study: Study) -> list[dict]:
+    """One run of every method and control (at the first grid point), so that a bad key in a
+    method or control that has no pending run yet is found now too."""
+    specs = []
+    for method, m in study.methods.items():
+        first = _grid(m, [])[0]
+        specs.append(_spec(study, method, m.recipe, first, study.tune_seeds[0], m.set))
+    for name, c in study.controls.items():
+        like = study.methods[c.like]
+        first = _grid(like, [])[0]
+        extra = {**like.set, **c.set}
+        specs.append(_spec(study, name, c.recipe, first, study.final_seeds[0], extra))
+    return specs
+
+
+def check_runs(study: Study, study_file: str | Path, specs: list[dict]) -> dict[str, Recipe]:
+    """Compose the recipe of every run in ``specs`` and of one run per method and control with
+    :func:`run_recipe` (what the worker does), before any run starts.
+
+    Returns:
+        ``{run id: recipe}`` for ``specs``.
+
+    Raises:
+        SystemExit: a run's config is invalid (one line naming the study file, the method and
+            the bad key or value).
+    """
+    from poetxq.recipe import RecipeError
+
+    recipes: dict[str, Recipe] = {}
+    for spec in [*specs, *_probe_specs(study)]:
+        if spec["id"] in recipes:
+            continue
+        try:
+            recipe = run_recipe(study, spec)
+        except RecipeError as exc:
+            raise SystemExit(
+                f"error: study {study_file}: method {spec['method']} (recipe {spec['recipe']}): "
+                f"{exc}"
+            ) from None
+        recipes[spec["id"]] = recipe
+    return {s["id"]: recipes[s["id"]] for s in specs}
 
 
 def _grid(spec: MethodSpec, extended: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -306,6 +381,7 @@ def execute(
     t0 = time.monotonic()
     results = _read_results(results_path, study)
     _check_corpus(study, results)
+    check_runs(study, study_file, plan_runs(study, json.loads(json.dumps(results)))[0])
     results.setdefault("calls", []).append({
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
@@ -459,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "plan":
         _corpus_identity(study)  # a missing or incomplete corpus: one line now, not in a worker
         pending, state = plan_runs(study, _read_results(results_path, study))
+        check_runs(study, args.study, pending)  # a bad key: one line now, not in a worker
         for name, s in state.items():
             print(f"{name}: {'tuned, best ' + json.dumps(s['best']) if s['tuned'] else 'tuning'}")
         for p in pending:

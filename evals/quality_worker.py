@@ -25,32 +25,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evals.quality import Study, load_study  # noqa: E402
+from evals.quality import load_study, run_recipe  # noqa: E402
 from poetxq.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
 from poetxq.corpus import CorpusError, TokenCorpus, pack_windows, token_data  # noqa: E402
 from poetxq.evaluate import evaluate_perplexity  # noqa: E402
-from poetxq.recipe import POET_METHODS, Recipe, load_recipe  # noqa: E402
+from poetxq.recipe import POET_METHODS, Recipe  # noqa: E402
 from poetxq.train import DivergedError, train  # noqa: E402
-
-
-def build_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
-    """The run's recipe: the study's model and the method's recipe file, then the shared
-    settings, the method's own knobs, the grid point, and the run's length, seed and schedule."""
-    path = f"{study.model}:{spec['recipe']}"
-    overrides = {**study.shared, **spec["extra"], **spec["params"]}
-    tc = load_recipe(path, overrides).train
-    steps = max(1, math.ceil(study.tokens / (tc.batch_size * tc.grad_accum * tc.seq_len)))
-    overrides = {
-        **overrides,
-        "name": f"{study.name}-{spec['id']}",
-        "train.max_steps": steps,
-        "train.seed": spec["seed"],
-        "train.eval_every": max(1, steps // study.eval_points),
-        "train.log_every": max(1, min(50, steps // 20)),
-        "train.save_checkpoint": True,
-        "optim.warmup_steps": round(study.warmup_fraction * steps),
-    }
-    return load_recipe(path, overrides)
 
 
 def effective_lrs(recipe: Recipe) -> dict[str, float]:
@@ -152,7 +132,7 @@ def _run(argv: list[str]) -> int:
     study = load_study(argv[0])
     run_dir = Path(argv[1])
     spec = json.loads((run_dir / "spec.json").read_text())
-    recipe = build_recipe(study, spec)
+    recipe = run_recipe(study, spec)
     corpus = TokenCorpus.open(REPO / study.corpus)
     tc = recipe.train
     data = token_data(corpus, tc.seq_len, heldout="tune", max_val_tokens=study.val_tokens)

@@ -260,6 +260,50 @@ def test_planner_extends_a_winning_edge_then_finalizes(tmp_path, corpus):
                                "poet.freeze_orthogonal": True}  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("where", "bad"),
+    [("grid", "optim.poet_lrr"), ("set", "poet.blok_size"), ("control", "poet.freeze_orthogonall")],
+)
+def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where, bad):
+    """A typo in a grid key, a method's knobs or a control (which has no pending run while its
+    method tunes) is found when planning, before any worker starts."""
+    from evals import quality, quality_worker
+
+    poet = {"recipe": "poetxq", "set": {"poet.block_size": 32}, "grid": {"optim.poet_lr": [4e-3]}}
+    controls = {}
+    if where == "grid":
+        poet["grid"] = {bad: [4e-3]}
+    elif where == "set":
+        poet["set"] = {bad: 32}
+    else:
+        controls = {"frozen": {"recipe": "poetxq", "like": "poetxq", "set": {bad: True}}}
+    study = _study(tmp_path, corpus.folder, controls=controls,
+                   methods={"poetxq": poet, "adamw": {"recipe": "adamw",
+                                                      "grid": {"optim.lr": [1e-3]}}})  # fmt: skip
+    method = "frozen" if where == "control" else "poetxq"
+    for cmd in ("plan", "run"):
+        with pytest.raises(SystemExit) as err:
+            quality.main([cmd, str(study)])
+        msg = str(err.value)
+        assert msg.startswith(f"error: study {study}: method {method} ") and "\n" not in msg
+        assert f"unknown key '{bad}'" in msg
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results.json").exists()
+    # the worker composes a run's config with the very function the planner checks
+    assert quality_worker.run_recipe is quality.run_recipe
+
+
+def test_run_recipe_sets_the_run_length_seed_and_schedule(tmp_path, corpus):
+    from evals.quality import check_runs
+
+    study = load_study(_study(tmp_path, corpus.folder))
+    pending, _ = plan_runs(study, {"runs": {}})
+    recipes = check_runs(study, "study.yaml", pending)
+    assert list(recipes) == [p["id"] for p in pending]
+    r = recipes[run_id("adamw", {"optim.lr": 2e-3}, 1)]
+    assert (r.train.max_steps, r.train.seed, r.train.eval_every) == (6, 1, 3)
+    assert r.optim.lr == 2e-3 and r.optim.warmup_steps == 1 and r.train.save_checkpoint
+
+
 @pytest.mark.slow
 def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     from evals.quality import execute
