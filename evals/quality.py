@@ -23,7 +23,7 @@ run folder is still there. ``report`` renders ``docs/QUALITY.md`` from the resul
 Usage::
 
     python evals/prepare_offline_corpus.py --out data/quality-corpus
-    python evals/quality.py plan evals/studies/llama60m_50m.yaml        # what would run next
+    python evals/quality.py plan evals/studies/llama60m_50m.yaml        # what runs next, and why
     python evals/quality.py run evals/studies/llama60m_50m.yaml --jobs 4 --deadline 540
     python evals/quality.py report evals/studies/llama60m_50m.yaml
 """
@@ -37,6 +37,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,10 @@ from evals.quality_stats import best_point, decide, extension_points  # noqa: E4
 if TYPE_CHECKING:
     from poetxq.recipe import Recipe
 
-__all__ = ["Study", "check_runs", "load_study", "plan_runs", "run_id", "run_recipe"]
+__all__ = [
+    "Study", "check_runs", "execute", "format_plan", "load_study", "plan_runs", "run_id",
+    "run_recipe", "summarize",
+]  # fmt: skip
 
 
 class _Strict(BaseModel):
@@ -128,7 +132,9 @@ def run_id(method: str, params: dict[str, Any], seed: int) -> str:
     return f"{method}__{keys}__s{seed}" if keys else f"{method}__s{seed}"
 
 
-def _spec(study: Study, method: str, recipe: str, params: dict, seed: int, extra: dict) -> dict:
+def _spec(
+    study: Study, method: str, recipe: str, params: dict, seed: int, extra: dict, why: str = ""
+) -> dict:
     return {
         "id": run_id(method, params, seed),
         "method": method,
@@ -136,7 +142,38 @@ def _spec(study: Study, method: str, recipe: str, params: dict, seed: int, extra
         "params": params,
         "seed": seed,
         "extra": extra,
+        "why": why,  # shown by `plan`; not part of the run's identity
     }
+
+
+def _point(p: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_fmt(p[k])}" for k in sorted(p))
+
+
+def _extension_origins(grid: dict[str, list[float]], ext: list[dict]) -> dict[str, str]:
+    """Why each grid extension was added: ``{json point: "edge extension of best ..."}``.
+
+    An extension point is its best point with one axis moved past the values tried before it
+    (:func:`evals.quality_stats.extension_points`), so the best point is the extension with that
+    axis set back to the nearest tried value.
+    """
+    tried = {k: set(v) for k, v in grid.items()}
+    out: dict[str, str] = {}
+    for p in ext:
+        moved = [k for k in grid if p[k] not in tried[k]]
+        why = "edge extension"
+        if len(moved) == 1:
+            k = moved[0]
+            low = p[k] < min(tried[k])
+            edge = min(tried[k]) if low else max(tried[k])
+            why = (
+                f"edge extension: best point {_point({**p, k: edge})} is on the "
+                f"{'low' if low else 'high'} edge of {k}"
+            )
+        out[json.dumps(p, sort_keys=True)] = why
+        for k in grid:
+            tried[k].add(p[k])
+    return out
 
 
 def run_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
@@ -174,12 +211,12 @@ def _probe_specs(study: Study) -> list[dict]:
     specs = []
     for method, m in study.methods.items():
         first = _grid(m, [])[0]
-        specs.append(_spec(study, method, m.recipe, first, study.tune_seeds[0], m.set))
+        specs.append(_spec(study, method, m.recipe, first, study.tune_seeds[0], m.set, "probe"))
     for name, c in study.controls.items():
         like = study.methods[c.like]
         first = _grid(like, [])[0]
         extra = {**like.set, **c.set}
-        specs.append(_spec(study, name, c.recipe, first, study.final_seeds[0], extra))
+        specs.append(_spec(study, name, c.recipe, first, study.final_seeds[0], extra, "probe"))
     return specs
 
 
@@ -235,12 +272,15 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
         ext = extensions.setdefault(method, [])
         while True:
             points = _grid(spec, ext)
-            todo = [
-                _spec(study, method, spec.recipe, p, s, spec.set)
-                for p in points
-                for s in study.tune_seeds
-                if run_id(method, p, s) not in done
-            ]
+            origins = _extension_origins(spec.grid, ext)
+            todo: list[dict] = []
+            for p in points:
+                why = origins.get(json.dumps(p, sort_keys=True), "grid point")
+                todo += [
+                    _spec(study, method, spec.recipe, p, s, spec.set, why)
+                    for s in study.tune_seeds
+                    if run_id(method, p, s) not in done
+                ]
             if todo:
                 pending.extend(todo)
                 state[method] = {"tuned": False, "points": points}
@@ -262,15 +302,70 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
             best = state[method]["best"]
             for s in study.final_seeds:
                 if run_id(method, best, s) not in done:
-                    pending.append(_spec(study, method, spec.recipe, best, s, spec.set))
+                    why = f"final seed {s} at the best point"
+                    pending.append(_spec(study, method, spec.recipe, best, s, spec.set, why))
     for name, c in study.controls.items():
         if state[c.like]["tuned"]:
             best = state[c.like]["best"]
             extra = {**study.methods[c.like].set, **c.set}
             for s in study.final_seeds:
                 if run_id(name, best, s) not in done:
-                    pending.append(_spec(study, name, c.recipe, best, s, extra))
+                    why = f"control at {c.like}'s best point, seed {s}"
+                    pending.append(_spec(study, name, c.recipe, best, s, extra, why))
     return _unique(_round_robin(pending)), state
+
+
+def format_plan(
+    study: Study, pending: list[dict], state: dict[str, Any], recipes: dict[str, Recipe]
+) -> list[str]:
+    """``plan``'s lines: per method and control its state, then its pending runs, each with its
+    place in the start order, why it is pending, its optimizer steps and training tokens.
+
+    Args:
+        pending, state: from :func:`plan_runs`.
+        recipes: ``{run id: recipe}`` for ``pending`` (:func:`check_runs`).
+    """
+    order = {p["id"]: n for n, p in enumerate(pending, 1)}
+    lines: list[str] = []
+    total = 0
+    for name in [*study.methods, *study.controls]:
+        runs = [p for p in pending if p["method"] == name]
+        if name in study.methods:
+            st = state[name]
+            size = math.prod(len(v) for v in study.methods[name].grid.values())
+            ext = len(st["points"]) - size
+            head = (
+                f"tuned, best point {_point(st['best'])}"
+                if st["tuned"]
+                else f"tuning, {len(st['points'])} points ({size} grid + {ext} edge extensions)"
+            )
+        else:
+            like = study.controls[name].like
+            head = (
+                f"control at {like}'s best point"
+                if state[like]["tuned"]
+                else f"control, waits until {like} is tuned"
+            )
+        lines.append(f"{name}: {head}; {len(runs)} run(s) pending")
+        width = max((len(p["id"]) for p in runs), default=0)
+        for p in runs:
+            tc = recipes[p["id"]].train
+            steps = tc.max_steps
+            tokens = steps * tc.batch_size * tc.grad_accum * tc.seq_len
+            total += tokens
+            lines.append(
+                f"  [{order[p['id']]}] {p['id']:<{width}}  {steps} steps, {_tokens(tokens)} "
+                f"tokens  {p['why']}"
+            )
+    lines.append(
+        f"{len(pending)} run(s) pending, {_tokens(total)} training tokens; `run` starts them in "
+        "the [order] shown (methods in turn)"
+    )
+    return lines
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
 
 
 def _round_robin(specs: list[dict]) -> list[dict]:
@@ -353,6 +448,14 @@ class _Worker:
             cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.start = time.monotonic()
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the repository when it lies inside it (shorter lines)."""
+    try:
+        return path.relative_to(REPO)
+    except ValueError:
+        return path
 
 
 def _last_line(path: Path) -> str:
@@ -444,7 +547,8 @@ def execute(
             slot += 1
             running.append(_Worker(spec, study_file, runs_root / spec["id"], gpu))
             started += 1
-            echo(f"start {spec['id']}" + (f" on GPU {gpu}" if gpu else ""))
+            log = _shown(runs_root / spec["id"] / "worker.log")
+            echo(f"start {spec['id']}" + (f" on GPU {gpu}" if gpu else "") + f" (log: {log})")
             continue
         if not running:
             break
@@ -503,19 +607,62 @@ def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_RESUME = (
+    "Stopping and resuming: a `run` call may stop anywhere -- at --deadline, after --max-runs, "
+    "or when the machine is lost. Every finished run is written to the results JSON as soon as "
+    "it finishes and is kept. Give the same `run` command again to continue: it plans again from "
+    "the results and starts only the runs still pending. A run stopped part-way by --deadline "
+    "(SIGTERM: it saves a checkpoint first) resumes from that checkpoint when its run folder "
+    "(<runs_dir>/<study name>/<run id>) is still there; a run whose folder is gone, or whose "
+    "machine was lost before it could save one (unless `shared` sets train.save_every), starts "
+    "over. A run that failed is tried again by the next call (its worker.log says why)."
+)
+
+
+def _paragraphs(*texts: str) -> str:
+    return "\n\n".join(textwrap.fill(t, 88, break_on_hyphens=False) for t in texts)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="The quality study runner (plan, run, report).")
+    """``python evals/quality.py plan|run|report``; returns the exit status (errors in the study,
+    its corpus or its recipes end the program with one line and status 1)."""
+    ap = argparse.ArgumentParser(
+        description=_paragraphs(
+            "The quality study runner. `plan` lists the runs still to do (per method: why each "
+            "is pending, its steps and tokens), `run` runs them, `report` renders "
+            "docs/QUALITY.md from the results.",
+            _RESUME,
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for cmd, text in (("plan", "list the runs still to do"), ("run", "run them"),
-                      ("report", "render docs/QUALITY.md from the results")):  # fmt: skip
-        p = sub.add_parser(cmd, help=text, description=text)
+    for cmd, text in (
+        ("plan", "list the runs still to do: per method, why each is pending, steps and tokens"),
+        ("run", "run the pending runs (stops cleanly at --deadline / --max-runs; run again to "
+                "resume)"),
+        ("report", "render docs/QUALITY.md from the results"),
+    ):  # fmt: skip
+        p = sub.add_parser(
+            cmd, help=text, formatter_class=argparse.RawDescriptionHelpFormatter,
+            description=_paragraphs(text[0].upper() + text[1:] + ".",
+                                    *([_RESUME] if cmd == "run" else [])),
+        )  # fmt: skip
         p.add_argument("study", nargs="+" if cmd == "report" else None, help="study YAML file")
         p.add_argument("--results", help="results JSON (default: the study's 'results')")
         if cmd == "run":
             p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
             p.add_argument("--gpus", help="comma-separated GPU ids to spread runs over")
-            p.add_argument("--deadline", type=float, help="stop after this many seconds")
-            p.add_argument("--max-runs", type=int, help="start at most this many runs")
+            p.add_argument(
+                "--deadline", type=float, metavar="SECONDS",
+                help="stop cleanly after this many seconds: no run starts with less than a "
+                "minute (or a typical run's time) left, and running runs get SIGTERM and save a "
+                "checkpoint; a later `run` resumes them",
+            )  # fmt: skip
+            p.add_argument(
+                "--max-runs", type=int, metavar="N",
+                help="start at most N runs in this call and stop when they have finished; a "
+                "later `run` goes on with the next ones",
+            )  # fmt: skip
         if cmd == "report":
             p.add_argument("--out", default="docs/QUALITY.md", help="Markdown report")
     args = ap.parse_args(argv)
@@ -535,12 +682,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "plan":
         _corpus_identity(study)  # a missing or incomplete corpus: one line now, not in a worker
         pending, state = plan_runs(study, _read_results(results_path, study))
-        check_runs(study, args.study, pending)  # a bad key: one line now, not in a worker
-        for name, s in state.items():
-            print(f"{name}: {'tuned, best ' + json.dumps(s['best']) if s['tuned'] else 'tuning'}")
-        for p in pending:
-            print(p["id"])
-        print(f"{len(pending)} run(s) pending")
+        recipes = check_runs(study, args.study, pending)  # a bad key: one line now
+        print("\n".join(format_plan(study, pending, state, recipes)))
         return 0
     execute(
         study, Path(args.study).resolve(), results_path, jobs=args.jobs,

@@ -260,6 +260,68 @@ def test_planner_extends_a_winning_edge_then_finalizes(tmp_path, corpus):
                                "poet.freeze_orthogonal": True}  # fmt: skip
 
 
+def test_plan_shows_why_each_run_is_pending_grouped_by_method(tmp_path, corpus, capsys):
+    from evals.quality import main
+
+    frozen = {"recipe": "poetxq", "like": "poetxq", "set": {"poet.freeze_orthogonal": True}}
+    study_file = _study(tmp_path, corpus.folder, max_extend=1, tune_seeds=[0],
+                        controls={"frozen": frozen})  # fmt: skip
+    results = {"study": {"name": "tiny"}, "runs": {}}
+
+    def fake(method: str, params: dict, ppl: float) -> None:
+        rec = {"method": method, "tune_ppl": ppl, "test_ppl": ppl + 1}
+        results["runs"][run_id(method, params, 0)] = rec
+
+    def plan() -> list[str]:
+        (tmp_path / "results.json").write_text(json.dumps(results))
+        assert main(["plan", str(study_file)]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    fake("poetxq", {"optim.poet_lr": 4e-3}, 30.0)
+    fake("poetxq", {"optim.poet_lr": 8e-3}, 25.0)  # the high edge wins: one point past it
+    fake("adamw", {"optim.lr": 1e-3}, 28.0)
+    out = plan()
+    assert out[0] == "poetxq: tuning, 3 points (2 grid + 1 edge extensions); 1 run(s) pending"
+    ext = run_id("poetxq", {"optim.poet_lr": 0.016}, 0)
+    assert out[1].split() == [
+        "[1]", ext, "6", "steps,", "768", "tokens", "edge", "extension:", "best", "point",
+        "optim.poet_lr=0.008", "is", "on", "the", "high", "edge", "of", "optim.poet_lr",
+    ]  # fmt: skip
+    assert out[2] == "adamw: tuning, 2 points (2 grid + 0 edge extensions); 1 run(s) pending"
+    assert out[3].split()[:2] == ["[2]", run_id("adamw", {"optim.lr": 2e-3}, 0)]
+    assert out[3].endswith("6 steps, 768 tokens  grid point")
+    assert out[4] == "frozen: control, waits until poetxq is tuned; 0 run(s) pending"
+    assert out[5].startswith("2 run(s) pending, 1,536 training tokens;")
+    fake("poetxq", {"optim.poet_lr": 0.016}, 26.0)  # 8e-3 is interior now: tuned
+    fake("adamw", {"optim.lr": 2e-3}, 29.0)
+    fake("adamw", {"optim.lr": 5e-4}, 29.5)  # 1e-3 is interior
+    out = plan()
+    best = {"optim.poet_lr": 8e-3}
+    assert out[0] == "poetxq: tuned, best point optim.poet_lr=0.008; 1 run(s) pending"
+    assert out[1].split()[1] == run_id("poetxq", best, 1)
+    assert out[1].endswith("final seed 1 at the best point")
+    assert out[4] == "frozen: control at poetxq's best point; 2 run(s) pending"
+    assert [ln.split()[1] for ln in out[5:7]] == [run_id("frozen", best, s) for s in (0, 1)]
+    assert out[5].endswith("control at poetxq's best point, seed 0")
+
+
+def test_help_explains_stopping_and_resuming(capsys):
+    from evals.quality import main
+
+    for argv in (["--help"], ["run", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        assert "--deadline" in text and "--max-runs" in text
+        assert "Every finished run is written to the results JSON" in text
+        assert "resumes from that checkpoint when its run folder" in text
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "SIGTERM and save a checkpoint; a later `run` resumes them" in text
+    assert "a later `run` goes on with the next ones" in text
+
+
 @pytest.mark.parametrize(
     ("where", "bad"),
     [("grid", "optim.poet_lrr"), ("set", "poet.blok_size"), ("control", "poet.freeze_orthogonall")],
