@@ -81,7 +81,14 @@ class ControlSpec(_Strict):
 
 
 class Study(_Strict):
-    """A study file (see the module docstring)."""
+    """A study file (see the module docstring).
+
+    ``max_test_tokens`` bounds the test-split scoring of each run (default None: the whole
+    split, as the final numbers need). A small study on a CPU sets it to finish in minutes:
+    the test windows kept are an even spread over each source, in proportion to its size
+    (:func:`evals.quality_worker.windows_by_source`). The worker prints a line before each scoring
+    phase and progress lines during it to its ``worker.log``.
+    """
 
     name: str
     corpus: str  # token corpus folder (poetxq.corpus), relative to the repository root
@@ -91,6 +98,9 @@ class Study(_Strict):
     warmup_fraction: float = Field(0.1, ge=0, lt=1)
     eval_points: int = Field(5, ge=1)  # validation points along each run
     val_tokens: int | None = Field(1 << 20, ge=1)  # tune tokens validated during training
+    # test tokens each run is scored on: None (the default) the whole test split; a number keeps
+    # an even spread of about that many tokens over each source (a quick CPU study)
+    max_test_tokens: int | None = Field(None, ge=1)
     tune_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     final_seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
     max_extend: int = Field(2, ge=0)  # points added past a winning grid edge, per axis

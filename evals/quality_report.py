@@ -133,7 +133,13 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             + "; ".join(
                 f"{s} {'/'.join(str(n) for n in c.values())}" for s, c in corpus["sources"].items()
             )
-            + ".",
+            + "."
+            + (
+                f" Test perplexities are on a subset of about {study.max_test_tokens:,} test "
+                "tokens per run (`max_test_tokens`), not the whole split."
+                if study.max_test_tokens is not None
+                else ""
+            ),
             "",
         ]
     out += ["| method | test ppl (mean ± sd) | seeds | vs " + study.reference

@@ -4,10 +4,14 @@
 run's recipe on the study's token corpus (``train`` split; ``tune`` split for validation),
 resuming from ``RUN_DIR/checkpoints`` when an earlier attempt was stopped, then rebuilds the
 trained model from ``RUN_DIR/model.safetensors`` and scores it: the whole ``tune`` split, the
-``test`` split overall and per source, and a sample of training windows (the train / tune gap).
+``test`` split overall and per source (the whole split unless the study sets
+``max_test_tokens``), and a sample of training windows (the train / tune gap). Before each
+scoring phase it prints one line (``scoring test split: N windows ...``), then progress lines.
 It writes ``RUN_DIR/result.json`` last, so a result file always belongs to a finished run.
+Its output goes to ``RUN_DIR/worker.log``.
 
-Exit status: 0 done (a diverged run is a result too), 3 stopped by a signal (checkpoint saved).
+Exit status: 0 done (a diverged run is a result too), 3 stopped by a signal (checkpoint saved),
+2 a damaged or incomplete corpus (one line).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import json
 import math
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +70,86 @@ def _spread(windows: torch.Tensor, n: int) -> torch.Tensor:
     return windows[torch.linspace(0, windows.shape[0] - 1, n).round().long()]
 
 
-def score(recipe: Recipe, run_dir: Path, corpus: TokenCorpus, train_windows: torch.Tensor) -> dict:
-    """Rebuild the trained model and measure tune, test (overall and per source) and train-sample
-    perplexity with the trainer's precision."""
+class Progress:
+    """Progress lines for one scoring phase, on stdout (the worker's log, so lines rather than a
+    redrawn bar): one line when the phase starts, then one at most every ``every`` seconds, and
+    one when it ends."""
+
+    def __init__(
+        self, label: str, windows: int, detail: str = "", *, every: float = 15.0,
+        echo: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.label, self.total, self.every = label, windows, every
+        self.echo = echo or (lambda line: print(line, flush=True))
+        self.done = 0
+        self.start = self.last = time.monotonic()
+        self.echo(f"scoring {label}: {windows:,} windows{detail} ...")
+
+    def advance(self, windows: int) -> None:
+        """Count ``windows`` more as scored; print a line when ``every`` seconds have passed."""
+        self.done += windows
+        now = time.monotonic()
+        if self.done < self.total and now - self.last >= self.every:
+            self.last = now
+            self.echo(
+                f"  {self.label}: {self.done:,}/{self.total:,} windows "
+                f"({self.done / self.total:.0%}), {now - self.start:.0f} s"
+            )
+
+    def finish(self, ppl: float) -> None:
+        """The phase's last line, with its perplexity."""
+        self.echo(f"  {self.label}: done, ppl {ppl:.3f}, {time.monotonic() - self.start:.0f} s")
+
+
+def mean_loss(
+    loss: Callable[[torch.Tensor], float], windows: torch.Tensor, batch_size: int,
+    progress: Progress, *, chunks: int = 20,
+) -> float:  # fmt: skip
+    """The mean loss over ``windows`` (all of one length) from ``loss``, called on about
+    ``chunks`` slices of whole batches so that ``progress`` advances as they are scored."""
+    n = windows.shape[0]
+    step = batch_size * max(1, math.ceil(n / batch_size / chunks))
+    total = 0.0
+    for start in range(0, n, step):
+        part = windows[start : start + step]
+        total += loss(part) * part.shape[0]
+        progress.advance(part.shape[0])
+    return total / n
+
+
+def windows_by_source(
+    corpus: TokenCorpus, split: str, seq_len: int, max_tokens: int | None = None
+) -> dict[str, torch.Tensor]:
+    """A split's windows of ``seq_len + 1`` tokens, per source (a window never straddles two
+    sources; sources too short for one window are left out).
+
+    Args:
+        max_tokens: keep at most about this many tokens (the study's ``max_test_tokens``): an
+            even spread over each source's windows, in proportion to its size (at least one
+            window per source); None keeps the whole split.
+    """
+    stream = corpus.tokens(split)
+    by_source = {
+        src: pack_windows(stream[a:b], seq_len)
+        for src, (a, b) in corpus.source_ranges(split).items()
+    }
+    by_source = {src: w for src, w in by_source.items() if w.shape[0]}
+    total = sum(w.shape[0] for w in by_source.values())
+    keep = None if max_tokens is None else max(1, max_tokens // (seq_len + 1))
+    if keep is not None and keep < total:
+        by_source = {
+            src: _spread(w, max(1, w.shape[0] * keep // total)) for src, w in by_source.items()
+        }
+    return by_source
+
+
+def score(
+    recipe: Recipe, run_dir: Path, corpus: TokenCorpus, train_windows: torch.Tensor,
+    max_test_tokens: int | None = None,
+) -> dict:  # fmt: skip
+    """Rebuild the trained model and measure tune, test (overall and per source; at most about
+    ``max_test_tokens`` of it, :func:`windows_by_source`) and train-sample perplexity with the
+    trainer's precision, printing a line before each phase and progress lines during it."""
     from poetxq.build import build_for_training
     from poetxq.precision import run_precision
 
@@ -91,26 +174,37 @@ def score(recipe: Recipe, run_dir: Path, corpus: TokenCorpus, train_windows: tor
         with autocast:
             return evaluate_perplexity(model, windows, batch_size=bs, device=device)[0]
 
-    def ppl(windows: torch.Tensor) -> float:
-        return math.exp(loss(windows))
+    def tokens(n_windows: int) -> str:
+        return f" ({n_windows * (seq + 1):,} tokens)"
+
+    def ppl(label: str, windows: torch.Tensor) -> float:
+        progress = Progress(label, windows.shape[0], tokens(windows.shape[0]))
+        value = math.exp(mean_loss(loss, windows, bs, progress))
+        progress.finish(value)
+        return value
 
     tune_w = pack_windows(corpus.tokens("tune"), seq)
-    test_stream = corpus.tokens("test")
+    tune_ppl = ppl("tune split", tune_w)
     # the test split is scored source by source (windows never straddle two sources); the
     # overall test perplexity is the token-weighted mean loss over the sources
+    test_w = windows_by_source(corpus, "test", seq, max_test_tokens)
+    n_test = sum(w.shape[0] for w in test_w.values())
+    limit = "" if max_test_tokens is None else f", max_test_tokens {max_test_tokens:,}"
+    progress = Progress(
+        "test split", n_test, f"{tokens(n_test)[:-1]}, {len(test_w)} sources{limit})"
+    )
     by_source, total, count = {}, 0.0, 0
-    for src, (a, b) in corpus.source_ranges("test").items():
-        w = pack_windows(test_stream[a:b], seq)
-        if w.shape[0]:
-            src_loss = loss(w)
-            by_source[src] = math.exp(src_loss)
-            total += src_loss * w[:, 1:].numel()
-            count += w[:, 1:].numel()
+    for src, w in test_w.items():
+        src_loss = mean_loss(loss, w, bs, progress)
+        by_source[src] = math.exp(src_loss)
+        total += src_loss * w[:, 1:].numel()
+        count += w[:, 1:].numel()
+    progress.finish(math.exp(total / count))
     out = {
-        "tune_ppl": ppl(tune_w),
+        "tune_ppl": tune_ppl,
         "test_ppl": math.exp(total / count),
         "test_ppl_by_source": by_source,
-        "train_sample_ppl": ppl(_spread(train_windows, tune_w.shape[0])),
+        "train_sample_ppl": ppl("train sample", _spread(train_windows, tune_w.shape[0])),
         "tune_tokens": int(tune_w.numel()),
         "test_tokens_scored": count,
     }
@@ -173,7 +267,7 @@ def _run(argv: list[str]) -> int:
         })  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        record.update(score(recipe, run_dir, corpus, data.train))
+        record.update(score(recipe, run_dir, corpus, data.train, study.max_test_tokens))
     tmp = run_dir / "result.json.tmp"
     tmp.write_text(json.dumps(record, indent=1, allow_nan=False))
     tmp.replace(run_dir / "result.json")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from evals.quality import load_study, plan_runs, run_id, summarize
@@ -185,6 +186,48 @@ def test_cli_paths_report_an_incomplete_corpus_in_one_line(corpus, tmp_path, cap
     code = poetxq_main(["train", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "lacks tokenizer.json" in err[0], err
+
+
+def test_max_test_tokens_scores_an_even_spread_of_each_source(corpus):
+    from evals.quality_worker import windows_by_source
+
+    whole = windows_by_source(corpus, "test", 31)
+    stream = corpus.tokens("test")
+    for src, (a, b) in corpus.source_ranges("test").items():  # the default: every window
+        assert torch.equal(whole[src], pack_windows(stream[a:b], 31))
+    n = {src: w.shape[0] for src, w in whole.items()}
+    cut = windows_by_source(corpus, "test", 31, max_tokens=32 * 20)
+    assert set(cut) == set(whole) and sum(w.shape[0] for w in cut.values()) <= 20
+    for src, w in cut.items():
+        assert w.shape[0] == n[src] * 20 // sum(n.values())  # in proportion to the source
+        rows = {tuple(r) for r in whole[src].tolist()}
+        assert all(tuple(r) in rows for r in w.tolist())  # whole windows of that source
+        assert torch.equal(w[0], whole[src][0]) and torch.equal(w[-1], whole[src][-1])  # spread
+    assert windows_by_source(corpus, "test", 31, max_tokens=10**9).keys() == whole.keys()
+    # the committed study scores the whole split (its results were scored so)
+    assert load_study("evals/studies/llama60m_50m.yaml").max_test_tokens is None
+
+
+def test_scoring_prints_a_line_per_phase_and_progress():
+    from evals.quality_worker import Progress, mean_loss
+
+    windows = torch.arange(40, dtype=torch.float64).view(10, 4)
+    lines: list[str] = []
+    progress = Progress("test split", 10, " (40 tokens)", every=0.0, echo=lines.append)
+    seen: list[int] = []
+
+    def loss(w: torch.Tensor) -> float:
+        seen.append(w.shape[0])
+        return float(w[:, 0].mean())
+
+    assert mean_loss(loss, windows, 2, progress, chunks=3) == pytest.approx(18.0)
+    progress.finish(1.5)
+    assert seen == [4, 4, 2]  # whole batches of 2, about 3 calls
+    assert lines[0] == "scoring test split: 10 windows (40 tokens) ..."
+    assert [ln.split(",")[0] for ln in lines[1:3]] == [
+        "  test split: 4/10 windows (40%)", "  test split: 8/10 windows (80%)",
+    ]  # fmt: skip
+    assert lines[3].startswith("  test split: done, ppl 1.500") and len(lines) == 4
 
 
 # ------------------------------------------------------------------------- planner and runner
@@ -372,7 +415,7 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     from evals.quality_report import render
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    study_file = _study(tmp_path, corpus.folder)
+    study_file = _study(tmp_path, corpus.folder, max_test_tokens=32 * 20)
     study = load_study(study_file)
     results_path = Path(study.results)
     lines: list[str] = []
@@ -394,6 +437,10 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
         assert set(rec["test_ppl_by_source"]) == {"even", "odd"}
         lo, hi = sorted(rec["test_ppl_by_source"].values())
         assert lo < rec["test_ppl"] < hi  # token-weighted over the sources
+        assert 0 < rec["test_tokens_scored"] <= 32 * 20  # max_test_tokens
+        log = (tmp_path / "runs" / "tiny" / rec["id"] / "worker.log").read_text()
+        assert "scoring tune split: " in log and "scoring train sample: " in log
+        assert "scoring test split: " in log and "max_test_tokens 640)" in log
         assert math.isfinite(rec["train_tune_gap_nats"])
     poet = results["runs"][run_id("poetxq", {"optim.poet_lr": 4e-3}, 0)]
     assert poet["effective_lr"]["orthogonal_Q"] == pytest.approx(2e-3)
