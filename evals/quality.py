@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from poetxq.recipe import Recipe
 
 __all__ = [
-    "Study", "check_runs", "execute", "format_plan", "load_study", "plan_runs", "run_id",
-    "run_recipe", "summarize",
+    "Study", "check_runs", "execute", "expected_seconds", "format_plan", "load_study",
+    "plan_runs", "run_id", "run_recipe", "summarize",
 ]  # fmt: skip
 
 
@@ -477,6 +477,58 @@ def _last_line(path: Path) -> str:
     return next((ln.strip() for ln in reversed(lines) if ln.strip()), "empty log")
 
 
+def expected_seconds(study: Study, results: dict[str, Any], method: str) -> float | None:
+    """A typical wall time (s) of one of ``method``'s runs in this study: the median ``wall_s``
+    of its finished runs that ran start to end in one call (``train_seconds`` + 30 s of scoring
+    for records from before ``wall_s`` was kept); else the median over all methods; None when
+    no run has finished yet. Runs of one call share the GPU, so these times include that."""
+
+    def typical(recs: list[dict]) -> float | None:
+        secs = sorted(
+            r["wall_s"] if r.get("wall_s") else r["train_seconds"] + 30.0
+            for r in recs
+            if r.get("train_seconds") and not r.get("resumed_from")
+        )
+        return secs[len(secs) // 2] if secs else None
+
+    recs = [r for r in results.get("runs", {}).values() if isinstance(r, dict)]
+    return typical([r for r in recs if r.get("method") == method]) or typical(recs)
+
+
+def _startable(
+    study: Study,
+    results: dict[str, Any],
+    pending: list[dict],
+    runs_root: Path,
+    left: float | None,
+) -> dict | None:
+    """The first pending run that may start with ``left`` seconds to the deadline: one with a
+    checkpoint on disk while a minute is left (it resumes, and stops with a checkpoint again),
+    a new one only when its method's typical time (:func:`expected_seconds`) fits, so a call on
+    a machine that will not stay warm spends no time on runs it must throw away."""
+    for spec in pending:
+        if left is None:
+            return spec
+        if left < 60.0:
+            return None
+        if (runs_root / spec["id"] / "checkpoints").is_dir():
+            return spec
+        est = expected_seconds(study, results, spec["method"])
+        if est is None or est <= left:
+            return spec
+    return None
+
+
+def _progress(path: Path) -> str:
+    """The worker's last trainer progress line (``step N ...``), or its last line."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    steps = [ln.strip() for ln in lines if ln.strip().startswith("step ")]
+    return steps[-1] if steps else _last_line(path)
+
+
 def execute(
     study: Study,
     study_file: Path,
@@ -518,6 +570,7 @@ def execute(
             out = w.run_dir / "result.json"
             if w.proc.returncode == 0 and out.is_file():
                 rec = json.loads(out.read_text())
+                rec["wall_s"] = round(durations[-1], 1)  # this call's time, scoring included
                 results["runs"][w.spec["id"]] = rec
                 write_json_atomic(results_path, results)
                 finished += 1
@@ -537,22 +590,19 @@ def execute(
             for w in running:
                 w.proc.wait()
                 w.log.close()
+                log = w.run_dir / "worker.log"
+                echo(f"stopped {w.spec['id']} after {time.monotonic() - w.start:.0f} s at: "
+                     f"{_progress(log)}")  # fmt: skip
             echo(f"deadline: {len(running)} run(s) stopped with a checkpoint; run again to resume")
             break
         pending, _ = plan_runs(study, results)
         skip = {w.spec["id"] for w in running} | failed
         pending = [p for p in pending if p["id"] not in skip]
-        est = sorted(durations)[len(durations) // 2] if durations else 0.0
-        can_start = (
-            len(running) < jobs
-            and pending
-            and (max_runs is None or started < max_runs)
-            # a run that cannot finish before the deadline still starts while a minute is left:
-            # it stops with a checkpoint and resumes in the next call on the same machine
-            and (deadline is None or elapsed + min(est, 60.0) <= deadline)
-        )
-        if can_start:
-            spec = pending[0]
+        spec = None
+        if len(running) < jobs and (max_runs is None or started < max_runs):
+            left = None if deadline is None else deadline - elapsed
+            spec = _startable(study, results, pending, runs_root, left)
+        if spec is not None:
             gpu = gpus[slot % len(gpus)] if gpus else None
             slot += 1
             running.append(_Worker(spec, study_file, runs_root / spec["id"], gpu))
@@ -664,9 +714,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--gpus", help="comma-separated GPU ids to spread runs over")
             p.add_argument(
                 "--deadline", type=float, metavar="SECONDS",
-                help="stop cleanly after this many seconds: no run starts with less than a "
-                "minute (or a typical run's time) left, and running runs get SIGTERM and save a "
-                "checkpoint; a later `run` resumes them",
+                help="stop cleanly after this many seconds: a new run starts only while its "
+                "method's typical time (from finished runs) fits, a run with a checkpoint "
+                "resumes while a minute is left, and at the deadline running runs get SIGTERM "
+                "and save a checkpoint; a later `run` resumes them",
             )  # fmt: skip
             p.add_argument(
                 "--max-runs", type=int, metavar="N",

@@ -25,4 +25,8 @@ elif [ -f "$results" ]; then cp "$results" "$out/$name"; fi
 PYTHONUNBUFFERED=1 python3 evals/quality.py run "$study" --jobs "$jobs" --deadline "$deadline" \
   --results "$out/$name" 2>&1 | tee "$out/quality_log.txt"
 mkdir -p runs/quality && cp "$out/$name" "runs/quality/$name"
+# where each unfinished run stopped (its worker log's tail), for the next call's planning
+for log in runs/quality/*/*/worker.log; do
+  [ -f "$log" ] && [ ! -f "$(dirname "$log")/result.json" ] && { echo "== $log"; tail -n 4 "$log"; }
+done >>"$out/quality_log.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >>"$out/quality_log.txt"

@@ -7,6 +7,9 @@
 #     && ln -sfn ../runs runs && evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 530 4
 #
 # runs/ lies outside .snap/ (which each call replaces), so stopped runs resume on a warm machine.
+# A machine may be released between calls (it waits only ~30 s): after every call copy the
+# returned results JSON over evals/results/<name> and .snap/evals/results/<name> before the next
+# call, so a fresh machine starts from it rather than from the snapshot's older copy.
 set -euo pipefail
 grep -qx "/.snap/" .git/info/exclude 2>/dev/null || echo "/.snap/" >> .git/info/exclude
 rm -rf .snap && mkdir .snap

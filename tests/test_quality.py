@@ -303,6 +303,34 @@ def test_planner_extends_a_winning_edge_then_finalizes(tmp_path, corpus):
                                "poet.freeze_orthogonal": True}  # fmt: skip
 
 
+def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpus):
+    from evals.quality import _startable, expected_seconds
+
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0]))
+    results: dict = {"runs": {
+        "a": {"method": "adamw", "train_seconds": 200.0, "wall_s": 230.0, "resumed_from": []},
+        "b": {"method": "adamw", "train_seconds": 100.0, "resumed_from": []},  # 100 + 30 scoring
+        "c": {"method": "adamw", "train_seconds": 900.0, "wall_s": 50.0, "resumed_from": [40]},
+    }}  # fmt: skip
+    # median of 130 and 230 (the resumed run's partial time does not count); poetxq has no
+    # finished run yet and borrows every method's median
+    assert expected_seconds(study, results, "adamw") == 230.0
+    assert expected_seconds(study, results, "poetxq") == 230.0
+    assert expected_seconds(study, {"runs": {}}, "adamw") is None
+    pending, _ = plan_runs(study, {"runs": {}})
+    pending = [p for p in pending if p["method"] == "adamw"] + [
+        p for p in pending if p["method"] == "poetxq"]  # fmt: skip
+    root = tmp_path / "runs"
+    assert _startable(study, results, pending, root, None) is pending[0]  # no deadline
+    assert _startable(study, results, pending, root, 231.0) is pending[0]
+    assert _startable(study, results, pending, root, 229.0) is None  # none fits
+    # a run with a checkpoint on disk resumes while a minute is left, past the ones that do not fit
+    (root / pending[2]["id"] / "checkpoints").mkdir(parents=True)
+    assert _startable(study, results, pending, root, 61.0) is pending[2]
+    assert _startable(study, results, pending, root, 59.0) is None
+    assert _startable(study, {"runs": {}}, pending, root, 61.0) is pending[0]  # nothing known
+
+
 def test_plan_shows_why_each_run_is_pending_grouped_by_method(tmp_path, corpus, capsys):
     from evals.quality import main
 
