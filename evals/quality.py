@@ -735,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         for study, _ in studies:
             path = REPO / (args.results or study.results)
             loaded.append((study, _read_results(path, study)))
-        render(loaded, REPO / args.out)
+        parity = sorted((REPO / "evals" / "results").glob("parity_official_*.json"))
+        render(loaded, REPO / args.out, parity)
         print(f"wrote {args.out}")
         return 0
     study = load_study(args.study)

@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from evals.quality import Study, plan_runs, run_id, summarize
+from evals.quality import Study, _shown, plan_runs, run_id, summarize
 
-__all__ = ["render"]
+__all__ = ["parity_section", "render"]
 
 
 def _lr_axes(study: Study, method: str) -> list[str]:
@@ -218,8 +218,53 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
     return [*out, ""]
 
 
-def render(loaded: list[tuple[Study, dict[str, Any]]], out: Path) -> None:
-    """Write the Markdown report ``out`` and its plots (``out.parent / "img"``)."""
+def parity_section(path: Path, img_dir: Path, rel: str) -> list[str]:
+    """Markdown (and a plot) for one ``evals/parity_official.py`` results file: validation loss
+    of our POET-XQ and the official code per evaluated step, mean over the seeds run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d = json.loads(path.read_text())
+    st, summ = d["settings"], d["summary"]
+    code = d["official_code"]
+    seeds = [r["seed"] for r in d["runs"] if r.get("ours") and r.get("official")]
+    out = [
+        f"## Parity with the official POET-XQ code ({st['model']}, {st['steps']} steps)", "",
+        f"`{_shown(path)}` ({d['gpu']}, commit "
+        f"{d['commit'][:7]}, official code {code['repo']}@{code['commit'][:7]}): "
+        f"{d['what']}. Settings: batch {st['batch_size']} x seq {st['seq_len']}, block size "
+        f"{st['block_size']}, merge interval {st['merge_interval']}, poet_lr {st['poet_lr']:g}, "
+        f"lr {st['lr']:g}, {st['precision']}; seeds run: {', '.join(map(str, seeds)) or 'none'}."
+        " What cannot be made equal: " + "; ".join(d["differences"]) + ".", "",
+        f"Rule: {summ['rule']}.", "",
+        "| step | ours (val loss) | official | official − ours | agree |", "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for row in summ["steps"]:
+        agree = {True: "yes", False: "**no**", None: "– (one seed)"}[row["agree"]]
+        out.append(f"| {row['step']} | {row['ours']:.4f} | {row['official']:.4f} "
+                   f"| {row['difference']:+.4f} | {agree} |")  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for side, style in (("ours", "-"), ("official", "--")):
+        for r in d["runs"]:
+            pts = [v for v in r.get(side, {}).get("val", []) if v["step"] > 0]
+            ax.plot([v["step"] for v in pts], [v["val_loss"] for v in pts], style, marker=".",
+                    label=f"{side}, seed {r['seed']}")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title("POET-XQ: ours vs the official code")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = f"{path.stem}.png"
+    fig.savefig(img_dir / name, dpi=110)
+    plt.close(fig)
+    return [*out, "", f"![parity curves]({rel}/{name})", ""]
+
+
+def render(loaded: list[tuple[Study, dict[str, Any]]], out: Path, parity: list[Path] = ()) -> None:
+    """Write the Markdown report ``out`` and its plots (``out.parent / "img"``): one section per
+    study, then one per ``evals/parity_official.py`` results file in ``parity``."""
     img = out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -239,4 +284,6 @@ def render(loaded: list[tuple[Study, dict[str, Any]]], out: Path) -> None:
         lines += [f"Shared settings of `{study.name}`: {shared}; warmup "
                   f"{study.warmup_fraction:.0%} of the steps.", ""]  # fmt: skip
         lines += _study_section(study, results, img, "img")
+    for path in parity:
+        lines += parity_section(path, img, "img")
     out.write_text("\n".join(lines) + "\n", encoding="utf-8")

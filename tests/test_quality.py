@@ -481,3 +481,36 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     text = (tmp_path / "docs" / "QUALITY.md").read_text()
     assert "| poetxq |" in text and "| adamw |" in text
     assert (tmp_path / "docs" / "img" / "quality_tiny_lr.png").stat().st_size > 1000
+
+
+def test_parity_section_renders_each_step_and_the_agreement(tmp_path):
+    from evals.quality_report import parity_section
+
+    steps = [
+        {"step": 0, "ours": 10.5, "official": 10.4, "difference": -0.1, "se": 0.01,
+         "agree": None},
+        {"step": 50, "ours": 6.0, "official": 6.3, "difference": 0.3, "se": 0.05, "agree": False},
+    ]  # fmt: skip
+    runs = [
+        {"seed": s, "ours": {"val": [{"step": 0, "val_loss": 10.5}, {"step": 50, "val_loss": 6.0}]},
+         "official": {"val": [{"step": 50, "val_loss": 6.3}]}}
+        for s in (0, 1)
+    ]  # fmt: skip
+    d = {
+        "settings": {"model": "llama-60m", "steps": 50, "batch_size": 8, "seq_len": 32,
+                     "block_size": 16, "merge_interval": 20, "poet_lr": 4e-3, "lr": 1e-2,
+                     "precision": "fp32"},
+        "summary": {"rule": "a rule", "steps": steps},
+        "official_code": {"repo": "github.com/x/poet", "commit": "3a34bb6acacf"},
+        "runs": runs, "gpu": "CPU", "commit": "abcdef123", "what": "a test",
+        "differences": ["one", "two"],
+    }  # fmt: skip
+    path = tmp_path / "parity_official_t.json"
+    path.write_text(json.dumps(d))
+    lines = parity_section(path, tmp_path, "img")
+    assert "| 50 | 6.0000 | 6.3000 | +0.3000 | **no** |" in lines
+    assert "| 0 | 10.5000 | 10.4000 | -0.1000 | – (one seed) |" in lines
+    text = "\n".join(lines)
+    assert "seeds run: 0, 1" in text and "one; two." in text and "@3a34bb6" in text
+    assert (tmp_path / "parity_official_t.png").stat().st_size > 1000
+    assert lines[-2] == "![parity curves](img/parity_official_t.png)"
