@@ -514,3 +514,21 @@ def test_parity_section_renders_each_step_and_the_agreement(tmp_path):
     assert "seeds run: 0, 1" in text and "one; two." in text and "@3a34bb6" in text
     assert (tmp_path / "parity_official_t.png").stat().st_size > 1000
     assert lines[-2] == "![parity curves](img/parity_official_t.png)"
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((Path(__file__).parents[1] / "evals" / "studies").glob("*.yaml")),
+    ids=lambda p: p.stem,
+)
+def test_every_committed_study_file_loads_and_its_recipes_compose(path):
+    from evals.quality import check_runs
+
+    study = load_study(path)
+    pending, _ = plan_runs(study, {"runs": {}})
+    recipes = check_runs(study, path, pending)
+    assert set(recipes) == {p["id"] for p in pending} and len(pending) >= 4 * len(study.methods)
+    for p in pending:  # the shared settings reach every run
+        r = recipes[p["id"]]
+        assert r.train.seq_len == study.shared["train.seq_len"]
+        assert r.optim.grad_clip == study.shared["optim.grad_clip"]
