@@ -62,57 +62,6 @@ def _provenance(name: str, d: dict[str, Any]) -> str:
     return f"Source: `evals/results/{name}` ({gpu}, {date}, commit {commit})."
 
 
-def _comparison(img: Path) -> list[str]:
-    name = "compare_60m_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    runs = d["runs"]
-    lines = [
-        f"## Llama-{d['model'].upper()} pretraining, {d['train_tokens'] / 1e6:.1f}M tokens, "
-        "same data for every method",
-        "",
-        f"{d['data']}; {d['steps']} steps x {d['tokens_per_step']:,} tokens "
-        f"({d['epochs']:.2f} epochs), the same held-out validation windows "
-        f"({d['val_tokens']:,} tokens) for every method. Lower perplexity is better.",
-        "",
-        "| method | final val ppl | tokens/s | peak memory (GiB) |",
-        "|---|---:|---:|---:|",
-    ]
-    best = min(r["final_val_ppl"] for m, r in runs.items() if m != "control")
-    for m, r in runs.items():
-        ppl = f"{r['final_val_ppl']:.2f}"
-        if r["final_val_ppl"] == best:
-            ppl = f"**{ppl}**"
-        lines.append(
-            f"| {LABELS.get(m, m)} | {ppl} | {r['tokens_per_s']:,.0f} | "
-            f"{r['peak_memory_gib']:.1f} |"
-        )
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    for m, r in runs.items():
-        pts = [(c["step"] * d["tokens_per_step"] / 1e6, c["val_ppl"]) for c in r["val_curve"]]
-        pts = [p for p in pts if p[0] > 0]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=LABELS.get(m, m))
-    ax.set_yscale("log")
-    ax.set_xlabel("training tokens (M)")
-    ax.set_ylabel("validation perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(img / "compare_60m_val_ppl.png", dpi=120)
-    plt.close(fig)
-    lines += [
-        "",
-        "![validation perplexity](img/compare_60m_val_ppl.png)",
-        "",
-        _provenance(name, d),
-        "",
-        f"Note: {d.get('note', '')}",
-        "",
-    ]
-    return lines
-
-
 def _throughput(img: Path, name: str = THROUGHPUT["1b"]) -> list[str]:
     """A bar chart of the tokens/s of every run (method, variant, CUDA graph) of one
     ``evals/throughput.py`` file, per sequence length."""
@@ -161,24 +110,6 @@ def _memory(name: str = "gpu_memory_h200.json") -> list[str]:
             f"{r['official_peak_gib']:.2f} | {r['target_peak_gib']} |"
         )
     return [*lines, "", _provenance(name, d), ""]
-
-
-def _sweep() -> list[str]:
-    name = "sweep_60m_poet_lr_h200.json"
-    d = _load(name)
-    if d is None:
-        return []
-    lines = [
-        "### POET-XQ learning-rate sweep at 60M (same data and tokens as above)",
-        "",
-        "| setting | final val ppl |",
-        "|---|---:|",
-    ]
-    for setting, r in d["runs"].items():
-        ppl = r.get("final_val_ppl")
-        shown = f"{ppl:.2f}" if ppl is not None else ("diverged" if "error" not in r else "n/a")
-        lines.append(f"| {setting} | {shown} |")
-    return [*lines, "", _provenance(name, d), "", f"Note: {d['note']}", ""]
 
 
 #: the streamed-GEMM run at the current decoder defaults: (key in the file, column heading)
@@ -849,7 +780,15 @@ def main(argv: list[str] | None = None) -> int:
     img.mkdir(parents=True, exist_ok=True)
     sections = [
         _vertical_slice(),
-        _comparison(img) + _sweep() + _precision(),
+        [
+            "## Model quality",
+            "",
+            "POET-XQ against Q-GaLore, Q-APOLLO and AdamW, each tuned on the same budget, and "
+            "parity with the official POET code: [QUALITY.md](QUALITY.md) (rendered by "
+            "`python evals/quality.py report`).",
+            "",
+            *_precision(),
+        ],
         [
             "## Training throughput at Llama-1B and 3B",
             "",
