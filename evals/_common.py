@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 def git_commit() -> str:
     """``$POETXQ_COMMIT`` when set (GPU hosts get a copy of the tree whose .git may be stale or
-    missing), else HEAD's hash, else ``unknown`` (:func:`poetxq.bench.git_commit`)."""
-    from poetxq.bench import git_commit as commit
+    missing), else HEAD's hash, else ``unknown`` (:func:`poetxq.tools.bench.git_commit`)."""
+    from poetxq.tools.bench import git_commit as commit
 
     return commit() or "unknown"
 
@@ -92,8 +92,9 @@ def provenance(device_name: str, argv: list[str] | None = None) -> dict[str, Any
 
 
 def write_json_atomic(path: str | Path, doc: dict[str, Any]) -> Path:
-    """Write ``doc`` as indented JSON to ``path`` atomically (:func:`poetxq.bench.write_json`)."""
-    from poetxq.bench import write_json
+    """Write ``doc`` as indented JSON to ``path`` atomically
+    (:func:`poetxq.tools.bench.write_json`)."""
+    from poetxq.tools.bench import write_json
 
     write_json(doc, Path(path))
     return Path(path)

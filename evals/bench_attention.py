@@ -8,7 +8,7 @@ GPU time per step of the eager AdamW step at the same shapes. This script times
 contiguous ``[B, H, S, hd]`` q and k) for each backend, eager and from a graph, and writes the GPU
 time per call (CUDA events) to JSON. Its answer (``evals/results/bench_attention_h200.json``): the
 graph and the layout change nothing; the cause was the mask transformers builds while a graph is
-captured (:mod:`poetxq.attention`).
+captured (:mod:`poetxq.model.attention`).
 
 Usage (GPU host, ~1 min):
     python evals/bench_attention.py --out $OUT/bench_attention_h200.json

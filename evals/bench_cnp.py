@@ -1,10 +1,10 @@
 """Benchmark + real-size check of the fused CNP (:mod:`quant_kernels.cnp_hybrid`) (GPU).
 
 The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
-``recipes/models/llama-8b.yaml`` as :mod:`poetxq.estimate` reads them (32 layers; q, k, v, o
+``recipes/models/llama-8b.yaml`` as :mod:`poetxq.tools.estimate` reads them (32 layers; q, k, v, o
 4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear ``m×n`` has
 ``⌈m/b⌉`` blocks in R and ``⌈n/b⌉`` in P, 11,008 blocks in all, evaluated as one stack as
-:mod:`poetxq.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
+:mod:`poetxq.model.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
 ``‖Q‖₂ ≈ 0.4``.
 
 For fp32 and bf16 ``packed``: the fused result against the torch reference (max abs
@@ -38,9 +38,9 @@ from _common import (
     write_json_atomic,
 )
 
-from poetxq.estimate import _projections
-from poetxq.orthogonal import num_blocks
-from poetxq.recipe import load_recipe
+from poetxq.model.orthogonal import num_blocks
+from poetxq.tools.estimate import _projections
+from poetxq.training.recipe import load_recipe
 from quant_kernels import cnp, reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

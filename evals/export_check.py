@@ -3,9 +3,9 @@
 Two parts, no data or network needed:
 
 * **layers** — POET-X(Q) layers with non-trivial ``R``, ``P`` are merged and stored under
-  bitsandbytes' keys (:func:`poetxq.export.merged_linear_state_dict`); bitsandbytes on ``--device``
-  loads them (``Linear8bitLt.load_state_dict``; ``Params4bit.from_prequantized``) and its
-  dequantized weight is compared with ours (max abs difference; 0 means byte-for-byte the same
+  bitsandbytes' keys (:func:`poetxq.tools.export.merged_linear_state_dict`); bitsandbytes on
+  ``--device`` loads them (``Linear8bitLt.load_state_dict``; ``Params4bit.from_prequantized``) and
+  its dequantized weight is compared with ours (max abs difference; 0 means byte-for-byte the same
   decoding), and its forward with ``x @ Wᵀ``. Shapes include rows that are not a multiple of the
   64-block (96, 160), which bitsandbytes 0.50.2's CPU kernel decodes wrongly.
 * **model** — a small random POET-XQ Llama (int8 and NF4 W0, non-zero ``Q``) is written as a run
@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 from _common import git_commit
 
-from poetxq.export import (
+from poetxq.model.layer import POETXLinear
+from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.tools.export import (
     decode_state_dict,
     export_run,
     load_run,
@@ -40,10 +42,8 @@ from poetxq.export import (
     merged_state_dict,
     save_run_artifacts,
 )
-from poetxq.layer import POETXLinear
-from poetxq.recipe import dump_recipe, load_recipe
-from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
-from poetxq.train import save_checkpoint
+from poetxq.training.recipe import dump_recipe, load_recipe
+from poetxq.training.train import save_checkpoint
 from quant_kernels import reference_4bit as q4
 from quant_kernels.reference import dequant_int8_rowwise
 

@@ -4,18 +4,18 @@ For each model (default Llama-8B and Llama-13B; recipes/models/*.yaml shapes, vo
 POET-XQ with int8 W0, b = 256, the ``mem`` variant, batch 1 x seq 2048, everything in bf16 (the
 official code's setting: parameters, Adam states and activations bf16). The model is built
 directly on the GPU in bf16 and converted there (W0 drawn on the device); once its optimizer is
-built, every storage is copied to the host and back (``poetxq.relayout``), so that the freed dense
-weights and the Q tensors the flattened groups replaced leave no holes (``--no-compact`` keeps
+built, every storage is copied to the host and back (``poetxq.model.relayout``), so that the freed
+dense weights and the Q tensors the flattened groups replaced leave no holes (``--no-compact`` keeps
 them). One full training step = forward + backward + gradient clipping + AdamW step +
 zero_grad, timed with CUDA syncs; peak =
 ``torch.cuda.max_memory_allocated`` over the timed steps, after one untimed warm-up step (so
 Adam states exist: the steady state). Then the same model with whole-layer activation
-checkpointing (``poetxq.lowmem.enable_activation_checkpointing``, non-reentrant; ``--offload``
-keeps the layer inputs in pinned host memory). The memory options of a recipe apply through
-``--set``: ``train.optimizer_in_backward=true optim.grad_clip=0`` (each parameter updated during
-backward, no clipping) and ``train.loss_chunk_tokens=N`` (chunked cross-entropy).
-``poetxq.estimate.estimate_memory(..., precision="bf16-true")`` gives the prediction beside each
-measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
+checkpointing (``poetxq.training.lowmem.enable_activation_checkpointing``, non-reentrant;
+``--offload`` keeps the layer inputs in pinned host memory). The memory options of a recipe apply
+through ``--set``: ``train.optimizer_in_backward=true optim.grad_clip=0`` (each parameter updated
+during backward, no clipping) and ``train.loss_chunk_tokens=N`` (chunked cross-entropy).
+``poetxq.tools.estimate.estimate_memory(..., precision="bf16-true")`` gives the prediction beside
+each measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
 project's issue) and the issue's targets are recorded next to them.
 
 Usage (on the GPU host, about 2-4 minutes):
@@ -50,16 +50,16 @@ import torch
 from _common import kernel_policy, provenance, write_json_atomic
 from peak_alloc import fragmentation, peak_report
 
-from poetxq.cudagraph import GraphedMicroStep
-from poetxq.estimate import estimate_memory
-from poetxq.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
-from poetxq.graph_optim import GraphedInBackward, hooks_for
-from poetxq.loss import training_loss
-from poetxq.lowmem import enable_activation_checkpointing
-from poetxq.optim import build_optimizer
-from poetxq.recipe import RecipeError, load_recipe, parse_override
-from poetxq.relayout import model_tensors, relayout
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
+from poetxq.model.relayout import model_tensors, relayout
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.tools.estimate import estimate_memory
+from poetxq.training.cudagraph import GraphedMicroStep
+from poetxq.training.graph_optim import GraphedInBackward, hooks_for
+from poetxq.training.loss import training_loss
+from poetxq.training.lowmem import enable_activation_checkpointing
+from poetxq.training.optim import build_optimizer
+from poetxq.training.recipe import RecipeError, load_recipe, parse_override
 
 VOCAB = 32000
 GIB = 2**30
@@ -81,8 +81,8 @@ def _sync(dev: torch.device) -> None:
 
 def _profile(step, dev: torch.device, path: Path) -> None:
     """One more step under torch.profiler: the GPU-time breakdown and the top operators."""
-    from poetxq.bench import write_text
-    from poetxq.profiling import profile_steps
+    from poetxq.tools.bench import write_text
+    from poetxq.tools.profiling import profile_steps
 
     write_text(profile_steps(step, dev, steps=1, row_limit=70)[0], path)
 
@@ -100,7 +100,7 @@ def recipe_for(name: str, args: argparse.Namespace, *, check_graph: bool = False
     ``check_graph``: validated with ``train.cuda_graph: true`` (what ``--cuda-graph`` runs).
 
     Raises:
-        poetxq.recipe.RecipeError: unknown model or a bad ``--set``.
+        poetxq.training.recipe.RecipeError: unknown model or a bad ``--set``.
     """
     over = {"poet.bits": 8, "poet.block_size": args.block_size, "poet.variant": "mem",
             "train.batch_size": args.batch_size, "train.seq_len": args.seq_len,
@@ -144,7 +144,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         relaid = relayout(model_tensors(model, optimizer), dev)
     tc = recipe.train
     # train.optimizer_in_backward (--set): each parameter updated and freed during backward
-    # (inside the captured backward with --cuda-graph: poetxq.graph_optim)
+    # (inside the captured backward with --cuda-graph: poetxq.training.graph_optim)
     in_backward = (
         hooks_for(optimizer, graph=bool(args.cuda_graph)) if tc.optimizer_in_backward else None
     )
@@ -186,7 +186,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     for ckpt in args.settings:
         offload = ckpt and args.offload
         if ckpt:
-            # offloaded in a graph: to host buffers made once (poetxq.lowmem.HostSlots)
+            # offloaded in a graph: to host buffers made once (poetxq.training.lowmem.HostSlots)
             enable_activation_checkpointing(
                 model, offload=offload, graph_safe=bool(args.cuda_graph)
             )
@@ -280,7 +280,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             "cuda_graph": bool(args.cuda_graph),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "compacted_after_build": relaid is not None,
-            # poetxq.relayout after the optimizer's build: bytes moved, seconds, and the bytes
+            # poetxq.model.relayout after the optimizer's build: bytes moved, seconds, and the bytes
             # that stayed on the device meanwhile (reachable from neither model nor optimizer)
             "relayout": None if relaid is None else dataclasses.asdict(relaid),
             # the LM head's gradient handed to the update inside the graph by slices of rows
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                     "triton_8bit_update=0")  # fmt: skip
     ap.add_argument("--no-flatten", action="store_true",
                     help="keep every tensor of the optimizer's groups separate (one 8-bit update "
-                    "launch per tensor; A/B of poetxq.flat)")  # fmt: skip
+                    "launch per tensor; A/B of poetxq.model.flat)")  # fmt: skip
     ap.add_argument("--official", nargs="?", const="", default=None, metavar="DIR",
                     help="also run the official POET-XQ code's step for every model and setting, "
                     "each in its own process (evals/official_poet.py; DIR holds poet_torch/, "
@@ -395,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compact", action="store_true",
                     help="keep the model where the build left it; by default, once the "
                     "optimizer is built, every storage is copied to the host and back "
-                    "(poetxq.relayout), so that the freed dense bf16 weights and the Q tensors "
-                    "the flattened groups replaced leave no holes beside the int8 W0")  # fmt: skip
+                    "(poetxq.model.relayout), so that the freed dense bf16 weights and the Q "
+                    "tensors the flattened groups replaced leave no holes beside the int8 "
+                    "W0")  # fmt: skip
     ap.add_argument("--peak-report", choices=("sizes", "stacks"), default=None,
                     help="record the allocator's trace during the warm-up step (with the "
                     "capture) and add what was alive at its peak to each row "
@@ -456,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
         "(forward, backward, clip, AdamW step; with train.optimizer_in_backward the update "
         "inside backward and no clip), bf16, without and/or with whole-layer activation "
-        "checkpointing, beside poetxq.estimate's prediction",
+        "checkpointing, beside poetxq.tools.estimate's prediction",
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
         "kernel_policy": args.kernels.to_dict(),

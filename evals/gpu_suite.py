@@ -41,7 +41,7 @@ import official_poet
 import torch
 from _common import cuda_graph_ms, cuda_peak_extra_mib, cuda_time_ms, git_commit
 
-from poetxq.layer import POETXLinear
+from poetxq.model.layer import POETXLinear
 from quant_kernels.policy import AUTO, KernelPolicy
 
 RUNS = ["int8", "bits16", "control", "nf4"]

@@ -2,10 +2,10 @@
 
 An eager POET step on a GPU is bound by the host when its Python issues kernels more slowly
 than the GPU runs them (e.g. Llama-1B at 8,192 tokens: 0.30 s eager against 0.21 s replayed
-from a CUDA graph). This runs :func:`poetxq.bench.run_bench` for ``RECIPE`` (the trainer's step:
-checkpointing, chunked loss, optimizer in backward as the recipe says) under cProfile and writes
-the functions with the most own (``tottime``) and cumulative (``cumtime``) host time, with the
-bench's one-line summary on top. Profiling starts when the bench reports its first step done
+from a CUDA graph). This runs :func:`poetxq.tools.bench.run_bench` for ``RECIPE`` (the trainer's
+step: checkpointing, chunked loss, optimizer in backward as the recipe says) under cProfile and
+writes the functions with the most own (``tottime``) and cumulative (``cumtime``) host time, with
+the bench's one-line summary on top. Profiling starts when the bench reports its first step done
 (after the model build, the compiles and the first step) and covers the remaining steps.
 
 Usage (on the GPU host):
@@ -22,8 +22,8 @@ import io
 import pstats
 import sys
 
-from poetxq.bench import BenchError, run_bench
-from poetxq.recipe import RecipeError, load_recipe, parse_override
+from poetxq.tools.bench import BenchError, run_bench
+from poetxq.training.recipe import RecipeError, load_recipe, parse_override
 
 
 def main(argv: list[str] | None = None) -> int:

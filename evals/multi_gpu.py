@@ -19,7 +19,7 @@
 
 Tokens are synthetic (no network, no tokenizer): each window repeats a random 64-token phrase,
 so the loss falls as the model learns to copy. Every run goes through the real training loop
-(:func:`poetxq.train.train`), launched with ``torchrun --standalone``.
+(:func:`poetxq.training.train.train`), launched with ``torchrun --standalone``.
 
 Usage (on the 2-GPU host, repository root, PYTHONPATH=.):
     python evals/multi_gpu.py --out $OUT/multi_gpu_h200x2.json
@@ -79,9 +79,9 @@ def merge_cost_worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from poetxq.optim import build_optimizer, merge_and_reset
-    from poetxq.recipe import load_recipe
-    from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+    from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
+    from poetxq.training.optim import build_optimizer, merge_and_reset
+    from poetxq.training.recipe import load_recipe
 
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -137,8 +137,8 @@ def worker(spec_path: str) -> None:
     if spec.get("deterministic"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    from poetxq.recipe import load_recipe
-    from poetxq.train import train
+    from poetxq.training.recipe import load_recipe
+    from poetxq.training.train import train
 
     recipe = load_recipe(None, spec["overrides"])
     tc = recipe.train
@@ -316,7 +316,7 @@ def main() -> None:
     v = size["vocab"]
 
     # 1 + 2: equivalence in fp32 at the 1B width, then resume under DDP
-    from poetxq.recipe import parse_override
+    from poetxq.training.recipe import parse_override
 
     sets = dict(parse_override(pair) for pair in args.set)
     report["overrides"] = sets

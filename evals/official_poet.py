@@ -205,8 +205,8 @@ def measure_step(
     allocator's reserved peak. Rates follow recipes/methods/poetxq.yaml (lr and poet_lr 1e-3,
     weight decay 0.01, merge interval 400: no merge falls in the measured steps).
     """
-    from poetxq.recipe import load_recipe
-    from poetxq.surgery import build_llama
+    from poetxq.model.surgery import build_llama
+    from poetxq.training.recipe import load_recipe
 
     dev = torch.device(device)
     recipe = load_recipe(f"{model_name}:poetxq")

@@ -1,7 +1,8 @@
 """Parity with the official POET-XQ (issue 32, item 4): our trainer and the official code, same
 data, seed and settings, validation loss at the same steps on the same windows.
 
-(a) ours: :func:`poetxq.train.train` of the ``<model>:poetxq`` recipe on the study's token corpus
+(a) ours: :func:`poetxq.training.train.train` of the ``<model>:poetxq`` recipe on the study's token
+corpus
     (``train`` split; validation on the ``tune`` split, as the quality study does).
 (b) official: ``poet_torch.POETModel(QPOETConfig)`` around a transformers ``LlamaForCausalLM`` of
     the same shape, trained by :func:`train_official`, a loop written here after the official
@@ -12,14 +13,14 @@ data, seed and settings, validation loss at the same steps on the same windows.
     ``merge_if_needed`` after every optimizer step (merge every ``merge_interval`` steps; the
     optimizer resets Q's Adam moments on the same steps by itself).
 
-Both draw the same micro-batches in the same order (:class:`poetxq.distributed.ShardedBatches`
-with the trainer's seed, ``train.seed + 2``), use the same loss (:func:`poetxq.evaluate
-.causal_lm_loss`: next-token cross-entropy over the window, fp32) and the same evaluation
-(:func:`poetxq.evaluate.evaluate_perplexity` over the same validation windows, same batch size).
-How each setting maps onto each side, and what cannot be made equal, is written into the JSON
-(``mapping``, ``differences``). The rotation lr: both sides train Q at ``--poet-lr`` × 0.5 (the
-official ``QPOETConfig.poet_scale`` default at @3a34bb6, read from the loaded code; our
-``optim.poet_lr_scale`` is set to it).
+Both draw the same micro-batches in the same order
+(:class:`poetxq.training.distributed.ShardedBatches` with the trainer's seed, ``train.seed + 2``),
+use the same loss (:func:`poetxq.training.evaluate .causal_lm_loss`: next-token cross-entropy over
+the window, fp32) and the same evaluation (:func:`poetxq.training.evaluate.evaluate_perplexity` over
+the same validation windows, same batch size). How each setting maps onto each side, and what cannot
+be made equal, is written into the JSON (``mapping``, ``differences``). The rotation lr: both sides
+train Q at ``--poet-lr`` × 0.5 (the official ``QPOETConfig.poet_scale`` default at @3a34bb6, read
+from the loaded code; our ``optim.poet_lr_scale`` is set to it).
 
 Precision (``--precision``, both sides): ``autocast`` (default, as the quality study runs ours):
 fp32 parameters and moments, bf16 autocast; the official custom ops get autocast rules
@@ -223,7 +224,7 @@ def recipe_overrides(s: Settings, seed: int, poet_lr_scale: float) -> dict[str, 
 
 def our_recipe(s: Settings, seed: int, poet_lr_scale: float) -> Any:
     """The validated recipe of our side (:func:`recipe_overrides`)."""
-    from poetxq.recipe import load_recipe
+    from poetxq.training.recipe import load_recipe
 
     return load_recipe(f"{s.model}:poetxq", recipe_overrides(s, seed, poet_lr_scale))
 
@@ -233,8 +234,8 @@ def official_lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> 
     cosine with min lr ratio) at 0-based optimizer step ``step``: ``step / warmup`` during warmup
     (0 at the first step), then ``min_ratio + (1 - min_ratio) · ½(1 + cos(π · progress))`` with
     ``progress = (step - warmup) / (total - warmup)``. Ours
-    (:func:`poetxq.optim.cosine_lr_factor`) is the same after warmup and ``(step + 1) / warmup``
-    during it: one step ahead there."""
+    (:func:`poetxq.training.optim.cosine_lr_factor`) is the same after warmup and ``(step + 1) /
+    warmup`` during it: one step ahead there."""
     if step < warmup:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
@@ -242,10 +243,11 @@ def official_lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> 
 
 
 def train_batches(data: Any, s: Settings, seed: int) -> Any:
-    """The micro-batch source both sides draw from: :class:`poetxq.distributed.ShardedBatches`
-    over ``data.train`` with the seed :func:`poetxq.train.train` gives it (``train.seed + 2``),
-    one process. Micro-batch ``k`` (0-based, counted over the whole run) is ``.batch(k)``."""
-    from poetxq.distributed import ShardedBatches
+    """The micro-batch source both sides draw from:
+    :class:`poetxq.training.distributed.ShardedBatches` over ``data.train`` with the seed
+    :func:`poetxq.training.train.train` gives it (``train.seed + 2``), one process. Micro-batch
+    ``k`` (0-based, counted over the whole run) is ``.batch(k)``."""
+    from poetxq.training.distributed import ShardedBatches
 
     return ShardedBatches(data.train, s.batch_size, rank=0, world_size=1, seed=seed + 2)
 
@@ -258,9 +260,9 @@ def train_batches(data: Any, s: Settings, seed: int) -> Any:
 def train_ours(
     s: Settings, seed: int, data: Any, poet_lr_scale: float, work: Path, echo: Callable
 ) -> dict[str, Any]:
-    """Our side: :func:`poetxq.train.train` into ``work/ours-seed<seed>``; the validation and
-    training-loss curves read back from its ``metrics.jsonl``."""
-    from poetxq.train import DivergedError, train
+    """Our side: :func:`poetxq.training.train.train` into ``work/ours-seed<seed>``; the validation
+    and training-loss curves read back from its ``metrics.jsonl``."""
+    from poetxq.training.train import DivergedError, train
 
     recipe = our_recipe(s, seed, poet_lr_scale)
     run_dir = work / f"ours-seed{seed}"
@@ -329,8 +331,8 @@ def train_official(
     loop runs eagerly (``torch.compiler.set_stance("force_eager")``, which also runs the official
     layer forward, compiled by the official code itself, eagerly: a compiled graph of that layer
     under autocast is untested)."""
-    from poetxq.evaluate import causal_lm_loss, evaluate_perplexity
-    from poetxq.surgery import build_llama
+    from poetxq.model.surgery import build_llama
+    from poetxq.training.evaluate import causal_lm_loss, evaluate_perplexity
 
     recipe = our_recipe(s, seed, official_poet_scale(poet))
     torch.manual_seed(seed)
@@ -506,7 +508,8 @@ def mapping(s: Settings, poet_scale: float, official_commit: str) -> dict[str, A
             "ours": {
                 "effective": s.poet_lr * poet_scale,
                 "poet_lr_scale": poet_scale,
-                "how": "optim.poet_lr x optim.poet_lr_scale (poetxq.optim.build_optimizer)",
+                "how": "optim.poet_lr x optim.poet_lr_scale "
+                "(poetxq.training.optim.build_optimizer)",
             },
             "official": {
                 "effective": rot,
@@ -519,7 +522,8 @@ def mapping(s: Settings, poet_scale: float, official_commit: str) -> dict[str, A
         "schedule": {
             "warmup_steps": s.warmup_steps,
             "min_lr_ratio": s.min_lr_ratio,
-            "ours": "(step+1)/warmup, then cosine to min_lr_ratio (poetxq.optim.cosine_lr_factor)",
+            "ours": "(step+1)/warmup, then cosine to min_lr_ratio "
+            "(poetxq.training.optim.cosine_lr_factor)",
             "official": "step/warmup (lr 0 at the first step), then the same cosine "
             "(examples/peft_pretraining/training_utils.py, cosine; official_lr_factor here)",
         },
@@ -555,9 +559,10 @@ def mapping(s: Settings, poet_scale: float, official_commit: str) -> dict[str, A
             }.get(s.precision),
         },
         "data": "same ShardedBatches (seed train.seed + 2), same micro-batch positions",
-        "loss": "poetxq.evaluate.causal_lm_loss on both (the script calls the model with "
+        "loss": "poetxq.training.evaluate.causal_lm_loss on both (the script calls the model with "
         "labels=input_ids: the same next-token loss)",
-        "evaluation": "poetxq.evaluate.evaluate_perplexity, same validation windows and batch",
+        "evaluation": "poetxq.training.evaluate.evaluate_perplexity, same validation windows "
+        "and batch",
     }
 
 
@@ -681,7 +686,7 @@ def _finished_runs(previous: dict[str, Any], doc: dict[str, Any]) -> list[dict[s
 def load_data(corpus_dir: Path, s: Settings) -> Any:
     """The study's token corpus: ``train`` windows for training, ``tune`` for validation
     (``s.val_tokens`` of it, evenly spread), windows of ``seq_len + 1`` tokens."""
-    from poetxq.corpus import TokenCorpus, token_data
+    from poetxq.data.corpus import TokenCorpus, token_data
 
     corpus = TokenCorpus.open(corpus_dir)
     return token_data(corpus, s.seq_len, heldout="tune", max_val_tokens=s.val_tokens)

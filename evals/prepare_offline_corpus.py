@@ -14,7 +14,7 @@ Steps:
    ``blake2b(seed:source:index)``; the first ``--test-fraction`` go to ``test``, the next
    ``--tune-fraction`` to ``tune``, the rest to ``train``.
 3. Train a byte-level BPE (``--vocab-size``, default 32,000 as in the papers) on ``train`` only.
-4. Write a ``poetxq-token-corpus/1`` folder (:mod:`poetxq.corpus`): xz-compressed ``uint16``
+4. Write a ``poetxq-token-corpus/1`` folder (:mod:`poetxq.data.corpus`): xz-compressed ``uint16``
    token ids per split, ``tokenizer.json`` and ``corpus.json`` with each split's token counts,
    per-source ranges and SHA-256.
 
@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from evals.corpus_text import html_text, pod_text, roff_text  # noqa: E402
-from poetxq.corpus import write_token_corpus  # noqa: E402
 from poetxq.data import _chunk_text, _embedded_source, _train_bpe  # noqa: E402
+from poetxq.data.corpus import write_token_corpus  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The quality study: POET-XQ against tuned baselines under one protocol (issue 32).
 
 A study file (YAML, ``evals/studies/*.yaml``) names the model, the token corpus
-(:mod:`poetxq.corpus`), the token budget per run, the settings every method shares, and per
+(:mod:`poetxq.data.corpus`), the token budget per run, the settings every method shares, and per
 method its recipe, its own knobs and its learning-rate grid. The runner
 
 1. **tunes**: every grid point of every method at the tuning seeds; a method whose best point
@@ -52,7 +52,7 @@ from evals._common import git_commit, write_json_atomic  # noqa: E402
 from evals.quality_stats import best_point, decide, extension_points  # noqa: E402
 
 if TYPE_CHECKING:
-    from poetxq.recipe import Recipe
+    from poetxq.training.recipe import Recipe
 
 __all__ = [
     "Study", "check_runs", "execute", "expected_seconds", "format_plan", "load_study",
@@ -91,7 +91,7 @@ class Study(_Strict):
     """
 
     name: str
-    corpus: str  # token corpus folder (poetxq.corpus), relative to the repository root
+    corpus: str  # token corpus folder (poetxq.data.corpus), relative to the repository root
     model: str  # recipes/models/<model>.yaml
     tokens: float = Field(gt=0)  # training tokens per run
     shared: dict[str, Any] = Field(default_factory=dict)  # recipe overrides for every run
@@ -196,7 +196,7 @@ def run_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
     Raises:
         RecipeError: an unknown key or invalid value (one line naming the key).
     """
-    from poetxq.recipe import load_recipe
+    from poetxq.training.recipe import load_recipe
 
     path = f"{study.model}:{spec['recipe']}"
     overrides = {**study.shared, **spec["extra"], **spec["params"]}
@@ -241,7 +241,7 @@ def check_runs(study: Study, study_file: str | Path, specs: list[dict]) -> dict[
         SystemExit: a run's config is invalid (one line naming the study file, the method and
             the bad key or value).
     """
-    from poetxq.recipe import RecipeError
+    from poetxq.training.recipe import RecipeError
 
     recipes: dict[str, Recipe] = {}
     for spec in [*specs, *_probe_specs(study)]:
@@ -412,7 +412,7 @@ def _read_results(path: Path, study: Study) -> dict[str, Any]:
 
 
 def _corpus_identity(study: Study) -> dict[str, Any]:
-    from poetxq.corpus import CorpusError, TokenCorpus
+    from poetxq.data.corpus import CorpusError, TokenCorpus
 
     try:
         m = TokenCorpus.open(REPO / study.corpus).manifest

@@ -32,11 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from evals.quality import load_study, run_recipe  # noqa: E402
-from poetxq.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
-from poetxq.corpus import CorpusError, TokenCorpus, pack_windows, token_data  # noqa: E402
-from poetxq.evaluate import evaluate_perplexity  # noqa: E402
-from poetxq.recipe import POET_METHODS, Recipe  # noqa: E402
-from poetxq.train import DivergedError, train  # noqa: E402
+from poetxq.data.corpus import CorpusError, TokenCorpus, pack_windows, token_data  # noqa: E402
+from poetxq.training.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
+from poetxq.training.evaluate import evaluate_perplexity  # noqa: E402
+from poetxq.training.recipe import POET_METHODS, Recipe  # noqa: E402
+from poetxq.training.train import DivergedError, train  # noqa: E402
 
 
 def effective_lrs(recipe: Recipe) -> dict[str, float]:
@@ -150,8 +150,8 @@ def score(
     """Rebuild the trained model and measure tune, test (overall and per source; at most about
     ``max_test_tokens`` of it, :func:`windows_by_source`) and train-sample perplexity with the
     trainer's precision, printing a line before each phase and progress lines during it."""
-    from poetxq.build import build_for_training
-    from poetxq.precision import run_precision
+    from poetxq.training.build import build_for_training
+    from poetxq.training.precision import run_precision
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     seq = recipe.train.seq_len

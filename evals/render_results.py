@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from poetxq.tools_cli import check_output_file
+from poetxq.tools.cli_tools import check_output_file
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "evals" / "results"
@@ -698,7 +698,7 @@ def _side_by_side_steps(
                 extras.append("Triton 8-bit update")
             if r.get("static_inputs"):  # a variant measured at 374b7c9, since dropped
                 extras.append("layer inputs in static device buffers")
-            if r.get("relayout"):  # poetxq.relayout after the optimizer's build
+            if r.get("relayout"):  # poetxq.model.relayout after the optimizer's build
                 extras.append("relaid out after the optimizer's build")
             elif r.get("compacted_after_build") or "--compact" in d.get("command", ""):
                 extras.append("compacted build")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from _common import git_commit
 
-from poetxq.layer import POETXLinear, normalized_gaussian
+from poetxq.model.layer import POETXLinear, normalized_gaussian
 
 FORMATS = {"int8": (8, "nf4"), "nf4": (4, "nf4"), "fp4": (4, "fp4")}
 POLICIES = ("nearest", "stochastic")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from _common import provenance, write_json_atomic
 
-from poetxq.cli import main as poetxq_main
+from poetxq.tools.cli import main as poetxq_main
 
 
 def main(argv: list[str] | None = None) -> int:

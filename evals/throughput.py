@@ -1,7 +1,7 @@
 """Training throughput of the methods side by side: ``poetxq bench`` over models x seq x methods.
 
 For each model (default Llama-1B and 3B), sequence length (default 256 and 1024) and method
-(default poetxq int8, poetx, qgalore, qapollo, adamw) this runs :func:`poetxq.bench.run_bench`
+(default poetxq int8, poetx, qgalore, qapollo, adamw) this runs :func:`poetxq.tools.bench.run_bench`
 on random tokens with the recipe ``MODEL:METHOD`` at ``--tokens`` tokens per step (one
 micro-batch of ``tokens / seq`` sequences, no accumulation): fp32 parameters under bf16
 autocast, as ``poetxq train`` runs on a GPU (``--set train.precision=bf16-true``: bf16
@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from _common import kernel_policy, provenance, write_json_atomic
 
-from poetxq.bench import BenchError, run_bench
-from poetxq.recipe import (
+from poetxq.tools.bench import BenchError, run_bench
+from poetxq.tools.cli_tools import check_output_file
+from poetxq.training.recipe import (
     POET_METHODS,
     RecipeError,
     load_recipe,
@@ -37,7 +38,6 @@ from poetxq.recipe import (
     parse_override,
     poet_variant,
 )
-from poetxq.tools_cli import check_output_file
 
 VOCAB = 32000
 

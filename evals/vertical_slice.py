@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from _common import git_commit
 
-from poetxq.cli import main as poetxq_main
+from poetxq.tools.cli import main as poetxq_main
 
 RUNS = {
     "int8": ["--bits", "8"],

@@ -2,6 +2,6 @@
 
 import sys
 
-from poetxq.cli import main
+from poetxq.tools.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""The pydantic base of the recipe sections (:mod:`poetxq.recipe`, ``data.DataConfig``).
+"""The pydantic base of the recipe sections (:mod:`poetxq.training.recipe`, ``data.DataConfig``).
 
 On top of pydantic's checks it refuses three inputs that pydantic's lax mode lets through: a
 boolean for an integer or float field (``max_steps: true`` would become 1, since ``bool``

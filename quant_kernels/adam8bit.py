@@ -274,7 +274,7 @@ def adam8bit_update_device_scalars(
 ) -> None:
     """:func:`adam8bit_update` whose learning rate and step are read from device memory when the
     kernel runs, so that a CUDA graph that captured the call applies the values the host writes
-    into ``scalars`` before each replay (:mod:`poetxq.graph_optim`).
+    into ``scalars`` before each replay (:mod:`poetxq.training.graph_optim`).
 
     Args:
         scalars: ``[3]`` contiguous fp32 on ``p``'s device: ``(lr, beta1**t, beta2**t)`` for step

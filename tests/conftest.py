@@ -31,7 +31,7 @@ def _tiny_train(tmp_path, name: str, *extra: str) -> tuple[list[float], list[dic
     Returns the per-step training losses and every metrics.jsonl record."""
     import json
 
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     args = [
         "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "4",

@@ -1,13 +1,13 @@
-"""poetxq.attention: during a (simulated) CUDA graph capture, transformers' SDPA attention keeps
-``is_causal=True`` with no mask, as it does outside a capture, with the same output."""
+"""poetxq.model.attention: during a (simulated) CUDA graph capture, transformers' SDPA attention
+keeps ``is_causal=True`` with no mask, as it does outside a capture, with the same output."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from poetxq.attention import causal_mask_skipped
-from poetxq.recipe import load_recipe
-from poetxq.surgery import build_llama
+from poetxq.model.attention import causal_mask_skipped
+from poetxq.model.surgery import build_llama
+from poetxq.training.recipe import load_recipe
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 
@@ -89,11 +89,11 @@ def test_other_masks_go_to_transformers():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_real_capture_runs_sdpa_without_a_mask(model, monkeypatch):
-    """Inside :class:`poetxq.cudagraph.GraphedMicroStep`'s real capture, every SDPA call gets
-    ``attn_mask=None, is_causal=True`` (a transformers change that moves its mask logic would
+    """Inside :class:`poetxq.training.cudagraph.GraphedMicroStep`'s real capture, every SDPA call
+    gets ``attn_mask=None, is_causal=True`` (a transformers change that moves its mask logic would
     show here), and the replayed loss equals the eager one."""
-    from poetxq.cudagraph import GraphedMicroStep
-    from poetxq.evaluate import causal_lm_loss
+    from poetxq.training.cudagraph import GraphedMicroStep
+    from poetxq.training.evaluate import causal_lm_loss
 
     net = model.cuda().train()
     real = F.scaled_dot_product_attention

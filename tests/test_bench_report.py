@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from poetxq.bench import dense_param_count, run_bench
-from poetxq.cli import main
-from poetxq.evaluate import causal_lm_loss
-from poetxq.recipe import load_recipe
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.tools.bench import dense_param_count, run_bench
+from poetxq.tools.cli import main
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.recipe import load_recipe
 
 SMALL = {
     "model.hidden_size": 64, "model.intermediate_size": 136, "model.num_attention_heads": 4,
@@ -245,7 +245,7 @@ def test_report_bad_summary_is_one_line_naming_the_file(tmp_path, capsys, text, 
 
 
 def test_report_bad_metrics_record_is_one_line(tmp_path, capsys):
-    from poetxq.recipe import dump_recipe
+    from poetxq.training.recipe import dump_recipe
 
     run = tmp_path / "r"
     run.mkdir()
@@ -260,7 +260,7 @@ def test_report_bad_metrics_record_is_one_line(tmp_path, capsys):
 
 
 def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(tmp_path, capsys):
-    from poetxq.recipe import dump_recipe
+    from poetxq.training.recipe import dump_recipe
 
     run = tmp_path / "tiny-poetxq-killed"
     (run / "checkpoints" / "step-00000004").mkdir(parents=True)
@@ -337,8 +337,8 @@ def test_a_write_that_fails_late_names_the_file_asked_for(tmp_path, capsys, monk
 def test_report_names_memory_options_and_8bit_states():
     from types import SimpleNamespace
 
-    from poetxq.recipe import load_recipe
-    from poetxq.report import _memory_options
+    from poetxq.tools.report import _memory_options
+    from poetxq.training.recipe import load_recipe
 
     plain = SimpleNamespace(recipe=load_recipe(None))
     assert _memory_options(plain) == "-"
@@ -348,8 +348,8 @@ def test_report_names_memory_options_and_8bit_states():
 
 
 def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
-    from poetxq.recipe import load_recipe
-    from poetxq.report import Run, bar_labels
+    from poetxq.tools.report import Run, bar_labels
+    from poetxq.training.recipe import load_recipe
 
     def run(name: str, method: str = "poetxq") -> Run:
         return Run(tmp_path / name, load_recipe(None, {"method": method}), {})
@@ -363,8 +363,8 @@ def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
 def test_runs_of_one_recipe_name_but_other_shapes_get_their_own_tables(tmp_path):
     """``--set model.*`` changes the model and keeps the recipe name: such runs are not put
     side by side as one model; runs of one shape keep the plain name."""
-    from poetxq.recipe import load_recipe
-    from poetxq.report import Run, mark_shapes, results_rows
+    from poetxq.tools.report import Run, mark_shapes, results_rows
+    from poetxq.training.recipe import load_recipe
 
     def run(name: str, **model: int) -> Run:
         over = {f"model.{k}": v for k, v in model.items()}
@@ -384,7 +384,7 @@ def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path)
     """A run that stopped on a NaN loss (train logs a ``diverged`` event and writes no summary)
     is "diverged at step N", not "interrupted"; a POET run with ``poet.freeze_orthogonal`` is
     labelled as the R = P = I control, not as POET-XQ."""
-    from poetxq.recipe import dump_recipe
+    from poetxq.training.recipe import dump_recipe
 
     nan = tmp_path / "tiny-poetxq-nan"
     nan.mkdir()

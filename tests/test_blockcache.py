@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import quant_kernels
-from poetxq.layer import POETXLinear
-from poetxq.loss import causal_lm_loss_chunked
-from poetxq.recipe import ModelConfig, POETConfig
-from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.model.layer import POETXLinear
+from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.training.loss import causal_lm_loss_chunked
+from poetxq.training.recipe import ModelConfig, POETConfig
 
 CFG = ModelConfig(hidden_size=48, intermediate_size=100, num_attention_heads=4,
                   num_hidden_layers=2, max_position_embeddings=64)  # fmt: skip
@@ -67,7 +67,7 @@ def test_one_cnp_call_per_forward(monkeypatch):
     sides = [s for layer in poet_layers(model) for s in (layer.P, layer.R)]
     assert calls == [sum(s.nb for s in sides)]  # one call over every block of the model
     calls.clear()
-    model.model(input_ids=tokens)  # the decoder alone (poetxq.loss's chunked loss) too
+    model.model(input_ids=tokens)  # the decoder alone (poetxq.training.loss's chunked loss) too
     assert calls == [sum(s.nb for s in sides)]
     model.poetx_block_cache.remove()
     calls.clear()

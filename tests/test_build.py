@@ -1,5 +1,5 @@
-"""Building the model a run trains (:mod:`poetxq.build`): the meta-init way that CUDA runs take,
-forced on the CPU, against the classic way that CPU runs take."""
+"""Building the model a run trains (:mod:`poetxq.training.build`): the meta-init way that CUDA runs
+take, forced on the CPU, against the classic way that CPU runs take."""
 
 import json
 import math
@@ -11,13 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from poetxq.bench import build_model_and_optimizer
-from poetxq.build import META_INIT_ENV, build_for_training, use_meta_init
-from poetxq.distributed import replicas_identical
-from poetxq.evaluate import causal_lm_loss
-from poetxq.layer import POETXLinear
-from poetxq.recipe import ModelConfig, POETConfig, load_recipe
-from poetxq.surgery import build_empty_llama, convert_to_poetx, materialize_meta_parameters
+from poetxq.model.layer import POETXLinear
+from poetxq.model.surgery import build_empty_llama, convert_to_poetx, materialize_meta_parameters
+from poetxq.tools.bench import build_model_and_optimizer
+from poetxq.training.build import META_INIT_ENV, build_for_training, use_meta_init
+from poetxq.training.distributed import replicas_identical
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.recipe import ModelConfig, POETConfig, load_recipe
 
 V = 300
 SMALL = {
@@ -219,7 +219,7 @@ def test_meta_init_choice(monkeypatch):
 def test_trainer_builds_with_meta_init(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """The trainer's CUDA way, taken on the CPU (``POETXQ_META_INIT=1``): it trains, says how the
     model was built, and the run is a normal run (the classic way, the same run otherwise)."""
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
     args = [
@@ -253,7 +253,7 @@ def test_trainer_builds_with_meta_init(tmp_path, tmp_path_factory, monkeypatch, 
 def test_quantized_baseline_is_materialized_one_layer_at_a_time(monkeypatch):
     """qgalore in the meta way: when a decoder layer is quantized, the dense fp32 linears that
     exist are that layer's only (the earlier ones are int8, the later ones not allocated)."""
-    import poetxq.build as build
+    import poetxq.training.build as build
 
     recipe = _recipe("qgalore", **{"model.num_hidden_layers": 3})
     seen, model_ref = [], {}
@@ -283,7 +283,7 @@ def test_quantized_baseline_is_materialized_one_layer_at_a_time(monkeypatch):
 
 def test_convert_with_an_explicit_device_keeps_the_weights_as_before():
     """The --model way on a GPU passes ``device=``; on the CPU that is the default, bit for bit."""
-    from poetxq.surgery import build_llama
+    from poetxq.model.surgery import build_llama
 
     torch.manual_seed(0)
     ref = build_llama(TINY, 50)

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from poetxq.baselines import build_baseline_optimizer, prepare_baseline
-from poetxq.checkpoint import (
+from poetxq.model.layer import POETXLinear
+from poetxq.tools.cli import main
+from poetxq.training.checkpoint import (
     CheckpointError,
     decode_state,
     encode_state,
@@ -24,10 +26,8 @@ from poetxq.checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from poetxq.cli import main
-from poetxq.layer import POETXLinear
-from poetxq.optim import build_optimizer, build_scheduler, merge_and_reset
-from poetxq.recipe import BaselineConfig, OptimConfig
+from poetxq.training.optim import build_optimizer, build_scheduler, merge_and_reset
+from poetxq.training.recipe import BaselineConfig, OptimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -166,7 +166,7 @@ _KILL_MID_WRITE = textwrap.dedent(
     import os, signal, sys
     import torch
     from safetensors.torch import save
-    import poetxq.checkpoint as ck
+    import poetxq.training.checkpoint as ck
     sys.path.insert(0, {tests!r})
     from test_checkpoint import _setup, _save, _train
     model, opt, sched, mg = _setup("qgalore")
@@ -376,7 +376,7 @@ def test_a_broken_run_recipe_names_the_checkpoints_copy(saved_run, tmp_path, cap
 
 
 def test_how_a_step_is_run_is_not_a_recipe_difference():
-    from poetxq.checkpoint import recipe_differences
+    from poetxq.training.checkpoint import recipe_differences
 
     saved = {"train": {"cuda_graph": False, "fuse_elementwise": "auto", "max_steps": 4}}
     now = {"train": {"cuda_graph": "auto", "fuse_elementwise": True, "max_steps": 4}}
@@ -458,7 +458,7 @@ def test_saved_tensor_files_follow_the_umask(tmp_path):
     import os
     import stat
 
-    from poetxq.checkpoint import write_tensors
+    from poetxq.training.checkpoint import write_tensors
 
     old = os.umask(0o022)
     try:

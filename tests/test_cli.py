@@ -8,7 +8,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from poetxq.cli import main
+from poetxq.tools.cli import main
 
 # A tiny but real run: Python's pydoc topics as text, BPE trained on the train split.
 TINY = [
@@ -136,19 +136,23 @@ def test_an_output_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
 def test_automatic_run_names_started_in_one_second_get_their_own_directories(tmp_path, monkeypatch):
     """Without --run-name the directory is claimed (created) at once: a second run of the same
     recipe within the same second takes ``<name>-2`` instead of stopping later as "in use"."""
-    import poetxq.train
-    from poetxq.recipe import load_recipe, run_label
+    import poetxq.training.train
+    from poetxq.training.recipe import load_recipe, run_label
 
-    monkeypatch.setattr(poetxq.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    monkeypatch.setattr(poetxq.training.train.time, "strftime", lambda fmt, *a: "20261202-000000")
     recipe = load_recipe(None)
     recipe.train.output_dir = str(tmp_path / "runs")
     name = f"{run_label(recipe)}-20261202-000000"
-    first = poetxq.train.resolve_run_dir(recipe, None, claim=True)
-    second = poetxq.train.resolve_run_dir(recipe, None, claim=True)
+    first = poetxq.training.train.resolve_run_dir(recipe, None, claim=True)
+    second = poetxq.training.train.resolve_run_dir(recipe, None, claim=True)
     assert (first, second) == (tmp_path / "runs" / name, tmp_path / "runs" / f"{name}-2")
     assert first.is_dir() and second.is_dir() and list(first.iterdir()) == []
-    assert poetxq.train.resolve_run_dir(recipe, None) == first  # unclaimed: nothing created
-    assert poetxq.train.resolve_run_dir(recipe, "named", claim=True) == tmp_path / "runs" / "named"
+    # unclaimed: nothing created
+    assert poetxq.training.train.resolve_run_dir(recipe, None) == first
+    assert (
+        poetxq.training.train.resolve_run_dir(recipe, "named", claim=True)
+        == tmp_path / "runs" / "named"
+    )
     assert not (tmp_path / "runs" / "named").exists()  # a given name is not claimed
 
 
@@ -164,10 +168,10 @@ def test_a_failed_run_leaves_no_claimed_directory(tmp_path, capsys):
 
 
 def test_an_automatically_named_run_trains_into_a_fresh_directory(tmp_path, monkeypatch):
-    import poetxq.train
-    from poetxq.recipe import load_recipe, run_label
+    import poetxq.training.train
+    from poetxq.training.recipe import load_recipe, run_label
 
-    monkeypatch.setattr(poetxq.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    monkeypatch.setattr(poetxq.training.train.time, "strftime", lambda fmt, *a: "20261202-000000")
     taken = tmp_path / f"{run_label(load_recipe(None))}-20261202-000000"
     taken.mkdir()  # another run's, started in the same second
     (taken / "recipe.yaml").write_text("{}")
@@ -390,7 +394,7 @@ def test_eval_every_0_validates_at_the_start_and_the_end_only(tmp_path, capsys):
 @pytest.mark.slow
 def test_no_merge_or_checkpoint_after_a_nan_between_log_steps(tmp_path, capsys, monkeypatch):
     # log_every 1000: the NaN of step 3 is caught before the merge of step 4, not at the end
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     calls = {"n": 0}
     real = train_mod.training_loss
@@ -432,7 +436,7 @@ def test_signal_during_the_final_evaluation_waits_for_the_outputs(tmp_path, monk
     import os
     import signal
 
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     real, calls = train_mod.evaluate_perplexity, {"n": 0}
 
@@ -469,7 +473,7 @@ def test_non_finite_or_boolean_numbers_are_one_line(tmp_path, capsys, flags, nee
 
 @pytest.mark.parametrize("command", ["quantize-and-train", "train", "bench", "export"])
 def test_bad_kernels_env_is_refused_at_startup(tmp_path, capsys, monkeypatch, command):
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     def no_data(*a, **k):
         raise AssertionError("data prepared before POETXQ_KERNELS was checked")
@@ -493,7 +497,7 @@ def test_bad_kernels_env_is_refused_at_startup(tmp_path, capsys, monkeypatch, co
 
 def test_ctrl_c_during_data_preparation_is_one_line_and_writes_nothing(tmp_path, capsys,
                                                                       monkeypatch):  # fmt: skip
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
@@ -507,7 +511,7 @@ def test_ctrl_c_during_data_preparation_is_one_line_and_writes_nothing(tmp_path,
 
 
 def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
-    import poetxq.cli as cli
+    import poetxq.tools.cli as cli
 
     def interrupted():  # e.g. while torch and transformers are being imported
         raise KeyboardInterrupt
@@ -531,7 +535,7 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, caps
     import os
     import signal
 
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     real_build, real_data = train_mod.build_for_training, train_mod.prepare_data
 
@@ -575,7 +579,7 @@ def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, caps
     import os
     import signal
 
-    import poetxq.train as train_mod
+    import poetxq.training.train as train_mod
 
     real, calls = train_mod.training_loss, {"n": 0}
 
@@ -620,15 +624,15 @@ def test_tokens_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
     tokens/s (which counts training steps only), while train_seconds still holds it."""
     import time
 
-    import poetxq.train
+    import poetxq.training.train
 
-    real = poetxq.train.evaluate_perplexity
+    real = poetxq.training.train.evaluate_perplexity
 
     def slow(*args, **kwargs):
         time.sleep(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(poetxq.train, "evaluate_perplexity", slow)
+    monkeypatch.setattr(poetxq.training.train, "evaluate_perplexity", slow)
     assert _run(tmp_path, "--run-name", "e", "--max-steps", "4", "--eval-every", "2",
                 "--set", "train.log_every=1") == 0  # fmt: skip
     rows = [json.loads(x) for x in (tmp_path / "e" / "metrics.jsonl").read_text().splitlines()]
@@ -676,7 +680,8 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     (run / "model.safetensors").write_bytes(b"precious")
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from pathlib import Path; from poetxq.train import lock_run_dir; "
+         "import sys, time; from pathlib import Path; "
+         "from poetxq.training.train import lock_run_dir; "
          f"lock_run_dir(Path({str(run)!r})); print('locked', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -701,7 +706,7 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     # the lock went with the process: the same command now runs, and releases it when done
     assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 0
     assert (run / "summary.json").is_file()
-    from poetxq.train import _HELD_LOCKS
+    from poetxq.training.train import _HELD_LOCKS
 
     assert str(run.resolve()) not in _HELD_LOCKS
 
@@ -728,7 +733,7 @@ def test_a_file_system_without_flock_trains_unlocked(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from poetxq.train import _HELD_LOCKS, RunDirError, lock_run_dir
+    from poetxq.training.train import _HELD_LOCKS, RunDirError, lock_run_dir
 
     def refuse(_fd, _op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -794,7 +799,7 @@ def test_a_set_that_contradicts_a_flag_is_one_line(tmp_path, capsys):
 def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, capsys, monkeypatch):
     import errno
 
-    from poetxq import checkpoint as ck
+    from poetxq.training import checkpoint as ck
 
     real = ck.write_tensors
 
@@ -818,7 +823,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_written_checkpoints(tmp_path, cap
 def test_a_full_disk_before_any_checkpoint_advises_no_resume(tmp_path, capsys, monkeypatch):
     import errno
 
-    from poetxq import checkpoint as ck
+    from poetxq.training import checkpoint as ck
 
     def full(tensors, path):  # the disk fills up while the first checkpoint is written
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
@@ -834,7 +839,7 @@ def test_a_full_disk_before_any_checkpoint_advises_no_resume(tmp_path, capsys, m
 
 
 def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
-    import poetxq.cli as cli
+    import poetxq.tools.cli as cli
 
     def reader_gone(argv):
         raise BrokenPipeError(32, "Broken pipe")
@@ -864,16 +869,17 @@ def test_the_callers_signal_handlers_are_back_after_a_run(tmp_path):
 
 
 def test_the_cli_modules_import_no_cycle():
-    """poetxq.cli adds and runs the sub-commands of poetxq.tools_cli; neither that module nor
-    the checks both share (poetxq.cli_common) import poetxq.cli back, at any level."""
+    """poetxq.tools.cli adds and runs the sub-commands of poetxq.tools.cli_tools; neither that
+    module nor the checks both share (poetxq.tools.cli_common) import poetxq.tools.cli back, at any
+    level."""
     import ast
     from pathlib import Path
 
     import poetxq
 
     root = Path(poetxq.__file__).parent
-    for name in ("tools_cli", "cli_common"):
-        tree = ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))
+    for name in ("cli_tools", "cli_common"):
+        tree = ast.parse((root / "tools" / f"{name}.py").read_text(encoding="utf-8"))
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert "poetxq.cli" not in imported, name
+        assert "poetxq.tools.cli" not in imported, name

@@ -4,9 +4,9 @@ import pytest
 import torch
 from test_checkpoint import TINY  # the tiny real run the resume tests use
 
-from poetxq.bench import BenchError, run_bench
-from poetxq.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
-from poetxq.recipe import RecipeError, load_recipe
+from poetxq.tools.bench import BenchError, run_bench
+from poetxq.training.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
+from poetxq.training.recipe import RecipeError, load_recipe
 
 
 def test_refused_without_cuda():
@@ -24,7 +24,7 @@ def test_bench_refuses_cuda_graph_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_replays_accumulate_the_eager_gradients():
-    from poetxq.layer import POETXLinear
+    from poetxq.model.layer import POETXLinear
 
     gen = torch.Generator().manual_seed(0)
     layer = POETXLinear(256, 384, block_size=64, bits=8, generator=gen, device="cuda")
@@ -61,7 +61,7 @@ def test_replays_accumulate_the_eager_gradients():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_train_refuses_cuda_graph_without_cuda(tmp_path, capsys, monkeypatch):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     code = main(["train", *TINY, "--output-dir", str(tmp_path), "--run-name", "g",
@@ -84,7 +84,7 @@ def _losses(run) -> list[float]:
     "extra", [[], ["--set", "train.loss_chunk_tokens=24"]], ids=["whole", "chunked"]
 )
 def test_training_with_a_cuda_graph_matches_eager_across_merges(tmp_path, monkeypatch, extra):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     # fuse_elementwise off: under pytest on the H200 the torch.compile of the fused maps waited
@@ -108,7 +108,7 @@ def test_adamw_with_a_cuda_graph_trains_like_it_does_eagerly(tmp_path, monkeypat
     """The AdamW baseline with train.cuda_graph: true (static gradients, the fused update
     outside the graph) against the same run eager; under bf16 autocast too, where the graph
     replays the weight casts."""
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     common = [*TINY, "--method", "adamw", "--output-dir", str(tmp_path), "--max-steps", "7",
@@ -134,13 +134,13 @@ WIDER = ["--set", "model.hidden_size=256", "--set", "model.intermediate_size=512
 def test_optimizer_in_backward_inside_the_graph_trains_like_it_does_eagerly(
     tmp_path, monkeypatch, offload, size, chunk
 ):
-    """train.optimizer_in_backward with train.cuda_graph: true (poetxq.graph_optim) against
+    """train.optimizer_in_backward with train.cuda_graph: true (poetxq.training.graph_optim) against
     the eager optimizer_in_backward run: the same rule (bitsandbytes' CUDA op eagerly, our
     Triton kernel in the graph), merges and Q-moment resets in between, checkpointing on, the
     kept layer inputs on the device or offloaded (to host buffers made once in the graph); with
     a chunked loss the graph updates the LM head a slice of rows at a time (eagerly: whole)."""
-    from poetxq import loss as loss_mod
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
+    from poetxq.training import loss as loss_mod
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loss_mod, "SLICE_BYTES", 64 * 1024)  # several slices of a tiny head
@@ -169,11 +169,11 @@ def test_recipe_takes_a_cuda_graph_with_the_chunked_loss_and_with_offload():
     assert recipe.train.loss_chunk_tokens == 256
     recipe = load_recipe(None, {"train.cuda_graph": True, "train.gradient_checkpointing": True,
                                 "train.offload_activations": True})  # fmt: skip
-    assert recipe.train.offload_activations  # to host buffers made once (poetxq.lowmem)
+    assert recipe.train.offload_activations  # to host buffers made once (poetxq.training.lowmem)
 
 
 def test_recipe_refuses_cuda_graph_for_a_baseline_other_than_adamw():
-    from poetxq.recipe import RecipeError
+    from poetxq.training.recipe import RecipeError
 
     for method in ("qgalore", "qapollo", "galore", "apollo"):
         with pytest.raises(RecipeError, match=r"cuda_graph applies to the POET methods and adamw"):
@@ -214,7 +214,7 @@ def test_recipe_refuses_cuda_graph_for_a_baseline_other_than_adamw():
     ],
 )  # fmt: skip
 def test_graph_wanted_auto_is_on_only_where_a_graph_serves(over, device, world, want):
-    from poetxq.cudagraph import graph_wanted
+    from poetxq.training.cudagraph import graph_wanted
 
     recipe = load_recipe(None, over)
     assert recipe.train.cuda_graph == over.get("train.cuda_graph", "auto")
@@ -241,7 +241,7 @@ _OIB8 = {"train.optimizer_in_backward": True, "optim.grad_clip": 0.0, "optim.sta
 )  # fmt: skip
 def test_graph_hint_names_the_graph_where_auto_stays_eager_but_one_serves(over, device, world,
                                                                          want):  # fmt: skip
-    from poetxq.cudagraph import graph_hint, graph_wanted
+    from poetxq.training.cudagraph import graph_hint, graph_wanted
 
     recipe = load_recipe(None, over)
     hint = graph_hint(recipe, device, world)
@@ -257,7 +257,7 @@ def test_graph_hint_names_the_graph_where_auto_stays_eager_but_one_serves(over, 
      ("step", False, 2, "step"), ("step", True, 1, "none"), ("auto", True, 1, "none")],
 )  # fmt: skip
 def test_grad_sync_mode(setting, graph, world, want):
-    from poetxq.cudagraph import grad_sync_mode
+    from poetxq.training.cudagraph import grad_sync_mode
 
     train = load_recipe(None, {"train.grad_sync": setting}).train
     assert grad_sync_mode(train, graph, world) == want
@@ -274,7 +274,7 @@ def test_recipe_refuses_an_unknown_grad_sync():
 
 @pytest.mark.parametrize("setting", ["auto", True])
 def test_a_failed_capture_goes_on_eagerly_under_auto_only(setting, monkeypatch):
-    import poetxq.cudagraph as cg
+    import poetxq.training.cudagraph as cg
 
     def fail(*_a, **_k):
         raise CUDAGraphError("CUDA graph capture failed (boom); set train.cuda_graph: false")

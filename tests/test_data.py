@@ -503,9 +503,9 @@ def test_binary_txt_file_is_refused_by_name(tmp_path: Path) -> None:
 
 
 def test_token_corpus_folder_is_a_data_source(tmp_path: Path) -> None:
-    """A poetxq.corpus folder trains on its train split and validates on its tune split, with its
-    own tokenizer; its windows are the corpus's streams cut at seq_len + 1."""
-    from poetxq.corpus import write_token_corpus
+    """A poetxq.data.corpus folder trains on its train split and validates on its tune split, with
+    its own tokenizer; its windows are the corpus's streams cut at seq_len + 1."""
+    from poetxq.data.corpus import write_token_corpus
 
     enc = data_mod._train_bpe(DOCS, 300, progress=False)
     ids = {

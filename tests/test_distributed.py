@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from poetxq.distributed import (
+from poetxq.training.distributed import (
     ShardedBatches,
     all_reduce_float_grads,
     broadcast_module,
@@ -148,8 +148,8 @@ def _run(args: list[str], nproc: int, cache: Path) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "POETXQ_CACHE": str(cache)}  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", "-m", "poetxq.cli"] if nproc > 1 else [
-                sys.executable, "-m", "poetxq.cli"]  # fmt: skip
+                f"--nproc_per_node={nproc}", "-m", "poetxq.tools.cli"] if nproc > 1 else [
+                sys.executable, "-m", "poetxq.tools.cli"]  # fmt: skip
     proc = subprocess.run([*launcher, "train", *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -220,8 +220,8 @@ def test_stop_signals_take_a_double_tap_as_one_and_a_later_ctrl_c_as_abort(monke
     import os
     import signal
 
-    import poetxq.distributed as dist_mod
-    from poetxq.distributed import StopSignals
+    import poetxq.training.distributed as dist_mod
+    from poetxq.training.distributed import StopSignals
 
     now = {"t": 100.0}
     monkeypatch.setattr(dist_mod.time, "monotonic", lambda: now["t"])

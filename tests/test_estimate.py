@@ -7,18 +7,18 @@ import math
 import pytest
 import torch
 
-from poetxq import estimate as estimate_mod
 from poetxq.baselines import (
     build_baseline_optimizer,
     optimizer_state_bytes,
     prepare_baseline,
     quant_modules,
 )
-from poetxq.estimate import EstimateError, estimate_memory, format_estimate, parse_bytes
-from poetxq.evaluate import causal_lm_loss
-from poetxq.optim import build_optimizer
-from poetxq.recipe import load_recipe
-from poetxq.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.tools import estimate as estimate_mod
+from poetxq.tools.estimate import EstimateError, estimate_memory, format_estimate, parse_bytes
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.optim import build_optimizer
+from poetxq.training.recipe import load_recipe
 from quant_kernels.policy import AUTO, KernelPolicy
 
 V = 96
@@ -79,12 +79,12 @@ def test_hand_computation_poetxq_int8_autocast():
     assert not eager.cuda_graph and eager.activations == est.activations
     start = est.activations + est.logits + est.workspace + 4 * V * d
     assert eager.peak == persistent + max(start, end, step)
-    # poetxq.fuse (on by default on a GPU): a compiled RMSNorm keeps its input and the per-row
+    # poetxq.model.fuse (on by default on a GPU): a compiled RMSNorm keeps its input and the per-row
     # scale, not an fp32 copy beside the normalized rows: 4d bytes per token less per norm
     fused = estimate_memory(_recipe(**{"model.intermediate_size": 192}), vocab_size=V)
     assert fused.layer_activations == layer - T * 2 * 4 * d
     assert fused.head_activations == head - T * 4 * d
-    # poetxq.flat with 8-bit states: a Q of 2 or 6 blocks x 496 entries leaves gaps between
+    # poetxq.model.flat with 8-bit states: a Q of 2 or 6 blocks x 496 entries leaves gaps between
     # the 256-aligned slots, so the CNP still concatenates (the gapless case: ACT_CASES)
     flat = estimate_memory(
         _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
@@ -168,7 +168,7 @@ ACT_CASES = [
     ("qgalore", "autocast", {}), ("poetxq", "bf16-true", {"train.gradient_checkpointing": True}),
     ("poetxq", "autocast", {"train.gradient_checkpointing": True}),
     # 8-bit states, b = 128: every Q fills whole 256-element blocks, the flat group is gapless
-    # and the batched CNP reads Q through a view (poetxq.flat), no concatenated copy
+    # and the batched CNP reads Q through a view (poetxq.model.flat), no concatenated copy
     ("poetxq", "autocast", {"optim.state_bits": 8, "model.hidden_size": 512,
                             "model.intermediate_size": 1024, "poet.block_size": 128}),
 ]  # fmt: skip
@@ -177,7 +177,7 @@ ACT_CASES = [
 @pytest.mark.parametrize("method,precision,over", ACT_CASES, ids=lambda x: str(x))
 def test_activations_equal_what_autograd_saves(method, precision, over, monkeypatch):
     # the CPU model runs eager RMSNorms and the torch layer path: the estimate without
-    # poetxq.fuse's compiled ones and without the GPU's kernel paths (POETXQ_KERNELS=torch,
+    # poetxq.model.fuse's compiled ones and without the GPU's kernel paths (POETXQ_KERNELS=torch,
     # which the estimate reads as the layers do)
     monkeypatch.setenv("POETXQ_KERNELS", "torch")
     recipe = _recipe(
@@ -231,7 +231,7 @@ def test_parse_bytes():
 def test_estimate_memory_cli(tmp_path, capsys):
     import json
 
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     out = tmp_path / "est.json"
     args = ["estimate-memory", "--recipe", "llama-60m:poetxq", "--batch-size", "4", "--gpu-mem",
@@ -284,7 +284,7 @@ def test_memory_sizes_need_a_unit():
     ],
 )
 def test_non_positive_sizes_are_one_line(capsys, flags, needle):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", *flags]) == 2
     out, err = capsys.readouterr()
@@ -294,7 +294,7 @@ def test_non_positive_sizes_are_one_line(capsys, flags, needle):
 
 
 def test_gpu_mem_help_says_gb_is_gib(capsys):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["estimate-memory", "--help"])
@@ -422,7 +422,7 @@ def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
 
 
 def test_a_gpu_below_one_gib_is_shown_in_mib():
-    from poetxq.estimate import _size
+    from poetxq.tools.estimate import _size
 
     assert _size(2**20) == "1 MiB" and _size(512 * 2**20) == "512 MiB"
     assert _size(80 * 2**30) == "80.0 GiB" and _size(2**30) == "1.0 GiB"

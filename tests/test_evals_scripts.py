@@ -245,7 +245,9 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     assert text.startswith("bench tiny-poetxq (mem): ") and "2 steps of 8x1x128 tokens" in text
     # only the second step is profiled: its 7 POET projections, one backward each
     row = next(
-        line for line in text.splitlines() if "poetxq/layer.py" in line and "_mem_backward" in line
+        line
+        for line in text.splitlines()
+        if "poetxq/model/layer.py" in line and "_mem_backward" in line
     )
     assert row.split()[0] == "7"
     assert "cProfile by tottime" in text and "cProfile by cumtime" in text

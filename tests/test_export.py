@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from poetxq.cli import main
-from poetxq.export import (
+from poetxq.model.layer import POETXLinear
+from poetxq.tools.cli import main
+from poetxq.tools.export import (
     EXPORT_MERGE_SEED,
     bnb_4bit_state_dict,
     decode_state_dict,
@@ -25,7 +26,6 @@ from poetxq.export import (
     merged_state_dict,
     stored_codes_state_dict,
 )
-from poetxq.layer import POETXLinear
 from quant_kernels import reference_4bit as q4
 from quant_kernels.reference import dequant_int8_rowwise
 
@@ -191,7 +191,7 @@ def test_4bit_rows_not_multiple_of_64_match_bnb_reference_backend():
     """Blocks that straddle rows: our bytes decode the same as bitsandbytes' pure-torch backend.
 
     (bitsandbytes 0.50.2's CPU kernel ``dequantize_4bit`` decodes such shapes wrongly when the row
-    length is a multiple of 16, e.g. 96; see poetxq/export.py.)
+    length is a multiple of 16, e.g. 96; see poetxq/tools/export.py.)
     """
     from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
 
@@ -415,7 +415,7 @@ def test_failed_export_leaves_out_dir_as_it_was(runs, tmp_path, monkeypatch, cap
     def boom(*_a, **_k):
         raise OSError("disk full")
 
-    monkeypatch.setattr("poetxq.checkpoint.save_file", boom)
+    monkeypatch.setattr("poetxq.training.checkpoint.save_file", boom)
     code = main(["export", str(runs / "b8"), "--format", "hf-bnb8", str(out), "--overwrite"])
     assert code == 2 and "disk full" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "poetxq_export.json"]
@@ -474,7 +474,7 @@ def test_export_refuses_non_finite_weights_and_writes_into_cwd(runs, tmp_path, c
 def test_unfinished_run_names_resume(tmp_path):
     """A run stopped before its end holds checkpoints but no model.safetensors: the error says
     how to finish it instead of calling the folder foreign."""
-    from poetxq.export import ExportError, export_run
+    from poetxq.tools.export import ExportError, export_run
 
     run = tmp_path / "stopped"
     (run / "checkpoints" / "step-00000010").mkdir(parents=True)

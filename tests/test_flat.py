@@ -1,4 +1,4 @@
-"""Flattened parameter groups (poetxq.flat) and the one-launch 8-bit AdamW update over them.
+"""Flattened parameter groups (poetxq.model.flat) and the one-launch 8-bit AdamW update over them.
 
 The oracle is bitsandbytes' own ``AdamW8bit.step`` on separate tensors: the flat update must give
 bit-identical parameters and 8-bit states on the CPU.
@@ -12,8 +12,8 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from poetxq.flat import FlatParams, adjacent_span  # noqa: E402
-from poetxq.optim import adamw8bit_class  # noqa: E402
+from poetxq.model.flat import FlatParams, adjacent_span  # noqa: E402
+from poetxq.training.optim import adamw8bit_class  # noqa: E402
 from quant_kernels.policy import KernelPolicy  # noqa: E402
 
 # 300 and 5000 are not multiples of 256 (gaps after them), 4096 = 16 blocks, 513 x 8: a partial
@@ -130,7 +130,7 @@ def test_flat_step_falls_back_per_tensor_when_a_gradient_is_missing():
 
 
 def test_flat_state_survives_state_dict_round_trip_and_reset():
-    from poetxq.optim import reset_orthogonal_state
+    from poetxq.training.optim import reset_orthogonal_state
 
     ref, mine, opt_ref, opt = _pair()
     opt.flatten_group(0)
@@ -175,8 +175,8 @@ def test_grad_runs_are_views_over_gradients_that_lie_end_to_end():
 
 
 def _poet_model(seed: int):
-    from poetxq.recipe import ModelConfig, OptimConfig, POETConfig
-    from poetxq.surgery import build_llama, convert_to_poetx
+    from poetxq.model.surgery import build_llama, convert_to_poetx
+    from poetxq.training.recipe import ModelConfig, OptimConfig, POETConfig
 
     # b = 128: Q of 4 or 8 blocks x 8128 entries, multiples of 256 (the flat group has no gaps)
     # and above bitsandbytes' 4096-element threshold for 8-bit states
@@ -193,7 +193,7 @@ def test_flattened_poet_model_trains_like_an_unflattened_one():
     """build_optimizer flattens Q (in the batched CNP's order) and the norms; the CNP then reads
     Q through one view, the gradients arrive end to end, and two training steps give the same
     weights as separate tensors with bitsandbytes' per-tensor update."""
-    from poetxq.optim import build_optimizer, orthogonal_parameters
+    from poetxq.training.optim import build_optimizer, orthogonal_parameters
 
     (m_ref, cfg), (m, _) = _poet_model(0), _poet_model(0)
     opt_ref = build_optimizer(m_ref, cfg, flatten=False)

@@ -1,4 +1,4 @@
-"""poetxq.fuse: the compiled RMSNorm / rotary give the eager model's loss and gradients."""
+"""poetxq.model.fuse: the compiled RMSNorm / rotary give the eager model's loss and gradients."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from poetxq.fuse import fuse_elementwise, unfuse_elementwise
-from poetxq.recipe import ModelConfig, POETConfig
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.fuse import fuse_elementwise, unfuse_elementwise
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.training.recipe import ModelConfig, POETConfig
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2,
@@ -22,7 +22,7 @@ def restore_rope(monkeypatch):
     undo it afterwards."""
     from transformers.models.llama import modeling_llama
 
-    from poetxq import swiglu as maps
+    from poetxq.model import swiglu as maps
 
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
     monkeypatch.setattr(maps, "SWIGLU_OPS", dict(maps.SWIGLU_OPS))
@@ -54,7 +54,7 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
 
 
 def test_unfuse_restores_the_eager_model(restore_rope):
-    from poetxq import swiglu as maps
+    from poetxq.model import swiglu as maps
 
     plain_rope = restore_rope.apply_rotary_pos_emb
     model = build_llama(CFG, vocab_size=97)
@@ -73,8 +73,8 @@ def test_unfuse_restores_the_eager_model(restore_rope):
 
 
 def test_fuse_wanted_follows_the_recipe():
-    from poetxq.fuse import fuse_wanted
-    from poetxq.recipe import TrainConfig
+    from poetxq.model.fuse import fuse_wanted
+    from poetxq.training.recipe import TrainConfig
 
     assert not fuse_wanted(TrainConfig(fuse_elementwise=True), "cpu")  # never on a CPU
     assert fuse_wanted(TrainConfig(), "cuda")  # auto
@@ -85,7 +85,7 @@ def test_fuse_wanted_follows_the_recipe():
 
 
 def test_recipe_refuses_a_bad_fuse_value():
-    from poetxq.recipe import RecipeError, load_recipe
+    from poetxq.training.recipe import RecipeError, load_recipe
 
     assert load_recipe(None, {"train.fuse_elementwise": "auto"}).train.fuse_elementwise == "auto"
     assert load_recipe(None, {"train.fuse_elementwise": False}).train.fuse_elementwise is False

@@ -1,4 +1,5 @@
-"""poetxq.graph_optim: the optimizer step inside backward, in a form a CUDA graph can replay.
+"""poetxq.training.graph_optim: the optimizer step inside backward, in a form a CUDA graph can
+replay.
 
 Oracle: the run's own 8-bit AdamW (``adamw8bit_class``, flattened group, the Triton update with
 host scalars) stepping after an ordinary backward; for the fp32-moment tensors, bitsandbytes'
@@ -16,9 +17,9 @@ from torch import nn
 
 bnb = pytest.importorskip("bitsandbytes")
 
-from poetxq.graph_optim import GraphedInBackward, hooks_for  # noqa: E402
-from poetxq.lowmem import OptimizerInBackward  # noqa: E402
-from poetxq.optim import adamw8bit_class, reset_orthogonal_state  # noqa: E402
+from poetxq.training.graph_optim import GraphedInBackward, hooks_for  # noqa: E402
+from poetxq.training.lowmem import OptimizerInBackward  # noqa: E402
+from poetxq.training.optim import adamw8bit_class, reset_orthogonal_state  # noqa: E402
 from quant_kernels.policy import KernelPolicy  # noqa: E402
 
 #: the eager reference's flat step through the Triton update, on the CPU in the interpreter
@@ -126,7 +127,9 @@ def test_rehearsal_compiles_without_changing_anything(monkeypatch):
     states = [{k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
               for p in params]  # fmt: skip
     calls = []
-    monkeypatch.setattr("poetxq.graph_optim._update", lambda *a: calls.append(a[0].data_ptr()))
+    monkeypatch.setattr(
+        "poetxq.training.graph_optim._update", lambda *a: calls.append(a[0].data_ptr())
+    )
     with hooks.rehearsal():  # the update runs on the real tensors (their alignment) ...
         _loss(params, 0).backward()
     assert sorted(calls) == sorted(p.data_ptr() for p in params)
@@ -194,7 +197,7 @@ def test_graph_hooks_refuse_other_optimizers():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_replayed_graph_applies_each_steps_learning_rate(monkeypatch):
     """The same steps from a captured graph: its replays read the new learning rates."""
-    from poetxq.cudagraph import GraphedMicroStep
+    from poetxq.training.cudagraph import GraphedMicroStep
 
     ref, opt_ref = _setup(monkeypatch)
     mine, opt = _setup(monkeypatch)
@@ -218,11 +221,11 @@ def test_replayed_graph_applies_each_steps_learning_rate(monkeypatch):
 
 
 def test_lm_head_updated_slice_by_slice_equals_the_whole_update(monkeypatch):
-    """The chunked loss hands the LM head's gradient over by rows (poetxq.loss); the hooks
+    """The chunked loss hands the LM head's gradient over by rows (poetxq.training.loss); the hooks
     update each slice's rows and state blocks at once: the same result as the optimizer stepping
     on the whole gradient after the backward."""
-    from poetxq import loss as loss_mod
-    from poetxq.loss import ChunkedLinearCrossEntropy
+    from poetxq.training import loss as loss_mod
+    from poetxq.training.loss import ChunkedLinearCrossEntropy
 
     monkeypatch.setattr(loss_mod, "SLICE_BYTES", 6 * 64 * 4)  # 6 rows asked: 4 (the alignment)
     gen = torch.Generator().manual_seed(3)

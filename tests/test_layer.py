@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from poetxq.layer import POETXLinear, normalized_gaussian
+from poetxq.model.layer import POETXLinear, normalized_gaussian
 
 SHAPES = [  # (n, m, b): divisible, ragged in, ragged out, both ragged, b == dim
     (24, 40, 8),

@@ -1,4 +1,4 @@
-"""The layer's feature-major paths (poetxq.layer_fm: quant_kernels.transpose_perm +
+"""The layer's feature-major paths (poetxq.model.layer_fm: quant_kernels.transpose_perm +
 FrozenWeight.matmul_fm) against its torch path.
 
 On the CPU the Triton kernels run in the interpreter: the layers here run under policies that
@@ -22,7 +22,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton 
     )
 
 import quant_kernels
-from poetxq.layer import POETXLinear
+from poetxq.model.layer import POETXLinear
 from quant_kernels.policy import AUTO, KernelPolicy
 
 _SWITCHES = [f.name for f in dataclasses.fields(KernelPolicy)

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poetxq.evaluate import causal_lm_loss
-from poetxq.loss import ChunkedLinearCrossEntropy, causal_lm_loss_chunked
-from poetxq.recipe import ModelConfig
-from poetxq.surgery import build_llama
+from poetxq.model.surgery import build_llama
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.loss import ChunkedLinearCrossEntropy, causal_lm_loss_chunked
+from poetxq.training.recipe import ModelConfig
 
 N, D, V = 37, 16, 50
 VOCAB = 101
@@ -244,7 +244,7 @@ class _Recorder:
 def test_registered_row_update_gets_the_weight_gradient_in_complete_slices(
     gen, monkeypatch, frozen_hidden
 ):
-    from poetxq import loss as loss_mod
+    from poetxq.training import loss as loss_mod
 
     # 3 rows x 16 x 4 bytes per slice asked, aligned to 2 rows: slices of 2 rows, 25 of them
     monkeypatch.setattr(loss_mod, "SLICE_BYTES", 3 * D * 4)
@@ -273,7 +273,7 @@ def test_registered_row_update_gets_the_weight_gradient_in_complete_slices(
 
 
 def test_row_update_slices_bf16_weight_under_its_byte_budget(gen, monkeypatch):
-    from poetxq import loss as loss_mod
+    from poetxq.training import loss as loss_mod
 
     monkeypatch.setattr(loss_mod, "SLICE_BYTES", 8 * D * 2)  # 8 bf16 rows
     h, w, y = _inputs(gen, dtype=torch.bfloat16)
@@ -293,7 +293,7 @@ def test_row_update_slices_bf16_weight_under_its_byte_budget(gen, monkeypatch):
 def test_causal_lm_loss_chunked_slices_an_untied_head_only(tied):
     """A registered row update takes an untied head's gradient; a tied head (which also gets
     the embedding's gradient) keeps its whole .grad and the update is not called."""
-    from poetxq import loss as loss_mod
+    from poetxq.training import loss as loss_mod
 
     model, windows = _llama(tied), _windows()
     head = model.lm_head.weight

@@ -1,7 +1,7 @@
-"""Memory-saving options (poetxq.lowmem): the optimizer step inside backward equals the usual
-step, activation offload equals plain checkpointing, the recipe refuses combinations that cannot
-work, the estimator accounts for each option, and a CPU training run with all of them on equals
-one without them."""
+"""Memory-saving options (poetxq.training.lowmem): the optimizer step inside backward equals the
+usual step, activation offload equals plain checkpointing, the recipe refuses combinations that
+cannot work, the estimator accounts for each option, and a CPU training run with all of them on
+equals one without them."""
 
 import copy
 import json
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from poetxq.cli import main
-from poetxq.estimate import estimate_memory, format_estimate
-from poetxq.evaluate import causal_lm_loss
-from poetxq.lowmem import OptimizerInBackward, enable_activation_checkpointing
-from poetxq.recipe import load_recipe
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.tools.cli import main
+from poetxq.tools.estimate import estimate_memory, format_estimate
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.lowmem import OptimizerInBackward, enable_activation_checkpointing
+from poetxq.training.recipe import load_recipe
 
 
 def _mlp() -> nn.Module:
@@ -111,8 +111,8 @@ def test_offloaded_checkpointing_gives_the_plain_gradients(monkeypatch):
     offloaded = copy.deepcopy(plain)
     windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(2))
     want = _grads(plain, windows)
-    monkeypatch.setattr("poetxq.lowmem.save_on_cpu", _CountingSaveOnCpu)
-    monkeypatch.setattr("poetxq.lowmem._on_accelerator", lambda m: True)
+    monkeypatch.setattr("poetxq.training.lowmem.save_on_cpu", _CountingSaveOnCpu)
+    monkeypatch.setattr("poetxq.training.lowmem._on_accelerator", lambda m: True)
     enable_activation_checkpointing(offloaded, offload=True)
     assert offloaded.is_gradient_checkpointing
     _CountingSaveOnCpu.packed = []
@@ -127,13 +127,13 @@ def test_graph_safe_offload_keeps_each_layer_input_in_host_buffers_made_once(mon
     """offload with graph_safe (a CUDA graph's offload): every checkpointed layer copies what it
     keeps into host buffers of its own, made on the first step and reused on later ones; the
     gradients are plain checkpointing's."""
-    from poetxq.lowmem import HostSlots
+    from poetxq.training.lowmem import HostSlots
 
     plain = _tiny_llama(_recipe())
     offloaded = copy.deepcopy(plain)
     windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(4))
     want = _grads(plain, windows)
-    monkeypatch.setattr("poetxq.lowmem._on_accelerator", lambda m: True)  # as on a GPU
+    monkeypatch.setattr("poetxq.training.lowmem._on_accelerator", lambda m: True)  # as on a GPU
     enable_activation_checkpointing(offloaded, offload=True, graph_safe=True)
     hooks = [m._gradient_checkpointing_func.args[0] for m in offloaded.model.layers]
     assert len(hooks) == 2 and all(isinstance(h, HostSlots) for h in hooks)
@@ -157,7 +157,7 @@ def test_offload_on_a_cpu_model_is_plain_checkpointing(monkeypatch):
     model = _tiny_llama(_recipe())
     windows = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(3))
     want = _grads(copy.deepcopy(model), windows)
-    monkeypatch.setattr("poetxq.lowmem.save_on_cpu", _CountingSaveOnCpu)
+    monkeypatch.setattr("poetxq.training.lowmem.save_on_cpu", _CountingSaveOnCpu)
     _CountingSaveOnCpu.packed = []
     enable_activation_checkpointing(model, offload=True)
     assert model.is_gradient_checkpointing
@@ -331,11 +331,11 @@ def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch)
     around the model's forward; the trainer must enter it itself (else bf16 runs compute the
     decoder in fp32). The bf16 run follows an fp32 one in the same process, which accelerate's
     process-wide state refused until the trainer started it afresh for each run."""
-    import poetxq.loss
+    import poetxq.training.loss
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     seen = []
-    real = poetxq.loss.causal_lm_loss_chunked
+    real = poetxq.training.loss.causal_lm_loss_chunked
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer puts the model
 
@@ -343,7 +343,7 @@ def test_chunked_loss_runs_under_the_runs_mixed_precision(tmp_path, monkeypatch)
         seen.append(torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev))
         return real(model, windows, chunk_tokens)
 
-    monkeypatch.setattr(poetxq.loss, "causal_lm_loss_chunked", spy)
+    monkeypatch.setattr(poetxq.training.loss, "causal_lm_loss_chunked", spy)
     args = ["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
             "--batch-size", "4", "--max-steps", "2", "--no-progress", "--output-dir",
             str(tmp_path), "--set", "model.num_hidden_layers=1",
@@ -457,8 +457,8 @@ def test_estimate_books_the_optimizer_inside_a_cuda_graph_as_in_backward():
 
 def test_estimate_books_the_lm_head_gradient_by_slices_inside_a_graph_with_a_chunked_loss():
     """Inside a graph with a chunked loss the LM head's gradient exists a slice at a time
-    (poetxq.loss.SLICE_BYTES); eagerly, or tied to the embeddings, as a whole."""
-    from poetxq.loss import SLICE_BYTES
+    (poetxq.training.loss.SLICE_BYTES); eagerly, or tied to the embeddings, as a whole."""
+    from poetxq.training.loss import SLICE_BYTES
 
     over = {"optim.grad_clip": 0, "optim.state_bits": 8, "train.gradient_checkpointing": True,
             "train.optimizer_in_backward": True, "train.loss_chunk_tokens": 64,

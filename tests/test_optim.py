@@ -6,15 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from poetxq.layer import POETXLinear
-from poetxq.optim import (
+from poetxq.model.layer import POETXLinear
+from poetxq.training.optim import (
     build_optimizer,
     clip_threshold,
     cosine_lr_factor,
     merge_and_reset,
     orthogonal_parameters,
 )
-from poetxq.recipe import OptimConfig
+from poetxq.training.recipe import OptimConfig
 
 
 class Tiny(torch.nn.Module):
@@ -99,9 +99,9 @@ def test_8bit_states_use_bitsandbytes_and_merges_restart_them():
     drops Q's state so the next step is a fresh Adam start (same as a new optimizer's step)."""
     import bitsandbytes as bnb
 
-    from poetxq.layer import POETXLinear
-    from poetxq.optim import build_optimizer, reset_orthogonal_state
-    from poetxq.recipe import OptimConfig
+    from poetxq.model.layer import POETXLinear
+    from poetxq.training.optim import build_optimizer, reset_orthogonal_state
+    from poetxq.training.recipe import OptimConfig
 
     gen = torch.Generator().manual_seed(0)
     layer = POETXLinear(256, 128, block_size=128, bits=8, generator=gen)  # Q: 2 x 8128 entries
@@ -129,7 +129,7 @@ def test_8bit_step_without_per_parameter_sync_equals_bitsandbytes_step():
     give bit-identical parameters and states to bitsandbytes' own AdamW8bit."""
     import bitsandbytes as bnb
 
-    from poetxq.optim import adamw8bit_class
+    from poetxq.training.optim import adamw8bit_class
 
     def mlp() -> nn.Module:
         torch.manual_seed(0)  # 64x96 = 6144 elements: 8-bit states; the biases keep fp32 ones
@@ -171,7 +171,7 @@ def test_bitsandbytes_optional_cpu_gemm_warning_is_quiet():
 
 
 def test_adamw_is_fused_only_where_every_parameter_is_on_cuda():
-    from poetxq.optim import adamw
+    from poetxq.training.optim import adamw
 
     cpu = [{"params": [nn.Parameter(torch.ones(3))]}]
     assert not adamw(cpu, betas=(0.9, 0.95), eps=1e-8).defaults["fused"]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from poetxq.orthogonal import OrthogonalSide, packed_size, ragged_mask
+from poetxq.model.orthogonal import OrthogonalSide, packed_size, ragged_mask
 from quant_kernels.reference import block_diag_matmul, cayley_neumann, skew_from_packed
 
 

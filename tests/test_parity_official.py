@@ -87,7 +87,7 @@ def test_defaults_map_to_the_study_settings_with_equal_rotation_lr(po):
 
 
 def test_official_schedule_is_ours_one_step_behind_in_warmup_and_equal_after(po):
-    from poetxq.optim import cosine_lr_factor
+    from poetxq.training.optim import cosine_lr_factor
 
     w, total, floor = 40, 400, 0.1
     assert po.official_lr_factor(0, w, total, floor) == 0.0  # the script's first step: lr 0
@@ -103,9 +103,9 @@ def test_official_schedule_is_ours_one_step_behind_in_warmup_and_equal_after(po)
 
 
 def test_official_loop_draws_the_micro_batches_our_trainer_draws(po, tmp_path, monkeypatch):
-    """Record every micro-batch poetxq.train.train takes and compare with the parity script's
-    batch source for the same seed (the official loop reads position k with .batch(k))."""
-    import poetxq.train as train_mod
+    """Record every micro-batch poetxq.training.train.train takes and compare with the parity
+    script's batch source for the same seed (the official loop reads position k with .batch(k))."""
+    import poetxq.training.train as train_mod
 
     seen: list[torch.Tensor] = []
 

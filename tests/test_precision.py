@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from poetxq.cli import main
-from poetxq.precision import cast_parameters, run_precision
-from poetxq.recipe import RecipeError, load_recipe
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.tools.cli import main
+from poetxq.training.precision import cast_parameters, run_precision
+from poetxq.training.recipe import RecipeError, load_recipe
 
 
 @pytest.mark.parametrize(
@@ -153,7 +153,7 @@ def test_bench_follows_train_precision(tmp_path):
     data = json.loads(out.read_text())
     assert data["precision"] == "bf16-true"
     # the estimate books bf16 parameters: the estimator's own bf16 figure
-    from poetxq.estimate import estimate_memory
+    from poetxq.tools.estimate import estimate_memory
 
     recipe = load_recipe("recipes/tiny/poetxq.yaml", {"train.precision": "bf16-true",
                                                       "model.num_hidden_layers": 1})  # fmt: skip

@@ -1,12 +1,12 @@
-"""GPU-time breakdown of a profiled step (poetxq.profiling) and ``poetxq bench --profile``."""
+"""GPU-time breakdown of a profiled step (poetxq.tools.profiling) and ``poetxq bench --profile``."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from poetxq.cli import main
-from poetxq.profiling import format_breakdown, gpu_time_breakdown, kernel_category
+from poetxq.tools.cli import main
+from poetxq.tools.profiling import format_breakdown, gpu_time_breakdown, kernel_category
 
 CUDA = torch.autograd.DeviceType.CUDA
 CPU = torch.autograd.DeviceType.CPU

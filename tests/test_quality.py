@@ -15,7 +15,13 @@ import yaml
 
 from evals.quality import load_study, plan_runs, run_id, summarize
 from evals.quality_stats import best_point, decide, extension_points, paired_stats
-from poetxq.corpus import CorpusError, TokenCorpus, pack_windows, token_data, write_token_corpus
+from poetxq.data.corpus import (
+    CorpusError,
+    TokenCorpus,
+    pack_windows,
+    token_data,
+    write_token_corpus,
+)
 
 # ------------------------------------------------------------------ decision rule (hand numbers)
 
@@ -167,7 +173,7 @@ def test_cli_paths_report_an_incomplete_corpus_in_one_line(corpus, tmp_path, cap
     import sys
 
     from evals.quality import main as quality_main
-    from poetxq.cli import main as poetxq_main
+    from poetxq.tools.cli import main as poetxq_main
 
     folder = _without(corpus, tmp_path, "tokenizer.json")
     study = _study(tmp_path, folder)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from poetxq.quant import DenseWeight, Int8RowwiseWeight, make_frozen_weight
+from poetxq.model.quant import DenseWeight, Int8RowwiseWeight, make_frozen_weight
 from quant_kernels.reference import (
     dequant_int8_rowwise,
     int8_rowwise_matmul,

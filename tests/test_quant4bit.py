@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from poetxq.layer import POETXLinear
-from poetxq.quant import Blockwise4bitWeight, make_frozen_weight
+from poetxq.model.layer import POETXLinear
+from poetxq.model.quant import Blockwise4bitWeight, make_frozen_weight
 from quant_kernels.reference_4bit import (
     dequantize_4bit,
     dequantize_4bit_blockwise,
@@ -203,7 +203,7 @@ def test_cli_bits4_short_run_writes_bnb_keys(tmp_path, monkeypatch, capsys):
     from safetensors.torch import load_file
     from test_cli import TINY
 
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     with pytest.raises(SystemExit) as exc:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from poetxq.recipe import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
+from poetxq.training.recipe import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
@@ -153,7 +153,7 @@ def test_non_finite_floats_are_rejected(key, value):
 
 
 def test_validate_command_reports_every_file(tmp_path, capsys):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     good = ROOT / "recipes/tiny/poetxq.yaml"
     typo = tmp_path / "typo.yaml"
@@ -188,7 +188,7 @@ def test_validate_command_reports_every_file(tmp_path, capsys):
 def test_settings_the_method_ignores_get_a_note(capsys):
     """poet.* under a baseline and baseline.* under a POET method change nothing: a note (in
     validate's output and at the start of a run), not silence; the shipped recipes get none."""
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     qg = load_recipe("llama-1b:qgalore", {"poet.bits": 4, "poet.block_size": 128})
     assert qg.notes == [
@@ -250,7 +250,7 @@ def test_an_error_between_keys_of_a_section_names_every_source():
 def test_validate_says_when_a_file_names_no_model(capsys):
     """A method file alone validates on the schema's defaults (the embedded tiny model): one
     note says so and how to pick a model; files that name one get no such note."""
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     method = ROOT / "recipes/methods/poetxq4.yaml"
     assert (

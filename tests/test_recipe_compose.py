@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from poetxq.recipe import RecipeError, load_recipe, method_label, run_label
+from poetxq.training.recipe import RecipeError, load_recipe, method_label, run_label
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "recipes/models").glob("*.yaml"))
@@ -137,7 +137,7 @@ def test_tiny_recipes_unchanged_and_labels():
 
 
 def test_data_flag_replaces_the_hub_source():
-    from poetxq.cli import _overrides, build_parser
+    from poetxq.tools.cli import _overrides, build_parser
 
     args = build_parser().parse_args(["train", "--recipe", "llama-60m:poetxq", "--data", "/c4"])
     r = load_recipe(args.recipe, _overrides(args))
@@ -146,7 +146,7 @@ def test_data_flag_replaces_the_hub_source():
 
 
 def test_c4_recipe_offline_is_one_error_naming_the_choices(tmp_path, capsys, monkeypatch):
-    from poetxq.cli import main
+    from poetxq.tools.cli import main
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))

@@ -1,4 +1,5 @@
-"""poetxq.relayout: a built model's storages copied out and back keep values, identity and sharing.
+"""poetxq.model.relayout: a built model's storages copied out and back keep values, identity and
+sharing.
 
 The oracle is a twin model and optimizer built from the same seeds and left in place: after the
 relayout, two training steps on each must give identical parameters.
@@ -11,11 +12,11 @@ import torch
 
 pytest.importorskip("bitsandbytes")
 
-from poetxq.evaluate import causal_lm_loss
-from poetxq.optim import build_optimizer
-from poetxq.recipe import load_recipe
-from poetxq.relayout import expandable_segments, model_tensors, relayout, relayout_wanted
-from poetxq.surgery import build_llama, convert_to_poetx
+from poetxq.model.relayout import expandable_segments, model_tensors, relayout, relayout_wanted
+from poetxq.model.surgery import build_llama, convert_to_poetx
+from poetxq.training.evaluate import causal_lm_loss
+from poetxq.training.optim import build_optimizer
+from poetxq.training.recipe import load_recipe
 
 
 def _built():
@@ -111,7 +112,7 @@ def test_relayout_is_wanted_on_cuda_with_expandable_segments_only(monkeypatch, e
 @pytest.mark.slow
 def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tiny_train, monkeypatch, capsys):
     """The trainer's relayout (forced on the CPU) changes no number of a 3-step run with a merge."""
-    import poetxq.relayout as relayout_mod
+    import poetxq.model.relayout as relayout_mod
 
     extra = ("--set", "optim.warmup_steps=1", "--set", "optim.state_bits=8",
              "--set", "train.precision=fp32")  # fmt: skip

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from poetxq.checkpoint import list_checkpoints
+from poetxq.training.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # one-thread, deterministic torch, then the CLI
 PRELUDE = (
     "import sys, torch; torch.set_num_threads(1); torch.use_deterministic_algorithms(True); "
-    "from poetxq.cli import main; sys.exit(main())"  # a process: its exit status
+    "from poetxq.tools.cli import main; sys.exit(main())"  # a process: its exit status
 )
 MAX_STEPS, SAVE_EVERY, MERGE_INTERVAL = 16, 4, 3  # saves at 4, 8, 12; merges at 3, 6, 9, 12, 15
 COMMON = [

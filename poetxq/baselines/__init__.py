@@ -33,8 +33,8 @@ from poetxq.baselines.qlinear import (
     quantize_groupwise,
     quantize_linears,
 )
-from poetxq.optim import adamw
-from poetxq.recipe import BaselineConfig, OptimConfig
+from poetxq.training.optim import adamw
+from poetxq.training.recipe import BaselineConfig, OptimConfig
 
 __all__ = [
     "BASELINE_METHODS",

@@ -8,7 +8,7 @@ code table and double-quant offset once did both).
 import pytest
 import torch
 
-from poetxq.layer import POETXLinear
+from poetxq.model.layer import POETXLinear
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

@@ -1,0 +1,209 @@
+"""The way in: continue a pretrained transformers Llama-family checkpoint with POET-X(Q).
+
+``poetxq quantize-and-train --model DIR`` (recipe key ``model.pretrained``) loads the checkpoint
+with ``AutoModelForCausalLM.from_pretrained`` in fp32, keeps its architecture (the recipe's
+``model`` section is ignored, with a note), its tokenizer (``AutoTokenizer`` from the same
+directory, through the data layer's Hugging Face tokenizer path) and its weights: each target
+projection's weight becomes ``W0`` as it is — quantized to int8 / NF4 / FP4, with no
+re-initialisation and no row normalisation (:func:`poetxq.model.surgery.convert_to_poetx` with
+``keep_weights=True``). With ``R = P = I`` at step 0 the model computes the checkpoint's function
+up to the quantization error of ``W0``.
+
+A hub id is tried only when it is not a local path; with no reachable hub the error says so in one
+line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from poetxq.training.recipe import Recipe
+
+#: model types whose projections are named q/k/v/o_proj and gate/up/down_proj
+LLAMA_FAMILY: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class PretrainedError(ValueError):
+    """A ``--model`` checkpoint cannot be used; the message is one line naming the fix."""
+
+
+def resolve_pretrained(ref: str) -> str:
+    """Where to load ``ref`` from: a local checkpoint directory, or a reachable hub id.
+
+    Args:
+        ref: a directory holding ``config.json`` (``save_pretrained`` output) or a hub id
+            ``owner/name``.
+
+    Returns:
+        The local directory (resolved, as a string) or the hub id.
+
+    Raises:
+        PretrainedError: a local path that is missing, a poetxq run directory (export it first),
+            a directory without ``config.json``, or a hub id that cannot be fetched (no network,
+            unknown repository).
+    """
+    path = Path(os.path.expanduser(ref))
+    if path.is_dir():
+        if (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file():
+            raise PretrainedError(
+                f"'{ref}' is a poetxq run directory, not a Hugging Face checkpoint; export it "
+                f"first (poetxq export {ref} --format hf-bf16 OUT_DIR) and pass OUT_DIR"
+            )
+        if not (path / "config.json").is_file():
+            raise PretrainedError(
+                f"'{ref}' holds no config.json; pass a directory written by save_pretrained"
+            )
+        return str(path.resolve())
+    parts = ref.split("/")
+    is_hub_id = len(parts) == 2 and all(parts) and not ref.startswith((".", "~", "/"))
+    if not is_hub_id:
+        raise PretrainedError(
+            f"model '{ref}' is not an existing directory; pass a checkpoint directory written by "
+            "save_pretrained (or a hub id owner/name)"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(
+            ref, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+        )
+    except Exception as exc:  # offline, unknown repo, gated, ...
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise PretrainedError(
+            f"model '{ref}' is not a local directory and cannot be fetched from the Hugging Face "
+            f"hub ({type(exc).__name__}: {first}); pass a local checkpoint directory"
+        ) from None
+
+
+def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
+    """A pretrained model is trained at most at its own ``max_position_embeddings``.
+
+    poetxq does not extend RoPE (no rope scaling is set up), so a longer ``seq_len`` would feed
+    the checkpoint positions it never saw; that is an error, not a silent change.
+
+    Raises:
+        PretrainedError: ``seq_len`` exceeds ``config.max_position_embeddings``.
+    """
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise PretrainedError(
+            f"--seq-len (train.seq_len) {seq_len} exceeds the max_position_embeddings {max_pos} "
+            f"of '{ref}'; poetxq does not extend a checkpoint's RoPE: use --seq-len {max_pos} "
+            "or less"
+        )
+
+
+def check_pretrained_config(
+    path: str, seq_len: int | None = None, block_size: int | None = None
+) -> Any:
+    """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
+
+    Args:
+        path: a local checkpoint directory.
+        seq_len: the run's ``train.seq_len``, checked against the model's
+            ``max_position_embeddings`` (:func:`check_seq_len`); None skips that check.
+        block_size: the run's ``poet.block_size`` ``b``, which must not exceed the model's
+            smallest layer dimension; None skips that check.
+
+    Returns:
+        The ``PretrainedConfig``.
+
+    Raises:
+        PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, an
+            already quantized checkpoint, ``seq_len`` beyond its positions, or ``block_size``
+            above its smallest layer dimension.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        raise PretrainedError(
+            f"cannot read the config of '{path}': {exc}".splitlines()[0]
+        ) from None
+    if config.model_type not in LLAMA_FAMILY:
+        raise PretrainedError(
+            f"'{path}' is a {config.model_type!r} model; --model takes Llama-family checkpoints "
+            f"({', '.join(LLAMA_FAMILY)})"
+        )
+    if getattr(config, "quantization_config", None):
+        raise PretrainedError(
+            f"'{path}' is already quantized ({config.quantization_config.get('quant_method')}); "
+            "pass an unquantized (bf16/fp32) checkpoint"
+        )
+    if seq_len is not None:
+        check_seq_len(config, seq_len, path)
+    dims = [getattr(config, k, None) for k in ("hidden_size", "intermediate_size")]
+    smallest = min((d for d in dims if isinstance(d, int)), default=None)
+    if block_size is not None and smallest is not None and block_size > smallest:
+        raise PretrainedError(
+            f"poet.block_size {block_size} exceeds the smallest layer dimension {smallest} of "
+            f"'{path}'; choose --block-size {smallest} or less"
+        )
+    return config
+
+
+def load_pretrained(path: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for Llama shape.
+
+    Raises:
+        PretrainedError: unreadable checkpoint or a model type outside :data:`LLAMA_FAMILY`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_pretrained_config(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as exc:
+        raise PretrainedError(f"cannot load '{path}': {exc}".splitlines()[0]) from None
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def build_model(
+    recipe: Recipe, vocab_size: int, *, echo: Callable[[str], None] = print
+) -> tuple[nn.Module, bool]:
+    """The model a run starts from, and whether its linear weights are to be kept as ``W0``.
+
+    Without ``model.pretrained`` this is :func:`poetxq.model.surgery.build_llama` (random init, W0
+    drawn afresh at surgery). With it, the pretrained checkpoint (:func:`load_pretrained`).
+
+    Args:
+        recipe: the run's recipe.
+        vocab_size: token ids the data uses (ids ``< vocab_size``).
+        echo: where notes go.
+
+    Returns:
+        ``(model, keep_weights)``.
+
+    Raises:
+        PretrainedError: the checkpoint is unusable, its vocabulary is smaller than the tokenizer's
+            ids, or ``train.seq_len`` exceeds its ``max_position_embeddings``.
+    """
+    from poetxq.model.surgery import build_llama
+
+    ref = recipe.model.pretrained
+    if ref is None:
+        return build_llama(recipe.model, vocab_size), False
+    path = resolve_pretrained(ref)
+    model = load_pretrained(path)
+    cfg: Any = model.config
+    n_vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab_size > n_vocab:
+        raise PretrainedError(
+            f"the tokenizer's ids reach {vocab_size - 1} but '{ref}' embeds only {n_vocab} tokens; "
+            "its tokenizer and weights do not belong together"
+        )
+    check_seq_len(cfg, recipe.train.seq_len, ref)
+    n_params = sum(p.numel() for p in model.parameters())
+    echo(
+        f"model: {cfg.model_type} from {ref} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "
+        f"{n_params:,} parameters); recipe model section ignored, weights kept as W0"
+    )
+    return model, True

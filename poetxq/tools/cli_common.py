@@ -1,0 +1,52 @@
+"""Startup checks that the ``poetxq`` sub-commands share (:mod:`poetxq.tools.cli` for training,
+export and validation, :mod:`poetxq.tools.cli_tools` for ``estimate-memory``, ``bench`` and
+``report``), so that neither CLI module imports the other's.
+
+Each check runs before any work and raises one line that the CLI prints as
+``poetxq: error: ...`` (exit status 2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from poetxq.paths import nearest_existing, writable_dir
+from poetxq.training.recipe import RecipeError
+
+
+def check_kernels_env() -> None:
+    """Refuse a bad ``POETXQ_KERNELS`` at startup, not at the first kernel call (after the data
+    was prepared and the model built).
+
+    Raises:
+        RecipeError: the variable is set to an unknown mode; the message names the allowed ones.
+    """
+    from quant_kernels import default_policy
+
+    try:
+        default_policy()
+    except ValueError as exc:
+        raise RecipeError(f"environment variable {exc}") from None
+
+
+def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
+    """Refuse an output file that could not be written, before any work: ``path`` is a
+    directory, or its nearest existing ancestor is a file or a read-only directory (the
+    missing folders between are created when the file is written).
+
+    Raises:
+        error: one line naming the flag, the path and what is wrong with it.
+    """
+    if path.is_dir():
+        raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
+    parent = nearest_existing(path.parent)
+    if not parent.is_dir():
+        raise error(
+            f"{flag} '{path}' cannot be written: '{parent}' is a file, not a directory; "
+            "choose another path"
+        )
+    if not writable_dir(parent):
+        raise error(
+            f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
+            "choose another path"
+        )

@@ -1,0 +1,195 @@
+"""The ``estimate-memory``, ``bench`` and ``report`` sub-commands of ``poetxq``.
+
+Kept apart from :mod:`poetxq.tools.cli` (training flags) so each tool's flags live next to its
+runner. :mod:`poetxq.tools.cli` adds these parsers and runs them; this module never imports it (the
+checks both use live in :mod:`poetxq.tools.cli_common`; ``evals/`` scripts import
+``check_output_file`` from here). Errors are raised as the tools' own ``ValueError`` subclasses
+(:data:`TOOL_ERRORS`); ``poetxq.tools.cli.main`` prints them as one ``poetxq: error: ...`` line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from poetxq.text import count
+from poetxq.tools.bench import BenchError
+from poetxq.tools.cli_common import check_kernels_env, check_output_file
+from poetxq.tools.estimate import EstimateError
+from poetxq.tools.report import ReportError
+
+TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recipe", metavar="RECIPE",
+        help="recipe YAML or MODEL:METHOD from recipes/ (e.g. llama-8b:poetxq); default: the "
+        "embedded tiny recipe, as poetxq train",
+    )  # fmt: skip
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe key (repeatable)")  # fmt: skip
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence [train.seq_len]")
+    p.add_argument(
+        "--gradient-checkpointing", action="store_true",
+        help="whole-layer activation checkpointing [train.gradient_checkpointing]",
+    )  # fmt: skip
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [data.vocab_size]")
+
+
+def _estimate_precision(text: str) -> str:
+    """``estimate-memory --precision``: a run precision (:data:`poetxq.tools.estimate.PRECISIONS`).
+    ``bf16`` is refused by name: as ``train.precision`` it means autocast, elsewhere it is often
+    read as everything-bf16."""
+    from poetxq.tools.estimate import PRECISIONS
+
+    if text == "bf16":
+        raise argparse.ArgumentTypeError(
+            "'bf16' is ambiguous: use autocast (fp32 parameters, bf16 compute; what "
+            "train.precision: bf16 runs) or bf16-true (every parameter bf16)"
+        )
+    if text not in PRECISIONS:
+        raise argparse.ArgumentTypeError(f"'{text}': choose from {', '.join(PRECISIONS)}")
+    return text
+
+
+def add_tool_parsers(sub: Any) -> None:
+    """Add ``estimate-memory``, ``bench`` and ``report`` to the ``poetxq`` sub-parsers."""
+    p = sub.add_parser(
+        "estimate-memory", help="analytic memory breakdown of a recipe's training step",
+        description="Predict the peak GPU memory of one training step of a recipe (frozen "
+        "weights, parameters, gradients, optimizer states, activations, logits, workspace) "
+        "and whether it fits.",
+        epilog="the memory options count as set: --set train.offload_activations=true, "
+        "train.optimizer_in_backward=true, train.loss_chunk_tokens=N (see poetxq train --help)",
+    )  # fmt: skip
+    _recipe_args(p)
+    p.add_argument(
+        "--gpu-mem", metavar="SIZE",
+        help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
+        "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
+        "number is bytes",
+    )  # fmt: skip
+    p.add_argument("--precision", type=_estimate_precision, default=None,
+                   metavar="{autocast,bf16-true,fp32}",
+                   help="autocast: fp32 parameters + bf16 compute (train.precision auto or bf16 "
+                   "on a GPU); bf16-true: every parameter bf16, no autocast (train.precision: "
+                   "bf16-true); fp32: everything fp32 (the CPU). Default: what the recipe's "
+                   "train.precision runs on a GPU")  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
+
+    p = sub.add_parser(
+        "bench", help="tokens/s, MFU and peak memory of a recipe on random tokens",
+        description="Time training steps of a recipe on random tokens (no dataset): prints one "
+        "summary line and writes JSON.",
+        epilog="the recipe's memory options apply (--set train.gradient_checkpointing=true, "
+        "train.offload_activations=true, train.optimizer_in_backward=true, "
+        "train.loss_chunk_tokens=N) and are recorded in the JSON",
+    )  # fmt: skip
+    _recipe_args(p)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per step [train.grad_accum]")
+    p.add_argument(
+        "--peak-tflops", type=float,
+        help="accelerator peak for MFU (default: by GPU name, H100/H200 989.4)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument("--out", metavar="JSON", help="write the result here")
+    p.add_argument(
+        "--profile", metavar="TXT",
+        help="after the timed steps, profile two more (torch.profiler) and write the top "
+        "operators and the GPU time per kind of work (GEMMs, block multiplies, Cayley-Neumann, "
+        "weight decode, ...) to this file",
+    )  # fmt: skip
+
+    p = sub.add_parser(
+        "report", help="Markdown + PNG comparison of runs",
+        description="Build report.md (results table) and loss / val-ppl / throughput / "
+        "peak-memory plots from run directories; runs of the same model side by side. A run "
+        "without summary.json (interrupted) is read from its metrics.jsonl and marked so.",
+    )  # fmt: skip
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories of poetxq train (finished or interrupted)")  # fmt: skip
+    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+
+
+def _load(args: argparse.Namespace):  # -> Recipe
+    from poetxq.training.recipe import load_recipe, merge_overrides
+
+    flags: dict[str, tuple[str, Any]] = {}
+    for dest, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len"),
+                      ("grad_accum", "train.grad_accum")):  # fmt: skip
+        if getattr(args, dest, None) is not None:
+            flags[key] = ("--" + dest.replace("_", "-"), getattr(args, dest))
+    if args.gradient_checkpointing:
+        flags["train.gradient_checkpointing"] = ("--gradient-checkpointing", True)
+    return load_recipe(args.recipe, merge_overrides(flags, args.overrides))
+
+
+def run_tool(args: argparse.Namespace) -> int:
+    """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
+    if args.command == "report":
+        from poetxq.tools.report import build_report
+
+        path = build_report(args.runs, args.out)
+        n = len({Path(p).resolve() for p in args.runs})  # a run given twice is reported once
+        print(f"report: {path} ({count(n, 'run')})")
+        return 0
+    from poetxq.tools.bench import write_json
+
+    recipe = _load(args)
+    if args.command == "estimate-memory":
+        from poetxq.tools.estimate import (
+            estimate_memory,
+            format_estimate,
+            format_other_variant,
+            other_variant,
+            parse_bytes,
+        )
+        from poetxq.training.precision import run_precision
+
+        gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
+        if args.json:
+            check_output_file(Path(args.json), "--json", EstimateError)
+        runs = run_precision(recipe.train, "cuda")
+        precision = args.precision or runs
+        if precision != runs:
+            print(
+                f"note: --precision {precision} estimates another setting than the recipe's "
+                f"train.precision {recipe.train.precision} runs on a GPU ({runs})"
+            )
+        est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
+        alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
+        if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
+            extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
+            write_json({**est.to_dict(), **extra}, Path(args.json))
+        print(format_estimate(est, gpu))
+        if alt:
+            print(format_other_variant(*alt, gpu))
+        return 0
+    from poetxq.tools.bench import bench_to_dict, run_bench
+
+    check_kernels_env()
+    if args.out:  # the benchmark can take minutes: do not find out only when writing
+        check_output_file(Path(args.out), "--out", BenchError)
+    if args.profile:
+        check_output_file(Path(args.profile), "--profile", BenchError)
+        if args.out and Path(args.profile).resolve() == Path(args.out).resolve():
+            raise BenchError(f"--profile and --out are the same file '{args.out}'; give two paths")
+
+    result = run_bench(
+        recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,
+        peak_tflops=args.peak_tflops, device=args.device,
+        command="poetxq " + shlex.join(sys.argv[1:]),
+        profile=Path(args.profile) if args.profile else None, echo=print,
+    )  # fmt: skip
+    print(result.summary_line())
+    if args.out:
+        write_json(bench_to_dict(result), Path(args.out))
+    return 0
