@@ -41,8 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from evals.corpus_text import html_text, pod_text, roff_text  # noqa: E402
-from poetxq.data import _chunk_text, _embedded_source, _train_bpe  # noqa: E402
 from poetxq.data.corpus import write_token_corpus  # noqa: E402
+from poetxq.data.documents import chunk_text  # noqa: E402
+from poetxq.data.sources import embedded_source  # noqa: E402
+from poetxq.data.tokenizer import train_bpe  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ def _part_documents(part: Part, root: Path) -> Iterator[str]:
         raise SystemExit(f"error: {part.package} holds no file matching {part.globs}")
     reader = _READERS[part.reader]
     for path in files:
-        yield from _chunk_text(reader(_read(path)))
+        yield from chunk_text(reader(_read(path)))
 
 
 def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
@@ -164,7 +166,7 @@ def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
         seen.add(digest)
         return True
 
-    out[EMBEDDED] = [d.strip() for d in _embedded_source().documents() if keep(d)]
+    out[EMBEDDED] = [d.strip() for d in embedded_source().documents() if keep(d)]
     for source, parts in SOURCES.items():
         docs: list[str] = []
         for part in parts:
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     splits = split_documents(docs, args.seed, fractions)
     train_texts = [d for items in splits["train"].values() for d in items]
     print(f"training the BPE on {len(train_texts):,} train documents ...", flush=True)
-    encoder = _train_bpe(train_texts, args.vocab_size, progress=False)
+    encoder = train_bpe(train_texts, args.vocab_size, progress=False)
     ids = {
         split: {src: encoder.encode_batch(items) for src, items in by_source.items()}
         for split, by_source in splits.items()

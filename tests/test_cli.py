@@ -52,6 +52,29 @@ def _one_error_line(capsys) -> str:
     return err[0]
 
 
+def test_vocab_size_with_a_token_corpus_is_refused(tmp_path, capsys):
+    """A token corpus folder brings its own tokenizer: --vocab-size is one error line, not
+    silently ignored."""
+    from poetxq.data.corpus import write_token_corpus
+    from poetxq.data.tokenizer import train_bpe
+
+    docs = [
+        f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 4 for i in range(12)
+    ]
+    enc = train_bpe(docs, 300, progress=False)
+    ids = {split: {"a": enc.encode_batch(docs[i : i + 4])}
+           for i, split in ((0, "train"), (4, "tune"), (8, "test"))}  # fmt: skip
+    write_token_corpus(tmp_path / "corpus", enc.tokenizer, enc.eos_id, ids)
+    out = tmp_path / "out"
+    code = main(["train", "--data", str(tmp_path / "corpus"), "--vocab-size", "512",
+                 "--output-dir", str(out)])  # fmt: skip
+    assert code == 2
+    err = _one_error_line(capsys)
+    assert "pre-tokenized corpus with its own tokenizer and vocabulary" in err
+    assert "drop --vocab-size 512 (data.vocab_size)" in err
+    assert not out.exists()
+
+
 def test_recipe_typo(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("poet:\n  bits: 8\n  merge_intervall: 10\n")

@@ -312,6 +312,23 @@ def test_local_formats_load(tmp_path: Path) -> None:
     assert sorted(glob_docs) == sorted(DOCS)
 
 
+def test_local_files_edge_cases(tmp_path: Path) -> None:
+    """Local files go through ``datasets``: empty files (no rows, an empty parquet row group) give
+    no documents, a .txt file's CRLF line ends read as "\n", and a name with glob characters is
+    the file it names."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "empty.jsonl").write_text("")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), src / "empty.parquet")
+    (src / "crlf.txt").write_bytes(b"First paragraph.\r\n\r\nSecond paragraph.\r\n")
+    _write_jsonl(src / "part[1]*.jsonl", DOCS[:10])
+    docs = _all_docs(DataConfig(source=str(src), val_fraction=0.2))
+    assert sorted(docs) == sorted(["First paragraph.\n\nSecond paragraph.", *DOCS[:10]])
+
+
 @needs_gpt2
 def test_local_directory_prepare(tmp_path: Path) -> None:
     src = tmp_path / "src"
@@ -506,8 +523,9 @@ def test_token_corpus_folder_is_a_data_source(tmp_path: Path) -> None:
     """A poetxq.data.corpus folder trains on its train split and validates on its tune split, with
     its own tokenizer; its windows are the corpus's streams cut at seq_len + 1."""
     from poetxq.data.corpus import write_token_corpus
+    from poetxq.data.tokenizer import train_bpe
 
-    enc = data_mod._train_bpe(DOCS, 300, progress=False)
+    enc = train_bpe(DOCS, 300, progress=False)
     ids = {
         "train": {"a": enc.encode_batch(DOCS[:30])},
         "tune": {"a": enc.encode_batch(DOCS[30:35])},

@@ -78,7 +78,7 @@ def test_best_point_and_edge_extension():
 def _tiny_corpus(folder: Path) -> TokenCorpus:
     import importlib
 
-    from poetxq.data import _train_bpe
+    from poetxq.data.tokenizer import train_bpe
 
     topics = importlib.import_module("pydoc_data.topics").topics
     docs = [topics[k] for k in sorted(topics)]
@@ -88,7 +88,7 @@ def _tiny_corpus(folder: Path) -> TokenCorpus:
         "tune": {"even": a[:3], "odd": b[:3]},
         "test": {"even": a[3:6], "odd": b[3:6]},
     }
-    enc = _train_bpe(a[6:] + b[6:], 512, progress=False)
+    enc = train_bpe(a[6:] + b[6:], 512, progress=False)
     ids = {s: {src: enc.encode_batch(d) for src, d in v.items()} for s, v in splits.items()}
     write_token_corpus(folder, enc.tokenizer, enc.eos_id, ids, extra={"note": "test"})
     return TokenCorpus.open(folder)

@@ -414,6 +414,14 @@ def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
         raise RecipeError(
             "--model uses the checkpoint's own tokenizer; drop --tokenizer / --vocab-size"
         )
+    if args.vocab_size is not None:
+        from poetxq.data.prepare import is_token_corpus
+
+        if is_token_corpus(recipe.data.source):  # its tokenizer fixes the vocabulary
+            raise RecipeError(
+                f"{recipe.data.source} is a pre-tokenized corpus with its own tokenizer and "
+                f"vocabulary; drop --vocab-size {args.vocab_size} (data.vocab_size)"
+            )
 
 
 def _absolute_paths(recipe: Any) -> None:

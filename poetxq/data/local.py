@@ -1,0 +1,235 @@
+"""Local files as a source: a file, a directory (every supported file below it, sorted) or a
+glob, read through the ``datasets`` library's ``text`` / ``json`` / ``parquet`` builders in
+streaming mode (nothing is converted or cached on the way: the token streams are the one cache,
+:mod:`poetxq.data.cache`).
+
+* ``.txt`` — one document per file; a file longer than about 8,000 characters is cut at blank
+  lines into documents of about that size. Line ends are read as ``\\n`` (``\\r\\n`` too). A file
+  that is binary (a NUL byte, or more than 1 % of it not UTF-8) is refused by name; a stray
+  undecodable byte becomes U+FFFD.
+* ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.json.gz`` — JSON lines (such as a local C4 copy's
+  ``c4-train.*.json.gz``) or a JSON list of records; ``.parquet`` — a table. Each record's text
+  is its ``text_field``; a record whose field is null (in JSON lines: or absent while other
+  records of the file have it) is skipped.
+
+If a directory (or glob) holds files whose names contain ``validation`` and files whose names
+contain ``train``, those files are the validation and training splits and ``val_fraction`` is
+not used; files matching neither are ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob as globlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from poetxq.data.config import DataConfig, DataError
+from poetxq.data.documents import Source, chunk_text, first_line, record_text
+
+SUPPORTED_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".txt", ".parquet")
+#: share of bytes of a ``.txt`` file that may be undecodable as UTF-8 before it counts as binary
+_MAX_BAD_UTF8 = 0.01
+#: records handed over per batch when a file is read
+_BATCH_ROWS = 1024
+
+
+def _has_supported_suffix(path: Path) -> bool:
+    return path.name.lower().endswith(SUPPORTED_SUFFIXES)
+
+
+def local_files(source: str) -> tuple[list[Path], str]:
+    """Files named by a path (file / directory / glob) and a short description of the path."""
+    expanded = os.path.expanduser(source)
+    path = Path(expanded)
+    if path.is_file():
+        if not _has_supported_suffix(path):
+            raise DataError(
+                f"data file '{source}' has an unsupported type; use one of "
+                f"{', '.join(SUPPORTED_SUFFIXES)}"
+            )
+        return [path.resolve()], f"file {source}"
+    if path.is_dir():
+        files = sorted(
+            p.resolve()
+            for p in path.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )  # hidden files and folders (.cache, .git, editor swap files) are not data
+        what = f"directory {source}"
+    elif any(ch in expanded for ch in "*?["):
+        matches = sorted(globlib.glob(expanded, recursive=True))
+        if not matches:
+            raise DataError(
+                f"data path '{source}' does not exist; pass an existing file/dir/glob "
+                "or --data embedded"
+            )
+        files = [Path(m).resolve() for m in matches if Path(m).is_file()]
+        what = f"glob {source}"
+    else:
+        raise DataError(
+            f"data path '{source}' does not exist; pass an existing file/dir/glob "
+            "or --data embedded"
+        )
+    files = [p for p in files if _has_supported_suffix(p)]
+    if not files:
+        raise DataError(
+            f"no supported data files in {what}; supported types: {', '.join(SUPPORTED_SUFFIXES)}"
+        )
+    return files, what
+
+
+def local_source(cfg: DataConfig) -> Source:
+    files, what = local_files(cfg.source)
+    field_name = cfg.text_field
+    val_files = [p for p in files if "validation" in p.name.lower()]
+    train_files = [p for p in files if "train" in p.name.lower() and p not in val_files]
+    predefined = len(files) > 1 and bool(val_files) and bool(train_files)
+
+    def identity_of(paths: list[Path]) -> list[list[Any]]:
+        out = []
+        for p in paths:
+            st = p.stat()
+            out.append([str(p), st.st_size, st.st_mtime_ns])
+        return out
+
+    def reader(paths: list[Path]) -> Callable[[], Iterator[str]]:
+        def documents() -> Iterator[str]:
+            for p in paths:
+                try:
+                    yield from file_documents(p, field_name)
+                except DataError:
+                    raise
+                except Exception as e:  # corrupt gzip/parquet/JSON, I/O errors
+                    raise DataError(
+                        f"{p} cannot be read ({first_line(e)}); fix or remove the file"
+                    ) from None
+
+        return documents
+
+    # the files are read through `datasets` (line ends of .txt files as "\n"): a new key, so a
+    # cache written by the earlier hand-written reader is not taken for this one's
+    reader_id = "datasets-1"
+    if predefined:
+        return Source(
+            description=(
+                f"local: {what} ({len(train_files)} train file(s), "
+                f"{len(val_files)} validation file(s))"
+            ),
+            identity={
+                "kind": "local-split",
+                "train": identity_of(train_files),
+                "val": identity_of(val_files),
+                "text_field": field_name,
+                "reader": reader_id,
+            },
+            train_documents=reader(train_files),
+            val_documents=reader(val_files),
+        )
+    return Source(
+        description=f"local: {what} ({len(files)} file(s))",
+        identity={
+            "kind": "local",
+            "files": identity_of(files),
+            "text_field": field_name,
+            "reader": reader_id,
+        },
+        documents=reader(files),
+    )
+
+
+def check_text_file(path: Path) -> None:
+    """Refuse a ``.txt`` file that is binary (a NUL byte, or more than 1 % of it not UTF-8) by
+    name, instead of training on it as replacement characters."""
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if b"\x00" in raw or bad > _MAX_BAD_UTF8 * max(len(raw), 1):
+        why = "holds NUL bytes" if b"\x00" in raw else f"is {bad / len(raw):.0%} not UTF-8"
+        raise DataError(
+            f"{path} {why}: it looks binary, not text; remove it from the data or pass a glob "
+            "that leaves it out (--data 'DIR/*.txt' matches only what you name)"
+        )
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[Any]:
+    """``datasets`` without its progress bars and without its own log line for a file it cannot
+    parse (the one error poetxq raises names the file); both are as before afterwards."""
+    import datasets
+    from datasets import utils as ds_utils
+
+    disabled = ds_utils.are_progress_bars_disabled()
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    ds_utils.disable_progress_bars()
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield datasets
+    finally:
+        logger.setLevel(level)
+        if not disabled:
+            ds_utils.enable_progress_bars()
+
+
+def _builder(path: Path) -> tuple[str, dict[str, Any]]:
+    name = path.name.lower()
+    if name.endswith(".txt"):  # one row per file: the whole text
+        return "text", {"sample_by": "document", "encoding_errors": "replace"}
+    if name.endswith(".parquet"):  # batches of a fixed size (an empty row group would ask for 0)
+        return "parquet", {"batch_size": _BATCH_ROWS}
+    return "json", {}  # JSON lines, or a JSON list of records; .gz read as it streams
+
+
+def _records(path: Path, field_name: str) -> Iterator[Any]:
+    """The records of one file as ``datasets`` streams them: ``{field_name: value}`` dicts where
+    the file's columns are known (and hold ``field_name``), whole records otherwise."""
+    builder, kwargs = _builder(path)
+    with _quiet_datasets() as datasets:
+        try:  # data_files are patterns: a name with [ ] * ? is escaped
+            ds = datasets.load_dataset(
+                builder, data_files=[globlib.escape(str(path))], split="train", streaming=True,
+                **kwargs,
+            )  # fmt: skip
+        except StopIteration:  # an empty file: no records, nothing to infer a schema from
+            return
+        columns = ds.column_names  # None where the fields are only known once read (JSON lists)
+        if columns is None:
+            rows: Iterator[Any] = iter(ds)
+        elif field_name not in columns:
+            raise DataError(
+                f"{path} has no text field '{field_name}'; fields present: "
+                f"{', '.join(columns) or '(none)'}; "
+                "set --text-field (data.text_field) to the field with the text"
+            )
+        else:
+            rows = iter(ds.select_columns([field_name]).iter(batch_size=_BATCH_ROWS))
+    while True:
+        with _quiet_datasets():  # the file is parsed as it is read
+            try:
+                item = next(rows)
+            except StopIteration:
+                return
+        if columns is None:
+            yield item
+        else:
+            for value in item[field_name]:
+                yield {field_name: value}
+
+
+def file_documents(path: Path, field_name: str) -> Iterator[str]:
+    """Documents of one local file (see the module docstring for the formats)."""
+    is_text = path.name.lower().endswith(".txt")
+    if is_text:
+        check_text_file(path)
+        field_name = "text"  # the text builder's one column
+    for index, rec in enumerate(_records(path, field_name), 1):
+        text = record_text(rec, field_name, f"record {index} of {path}")
+        if text is None:
+            continue
+        if is_text:
+            yield from chunk_text(text)
+        else:
+            yield text
