@@ -39,8 +39,8 @@ from _common import (
 )
 
 from poetxq.model.orthogonal import num_blocks
-from poetxq.tools.estimate import _projections
-from poetxq.training.recipe import load_recipe
+from poetxq.tools.estimate_terms import projections
+from poetxq.training.recipe_files import load_recipe
 from quant_kernels import cnp, reference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -108,7 +108,7 @@ def model_blocks(recipe_spec: str, block_size: int) -> tuple[int, list[dict]]:
     recipe = load_recipe(recipe_spec)
     layers = recipe.model.num_hidden_layers
     rows, total = [], 0
-    for name, m, n in _projections(recipe):
+    for name, m, n in projections(recipe):
         if name not in recipe.poet.target_modules:
             continue
         r_blocks, p_blocks = num_blocks(m, block_size), num_blocks(n, block_size)

@@ -3,7 +3,7 @@
 Two parts, no data or network needed:
 
 * **layers** — POET-X(Q) layers with non-trivial ``R``, ``P`` are merged and stored under
-  bitsandbytes' keys (:func:`poetxq.tools.export.merged_linear_state_dict`); bitsandbytes on
+  bitsandbytes' keys (:func:`poetxq.tools.export_weights.merged_linear_state_dict`); bitsandbytes on
   ``--device`` loads them (``Linear8bitLt.load_state_dict``; ``Params4bit.from_prequantized``) and
   its dequantized weight is compared with ours (max abs difference; 0 means byte-for-byte the same
   decoding), and its forward with ``x @ Wᵀ``. Shapes include rows that are not a multiple of the
@@ -34,16 +34,15 @@ from _common import git_commit
 
 from poetxq.model.layer import POETXLinear
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
-from poetxq.tools.export import (
+from poetxq.tools.export import export_run, load_run
+from poetxq.tools.export_weights import (
     decode_state_dict,
-    export_run,
-    load_run,
     merged_linear_state_dict,
     merged_state_dict,
-    save_run_artifacts,
 )
-from poetxq.training.recipe import dump_recipe, load_recipe
-from poetxq.training.train import save_checkpoint
+from poetxq.training.recipe import dump_recipe
+from poetxq.training.recipe_files import load_recipe
+from poetxq.training.rundir import save_checkpoint, save_run_artifacts
 from quant_kernels import reference_4bit as q4
 from quant_kernels.reference import dequant_int8_rowwise
 

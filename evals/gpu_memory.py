@@ -59,7 +59,8 @@ from poetxq.training.graph_optim import GraphedInBackward, hooks_for
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
 from poetxq.training.optim import build_optimizer
-from poetxq.training.recipe import RecipeError, load_recipe, parse_override
+from poetxq.training.recipe import RecipeError
+from poetxq.training.recipe_files import load_recipe, parse_override
 
 VOCAB = 32000
 GIB = 2**30

@@ -23,7 +23,8 @@ import pstats
 import sys
 
 from poetxq.tools.bench import BenchError, run_bench
-from poetxq.training.recipe import RecipeError, load_recipe, parse_override
+from poetxq.training.recipe import RecipeError
+from poetxq.training.recipe_files import load_recipe, parse_override
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,7 +81,7 @@ def merge_cost_worker(spec: dict) -> None:
 
     from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
     from poetxq.training.optim import build_optimizer, merge_and_reset
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     rank = int(os.environ.get("RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -137,7 +137,7 @@ def worker(spec_path: str) -> None:
     if spec.get("deterministic"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
     from poetxq.training.train import train
 
     recipe = load_recipe(None, spec["overrides"])
@@ -316,7 +316,7 @@ def main() -> None:
     v = size["vocab"]
 
     # 1 + 2: equivalence in fp32 at the 1B width, then resume under DDP
-    from poetxq.training.recipe import parse_override
+    from poetxq.training.recipe_files import parse_override
 
     sets = dict(parse_override(pair) for pair in args.set)
     report["overrides"] = sets

@@ -206,7 +206,7 @@ def measure_step(
     weight decay 0.01, merge interval 400: no merge falls in the measured steps).
     """
     from poetxq.model.surgery import build_llama
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     dev = torch.device(device)
     recipe = load_recipe(f"{model_name}:poetxq")

@@ -224,7 +224,7 @@ def recipe_overrides(s: Settings, seed: int, poet_lr_scale: float) -> dict[str, 
 
 def our_recipe(s: Settings, seed: int, poet_lr_scale: float) -> Any:
     """The validated recipe of our side (:func:`recipe_overrides`)."""
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     return load_recipe(f"{s.model}:poetxq", recipe_overrides(s, seed, poet_lr_scale))
 

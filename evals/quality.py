@@ -196,7 +196,7 @@ def run_recipe(study: Study, spec: dict[str, Any]) -> Recipe:
     Raises:
         RecipeError: an unknown key or invalid value (one line naming the key).
     """
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     path = f"{study.model}:{spec['recipe']}"
     overrides = {**study.shared, **spec["extra"], **spec["params"]}

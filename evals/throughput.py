@@ -30,14 +30,8 @@ from _common import kernel_policy, provenance, write_json_atomic
 
 from poetxq.tools.bench import BenchError, run_bench
 from poetxq.tools.cli_tools import check_output_file
-from poetxq.training.recipe import (
-    POET_METHODS,
-    RecipeError,
-    load_recipe,
-    method_label,
-    parse_override,
-    poet_variant,
-)
+from poetxq.training.recipe import POET_METHODS, RecipeError, method_label, poet_variant
+from poetxq.training.recipe_files import load_recipe, parse_override
 
 VOCAB = 32000
 

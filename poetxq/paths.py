@@ -43,7 +43,7 @@ def unwritable_reason(path: Path) -> str | None:
 
 
 #: advisory lock file of a run directory, held by the process that trains into it
-#: (:func:`poetxq.training.train.lock_run_dir`); not a run output
+#: (:func:`poetxq.training.rundir.lock_run_dir`); not a run output
 RUN_LOCK = ".poetxq.lock"
 
 

@@ -1,4 +1,5 @@
-"""The pydantic base of the recipe sections (:mod:`poetxq.training.recipe`, ``data.DataConfig``).
+"""The pydantic bases of the recipe sections (:mod:`poetxq.training.recipe`,
+:mod:`poetxq.model.config`, :class:`poetxq.data.DataConfig`).
 
 On top of pydantic's checks it refuses three inputs that pydantic's lax mode lets through: a
 boolean for an integer or float field (``max_steps: true`` would become 1, since ``bool``
@@ -72,3 +73,10 @@ class StrictSection(BaseModel):
             also = "".join(f" or {o!r}" for o in others if o is not None)
             raise ValueError(f"Input should be true or false{also}")
         return value
+
+
+class Section(StrictSection):
+    """A recipe section whose assignments are validated too (the recipe's own checks adjust
+    some keys after parsing, e.g. ``poet.bits`` for ``method: poetx``)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)

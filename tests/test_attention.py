@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from poetxq.model.attention import causal_mask_skipped
 from poetxq.model.surgery import build_llama
-from poetxq.training.recipe import load_recipe
+from poetxq.training.recipe_files import load_recipe
 
 masking_utils = pytest.importorskip("transformers.masking_utils")
 

@@ -19,9 +19,10 @@ from poetxq.baselines import (
     quant_modules,
 )
 from poetxq.baselines.qlinear import dequantize_groupwise, pack_int4, quantize_groupwise
+from poetxq.model.config import ModelConfig
 from poetxq.model.surgery import build_llama
 from poetxq.tools.cli import main
-from poetxq.training.recipe import BaselineConfig, ModelConfig, OptimConfig
+from poetxq.training.recipe import BaselineConfig, OptimConfig
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.01
 

@@ -14,7 +14,7 @@ from poetxq.model.surgery import build_llama, convert_to_poetx
 from poetxq.tools.bench import dense_param_count, run_bench
 from poetxq.tools.cli import main
 from poetxq.training.evaluate import causal_lm_loss
-from poetxq.training.recipe import load_recipe
+from poetxq.training.recipe_files import load_recipe
 
 SMALL = {
     "model.hidden_size": 64, "model.intermediate_size": 136, "model.num_attention_heads": 4,
@@ -338,7 +338,7 @@ def test_report_names_memory_options_and_8bit_states():
     from types import SimpleNamespace
 
     from poetxq.tools.report import _memory_options
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     plain = SimpleNamespace(recipe=load_recipe(None))
     assert _memory_options(plain) == "-"
@@ -349,7 +349,7 @@ def test_report_names_memory_options_and_8bit_states():
 
 def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
     from poetxq.tools.report import Run, bar_labels
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     def run(name: str, method: str = "poetxq") -> Run:
         return Run(tmp_path / name, load_recipe(None, {"method": method}), {})
@@ -364,7 +364,7 @@ def test_runs_of_one_recipe_name_but_other_shapes_get_their_own_tables(tmp_path)
     """``--set model.*`` changes the model and keeps the recipe name: such runs are not put
     side by side as one model; runs of one shape keep the plain name."""
     from poetxq.tools.report import Run, mark_shapes, results_rows
-    from poetxq.training.recipe import load_recipe
+    from poetxq.training.recipe_files import load_recipe
 
     def run(name: str, **model: int) -> Run:
         over = {f"model.{k}": v for k, v in model.items()}

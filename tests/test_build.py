@@ -11,13 +11,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from poetxq.model.config import ModelConfig, POETConfig
 from poetxq.model.layer import POETXLinear
 from poetxq.model.surgery import build_empty_llama, convert_to_poetx, materialize_meta_parameters
 from poetxq.tools.bench import build_model_and_optimizer
 from poetxq.training.build import META_INIT_ENV, build_for_training, use_meta_init
 from poetxq.training.distributed import replicas_identical
 from poetxq.training.evaluate import causal_lm_loss
-from poetxq.training.recipe import ModelConfig, POETConfig, load_recipe
+from poetxq.training.recipe_files import load_recipe
 
 V = 300
 SMALL = {

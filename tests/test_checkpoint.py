@@ -376,7 +376,7 @@ def test_a_broken_run_recipe_names_the_checkpoints_copy(saved_run, tmp_path, cap
 
 
 def test_how_a_step_is_run_is_not_a_recipe_difference():
-    from poetxq.training.checkpoint import recipe_differences
+    from poetxq.training.resume import recipe_differences
 
     saved = {"train": {"cuda_graph": False, "fuse_elementwise": "auto", "max_steps": 4}}
     now = {"train": {"cuda_graph": "auto", "fuse_elementwise": True, "max_steps": 4}}

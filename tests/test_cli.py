@@ -159,21 +159,22 @@ def test_an_output_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
 def test_automatic_run_names_started_in_one_second_get_their_own_directories(tmp_path, monkeypatch):
     """Without --run-name the directory is claimed (created) at once: a second run of the same
     recipe within the same second takes ``<name>-2`` instead of stopping later as "in use"."""
-    import poetxq.training.train
-    from poetxq.training.recipe import load_recipe, run_label
+    import poetxq.training.rundir
+    from poetxq.training.recipe import run_label
+    from poetxq.training.recipe_files import load_recipe
 
-    monkeypatch.setattr(poetxq.training.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    monkeypatch.setattr(poetxq.training.rundir.time, "strftime", lambda fmt, *a: "20261202-000000")
     recipe = load_recipe(None)
     recipe.train.output_dir = str(tmp_path / "runs")
     name = f"{run_label(recipe)}-20261202-000000"
-    first = poetxq.training.train.resolve_run_dir(recipe, None, claim=True)
-    second = poetxq.training.train.resolve_run_dir(recipe, None, claim=True)
+    first = poetxq.training.rundir.resolve_run_dir(recipe, None, claim=True)
+    second = poetxq.training.rundir.resolve_run_dir(recipe, None, claim=True)
     assert (first, second) == (tmp_path / "runs" / name, tmp_path / "runs" / f"{name}-2")
     assert first.is_dir() and second.is_dir() and list(first.iterdir()) == []
     # unclaimed: nothing created
-    assert poetxq.training.train.resolve_run_dir(recipe, None) == first
+    assert poetxq.training.rundir.resolve_run_dir(recipe, None) == first
     assert (
-        poetxq.training.train.resolve_run_dir(recipe, "named", claim=True)
+        poetxq.training.rundir.resolve_run_dir(recipe, "named", claim=True)
         == tmp_path / "runs" / "named"
     )
     assert not (tmp_path / "runs" / "named").exists()  # a given name is not claimed
@@ -191,10 +192,11 @@ def test_a_failed_run_leaves_no_claimed_directory(tmp_path, capsys):
 
 
 def test_an_automatically_named_run_trains_into_a_fresh_directory(tmp_path, monkeypatch):
-    import poetxq.training.train
-    from poetxq.training.recipe import load_recipe, run_label
+    import poetxq.training.rundir
+    from poetxq.training.recipe import run_label
+    from poetxq.training.recipe_files import load_recipe
 
-    monkeypatch.setattr(poetxq.training.train.time, "strftime", lambda fmt, *a: "20261202-000000")
+    monkeypatch.setattr(poetxq.training.rundir.time, "strftime", lambda fmt, *a: "20261202-000000")
     taken = tmp_path / f"{run_label(load_recipe(None))}-20261202-000000"
     taken.mkdir()  # another run's, started in the same second
     (taken / "recipe.yaml").write_text("{}")
@@ -704,7 +706,7 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time; from pathlib import Path; "
-         "from poetxq.training.train import lock_run_dir; "
+         "from poetxq.training.rundir import lock_run_dir; "
          f"lock_run_dir(Path({str(run)!r})); print('locked', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -729,7 +731,7 @@ def test_a_run_dir_in_use_by_another_process_is_left_alone(tmp_path, capsys):
     # the lock went with the process: the same command now runs, and releases it when done
     assert _run(tmp_path, "--run-name", "busy", "--overwrite", "--max-steps", "1") == 0
     assert (run / "summary.json").is_file()
-    from poetxq.training.train import _HELD_LOCKS
+    from poetxq.training.rundir import _HELD_LOCKS
 
     assert str(run.resolve()) not in _HELD_LOCKS
 
@@ -756,7 +758,7 @@ def test_a_file_system_without_flock_trains_unlocked(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from poetxq.training.train import _HELD_LOCKS, RunDirError, lock_run_dir
+    from poetxq.training.rundir import _HELD_LOCKS, RunDirError, lock_run_dir
 
     def refuse(_fd, _op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -892,16 +894,16 @@ def test_the_callers_signal_handlers_are_back_after_a_run(tmp_path):
 
 
 def test_the_cli_modules_import_no_cycle():
-    """poetxq.tools.cli adds and runs the sub-commands of poetxq.tools.cli_tools; neither that
-    module nor the checks both share (poetxq.tools.cli_common) import poetxq.tools.cli back, at any
-    level."""
+    """poetxq.tools.cli adds and runs the sub-commands of poetxq.tools.cli_train and
+    poetxq.tools.cli_tools; neither they nor what they share (poetxq.tools.cli_common) import
+    poetxq.tools.cli back, at any level."""
     import ast
     from pathlib import Path
 
     import poetxq
 
     root = Path(poetxq.__file__).parent
-    for name in ("cli_tools", "cli_common"):
+    for name in ("cli_train", "cli_tools", "cli_common"):
         tree = ast.parse((root / "tools" / f"{name}.py").read_text(encoding="utf-8"))
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

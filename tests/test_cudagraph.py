@@ -6,7 +6,8 @@ from test_checkpoint import TINY  # the tiny real run the resume tests use
 
 from poetxq.tools.bench import BenchError, run_bench
 from poetxq.training.cudagraph import CUDAGraphError, GraphedMicroStep, graph_wanted
-from poetxq.training.recipe import RecipeError, load_recipe
+from poetxq.training.recipe import RecipeError
+from poetxq.training.recipe_files import load_recipe
 
 
 def test_refused_without_cuda():

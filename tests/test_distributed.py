@@ -148,8 +148,8 @@ def _run(args: list[str], nproc: int, cache: Path) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "POETXQ_CACHE": str(cache)}  # fmt: skip
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", "-m", "poetxq.tools.cli"] if nproc > 1 else [
-                sys.executable, "-m", "poetxq.tools.cli"]  # fmt: skip
+                f"--nproc_per_node={nproc}", "-m", "poetxq"] if nproc > 1 else [
+                sys.executable, "-m", "poetxq"]  # fmt: skip
     proc = subprocess.run([*launcher, "train", *args], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,10 +15,12 @@ from poetxq.baselines import (
 )
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
 from poetxq.tools import estimate as estimate_mod
-from poetxq.tools.estimate import EstimateError, estimate_memory, format_estimate, parse_bytes
+from poetxq.tools import estimate_report
+from poetxq.tools.estimate import EstimateError, estimate_memory
+from poetxq.tools.estimate_report import format_estimate, parse_bytes
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.optim import build_optimizer
-from poetxq.training.recipe import load_recipe
+from poetxq.training.recipe_files import load_recipe
 from quant_kernels.policy import AUTO, KernelPolicy
 
 V = 96
@@ -316,7 +318,7 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
     kernels = KernelPolicy(interpret_on_cpu=True, weight_gemm="torch", fused_cnp=False,
                            lean_fast_swiglu=lean)  # fmt: skip
     # the estimate reads an fp32 run as a CPU one (no GPU paths): tell it the path is taken
-    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _k, _p: lean)
+    monkeypatch.setattr(estimate_mod, "lean_fast_swiglu", lambda _k, _p: lean)
     recipe = _recipe(**{"model.intermediate_size": 192, "train.fuse_elementwise": False,
                         "poet.variant": "fast"})  # fmt: skip
     est = estimate_memory(recipe, vocab_size=V, precision="fp32", kernels=kernels)
@@ -324,7 +326,7 @@ def test_fast_feature_major_activations_equal_what_autograd_saves(lean, monkeypa
     model, _ = _build(recipe, torch.float32, kernels)
     model.train()
     assert _saved_bytes(model, torch.randint(0, V, (2, 17))) == est.activations
-    monkeypatch.setattr(estimate_mod, "_lean_fast_swiglu", lambda _k, _p: False)
+    monkeypatch.setattr(estimate_mod, "lean_fast_swiglu", lambda _k, _p: False)
     plain = estimate_memory(recipe, vocab_size=V, precision="fp32")
     # SiLU(gate) and the down projection's permuted input: 2 x [T = 32, f = 192] fp32 per layer
     assert plain.activations - est.activations == (2 * 2 * 32 * 192 * 4 if lean else 0)
@@ -404,7 +406,7 @@ def test_fused_input_cast_activations_equal_what_autograd_saves():
 def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
     """A CUDA-graph estimate gets a second verdict at peak x (1 + GRAPH_POOL_OVERHEAD): the
     graph's reserved peak measured up to 14.4 % above the estimate on an H200 (8B / 13B)."""
-    assert estimate_mod.GRAPH_POOL_OVERHEAD == 0.144
+    assert estimate_report.GRAPH_POOL_OVERHEAD == 0.144
     graph = estimate_memory(_recipe(), vocab_size=V, precision="autocast")
     eager = estimate_memory(_recipe(**{"train.cuda_graph": False}), vocab_size=V,
                             precision="autocast")  # fmt: skip
@@ -422,7 +424,7 @@ def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
 
 
 def test_a_gpu_below_one_gib_is_shown_in_mib():
-    from poetxq.tools.estimate import _size
+    from poetxq.tools.estimate_report import _size
 
     assert _size(2**20) == "1 MiB" and _size(512 * 2**20) == "512 MiB"
     assert _size(80 * 2**30) == "80.0 GiB" and _size(2**30) == "1.0 GiB"

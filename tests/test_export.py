@@ -16,12 +16,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from poetxq.model.layer import POETXLinear
 from poetxq.tools.cli import main
-from poetxq.tools.export import (
+from poetxq.tools.export import load_run
+from poetxq.tools.export_weights import (
     EXPORT_MERGE_SEED,
     bnb_4bit_state_dict,
     decode_state_dict,
     is_merged,
-    load_run,
     merged_linear_state_dict,
     merged_state_dict,
     stored_codes_state_dict,

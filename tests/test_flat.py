@@ -175,8 +175,9 @@ def test_grad_runs_are_views_over_gradients_that_lie_end_to_end():
 
 
 def _poet_model(seed: int):
+    from poetxq.model.config import ModelConfig, POETConfig
     from poetxq.model.surgery import build_llama, convert_to_poetx
-    from poetxq.training.recipe import ModelConfig, OptimConfig, POETConfig
+    from poetxq.training.recipe import OptimConfig
 
     # b = 128: Q of 4 or 8 blocks x 8128 entries, multiples of 256 (the flat group has no gaps)
     # and above bitsandbytes' 4096-element threshold for 8-bit states

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
+from poetxq.model.config import ModelConfig, POETConfig
 from poetxq.model.fuse import fuse_elementwise, unfuse_elementwise
 from poetxq.model.surgery import build_llama, convert_to_poetx
-from poetxq.training.recipe import ModelConfig, POETConfig
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, num_hidden_layers=2,
@@ -85,7 +85,8 @@ def test_fuse_wanted_follows_the_recipe():
 
 
 def test_recipe_refuses_a_bad_fuse_value():
-    from poetxq.training.recipe import RecipeError, load_recipe
+    from poetxq.training.recipe import RecipeError
+    from poetxq.training.recipe_files import load_recipe
 
     assert load_recipe(None, {"train.fuse_elementwise": "auto"}).train.fuse_elementwise == "auto"
     assert load_recipe(None, {"train.fuse_elementwise": False}).train.fuse_elementwise is False

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from poetxq.model.config import ModelConfig
 from poetxq.model.surgery import build_llama
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.loss import ChunkedLinearCrossEntropy, causal_lm_loss_chunked
-from poetxq.training.recipe import ModelConfig
 
 N, D, V = 37, 16, 50
 VOCAB = 101

@@ -14,10 +14,11 @@ from torch import nn
 
 from poetxq.model.surgery import build_llama, convert_to_poetx
 from poetxq.tools.cli import main
-from poetxq.tools.estimate import estimate_memory, format_estimate
+from poetxq.tools.estimate import estimate_memory
+from poetxq.tools.estimate_report import format_estimate
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.lowmem import OptimizerInBackward, enable_activation_checkpointing
-from poetxq.training.recipe import load_recipe
+from poetxq.training.recipe_files import load_recipe
 
 
 def _mlp() -> nn.Module:

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from poetxq.model.surgery import build_llama, convert_to_poetx
 from poetxq.tools.cli import main
 from poetxq.training.precision import cast_parameters, run_precision
-from poetxq.training.recipe import RecipeError, load_recipe
+from poetxq.training.recipe import RecipeError
+from poetxq.training.recipe_files import load_recipe
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from poetxq.model.pretrained import build_model
 from poetxq.model.surgery import convert_to_poetx, poet_layers
 from poetxq.tools.cli import main
 from poetxq.tools.export import load_run
-from poetxq.training.recipe import load_recipe
+from poetxq.training.build import build_model
+from poetxq.training.recipe_files import load_recipe
 
 TEXT = "class Point:\n    def __init__(self, x, y):\n        self.x = x  # the attribute"
 RUN = [

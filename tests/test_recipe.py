@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from poetxq.training.recipe import Recipe, RecipeError, dump_recipe, load_recipe, parse_override
+from poetxq.training.recipe import Recipe, RecipeError, dump_recipe
+from poetxq.training.recipe_files import load_recipe, parse_override
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from poetxq.training.recipe import RecipeError, load_recipe, method_label, run_label
+from poetxq.training.recipe import RecipeError, method_label, run_label
+from poetxq.training.recipe_files import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "recipes/models").glob("*.yaml"))
@@ -137,7 +138,8 @@ def test_tiny_recipes_unchanged_and_labels():
 
 
 def test_data_flag_replaces_the_hub_source():
-    from poetxq.tools.cli import _overrides, build_parser
+    from poetxq.tools.cli import build_parser
+    from poetxq.tools.cli_train import _overrides
 
     args = build_parser().parse_args(["train", "--recipe", "llama-60m:poetxq", "--data", "/c4"])
     r = load_recipe(args.recipe, _overrides(args))

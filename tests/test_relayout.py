@@ -16,7 +16,7 @@ from poetxq.model.relayout import expandable_segments, model_tensors, relayout, 
 from poetxq.model.surgery import build_llama, convert_to_poetx
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.optim import build_optimizer
-from poetxq.training.recipe import load_recipe
+from poetxq.training.recipe_files import load_recipe
 
 
 def _built():

@@ -3,10 +3,10 @@
 import torch
 from torch import nn
 
+from poetxq.model.config import ModelConfig, POETConfig
 from poetxq.model.layer import POETXLinear
 from poetxq.model.orthogonal import packed_size
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers, summarize
-from poetxq.training.recipe import ModelConfig, POETConfig
 
 CFG = ModelConfig(hidden_size=48, intermediate_size=100, num_attention_heads=4,
                   num_hidden_layers=2, max_position_embeddings=64)  # fmt: skip

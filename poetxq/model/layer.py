@@ -11,7 +11,7 @@ Math (POET-X, arXiv 2603.05500). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
     y  = u[..., inv_perm_R]              # gather by the inverse output permutation
 
 4-bit stores keep the columns in input order, ``W'' = Ψ_m W0``, and gather ``z`` back by
-``Ψ_nᵀ`` before the GEMM (:class:`_Store`): their 64-blocks then never regroup at merges.
+``Ψ_nᵀ`` before the GEMM (:class:`FrozenStore`): their 64-blocks then never regroup at merges.
 
 The dense ``m×m`` / ``n×n`` factors and ``R·W0·P`` are never built in the training path. ``W'`` has
 no gradient; backward needs one GEMM for dX (``dz = dh @ W'``) and the small block gradients.
@@ -38,7 +38,6 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -47,9 +46,10 @@ from torch import nn
 
 import quant_kernels
 from poetxq.model import swiglu as maps
-from poetxq.model.layer_fm import _forward_fm, _mem_backward_fm, _POETXFastFmFn, _SwiGLUDownFastFmFn
+from poetxq.model.layer_fm import POETXFastFmFn, SwiGLUDownFastFmFn, forward_fm, mem_backward_fm
 from poetxq.model.orthogonal import OrthogonalSide
-from poetxq.model.quant import FrozenWeight, make_frozen_weight
+from poetxq.model.quant import make_frozen_weight
+from poetxq.model.store import FrozenStore
 from quant_kernels.policy import KernelPolicy, default_policy
 
 Variant = Literal["fast", "mem"]
@@ -61,61 +61,11 @@ def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
     return t if d == size else F.pad(t, (0, size - d))
 
 
-class _Store:
-    """What a layer's GEMMs multiply by: its frozen store ``W'`` under the layer's kernel policy.
-
-    With ``side_p`` (4-bit stores) the store keeps its columns in the *original* input order,
-    ``W'' = Ψ_m W0``: 4-bit blockwise formats quantize 64 consecutive entries of the flattened
-    weight together; with ``n`` a multiple of the blocksize a block lies within one row, so
-    permuting rows only reorders blocks, but permuting columns would regroup them at every merge
-    (quantization drift) and make an exported weight one extra rounding away from the trained
-    one. The cost is one more gather per GEMM: ``z`` (in ``P``'s permuted order) is put back in
-    input order before ``W''``, and the transposed product is permuted again.
-    """
-
-    def __init__(
-        self, frozen: FrozenWeight, kernels: KernelPolicy, side_p: OrthogonalSide | None = None
-    ) -> None:
-        self.frozen, self.kernels, self.side_p = frozen, kernels, side_p
-
-    def matmul(self, z: torch.Tensor) -> torch.Tensor:
-        if self.side_p is not None:
-            z = quant_kernels.permute_last(z, self.side_p.inv_perm)
-        return self.frozen.matmul(z, kernels=self.kernels)
-
-    def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
-        dz = self.frozen.matmul_t(dh, kernels=self.kernels)
-        return dz if self.side_p is None else quant_kernels.permute_last(dz, self.side_p.perm)
-
-    # feature-major (``[features, T]``): the permutations become row gathers of whole rows
-    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        if self.side_p is not None:
-            zt = zt.index_select(0, self.side_p.inv_perm)
-        return self.frozen.matmul_fm(zt, kernels=self.kernels)
-
-    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        dzt = self.frozen.matmul_t_fm(dht, kernels=self.kernels)
-        return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
-
-    def backward_fm(
-        self,
-        zt: torch.Tensor,
-        dht: torch.Tensor,
-        row_align: int,
-        on_rows: Callable[[int, torch.Tensor], None],
-    ) -> torch.Tensor:
-        if self.side_p is None:
-            return self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
-        zt_in = zt.index_select(0, self.side_p.inv_perm)
-        dzt = self.frozen.backward_fm(zt_in, dht, row_align, on_rows, kernels=self.kernels)
-        return dzt.index_select(0, self.side_p.perm)
-
-
 class _FrozenMatmul(torch.autograd.Function):
     """``z @ W'ᵀ`` with a frozen store: backward is ``dh @ W'`` only (no weight gradient)."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, frozen: _Store) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, z: torch.Tensor, frozen: FrozenStore) -> torch.Tensor:  # type: ignore[override]
         ctx.frozen = frozen
         return frozen.matmul(z)
 
@@ -128,7 +78,7 @@ def _forward_autograd(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
@@ -143,7 +93,7 @@ def _forward_autograd(
 
 def _feature_major(
     x: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
     *,
@@ -160,14 +110,14 @@ def _forward(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> torch.Tensor:
     """The layer's forward: feature-major without grad where :func:`_feature_major` allows, else
     from autograd ops."""
     if not torch.is_grad_enabled() and _feature_major(x, frozen, side_p, side_r):
-        return _forward_fm(x, g_p, g_r, frozen, side_p, side_r)[0]
+        return forward_fm(x, g_p, g_r, frozen, side_p, side_r)[0]
     return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
 
 
@@ -180,7 +130,7 @@ class _POETXMemFn(torch.autograd.Function):
         x: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: _Store,
+        frozen: FrozenStore,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:
@@ -202,7 +152,7 @@ def _mem_backward(
     dy: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     sp: OrthogonalSide,
     sr: OrthogonalSide,
     needs: tuple[bool, ...],
@@ -212,7 +162,7 @@ def _mem_backward(
     n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
     dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: KernelPolicy.fused_input_cast)
     if _feature_major(x, frozen, sp, sr):  # as in forward: same store, same policy
-        return _mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
+        return mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
     xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
     z = quant_kernels.block_diag_matmul(xp, g_p)
     h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
@@ -245,7 +195,7 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
         up: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: _Store,
+        frozen: FrozenStore,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:
@@ -349,7 +299,7 @@ class POETXLinear(nn.Module):
             dtype=dtype, device=device, kernels=self._kernels,
         )  # fmt: skip
         w = weight.detach().to(device=device, dtype=torch.float32 if bits in (4, 8) else dtype)
-        #: 4-bit: W'' = Ψ_m W0 (columns in input order, see _Store); else W' = Ψ_m W0 Ψ_nᵀ
+        #: 4-bit: W'' = Ψ_m W0 (columns in input order, see FrozenStore); else W' = Ψ_m W0 Ψ_nᵀ
         self.input_order_store = bits == 4
         stored = self._to_store_order(w)
         self.frozen = make_frozen_weight(
@@ -378,10 +328,10 @@ class POETXLinear(nn.Module):
         sides by policy."""
         self._kernels = self.P.kernels = self.R.kernels = kernels
 
-    def _store_op(self) -> _Store:
+    def _store_op(self) -> FrozenStore:
         """What the GEMMs multiply by: ``W'`` in ``P``'s permuted column order, under this
         layer's policy."""
-        return _Store(self.frozen, self._kernels, self.P if self.input_order_store else None)
+        return FrozenStore(self.frozen, self._kernels, self.P if self.input_order_store else None)
 
     def stored_w0(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized frozen ``W0`` ``[m, n]`` in original coordinates (tests, drift)."""
@@ -404,14 +354,14 @@ class POETXLinear(nn.Module):
             if self.variant == "mem" and torch.is_grad_enabled():
                 y = _POETXMemFn.apply(x, g_p, g_r, store, self.P, self.R)
             elif torch.is_grad_enabled() and _feature_major(x, store, self.P, self.R, fast=True):
-                y = _POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R)
+                y = POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R)
             else:
                 y = _forward(x, g_p, g_r, store, self.P, self.R)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
 
-    def _casts_inside(self, x: torch.Tensor, cdtype: torch.dtype, store: _Store) -> bool:
+    def _casts_inside(self, x: torch.Tensor, cdtype: torch.dtype, store: FrozenStore) -> bool:
         """Whether this call passes ``x`` uncast and lets the feature-major path cast it in its
         first permutation (the policy's ``fused_input_cast``): only when every path this call
         can take is feature-major (the ``fast`` training path asks its own switch)."""
@@ -442,7 +392,7 @@ class POETXLinear(nn.Module):
         elif self._kernels.lean_fast_swiglu_for(gate) and _feature_major(
             gate, store, self.P, self.R, fast=True
         ):
-            fn = _SwiGLUDownFastFmFn
+            fn = SwiGLUDownFastFmFn
         else:
             return self(F.silu(gate) * up)
         dev = gate.device.type

@@ -13,23 +13,20 @@ function below.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
 import quant_kernels
 from poetxq.model import swiglu as maps
 from poetxq.model.orthogonal import OrthogonalSide
-
-if TYPE_CHECKING:
-    from poetxq.model.layer import _Store
+from poetxq.model.store import FrozenStore
 
 
-def _forward_fm(
+def forward_fm(
     x: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     side_p: OrthogonalSide,
     side_r: OrthogonalSide,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,17 +64,17 @@ def _block_grad_rows(
     torch.bmm(du_blocks[k0 : k0 + kc], hb, out=dg[k0 : k0 + kc])
 
 
-def _mem_backward_fm(
+def mem_backward_fm(
     x: torch.Tensor,
     dy: torch.Tensor,
     g_p: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     sp: OrthogonalSide,
     sr: OrthogonalSide,
     needs: tuple[bool, ...],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`poetxq.model.layer._mem_backward` feature-major (see :func:`_forward_fm`): four
+    """:func:`poetxq.model.layer._mem_backward` feature-major (see :func:`forward_fm`): four
     permutations, each fused with a layout change, instead of five gathers."""
     kern = quant_kernels
     n, m, t, b_r = sp.dim, sr.dim, x.numel() // sp.dim, sr.block_size
@@ -126,8 +123,8 @@ def _input_side_backward_fm(
     return dx, dg_p
 
 
-class _POETXFastFmFn(torch.autograd.Function):
-    """The ``fast`` variant feature-major: the forward of :func:`_forward_fm`, keeping the
+class POETXFastFmFn(torch.autograd.Function):
+    """The ``fast`` variant feature-major: the forward of :func:`forward_fm`, keeping the
     permuted input ``x'ᵀ [n, T]`` and the GEMM output ``hᵀ = W' zᵀ [m, T]`` for backward (what
     the autograd ``fast`` path keeps, there row-major), so ``dG_R`` comes from ``hᵀ`` and the
     backward runs one weight GEMM (dX) where ``mem`` runs two (the recompute and dX). Five
@@ -141,11 +138,11 @@ class _POETXFastFmFn(torch.autograd.Function):
         x: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: _Store,
+        frozen: FrozenStore,
         sp: OrthogonalSide,
         sr: OrthogonalSide,
     ) -> torch.Tensor:
-        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, sp, sr)
+        y, xpt, ht = forward_fm(x, g_p, g_r, frozen, sp, sr)
         ctx.save_for_backward(xpt, ht, g_p, g_r)
         ctx.frozen, ctx.sp, ctx.sr, ctx.x_shape, ctx.x_dtype = frozen, sp, sr, x.shape, x.dtype
         return y
@@ -163,7 +160,7 @@ def _output_side_backward_fm(
     dy: torch.Tensor,
     ht: torch.Tensor,
     g_r: torch.Tensor,
-    frozen: _Store,
+    frozen: FrozenStore,
     sr: OrthogonalSide,
     needs_r: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -184,7 +181,7 @@ def _output_side_backward_fm(
     return frozen.matmul_t_fm(dht), dg_r
 
 
-class _SwiGLUDownFastFmFn(torch.autograd.Function):
+class SwiGLUDownFastFmFn(torch.autograd.Function):
     """``down(SiLU(gate) · up)`` with a ``fast`` feature-major down projection, keeping ``gate``,
     ``up`` and the GEMM output ``hᵀ [m, T]`` only.
 
@@ -202,12 +199,12 @@ class _SwiGLUDownFastFmFn(torch.autograd.Function):
         up: torch.Tensor,
         g_p: torch.Tensor,
         g_r: torch.Tensor,
-        frozen: _Store,
+        frozen: FrozenStore,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
     ) -> torch.Tensor:
         x = maps.SWIGLU_OPS["forward"](gate, up)
-        y, xpt, ht = _forward_fm(x, g_p, g_r, frozen, side_p, side_r)
+        y, xpt, ht = forward_fm(x, g_p, g_r, frozen, side_p, side_r)
         del x, xpt
         ctx.save_for_backward(gate, up, ht, g_p, g_r)
         ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r

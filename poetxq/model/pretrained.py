@@ -16,14 +16,11 @@ line.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-
-from poetxq.training.recipe import Recipe
 
 #: model types whose projections are named q/k/v/o_proj and gate/up/down_proj
 LLAMA_FAMILY: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -164,46 +161,3 @@ def load_pretrained(path: str) -> nn.Module:
         raise PretrainedError(f"cannot load '{path}': {exc}".splitlines()[0]) from None
     model.config._attn_implementation = "sdpa"
     return model
-
-
-def build_model(
-    recipe: Recipe, vocab_size: int, *, echo: Callable[[str], None] = print
-) -> tuple[nn.Module, bool]:
-    """The model a run starts from, and whether its linear weights are to be kept as ``W0``.
-
-    Without ``model.pretrained`` this is :func:`poetxq.model.surgery.build_llama` (random init, W0
-    drawn afresh at surgery). With it, the pretrained checkpoint (:func:`load_pretrained`).
-
-    Args:
-        recipe: the run's recipe.
-        vocab_size: token ids the data uses (ids ``< vocab_size``).
-        echo: where notes go.
-
-    Returns:
-        ``(model, keep_weights)``.
-
-    Raises:
-        PretrainedError: the checkpoint is unusable, its vocabulary is smaller than the tokenizer's
-            ids, or ``train.seq_len`` exceeds its ``max_position_embeddings``.
-    """
-    from poetxq.model.surgery import build_llama
-
-    ref = recipe.model.pretrained
-    if ref is None:
-        return build_llama(recipe.model, vocab_size), False
-    path = resolve_pretrained(ref)
-    model = load_pretrained(path)
-    cfg: Any = model.config
-    n_vocab = model.get_input_embeddings().weight.shape[0]
-    if vocab_size > n_vocab:
-        raise PretrainedError(
-            f"the tokenizer's ids reach {vocab_size - 1} but '{ref}' embeds only {n_vocab} tokens; "
-            "its tokenizer and weights do not belong together"
-        )
-    check_seq_len(cfg, recipe.train.seq_len, ref)
-    n_params = sum(p.numel() for p in model.parameters())
-    echo(
-        f"model: {cfg.model_type} from {ref} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "
-        f"{n_params:,} parameters); recipe model section ignored, weights kept as W0"
-    )
-    return model, True

@@ -15,8 +15,8 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from poetxq.model.blockcache import attach_block_cache
+from poetxq.model.config import ModelConfig, POETConfig
 from poetxq.model.layer import POETXLinear, POETXSwiGLUMLP
-from poetxq.training.recipe import ModelConfig, POETConfig
 from quant_kernels.policy import KernelPolicy, default_policy
 
 

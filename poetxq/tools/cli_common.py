@@ -1,6 +1,7 @@
-"""Startup checks that the ``poetxq`` sub-commands share (:mod:`poetxq.tools.cli` for training,
-export and validation, :mod:`poetxq.tools.cli_tools` for ``estimate-memory``, ``bench`` and
-``report``), so that neither CLI module imports the other's.
+"""What the ``poetxq`` sub-commands share (:mod:`poetxq.tools.cli` for export and validation,
+:mod:`poetxq.tools.cli_train` for training, :mod:`poetxq.tools.cli_tools` for ``estimate-memory``,
+``bench`` and ``report``), so that none of them imports :mod:`poetxq.tools.cli` back: the startup
+checks, the launcher's rank, an early SIGTERM as an exception, and a full disk.
 
 Each check runs before any work and raises one line that the CLI prints as
 ``poetxq: error: ...`` (exit status 2).
@@ -8,6 +9,8 @@ Each check runs before any work and raises one line that the CLI prints as
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 from poetxq.paths import nearest_existing, writable_dir
@@ -50,3 +53,28 @@ def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
             f"{flag} '{path}' cannot be written: directory '{parent}' is not writable; "
             "choose another path"
         )
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a full disk (or quota) while files were written; safetensors reports
+    a failed write as its own error."""
+    from safetensors import SafetensorError
+
+    if isinstance(exc, SafetensorError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM before a training loop takes the signal over (:class:`poetxq.training.distributed.
+    StopSignals`): while data and model are prepared, which write nothing worth resuming."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+def launcher_rank() -> tuple[int, int]:
+    """``(rank, world size)`` that ``torchrun`` / ``accelerate launch`` put in the environment,
+    ``(0, 1)`` without a launcher (read before any process group exists)."""
+    return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)

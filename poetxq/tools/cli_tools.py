@@ -43,10 +43,10 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 
 def _estimate_precision(text: str) -> str:
-    """``estimate-memory --precision``: a run precision (:data:`poetxq.tools.estimate.PRECISIONS`).
-    ``bf16`` is refused by name: as ``train.precision`` it means autocast, elsewhere it is often
-    read as everything-bf16."""
-    from poetxq.tools.estimate import PRECISIONS
+    """``estimate-memory --precision``: a run precision
+    (:data:`poetxq.tools.estimate_terms.PRECISIONS`). ``bf16`` is refused by name: as
+    ``train.precision`` it means autocast, elsewhere it is often read as everything-bf16."""
+    from poetxq.tools.estimate_terms import PRECISIONS
 
     if text == "bf16":
         raise argparse.ArgumentTypeError(
@@ -120,7 +120,7 @@ def add_tool_parsers(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace):  # -> Recipe
-    from poetxq.training.recipe import load_recipe, merge_overrides
+    from poetxq.training.recipe_files import load_recipe, merge_overrides
 
     flags: dict[str, tuple[str, Any]] = {}
     for dest, key in (("batch_size", "train.batch_size"), ("seq_len", "train.seq_len"),
@@ -145,8 +145,8 @@ def run_tool(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     if args.command == "estimate-memory":
-        from poetxq.tools.estimate import (
-            estimate_memory,
+        from poetxq.tools.estimate import estimate_memory
+        from poetxq.tools.estimate_report import (
             format_estimate,
             format_other_variant,
             other_variant,

@@ -69,26 +69,25 @@ tensors in ``tests/test_estimate.py``.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
 
 from poetxq.model.flat import BNB_STATE_BLOCK
 from poetxq.model.fuse import fuse_wanted
+from poetxq.tools.estimate_terms import (
+    PRECISIONS,
+    Precision,
+    frozen_store_bytes,
+    fused_cast_saving,
+    fused_input_cast,
+    lean_fast_swiglu,
+    lowrank_state_bytes,
+    projections,
+    side_blocks,
+)
 from poetxq.training.cudagraph import graph_wanted
 from poetxq.training.loss import SLICE_BYTES
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label
 from quant_kernels.policy import KernelPolicy, default_policy
-
-#  how a run holds its parameters and computes, named as
-# :data:`poetxq.training.precision.RunPrecision`
-#: (``train.precision: auto`` runs ``autocast`` on a GPU and ``fp32`` on the CPU; ``bf16-true``
-#: is every parameter in bf16 without autocast)
-Precision = Literal["autocast", "bf16-true", "fp32"]
-PRECISIONS: tuple[Precision, ...] = ("autocast", "bf16-true", "fp32")
-STATE_BLOCK = 256  # bitsandbytes' block for 8-bit optimizer states
-NF4_BLOCK = 64
-NESTED_BLOCK = 256
 
 
 class EstimateError(ValueError):
@@ -167,151 +166,6 @@ class MemoryEstimate:
         return asdict(self)
 
 
-def parse_bytes(text: str) -> int:
-    """``"80GB"`` / ``"80GiB"`` / ``"141 GiB"`` / ``"500MB"`` / ``"1e9"`` → bytes.
-
-    GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20; a bare
-    number is bytes. Any size below 2**20 is an error (``80`` or ``80kB`` is surely a slip).
-
-    Raises:
-        EstimateError: the text is not a size.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
-    if not m:
-        raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
-    if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
-        example = f"{m.group(1)}GB" if float(m.group(1)) > 0 else "80GB"
-        raise EstimateError(
-            f"memory size '{text}' has no unit; write e.g. {example} (a bare number is "
-            "bytes and must be at least 1 MiB)"
-        )
-    scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
-    size = int(float(m.group(1)) * scale)
-    if size <= 0:
-        raise EstimateError(f"memory size '{text}' must be positive; write e.g. 80GB")
-    if size < 2**20:  # "80kB": a unit slip, not a GPU
-        raise EstimateError(f"memory size '{text}' is below 1 MiB; write e.g. 80GB")
-    return size
-
-
-def _gpu_kernel_path(kernels: KernelPolicy, switch: str, precision: Precision) -> bool:
-    """Whether the run this estimate describes takes the GPU-only path ``switch`` (a
-    :class:`~quant_kernels.policy.KernelPolicy` field): never for ``fp32`` (CPU training: CPU
-    tensors take the torch path) nor without Triton (``POETXQ_KERNELS=torch``). The precision
-    stands for the device: ``autocast`` / ``bf16-true`` estimates describe a GPU run (a CPU run
-    in bf16 takes no such path and keeps a little more; a GPU run in fp32 takes them and keeps a
-    little less)."""
-    return precision != "fp32" and kernels.on_gpu(switch)
-
-
-def _lean_fast_swiglu(kernels: KernelPolicy, precision: Precision) -> bool:
-    """Whether the run takes the lean ``fast`` SwiGLU down projection (``lean_fast_swiglu``,
-    which runs inside the fast variant's feature-major path, behind its own switch)."""
-    return _gpu_kernel_path(kernels, "lean_fast_swiglu", precision) and _gpu_kernel_path(
-        kernels, "fast_feature_major", precision
-    )
-
-
-def _fused_input_cast(kernels: KernelPolicy, precision: Precision) -> bool:
-    """Whether the run passes fp32 inputs uncast into feature-major ``mem`` POET layers
-    (``fused_input_cast``, taken only where the layer is feature-major): only under autocast,
-    where the inputs are fp32 and the compute bf16."""
-    return (
-        precision == "autocast"
-        and _gpu_kernel_path(kernels, "fused_input_cast", precision)
-        and _gpu_kernel_path(kernels, "feature_major", precision)
-    )
-
-
-#: projections of a decoder layer that read one shared input (the attention norm's, the MLP
-#: norm's output)
-_SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _fused_cast_saving(recipe: Recipe, targets: set[str], bits: int, b: int) -> int:
-    """Bytes per token and decoder layer that ``mem`` layers save less under bf16 autocast when
-    they take their fp32 input uncast (:func:`_fused_input_cast`): each feature-major projection
-    of a group keeps the group's one fp32 input (``4d``, shared) instead of its own bf16 copy
-    (``2d``). q/k/v: ``6d → 4d``; gate/up: ``4d → 4d``. Negative for a group with one such
-    projection. Feature-major: in ``targets``, no ragged side (any store: the 4-bit one's
-    input-order wrapper gathers feature-major rows)."""
-    d = recipe.model.hidden_size
-    dims = {name: (m, n) for name, m, n in _projections(recipe)}
-    saving = 0
-    for group in _SHARED_INPUT_GROUPS:
-        fm = [
-            g for g in group
-            if g in targets and dims[g][0] % b == 0 and dims[g][1] % b == 0
-        ]  # fmt: skip
-        if fm:
-            saving += 2 * d * len(fm) - 4 * d
-    return saving
-
-
-def _projections(recipe: Recipe) -> list[tuple[str, int, int]]:
-    """``(name, out m, in n)`` of one decoder layer's projections."""
-    mc = recipe.model
-    d, f = mc.hidden_size, mc.intermediate_size
-    hd = d // mc.num_attention_heads
-    kv = (mc.num_key_value_heads or mc.num_attention_heads) * hd
-    return [("q_proj", d, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, d),
-            ("gate_proj", f, d), ("up_proj", f, d), ("down_proj", d, f)]  # fmt: skip
-
-
-def frozen_store_bytes(
-    m: int, n: int, bits: int, *, double_quant: bool = True, elt: int = 4
-) -> int:
-    """Bytes of one POET frozen store ``[m, n]`` (:mod:`poetxq.model.quant` buffers).
-
-    Args:
-        m, n: out / in features.
-        bits: 8 (int8 row-wise), 4 (NF4/FP4 blockwise), 16 (dense in a dtype of ``elt`` bytes).
-        double_quant: 4-bit absmax quantized again.
-        elt: bytes per element of a dense store.
-    """
-    if bits == 8:
-        return m * n + 4 * m + 1  # CB int8, SCB fp32, weight_format uint8
-    if bits == 4:
-        blocks = math.ceil(m * n / NF4_BLOCK)
-        out = math.ceil(m * n / 2) + 16 * 4  # packed codes, quant_map
-        if double_quant:
-            out += blocks + 4 * math.ceil(blocks / NESTED_BLOCK) + 256 * 4 + 4
-        else:
-            out += 4 * blocks
-        return out
-    return m * n * elt
-
-
-def _side(dim: int, b: int) -> tuple[int, int, bool]:
-    """``(blocks, packed entries per block, ragged)`` of one orthogonal side."""
-    nb = math.ceil(dim / b)
-    return nb, b * (b - 1) // 2, dim % b != 0
-
-
-def _lowrank_state_bytes(m: int, n: int, recipe: Recipe) -> int:
-    """Bytes LowRankAdamW keeps for one ``[m, n]`` low-rank weight after its first step."""
-    from poetxq.baselines import resolved_settings
-
-    s = resolved_settings(recipe.method, recipe.baseline)
-    r = min(s["rank"], m, n)
-    right = m >= n
-    low = m * r if right else r * n
-    if s["state_bits"] == 8:
-        moments = 2 * (low + 4 * math.ceil(low / STATE_BLOCK))
-    else:
-        moments = 2 * 4 * low
-    proj_numel = r * n if right else m * r
-    if s["method"] == "apollo":
-        return moments + 4 * proj_numel + 4  # projector fp32, prev_norm fp32 scalar
-    if s["proj_bits"] == 4:
-        groups = math.ceil(proj_numel / s["proj_group_size"])
-        proj = math.ceil(proj_numel / 2) + 2 * 4 * groups
-    else:
-        proj = 4 * proj_numel
-    lazy = 4 * (n if right else m) if s["lazy"] else 0
-    return moments + proj + lazy
-
-
 def estimate_memory(
     recipe: Recipe,
     *,
@@ -372,7 +226,7 @@ def estimate_memory(
     flat_gapless = True  # every side's Q fills whole 8-bit state blocks (no gaps in the buffer)
     fast_extra = 0  # per token and layer, fast variant
     cast_weights = 0  # autocast bf16 copies of nn.Linear weights per layer
-    largest_mn = max(m * n for _, m, n in _projections(recipe))
+    largest_mn = max(m * n for _, m, n in projections(recipe))
     lowrank_states = 0
     group = recipe.baseline.weight_group_size or (256 if recipe.method == "qgalore" else 128)
 
@@ -395,7 +249,7 @@ def estimate_memory(
         # torch AdamW: moments in the param dtype + a 4-byte step; LowRankAdamW: fp32 moments
         states += 8 * numel if lowrank else adam_states(numel)
 
-    for name, m, n in _projections(recipe):
+    for name, m, n in projections(recipe):
         if name not in targets:
             adam_param(m * n)
             cast_weights += m * n * 2 if precision == "autocast" else 0
@@ -404,7 +258,7 @@ def estimate_memory(
             frozen += frozen_store_bytes(m, n, bits, double_quant=pc.double_quant, elt=p)
             n_frozen += m * n
             for dim in (n, m):
-                nb, per, ragged = _side(dim, b)
+                nb, per, ragged = side_blocks(dim, b)
                 q_numel = nb * per
                 params += q_numel * p
                 q_bytes += q_numel * p
@@ -424,7 +278,7 @@ def estimate_memory(
             frozen += m * n + 2 * 4 * math.ceil(m * n / group)
             n_frozen += m * n
             grads += 4 * m * n  # float_grad
-            lowrank_states += _lowrank_state_bytes(m, n, recipe)
+            lowrank_states += lowrank_state_bytes(m, n, recipe)
             n_train += m * n
         else:
             params += m * n * p
@@ -432,7 +286,7 @@ def estimate_memory(
             n_train += m * n
             cast_weights += m * n * 2 if precision == "autocast" else 0
             if lowrank:
-                lowrank_states += _lowrank_state_bytes(m, n, recipe)
+                lowrank_states += lowrank_state_bytes(m, n, recipe)
             else:
                 states += 2 * m * n * p + 4
     # poetxq.model.flat (8-bit states): when no side leaves a gap, Q lies end to end and the CNP
@@ -468,13 +322,13 @@ def estimate_memory(
         layer_tok += fast_extra - saved_inputs[precision]
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
         # the lean path needs the feature-major one: no ragged side
-        if _lean_fast_swiglu(kernels, precision) and mlp and f % b == 0 and d % b == 0:
-            # poetxq.model.layer_fm._SwiGLUDownFastFmFn: neither SiLU(gate) nor the down
+        if lean_fast_swiglu(kernels, precision) and mlp and f % b == 0 and d % b == 0:
+            # poetxq.model.layer_fm.SwiGLUDownFastFmFn: neither SiLU(gate) nor the down
             # projection's permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
             notes.append("lean fast SwiGLU (kernel policy lean_fast_swiglu): 2·f fewer saved")
-    if is_poet and pc.variant == "mem" and _fused_input_cast(kernels, precision):
-        saving = _fused_cast_saving(recipe, targets, bits, b)
+    if is_poet and pc.variant == "mem" and fused_input_cast(kernels, precision):
+        saving = fused_cast_saving(recipe, targets, bits, b)
         layer_tok -= saving
         if saving:
             notes.append(
@@ -524,7 +378,7 @@ def estimate_memory(
         logits = max(c + 8, 12) * min(T, tc.loss_chunk_tokens) * V
 
     # --- transients --------------------------------------------------------------------------
-    max_dim = max(max(m, n) for _, m, n in _projections(recipe))
+    max_dim = max(max(m, n) for _, m, n in projections(recipe))
     workspace = 4 * c * T * max_dim
     if (is_poet and bits in (4, 8)) or quantized:
         workspace += largest_mn * c  # a dequantized weight on the GEMM path
@@ -561,103 +415,3 @@ def estimate_memory(
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
         cuda_graph=graph and precision != "fp32",
     )  # fmt: skip
-
-
-#: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
-#: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
-#: checkpointing and a chunked loss (``evals/results/gpu_memory_graph_h200_90a76c3.json``,
-#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
-#: (``gpu_memory_*_graph_oib*_h200_*.json``)
-GRAPH_POOL_OVERHEAD = 0.144
-
-
-def _size(x: int) -> str:
-    """A GPU's memory for a verdict line: GiB to 0.1, MiB below 1 GiB."""
-    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
-
-
-def _gib(x: int) -> str:
-    return f"{x / 2**30:9.3f} GiB"
-
-
-def other_variant(recipe: Recipe, **kwargs: Any) -> tuple[str, int] | None:
-    """For a POET recipe, the other layer variant (``mem`` <-> ``fast``) and its predicted peak
-    in bytes, so a user can see what the faster ``fast`` variant would need; None for the
-    baselines. ``kwargs`` are :func:`estimate_memory`'s (vocab size, batch, seq, precision)."""
-    if recipe.method not in POET_METHODS:
-        return None
-    other = "fast" if recipe.poet.variant == "mem" else "mem"
-    alt = recipe.model_copy(update={"poet": recipe.poet.model_copy(update={"variant": other})})
-    return other, estimate_memory(alt, **kwargs).peak
-
-
-def format_other_variant(other: str, peak: int, gpu_mem: int | None = None) -> str:
-    """The line :func:`format_estimate`'s table ends with for a POET recipe (see
-    :func:`other_variant`), with fits / does not fit against ``gpu_mem`` bytes."""
-    why = (
-        "keeps each layer's GEMM output: one weight GEMM less per layer and step"
-        if other == "fast"
-        else "recomputes each layer's GEMM output in backward: less memory, slower"
-    )
-    fits = ""
-    if gpu_mem is not None:
-        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {_size(gpu_mem)}; "
-    return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {fits}{why}"
-
-
-def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
-    """A plain-text table of the breakdown and, with ``gpu_mem`` (bytes), fits / does not fit."""
-    ckpt = "on" if est.gradient_checkpointing else "off"
-    rows = [
-        ("frozen / quantized weights", est.frozen_weights, f"{est.num_frozen:,} weights"),
-        ("buffers (permutations, masks)", est.buffers, ""),
-        ("trainable parameters", est.trainable_params, f"{est.num_trainable:,} parameters"),
-        (
-            (
-                "gradients",
-                est.in_backward_gradients,
-                f"alive at once, optimizer in backward (all: {est.gradients / 2**30:.3f} GiB)",
-            )
-            if est.optimizer_in_backward
-            else (
-                "gradients",
-                est.gradients,
-                "static in the CUDA graph: all present from the start of backward"
-                if est.cuda_graph
-                else "all present at the optimizer step",
-            )
-        ),
-        ("optimizer states", est.optimizer_states, ""),
-        ("activations", est.activations, f"checkpointing {ckpt}"),
-        (
-            "logits / loss",
-            est.logits,
-            f"[{est.batch_size * est.seq_len}, {est.vocab_size}]"
-            + (f" in chunks of {est.loss_chunk_tokens} tokens" if est.loss_chunk_tokens else ""),
-        ),
-        ("workspace", est.workspace, "largest layer's transients"),
-        ("optimizer temporaries", est.in_backward_transient, "per parameter, inside backward")
-        if est.optimizer_in_backward
-        else ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
-    ]
-    if est.host_offloaded:
-        rows.append(("offloaded to host (not GPU)", est.host_offloaded, "checkpointed inputs"))
-    head = (
-        f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
-        f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"
-    )
-    lines = [head, "-" * len(head)]
-    lines += [f"  {name:<31s}{_gib(v)}  {note}".rstrip() for name, v, note in rows]
-    lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}  at the {est.peak_phase}")
-    if gpu_mem is not None:
-        verdict = "fits" if est.peak <= gpu_mem else "does not fit"
-        lines.append(f"  {verdict} in {_size(gpu_mem)} ({est.peak / gpu_mem:.0%} used)")
-        if est.cuda_graph:
-            high = int(est.peak * (1 + GRAPH_POOL_OVERHEAD))
-            verdict = "fits" if high <= gpu_mem else "does not fit"
-            lines.append(
-                f"  with the graph pool's measured overhead (reserved up to "
-                f"+{GRAPH_POOL_OVERHEAD:.0%}): {high / 2**30:.3f} GiB, {verdict}"
-            )
-    lines += [f"  note: {n}" for n in est.notes]
-    return "\n".join(lines)

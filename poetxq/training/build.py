@@ -4,7 +4,7 @@
 
 * **classic** (CPU runs, and runs from a ``--model`` checkpoint): transformers builds the Llama
   in fp32 on the CPU with its random init of every weight, or loads the checkpoint there
-  (:func:`poetxq.model.pretrained.build_model`); then :func:`~poetxq.model.surgery.convert_to_poetx`
+  (:func:`poetxq.training.build.build_model`); then :func:`~poetxq.model.surgery.convert_to_poetx`
   draws ``W0`` (or keeps the checkpoint's weights), or :func:`~poetxq.baselines.prepare_baseline`
   prepares the dense linears. On the CPU these are exactly the calls CPU runs always made: same
   RNG streams, same numbers. On CUDA each layer's ``W0`` is quantized on the device and the rest
@@ -40,16 +40,23 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baseline
 from poetxq.model.fuse import fuse_elementwise, fuse_wanted
-from poetxq.model.pretrained import build_model
+from poetxq.model.pretrained import (
+    PretrainedError,
+    check_seq_len,
+    load_pretrained,
+    resolve_pretrained,
+)
 from poetxq.model.surgery import (
     SurgeryReport,
     build_empty_llama,
+    build_llama,
     convert_to_poetx,
     materialize_meta_parameters,
     summarize,
@@ -90,6 +97,47 @@ class BuiltModel:
             else ""
         )
         return f"model: built in {self.seconds:.1f} s on {self.device}{how}"
+
+
+def build_model(
+    recipe: Recipe, vocab_size: int, *, echo: Callable[[str], None] = print
+) -> tuple[nn.Module, bool]:
+    """The model a run starts from, and whether its linear weights are to be kept as ``W0``.
+
+    Without ``model.pretrained`` this is :func:`poetxq.model.surgery.build_llama` (random init, W0
+    drawn afresh at surgery). With it, the pretrained checkpoint (:func:`load_pretrained`).
+
+    Args:
+        recipe: the run's recipe.
+        vocab_size: token ids the data uses (ids ``< vocab_size``).
+        echo: where notes go.
+
+    Returns:
+        ``(model, keep_weights)``.
+
+    Raises:
+        PretrainedError: the checkpoint is unusable, its vocabulary is smaller than the tokenizer's
+            ids, or ``train.seq_len`` exceeds its ``max_position_embeddings``.
+    """
+    ref = recipe.model.pretrained
+    if ref is None:
+        return build_llama(recipe.model, vocab_size), False
+    path = resolve_pretrained(ref)
+    model = load_pretrained(path)
+    cfg: Any = model.config
+    n_vocab = model.get_input_embeddings().weight.shape[0]
+    if vocab_size > n_vocab:
+        raise PretrainedError(
+            f"the tokenizer's ids reach {vocab_size - 1} but '{ref}' embeds only {n_vocab} tokens; "
+            "its tokenizer and weights do not belong together"
+        )
+    check_seq_len(cfg, recipe.train.seq_len, ref)
+    n_params = sum(p.numel() for p in model.parameters())
+    echo(
+        f"model: {cfg.model_type} from {ref} ({cfg.num_hidden_layers} layers, d={cfg.hidden_size}, "
+        f"{n_params:,} parameters); recipe model section ignored, weights kept as W0"
+    )
+    return model, True
 
 
 def use_meta_init(recipe: Recipe, device: torch.device) -> bool:

@@ -1,101 +1,36 @@
-"""Training recipes: a validated schema, YAML loading and ``key=value`` overrides.
+"""Training recipes: the validated schema, and every check of how its options combine.
 
 A recipe is plain data (YAML): a ``method`` (``poetxq`` by default, or a baseline) and six
-sections — ``model``, ``poet``, ``optim``, ``train``, ``data``, ``baseline`` — validated by
-pydantic with unknown keys forbidden. The defaults of this schema *are* the embedded default
-recipe (a tiny Llama on the embedded English corpus, sized to finish in under three minutes on
-2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values out.
-
-Errors are reported as one line naming the file, the key and what is allowed
-(:class:`RecipeError`).
+sections — ``model``, ``poet`` (:mod:`poetxq.model.config`), ``optim``, ``train``, ``data``
+(:class:`poetxq.data.DataConfig`), ``baseline`` — validated by pydantic with unknown keys
+forbidden. :class:`Recipe`'s own validator is the one place where the sections' combinations are
+checked (or adjusted, with a note). The defaults of this schema *are* the embedded default recipe
+(a tiny Llama on the embedded English corpus, sized to finish in under three minutes on 2 CPU
+cores); ``recipes/tiny/poetxq.yaml`` spells the same values out. Files, composition and overrides
+are :mod:`poetxq.training.recipe_files`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import os
-import typing
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from poetxq.data import DataConfig
-from poetxq.schema import StrictSection
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from poetxq.model.config import TARGET_MODULES, ModelConfig, POETConfig
+from poetxq.schema import Section
 
 
 class RecipeError(ValueError):
     """A recipe file or override is invalid; the message is one line naming the fix."""
 
 
-class _Section(StrictSection):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, validate_assignment=True)
-
-
-class ModelConfig(_Section):
-    """Llama architecture (transformers ``LlamaConfig`` fields); vocab comes from the tokenizer.
-
-    ``pretrained`` (``--model``): a transformers Llama-family checkpoint directory (or hub id) to
-    continue from; its own config, weights and tokenizer are used and the other fields here are
-    ignored (:mod:`poetxq.model.pretrained`).
-    """
-
-    pretrained: str | None = None
-
-    hidden_size: int = Field(256, gt=0)
-    intermediate_size: int = Field(704, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_hidden_layers: int = Field(4, gt=0)
-    num_key_value_heads: int | None = None
-    max_position_embeddings: int = Field(1024, gt=0)
-    rms_norm_eps: float = Field(1e-6, gt=0)
-    initializer_range: float = Field(0.02, gt=0)
-    tie_word_embeddings: bool = False
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}"
-            )
-        kv = self.num_key_value_heads
-        if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
-            raise ValueError(
-                f"num_key_value_heads {kv} must be positive and divide num_attention_heads "
-                f"{self.num_attention_heads}"
-            )
-        return self
-
-
-class POETConfig(_Section):
-    """POET-X(Q) settings (POET-X, arXiv 2603.05500; W0 in bitsandbytes' int8 / NF4 / FP4)."""
-
-    bits: Literal[4, 8, 16] = 8  # 8 = POET-XQ int8 W0; 4 = NF4/FP4 W0; 16 = unquantized POET-X
-    block_size: int = Field(64, ge=2)  # b
-    merge_interval: int = Field(100, ge=1)  # T (steps between merge-then-reinitialize)
-    variant: Literal["fast", "mem"] = "mem"
-    neumann_terms: int = Field(3, ge=1)  # k
-    requant: Literal["nearest", "stochastic"] = "nearest"
-    quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
-    double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
-    freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
-    # merge once more after the last step, so the final evaluation, model.safetensors and a
-    # same-format export (hf-bnb8 of int8, hf-bnb4 of 4-bit) are one model, R = P = I
-    merge_at_end: bool = False
-    target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
-
-
 #: an Adam moment coefficient: 1 or above never forgets (torch refuses it, GaLore would not)
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW with POET param groups, cosine schedule and post-merge clip re-warm."""
 
     lr: float = Field(5e-3, gt=0)  # embeddings, lm_head, norms
@@ -122,7 +57,7 @@ GRAPH_METHODS: tuple[str, ...] = (*POET_METHODS, "adamw")
 Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"]
 
 
-class BaselineConfig(_Section):
+class BaselineConfig(Section):
     """Settings of the non-POET methods (GaLore, Q-GaLore, APOLLO; :mod:`poetxq.baselines`).
 
     ``None`` means the method's default: ``scale`` 0.25 for galore/qgalore and 1.0 for
@@ -147,7 +82,7 @@ class BaselineConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Loop settings. ``batch_size`` is per micro-batch; tokens/step = batch*accum*seq_len."""
 
     max_steps: int = Field(300, gt=0)
@@ -210,7 +145,7 @@ class TrainConfig(_Section):
         )
 
 
-class Recipe(_Section):
+class Recipe(Section):
     """A whole training recipe. ``Recipe()`` is the embedded default."""
 
     name: str = "tiny-poetxq"
@@ -367,368 +302,6 @@ def _check_pretrained(recipe: Recipe) -> None:
         )
     if recipe.data.tokenizer.strip() == "bpe":  # the default: use the checkpoint's tokenizer
         recipe.data.tokenizer = recipe.model.pretrained  # type: ignore[assignment]
-
-
-def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
-    """Field names of the section that ``loc`` (minus its last item) points into."""
-    cls: Any = model
-    for part in loc[:-1]:
-        field = getattr(cls, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        cls = field.annotation
-        for arg in typing.get_args(cls) or ():
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                cls = arg
-    return list(getattr(cls, "model_fields", {}))
-
-
-def _source_of(key: str, provenance: dict[str, str] | None, default: str) -> str:
-    """The file that set ``key`` (or the closest enclosing key) per ``provenance``; for a whole
-    section (an error between its keys), every file and override that set keys in it."""
-    if not provenance:
-        return default
-    parts = key.split(".")
-    for i in range(len(parts), 0, -1):  # the key itself, then its enclosing sections
-        hit = provenance.get(".".join(parts[:i]))
-        if hit is not None:
-            return hit
-    inner = sorted({v for k, v in provenance.items() if k.startswith(key + ".")})
-    return ", ".join(inner) if inner else default
-
-
-def format_validation_error(
-    err: ValidationError, source: str, provenance: dict[str, str] | None = None
-) -> str:
-    """One line per problem: ``<file>: key 'a.b': <message> (allowed keys: ...)``.
-
-    Args:
-        err: pydantic's error for a whole recipe tree.
-        source: the recipe as the user named it (used when no provenance applies).
-        provenance: dotted key -> the file (or override) that set it, from composition.
-    """
-    lines = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        key = ".".join(str(p) for p in loc) or "<root>"
-        src = _source_of(key, provenance, source) if loc else source
-        if e["type"] == "extra_forbidden":
-            keys = _allowed_keys(Recipe, loc) + (["base", "by_model"] if len(loc) == 1 else [])
-            allowed = ", ".join(keys)
-            lines.append(f"{src}: unknown key '{key}' (allowed keys here: {allowed})")
-        else:
-            msg = e["msg"].removeprefix("Value error, ")
-            if not loc or isinstance(e.get("input"), dict):  # a whole section: do not dump it
-                lines.append(f"{src}: {'' if not loc else f'key {key!r}: '}{msg}")
-                continue
-            got = repr(e.get("input"))
-            got = got if len(got) <= 80 else got[:77] + "..."
-            lines.append(f"{src}: key '{key}': {msg} (got {got})")
-    return "; ".join(lines)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for p in parts[:-1]:
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise RecipeError(f"override '{dotted}': '{p}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """Parse ``key.path=value``; the value is read as YAML (``1e-3``, ``true``, ``[a, b]``)."""
-    if "=" not in text:
-        raise RecipeError(
-            f"override '{text}' must look like section.key=value (e.g. train.max_steps=50)"
-        )
-    key, raw = text.split("=", 1)
-    if not key.strip():
-        raise RecipeError(f"override '{text}' has no key before '='; write section.key=value")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise RecipeError(
-            f"override '{text}': value is not valid YAML ({exc.__class__.__name__})"
-        ) from None
-    if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    return key.strip(), value
-
-
-def merge_overrides(flags: dict[str, tuple[str, Any]], sets: Iterable[str]) -> dict[str, Any]:
-    """The recipe overrides of a command line: its flags, then its ``--set KEY=VALUE`` texts.
-
-    Args:
-        flags: recipe key -> (the flag as typed, e.g. ``"--bits"``, its value), for the flags
-            given.
-        sets: the ``--set`` texts, in order (a later one of the same key wins).
-
-    Returns:
-        dict: recipe key -> value.
-
-    Raises:
-        RecipeError: a ``--set`` names a key a flag also sets, with another value (which one
-            should win is the user's call, not ours), or a malformed ``--set``.
-    """
-    out = {key: value for key, (_, value) in flags.items()}
-    for text in sets:
-        key, value = parse_override(text)
-        if key in flags and flags[key][1] != value:
-            flag, given = flags[key]
-            raise RecipeError(
-                f"--set {text} conflicts with {flag} {given} (both set {key}); give only one"
-            )
-        out[key] = value
-    return out
-
-
-#: reserved top-level keys of a recipe file, consumed by composition (never reach the schema)
-BASE_KEY = "base"
-BY_MODEL_KEY = "by_model"
-
-
-def recipes_dir() -> Path:
-    """Where ``MODEL:METHOD`` shorthands are looked up: ``$POETXQ_RECIPES`` or the repo's
-    ``recipes/`` (next to the ``poetxq`` package in a source checkout)."""
-    env = os.environ.get("POETXQ_RECIPES")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
-
-
-def _names(folder: Path) -> str:
-    found = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
-    return ", ".join(found) or f"none (no {folder})"
-
-
-def _shorthand(spec: str) -> list[Path] | None:
-    """``llama-60m:poetxq`` -> [recipes/models/llama-60m.yaml, recipes/methods/poetxq.yaml];
-    None when ``spec`` is not of that form (or is an existing file)."""
-    if ":" not in spec or Path(spec).exists() or "/" in spec or "\\" in spec:
-        return None
-    model, _, method = spec.partition(":")
-    root = recipes_dir()
-    paths = [root / "models" / f"{model}.yaml", root / "methods" / f"{method}.yaml"]
-    for kind, name, path in (("model", model, paths[0]), ("method", method, paths[1])):
-        if not path.is_file():
-            raise RecipeError(
-                f"recipe '{spec}': unknown {kind} '{name}'; available {kind}s: "
-                f"{_names(path.parent)} (MODEL:METHOD, e.g. llama-60m:poetxq)"
-            )
-    return paths
-
-
-def _leaves(tree: dict[str, Any], prefix: str = "") -> Iterator[str]:
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, key + ".")
-        else:
-            yield key
-
-
-def _merge(tree: dict[str, Any], prov: dict[str, str], other: dict[str, Any], label: str) -> None:
-    """Deep-merge ``other`` into ``tree`` (mappings merge, anything else replaces) and record
-    ``label`` as the source of every leaf ``other`` sets."""
-
-    def rec(dst: dict[str, Any], src: dict[str, Any], prefix: str) -> None:
-        for k, v in src.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, dict) and isinstance(dst.get(k), dict):
-                rec(dst[k], v, key + ".")
-                continue
-            dst[k] = copy.deepcopy(v)
-            for old in [p for p in prov if p == key or p.startswith(key + ".")]:
-                del prov[old]
-            if isinstance(v, dict) and v:
-                prov.update({leaf: label for leaf in _leaves(v, key + ".")})
-            else:
-                prov[key] = label
-
-    rec(tree, other, "")
-
-
-def _apply_by_model(tree: dict[str, Any], prov: dict[str, str]) -> None:
-    """Consume ``by_model``: once the tree has a ``name``, merge ``by_model[name]`` (if any)."""
-    table = tree.get(BY_MODEL_KEY)
-    if table is None or "name" not in tree:
-        return
-    label = prov.get(f"{BY_MODEL_KEY}.{tree['name']}") or next(
-        (v for k, v in prov.items() if k.startswith(f"{BY_MODEL_KEY}.{tree['name']}.")),
-        "by_model",
-    )
-    del tree[BY_MODEL_KEY]
-    for k in [k for k in prov if k == BY_MODEL_KEY or k.startswith(BY_MODEL_KEY + ".")]:
-        del prov[k]
-    entry = table.get(tree["name"])
-    if entry:
-        _merge(tree, prov, entry, f"{label} (by_model.{tree['name']})")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the
-    last one silently, so a recipe would not say what it does)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice in one mapping", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def _read_mapping(path: Path, included_from: str | None) -> dict[str, Any]:
-    where = f" (base of {included_from})" if included_from else ""
-    if path.is_dir():
-        raise RecipeError(f"recipe path '{path}'{where} is a directory; pass a YAML file")
-    if not path.exists():
-        shipped = recipes_dir().parent / path
-        if not path.is_absolute() and path.parts[:1] == ("recipes",) and shipped.is_file():
-            fix = f"the shipped one is '{shipped}' (relative paths start in the current folder)"
-        else:
-            fix = "pass an existing YAML file"
-        raise RecipeError(f"recipe file '{path}'{where} does not exist; {fix}")
-    try:
-        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except yaml.YAMLError as exc:
-        msg = f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})"
-        raise RecipeError(" ".join(msg.split())) from exc
-    except UnicodeDecodeError:
-        raise RecipeError(f"{path}: not UTF-8 text; a recipe is a UTF-8 YAML file") from None
-    except OSError as exc:
-        raise RecipeError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    if loaded is None:  # an empty file (or only comments) is a mistake, not "all defaults"
-        raise RecipeError(
-            f"{path}{where}: the file is empty; a recipe holds at least one section (model, "
-            "poet, optim, data, train) or a 'base' to start from"
-        )
-    if not isinstance(loaded, dict):
-        raise RecipeError(
-            f"{path}: a recipe must be a mapping of sections, got {type(loaded).__name__}"
-        )
-    return loaded
-
-
-def _compose(
-    loaded: dict[str, Any], label: str, base_dir: Path, stack: tuple[Path, ...]
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """Resolve ``base`` (paths relative to ``base_dir``), then ``by_model``, then own keys."""
-    own = dict(loaded)
-    bases = own.pop(BASE_KEY, None)
-    if bases is None:
-        bases = []
-    elif isinstance(bases, str):
-        bases = [bases]
-    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
-        raise RecipeError(
-            f"{label}: key 'base' must be a path or a list of paths (relative to the file), "
-            f"got {bases!r}"
-        )
-    by_model = own.get(BY_MODEL_KEY)
-    if by_model is not None and not (
-        isinstance(by_model, dict) and all(isinstance(v, dict) for v in by_model.values())
-    ):
-        raise RecipeError(
-            f"{label}: key 'by_model' must map model names (e.g. llama-60m) to overrides, "
-            f"got {by_model!r}"
-        )
-    tree: dict[str, Any] = {}
-    prov: dict[str, str] = {}
-    for b in bases:
-        path = (base_dir / b).resolve()
-        if path in stack:
-            chain = " -> ".join(str(p) for p in (*stack, path))
-            raise RecipeError(f"{label}: recipe bases form a cycle ({chain}); remove one 'base'")
-        sub, sub_prov = _compose(_read_mapping(path, label), str(path), path.parent, (*stack, path))
-        _merge(tree, prov, sub, "")
-        prov.update({k: v for k, v in sub_prov.items() if k in set(_leaves(sub))})
-    _apply_by_model(tree, prov)
-    _merge(tree, prov, own, label)
-    return tree, prov
-
-
-def compose_recipe_tree(
-    path: str | Path | None, overrides: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], dict[str, str], str]:
-    """The recipe as a plain tree after composition, before validation.
-
-    Composition (documented in README "Recipes"): a file may name ``base:`` files (a path or a
-    list, relative to the file); they are deep-merged in order, then the method file's
-    ``by_model[<name>]`` overrides for the composed model ``name`` are applied, then the file's own
-    keys. ``path`` may also be the shorthand ``MODEL:METHOD`` (``recipes/models/MODEL.yaml`` +
-    ``recipes/methods/METHOD.yaml``). Overrides (``{"train.max_steps": 50}``) come last.
-
-    Returns:
-        ``(tree, provenance, source)``: the merged mapping, dotted leaf key -> the file or
-        override that set it, and the recipe's display name.
-
-    Raises:
-        RecipeError: missing file, bad YAML, bad ``base``/``by_model``, unknown shorthand name.
-    """
-    tree: dict[str, Any] = {}
-    prov: dict[str, str] = {}
-    source = "default recipe"
-    if path is not None:
-        source = str(path)
-        parts = _shorthand(str(path))
-        if parts is not None:
-            loaded: dict[str, Any] = {BASE_KEY: [str(p) for p in parts]}
-            tree, prov = _compose(loaded, source, Path.cwd(), ())
-        else:
-            p = Path(path)
-            tree, prov = _compose(_read_mapping(p, None), str(p), p.parent, (p.resolve(),))
-    if BY_MODEL_KEY in tree:  # never met a model name: not applicable
-        del tree[BY_MODEL_KEY]
-        for k in [k for k in prov if k == BY_MODEL_KEY or k.startswith(BY_MODEL_KEY + ".")]:
-            del prov[k]
-    for key, value in (overrides or {}).items():
-        _set_dotted(tree, key, value)  # an explicit None (``--set key=``) sets null
-        shown = value  # as YAML reads it: null, true/false (1 stays 1)
-        if value is None or isinstance(value, bool):
-            shown = "null" if value is None else str(value).lower()
-        prov[key] = f"override {key}={shown}"
-    return tree, prov, source
-
-
-def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Recipe:
-    """Load a recipe (file, ``MODEL:METHOD`` shorthand, or the embedded default when ``path`` is
-    None), compose its ``base`` files and apply overrides.
-
-    Args:
-        path: YAML file (read with ``yaml.safe_load``), ``MODEL:METHOD``, or None.
-        overrides: ``{"train.max_steps": 50, ...}``; a ``None`` value sets the key to null.
-
-    Returns:
-        The validated :class:`Recipe`.
-
-    Raises:
-        RecipeError: missing/unreadable file, bad YAML, unknown key or invalid value (one line,
-            naming the file that set the offending key).
-    """
-    for key in overrides or {}:
-        if key.split(".")[0] in ("base", "by_model"):
-            raise RecipeError(
-                f"override {key}: 'base' and 'by_model' compose recipe files and are read from a "
-                "file only; write them in a recipe YAML and pass it with --recipe"
-            )
-    tree, prov, source = compose_recipe_tree(path, overrides)
-    try:
-        return Recipe.model_validate(tree)
-    except ValidationError as exc:
-        if overrides:
-            source += " (with overrides " + ", ".join(f"{k}={v}" for k, v in overrides.items())
-            source += ")"
-        raise RecipeError(format_validation_error(exc, source, prov)) from None
 
 
 METHOD_LABELS = ("poetxq4", "poetxq", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")

@@ -1,3 +1,4 @@
+# Over 500 lines: train() is one loop whose closures (log, evaluate, checkpoint) share its state.
 """The training loop (accelerate): recipe → data → model surgery → POET AdamW → metrics/checkpoint.
 
 CPU runs in fp32; on a GPU the loop runs under bf16 autocast (accelerate ``mixed_precision="bf16"``)
@@ -16,14 +17,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
 
 import torch
 from accelerate import Accelerator
@@ -34,16 +33,14 @@ from tqdm.auto import tqdm
 from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.model.relayout import relayout_if_wanted
-from poetxq.paths import RUN_LOCK, unwritable_reason
+from poetxq.paths import RUN_LOCK
 from poetxq.text import count
-from poetxq.tools.export import save_run_artifacts
 from poetxq.training.build import build_for_training
 from poetxq.training.checkpoint import (
     CHECKPOINT_DIR,
     check_world_size,
     load_training_checkpoint,
     save_training_checkpoint,
-    write_tensors,
 )
 from poetxq.training.cudagraph import (
     GraphedMicroStep,
@@ -71,14 +68,16 @@ from poetxq.training.optim import (
     merge_and_reset,
 )
 from poetxq.training.precision import cpu_note, run_precision
-from poetxq.training.recipe import POET_METHODS, Recipe, dump_recipe, method_label, run_label
-
-#: files a run writes into its directory
-RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
-
-
-class RunDirError(ValueError):
-    """The run directory cannot be used (exists and is not empty)."""
+from poetxq.training.recipe import POET_METHODS, Recipe, dump_recipe, method_label
+from poetxq.training.rundir import (
+    RUN_OUTPUTS,
+    RunDirError,
+    keep_metrics_until,
+    lock_run_dir,
+    save_checkpoint,
+    save_run_artifacts,
+    unlock_run_dir,
+)
 
 
 class DataPrepInterrupted(KeyboardInterrupt):
@@ -137,192 +136,6 @@ def _finite(record: dict) -> dict:
     }
 
 
-def resolve_run_dir(
-    recipe: Recipe, run_name: str | None, *, overwrite: bool = False, claim: bool = False
-) -> Path:
-    """``<train.output_dir>/<run_name or <name>-<method>-timestamp>`` (:func:`run_label`).
-
-    Nothing is created here, except with ``claim`` and no ``run_name``: then the automatic name
-    is taken by creating its (empty) directory, and where another run holds it already (two
-    runs of one recipe started within the same second) the first free of ``<name>-2``,
-    ``<name>-3``, ... is created instead. The caller removes it again if the run fails before it
-    writes anything (:func:`release_unused_run_dir`). Only one process may claim: under a
-    launcher every process computes its own name, and only process 0 writes there.
-
-    Raises:
-        RunDirError: the directory exists and is not empty (and ``overwrite`` is False, or
-            it holds no previous run: ``overwrite`` never mixes a run into other files), or
-            ``run_name`` is not a plain folder name (a path, ``..``, empty or hidden).
-    """
-    if run_name is not None and (
-        not run_name or run_name in (".", "..") or run_name.startswith(".")
-        or any(sep in run_name for sep in ("/", "\\"))
-    ):  # fmt: skip
-        raise RunDirError(
-            f"--run-name '{run_name}' must be a plain folder name (no '/', not starting with '.'); "
-            "use --output-dir to choose where runs go"
-        )
-    name = run_name or f"{run_label(recipe)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path = Path(recipe.train.output_dir) / name
-    if claim and run_name is None:
-        check_writable(path, "choose a writable --output-dir")
-        return _claim(path)
-    for p in (path.parent, path):
-        if p.exists() and not p.is_dir():
-            raise RunDirError(f"'{p}' exists and is not a directory; choose another run location")
-    if path.exists() and any(p.name != RUN_LOCK for p in path.iterdir()):
-        if not overwrite:
-            raise RunDirError(
-                f"run directory '{path}' already exists and is not empty; "
-                "choose another --run-name or pass --overwrite"
-            )
-        if not any((path / name).exists() for name in ("recipe.yaml", "metrics.jsonl",
-                                                        CHECKPOINT_DIR)):  # fmt: skip
-            raise RunDirError(
-                f"'{path}' holds files but no previous run (no recipe.yaml, metrics.jsonl or "
-                f"{CHECKPOINT_DIR}/); --overwrite replaces runs only: choose another --run-name "
-                "or an empty folder"
-            )
-    check_writable(path, "choose a writable --output-dir")
-    return path
-
-
-def _claim(path: Path) -> Path:
-    """Create ``path`` (or the first of ``path-2``, ``path-3``, ... that does not exist yet) and
-    return it; creating is atomic, so two processes never take the same one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 1000):
-        candidate = path if n == 1 else path.with_name(f"{path.name}-{n}")
-        try:
-            candidate.mkdir()
-        except FileExistsError:
-            continue
-        return candidate
-    raise RunDirError(f"'{path}' and 998 numbered variants exist; give --run-name")
-
-
-def release_unused_run_dir(path: Path, existed: Path) -> None:
-    """Remove ``path`` if it is an empty directory (a claimed run directory, see
-    :func:`resolve_run_dir`, of a run that failed before writing anything), and every folder
-    above it that is empty now, up to ``existed`` (the closest folder that existed before the
-    claim, :func:`poetxq.paths.nearest_existing`; kept); else nothing."""
-    existed = existed.absolute()
-    path = path.absolute()
-    while path != existed and existed in path.parents:
-        try:
-            path.rmdir()  # only succeeds when empty
-        except OSError:
-            return
-        path = path.parent
-
-
-def check_writable(path: Path, fix: str) -> None:
-    """Fail before any work when ``path`` (or, where it does not exist yet, the nearest folder
-    above it that does) cannot be written: a read-only file system or no permission.
-
-    Raises:
-        RunDirError: one line naming the folder and ``fix``.
-    """
-    if (why := unwritable_reason(path)) is not None:
-        raise RunDirError(f"cannot write '{path}': {why}; {fix}")
-
-
-_HELD_LOCKS: dict[str, IO[str]] = {}
-
-
-def lock_run_dir(run_dir: Path) -> None:
-    """Hold an exclusive advisory lock (``flock``) on ``<run_dir>/.poetxq.lock`` for this process,
-    so that a second ``poetxq train`` into the same directory (a repeated ``--run-name``,
-    ``--overwrite`` or ``--resume``) stops before it deletes or appends anything. The lock goes
-    with the process (also when it is killed); :func:`unlock_run_dir` drops it earlier. Taking it
-    again in the holding process is a no-op. Where ``fcntl`` is missing (Windows) or the file
-    system refuses ``flock`` (some network mounts) nothing is locked.
-
-    Raises:
-        RunDirError: another process holds the lock (its pid is named when it wrote one).
-    """
-    key = str(run_dir.resolve())
-    if key in _HELD_LOCKS:
-        return
-    handle = _flock(run_dir, "a+", "wait for it to finish or choose another --run-name")
-    if handle is None:  # no flock here: train unlocked
-        return
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    _HELD_LOCKS[key] = handle
-
-
-def _flock(run_dir: Path, mode: str, fix: str) -> IO[str] | None:
-    """``run_dir``'s lock file opened with ``mode`` and locked exclusively without waiting:
-    the open handle (closing it releases the lock), or None where ``fcntl`` is missing or the
-    file system refuses ``flock`` (some network mounts).
-
-    Raises:
-        RunDirError: another process holds the lock (its pid named when it wrote one; ``fix``
-            says what to do).
-    """
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on Linux / macOS
-        return None
-    handle = (run_dir / RUN_LOCK).open(mode, encoding="utf-8")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip()
-        handle.close()
-        who = f" (pid {owner})" if owner.isdigit() else ""
-        raise RunDirError(
-            f"run directory '{run_dir}' is in use by another poetxq process{who}; {fix}"
-        ) from None
-    except OSError:
-        handle.close()
-        return None
-    return handle
-
-
-def check_not_in_use(run_dir: Path) -> None:
-    """Refuse ``run_dir`` when another process holds its :func:`lock_run_dir` lock, without
-    keeping it (``--resume RUN_DIR`` asks before it reads the run's recipe, so a live run is
-    named as such rather than as a recipe mismatch). Nothing happens without a lock file, in
-    the holding process, or where ``flock`` is unavailable.
-
-    Raises:
-        RunDirError: another process holds the lock.
-    """
-    if str(run_dir.resolve()) in _HELD_LOCKS or not (run_dir / RUN_LOCK).is_file():
-        return
-    handle = _flock(run_dir, "r", "wait for it to finish (or stop it) and resume then")
-    if handle is not None:
-        handle.close()  # the probe's lock goes with it
-
-
-def unlock_run_dir(run_dir: Path) -> None:
-    """Release :func:`lock_run_dir`'s lock of this process (no-op when not held)."""
-    handle = _HELD_LOCKS.pop(str(run_dir.resolve()), None)
-    if handle is not None:
-        handle.close()  # closing the descriptor releases the flock
-
-
-def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def save_checkpoint(model: torch.nn.Module, path: Path) -> None:
-    """Write ``model.state_dict()`` to ``path`` as safetensors, atomically (temp + rename)."""
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    _atomic_write_bytes(path, lambda tmp: write_tensors(state, tmp))  # tied tensors as copies
-
-
 def peak_rss_bytes() -> int | None:
     """Peak resident set size of this process in bytes (``ru_maxrss``), None where unknown."""
     try:
@@ -333,21 +146,6 @@ def peak_rss_bytes() -> int | None:
     except (ImportError, OSError):
         return None
     return int(rss) if sys.platform == "darwin" else int(rss) * 1024  # Linux reports KiB
-
-
-def _keep_metrics_until(path: Path, step: int) -> None:
-    """Drop records after ``step`` (and a torn last line) from ``metrics.jsonl``, atomically."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the line a killed process was writing
-        if isinstance(record, dict) and record.get("step", step + 1) <= step:
-            kept.append(line + "\n")
-    _atomic_write_bytes(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
 
 
 def train(
@@ -372,7 +170,7 @@ def train(
         echo: where human-readable lines go.
         resume_from: a checkpoint directory (``<run_dir>/checkpoints/step-N``) to continue from;
             its recipe must match ``recipe`` (checked by the caller, see
-            :func:`poetxq.training.checkpoint.recipe_differences`).
+            :func:`poetxq.training.resume.recipe_differences`).
 
     Returns:
         :class:`TrainResult` (``interrupted`` is True when a signal stopped the run early).
@@ -535,7 +333,7 @@ def train(
                 (run_dir / stale).unlink(missing_ok=True)
             shutil.rmtree(run_dir / CHECKPOINT_DIR, ignore_errors=True)
         else:
-            _keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
+            keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
             (run_dir / "summary.json").unlink(missing_ok=True)
         (run_dir / "recipe.yaml").write_text(dump_recipe(recipe), encoding="utf-8")
     accelerator.wait_for_everyone()

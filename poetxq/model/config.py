@@ -1,0 +1,67 @@
+"""The model side's recipe sections: ``model`` (the Llama architecture, or a pretrained
+checkpoint) and ``poet`` (POET-X(Q) settings). The recipe (:mod:`poetxq.training.recipe`) holds
+them with the other sections and checks how they combine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from poetxq.schema import Section
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ModelConfig(Section):
+    """Llama architecture (transformers ``LlamaConfig`` fields); vocab comes from the tokenizer.
+
+    ``pretrained`` (``--model``): a transformers Llama-family checkpoint directory (or hub id) to
+    continue from; its own config, weights and tokenizer are used and the other fields here are
+    ignored (:mod:`poetxq.model.pretrained`).
+    """
+
+    pretrained: str | None = None
+
+    hidden_size: int = Field(256, gt=0)
+    intermediate_size: int = Field(704, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_hidden_layers: int = Field(4, gt=0)
+    num_key_value_heads: int | None = None
+    max_position_embeddings: int = Field(1024, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    initializer_range: float = Field(0.02, gt=0)
+    tie_word_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> ModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        kv = self.num_key_value_heads
+        if kv is not None and (kv <= 0 or self.num_attention_heads % kv):
+            raise ValueError(
+                f"num_key_value_heads {kv} must be positive and divide num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
+        return self
+
+
+class POETConfig(Section):
+    """POET-X(Q) settings (POET-X, arXiv 2603.05500; W0 in bitsandbytes' int8 / NF4 / FP4)."""
+
+    bits: Literal[4, 8, 16] = 8  # 8 = POET-XQ int8 W0; 4 = NF4/FP4 W0; 16 = unquantized POET-X
+    block_size: int = Field(64, ge=2)  # b
+    merge_interval: int = Field(100, ge=1)  # T (steps between merge-then-reinitialize)
+    variant: Literal["fast", "mem"] = "mem"
+    neumann_terms: int = Field(3, ge=1)  # k
+    requant: Literal["nearest", "stochastic"] = "nearest"
+    quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
+    double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
+    freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
+    # merge once more after the last step, so the final evaluation, model.safetensors and a
+    # same-format export (hf-bnb8 of int8, hf-bnb4 of 4-bit) are one model, R = P = I
+    merge_at_end: bool = False
+    target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))

@@ -1,0 +1,64 @@
+"""What a POET-X(Q) layer's GEMMs multiply by: its frozen ``W0`` store seen through the layer's
+kernel policy (and, for 4-bit stores, through ``P``'s permutation), in both the row-major
+(:mod:`poetxq.model.layer`) and the feature-major (:mod:`poetxq.model.layer_fm`) layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import quant_kernels
+from poetxq.model.orthogonal import OrthogonalSide
+from poetxq.model.quant import FrozenWeight
+from quant_kernels.policy import KernelPolicy
+
+
+class FrozenStore:
+    """What a layer's GEMMs multiply by: its frozen store ``W'`` under the layer's kernel policy.
+
+    With ``side_p`` (4-bit stores) the store keeps its columns in the *original* input order,
+    ``W'' = Ψ_m W0``: 4-bit blockwise formats quantize 64 consecutive entries of the flattened
+    weight together; with ``n`` a multiple of the blocksize a block lies within one row, so
+    permuting rows only reorders blocks, but permuting columns would regroup them at every merge
+    (quantization drift) and make an exported weight one extra rounding away from the trained
+    one. The cost is one more gather per GEMM: ``z`` (in ``P``'s permuted order) is put back in
+    input order before ``W''``, and the transposed product is permuted again.
+    """
+
+    def __init__(
+        self, frozen: FrozenWeight, kernels: KernelPolicy, side_p: OrthogonalSide | None = None
+    ) -> None:
+        self.frozen, self.kernels, self.side_p = frozen, kernels, side_p
+
+    def matmul(self, z: torch.Tensor) -> torch.Tensor:
+        if self.side_p is not None:
+            z = quant_kernels.permute_last(z, self.side_p.inv_perm)
+        return self.frozen.matmul(z, kernels=self.kernels)
+
+    def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
+        dz = self.frozen.matmul_t(dh, kernels=self.kernels)
+        return dz if self.side_p is None else quant_kernels.permute_last(dz, self.side_p.perm)
+
+    # feature-major (``[features, T]``): the permutations become row gathers of whole rows
+    def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        if self.side_p is not None:
+            zt = zt.index_select(0, self.side_p.inv_perm)
+        return self.frozen.matmul_fm(zt, kernels=self.kernels)
+
+    def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
+        dzt = self.frozen.matmul_t_fm(dht, kernels=self.kernels)
+        return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
+
+    def backward_fm(
+        self,
+        zt: torch.Tensor,
+        dht: torch.Tensor,
+        row_align: int,
+        on_rows: Callable[[int, torch.Tensor], None],
+    ) -> torch.Tensor:
+        if self.side_p is None:
+            return self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
+        zt_in = zt.index_select(0, self.side_p.inv_perm)
+        dzt = self.frozen.backward_fm(zt_in, dht, row_align, on_rows, kernels=self.kernels)
+        return dzt.index_select(0, self.side_p.perm)

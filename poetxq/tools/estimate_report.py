@@ -1,0 +1,138 @@
+"""``poetxq estimate-memory``'s text: memory sizes read from the command line
+(:func:`parse_bytes`), the breakdown table with its fits / does-not-fit verdict
+(:func:`format_estimate`), and the other POET layer variant's peak beside it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from poetxq.tools.estimate import EstimateError, MemoryEstimate, estimate_memory
+from poetxq.training.recipe import POET_METHODS, Recipe
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` / ``"80GiB"`` / ``"141 GiB"`` / ``"500MB"`` / ``"1e9"`` → bytes.
+
+    GB and GiB are both read as 2**30 (as ``nvidia-smi`` and torch report), MB as 2**20; a bare
+    number is bytes. Any size below 2**20 is an error (``80`` or ``80kB`` is surely a slip).
+
+    Raises:
+        EstimateError: the text is not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if not m:
+        raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
+    if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
+        example = f"{m.group(1)}GB" if float(m.group(1)) > 0 else "80GB"
+        raise EstimateError(
+            f"memory size '{text}' has no unit; write e.g. {example} (a bare number is "
+            "bytes and must be at least 1 MiB)"
+        )
+    scale = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}.get((m.group(2) or " ")[0], 1)
+    size = int(float(m.group(1)) * scale)
+    if size <= 0:
+        raise EstimateError(f"memory size '{text}' must be positive; write e.g. 80GB")
+    if size < 2**20:  # "80kB": a unit slip, not a GPU
+        raise EstimateError(f"memory size '{text}' is below 1 MiB; write e.g. 80GB")
+    return size
+
+
+#: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
+#: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
+#: checkpointing and a chunked loss (``evals/results/gpu_memory_graph_h200_90a76c3.json``,
+#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
+#: (``gpu_memory_*_graph_oib*_h200_*.json``)
+GRAPH_POOL_OVERHEAD = 0.144
+
+
+def _size(x: int) -> str:
+    """A GPU's memory for a verdict line: GiB to 0.1, MiB below 1 GiB."""
+    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+
+
+def _gib(x: int) -> str:
+    return f"{x / 2**30:9.3f} GiB"
+
+
+def other_variant(recipe: Recipe, **kwargs: Any) -> tuple[str, int] | None:
+    """For a POET recipe, the other layer variant (``mem`` <-> ``fast``) and its predicted peak
+    in bytes, so a user can see what the faster ``fast`` variant would need; None for the
+    baselines. ``kwargs`` are :func:`estimate_memory`'s (vocab size, batch, seq, precision)."""
+    if recipe.method not in POET_METHODS:
+        return None
+    other = "fast" if recipe.poet.variant == "mem" else "mem"
+    alt = recipe.model_copy(update={"poet": recipe.poet.model_copy(update={"variant": other})})
+    return other, estimate_memory(alt, **kwargs).peak
+
+
+def format_other_variant(other: str, peak: int, gpu_mem: int | None = None) -> str:
+    """The line :func:`format_estimate`'s table ends with for a POET recipe (see
+    :func:`other_variant`), with fits / does not fit against ``gpu_mem`` bytes."""
+    why = (
+        "keeps each layer's GEMM output: one weight GEMM less per layer and step"
+        if other == "fast"
+        else "recomputes each layer's GEMM output in backward: less memory, slower"
+    )
+    fits = ""
+    if gpu_mem is not None:
+        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {_size(gpu_mem)}; "
+    return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {fits}{why}"
+
+
+def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
+    """A plain-text table of the breakdown and, with ``gpu_mem`` (bytes), fits / does not fit."""
+    ckpt = "on" if est.gradient_checkpointing else "off"
+    rows = [
+        ("frozen / quantized weights", est.frozen_weights, f"{est.num_frozen:,} weights"),
+        ("buffers (permutations, masks)", est.buffers, ""),
+        ("trainable parameters", est.trainable_params, f"{est.num_trainable:,} parameters"),
+        (
+            (
+                "gradients",
+                est.in_backward_gradients,
+                f"alive at once, optimizer in backward (all: {est.gradients / 2**30:.3f} GiB)",
+            )
+            if est.optimizer_in_backward
+            else (
+                "gradients",
+                est.gradients,
+                "static in the CUDA graph: all present from the start of backward"
+                if est.cuda_graph
+                else "all present at the optimizer step",
+            )
+        ),
+        ("optimizer states", est.optimizer_states, ""),
+        ("activations", est.activations, f"checkpointing {ckpt}"),
+        (
+            "logits / loss",
+            est.logits,
+            f"[{est.batch_size * est.seq_len}, {est.vocab_size}]"
+            + (f" in chunks of {est.loss_chunk_tokens} tokens" if est.loss_chunk_tokens else ""),
+        ),
+        ("workspace", est.workspace, "largest layer's transients"),
+        ("optimizer temporaries", est.in_backward_transient, "per parameter, inside backward")
+        if est.optimizer_in_backward
+        else ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
+    ]
+    if est.host_offloaded:
+        rows.append(("offloaded to host (not GPU)", est.host_offloaded, "checkpointed inputs"))
+    head = (
+        f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
+        f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"
+    )
+    lines = [head, "-" * len(head)]
+    lines += [f"  {name:<31s}{_gib(v)}  {note}".rstrip() for name, v, note in rows]
+    lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}  at the {est.peak_phase}")
+    if gpu_mem is not None:
+        verdict = "fits" if est.peak <= gpu_mem else "does not fit"
+        lines.append(f"  {verdict} in {_size(gpu_mem)} ({est.peak / gpu_mem:.0%} used)")
+        if est.cuda_graph:
+            high = int(est.peak * (1 + GRAPH_POOL_OVERHEAD))
+            verdict = "fits" if high <= gpu_mem else "does not fit"
+            lines.append(
+                f"  with the graph pool's measured overhead (reserved up to "
+                f"+{GRAPH_POOL_OVERHEAD:.0%}): {high / 2**30:.3f} GiB, {verdict}"
+            )
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
