@@ -1,0 +1,154 @@
+"""The package's shape: sub-packages by job, imports one way, no cycles.
+
+``poetxq.tools`` → ``poetxq.training`` (and ``poetxq.baselines``) → ``poetxq.model`` /
+``poetxq.data`` → ``quant_kernels``, with ``poetxq.paths``, ``poetxq.text`` and
+``poetxq.schema`` at the bottom for everyone. Imports inside functions count too: a lazy import
+hides a dependency from import time, not from the design.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: sub-package -> the sub-packages it may import (besides itself and the shared leaf modules)
+ALLOWED = {
+    "quant_kernels": set(),
+    "poetxq.data": set(),
+    "poetxq.model": {"quant_kernels"},
+    "poetxq.baselines": {"poetxq.training", "poetxq.model", "quant_kernels"},
+    "poetxq.training": {"poetxq.model", "poetxq.data", "poetxq.baselines", "quant_kernels"},
+    "poetxq.tools": {
+        "poetxq.training", "poetxq.model", "poetxq.data", "poetxq.baselines", "quant_kernels",
+    },
+}  # fmt: skip
+SHARED = {"poetxq", "poetxq.paths", "poetxq.text", "poetxq.schema"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in ("poetxq", "quant_kernels"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _defining_module(module: str, name: str) -> str:
+    """The module ``from module import name`` depends on: a sub-module of that name, else the
+    module that defines the object (a package re-exporting a name depends on its definition)."""
+    if f"{module}.{name}" in MODULES:
+        return f"{module}.{name}"
+    obj = getattr(importlib.import_module(module), name, None)
+    owner = getattr(obj, "__module__", None)
+    return owner if owner in MODULES else module
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _walk_at_import(node: ast.AST):
+    """``node`` and what runs with it when the module is imported: not function bodies, nor
+    ``if TYPE_CHECKING:`` blocks."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        return
+    if isinstance(node, ast.If) and _is_type_checking(node):
+        return
+    yield node
+    for child in ast.iter_child_nodes(node):
+        yield from _walk_at_import(child)
+
+
+def _imports(path: Path) -> tuple[set[str], set[str]]:
+    """(modules imported at import time, modules imported anywhere), TYPE_CHECKING left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and _is_type_checking(node)
+        for child in node.body
+        for n in ast.walk(child)
+    }
+    top = {id(n) for node in tree.body for n in _walk_at_import(node)}
+    at_import, anywhere = set(), set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in MODULES:
+            targets = {_defining_module(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            targets = {a.name for a in node.names if a.name in MODULES}
+        else:
+            continue
+        anywhere |= targets
+        if id(node) in top:
+            at_import |= targets
+    return at_import, anywhere
+
+
+GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "quant_kernels":
+        return "quant_kernels"
+    if len(parts) > 1 and (ROOT / "poetxq" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt == node:
+                continue
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_no_import_cycle_at_import_time_or_through_lazy_imports():
+    assert _cycle({m: at for m, (at, _) in GRAPH.items()}) is None
+    assert _cycle({m: anywhere for m, (_, anywhere) in GRAPH.items()}) is None
+
+
+def test_sub_packages_import_one_way():
+    wrong = sorted(
+        f"{module} -> {target}"
+        for module, (_, anywhere) in GRAPH.items()
+        for target in anywhere
+        if _package(module) in ALLOWED
+        and _package(target) != _package(module)
+        and _package(target) not in SHARED
+        and _package(target) not in ALLOWED[_package(module)]
+    )
+    assert wrong == []
+
+
+def test_every_module_belongs_to_a_sub_package_or_is_shared():
+    loose = sorted(m for m in MODULES if _package(m) not in ALLOWED and m not in SHARED)
+    assert loose == ["poetxq.__main__"]
