@@ -2,15 +2,17 @@
 
 Reading order, bottom up (each module imports only the ones above it and ``quant_kernels``):
 
+* the recipe's ``model`` and ``poet`` sections — :mod:`~poetxq.model.config`;
 * weight formats — :mod:`~poetxq.model.quant` (the frozen ``W0``: int8 row-wise, NF4/FP4
   blockwise, or unquantized);
 * orthogonal parameterization — :mod:`~poetxq.model.orthogonal` (one side's Cayley–Neumann
   ``R`` or ``P``), :mod:`~poetxq.model.flat` (many small parameters in one buffer),
   :mod:`~poetxq.model.blockcache` (every layer's ``R``/``P`` blocks in one batched call);
 * the POET layer — :mod:`~poetxq.model.layer` (``POETXLinear``, ``POETXSwiGLUMLP``) with its
-  feature-major paths in :mod:`~poetxq.model.layer_fm` and the SwiGLU maps in
-  :mod:`~poetxq.model.swiglu`; :mod:`~poetxq.model.attention` and :mod:`~poetxq.model.fuse`
-  (compiled RMSNorm / rotary / SwiGLU) speed up the rest of the decoder;
+  feature-major paths in :mod:`~poetxq.model.layer_fm`, the frozen store both multiply by in
+  :mod:`~poetxq.model.store` and the SwiGLU maps in :mod:`~poetxq.model.swiglu`;
+  :mod:`~poetxq.model.attention` and :mod:`~poetxq.model.fuse` (compiled RMSNorm / rotary /
+  SwiGLU) speed up the rest of the decoder;
 * model surgery — :mod:`~poetxq.model.surgery` (build a Llama, swap its linears for POET
   layers), :mod:`~poetxq.model.pretrained` (start from a transformers checkpoint),
   :mod:`~poetxq.model.relayout` (lay the built model's device tensors out end to end).

@@ -1,12 +1,15 @@
 """The tools around training: the ``poetxq`` command line and what it runs besides training.
 
 * :mod:`~poetxq.tools.cli` — the ``poetxq`` command (``python -m poetxq``): its sub-commands'
-  parsers and error handling; :mod:`~poetxq.tools.cli_tools` adds ``estimate-memory``, ``bench``
-  and ``report``; :mod:`~poetxq.tools.cli_common` holds the checks they share;
-* :mod:`~poetxq.tools.estimate` — analytic GPU-memory estimate of a recipe;
+  parsers and error handling; :mod:`~poetxq.tools.cli_train` adds training,
+  :mod:`~poetxq.tools.cli_tools` ``estimate-memory``, ``bench`` and ``report``;
+  :mod:`~poetxq.tools.cli_common` holds what they share;
+* :mod:`~poetxq.tools.estimate` — analytic GPU-memory estimate of a recipe (its per-tensor terms
+  in :mod:`~poetxq.tools.estimate_terms`, its text in :mod:`~poetxq.tools.estimate_report`);
 * :mod:`~poetxq.tools.bench` and :mod:`~poetxq.tools.profiling` — timed training steps;
 * :mod:`~poetxq.tools.report` — tables and plots of finished runs;
-* :mod:`~poetxq.tools.export` — a run as a Hugging Face / bitsandbytes checkpoint.
+* :mod:`~poetxq.tools.export` — a run as a Hugging Face / bitsandbytes checkpoint (the
+  per-layer weights in :mod:`~poetxq.tools.export_weights`).
 
 Tools sit on top: they import :mod:`poetxq.training`, :mod:`poetxq.model` and
 :mod:`poetxq.data`, and nothing there imports them.
