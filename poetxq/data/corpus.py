@@ -231,13 +231,14 @@ def token_data(
     max_train_tokens: int | None = None,
     max_val_tokens: int | None = None,
 ) -> Any:
-    """Pack ``corpus`` for :func:`poetxq.train.train`: ``train`` for training, ``heldout`` for
-    validation, as a :class:`poetxq.data.TokenData` (windows of ``seq_len + 1`` tokens).
+    """Pack ``corpus`` for :func:`poetxq.training.train.train`: ``train`` for training,
+    ``heldout`` for validation, as a :class:`poetxq.data.config.TokenData` (windows of
+    ``seq_len + 1`` tokens).
 
     ``max_val_tokens`` keeps an even spread over the held-out split (every k-th window), so every
     source stays represented.
     """
-    from poetxq.data import TokenData
+    from poetxq.data.config import TokenData
 
     train_stream = corpus.tokens("train")
     if max_train_tokens is not None:
