@@ -1,0 +1,37 @@
+"""The README and docs/ pages: every local link resolves, the README stays a product page, and
+the test command it gives is the one CI runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_local_link_resolves(page: Path):
+    missing = [
+        target
+        for target in LINK.findall(page.read_text(encoding="utf-8"))
+        if not target.startswith(("http://", "https://", "mailto:"))
+        and not (page.parent / target).exists()
+    ]
+    assert missing == [], f"{page.name} links to missing files: {missing}"
+
+
+def test_the_link_pattern_finds_links_and_drops_anchors():
+    text = "see [a](docs/A.md#part), [b](https://x.org/y) and [c](evals/results/c.json)"
+    assert LINK.findall(text) == ["docs/A.md", "https://x.org/y", "evals/results/c.json"]
+
+
+def test_readme_is_a_product_page_and_names_the_ci_test_command():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 300
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert 'python -m pytest -m "slow or not slow"' in ci
+    assert "python -m pytest" in readme and "python -m pytest -m slow" in readme
