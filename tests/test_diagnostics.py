@@ -1,0 +1,113 @@
+"""poetxq.model.diagnostics against hand-computed values (float64) and the dense R·W0·P."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from poetxq.model.diagnostics import (
+    LayerDiagnostics,
+    direction_cosines,
+    hyperspherical_energy,
+    orthogonality_error,
+    quantiles,
+    spectrum_drift,
+)
+from poetxq.model.layer import POETXLinear
+
+
+def test_spectrum_drift_is_the_largest_change_over_the_largest_value():
+    ref = torch.tensor([3.0, 2.5, 1.0], dtype=torch.float64)
+    assert spectrum_drift(torch.tensor([3.0, 2.0, 1.0]), ref) == pytest.approx(0.5 / 3)
+    assert spectrum_drift(ref, ref) == 0.0
+    with pytest.raises(ValueError, match="singular values"):
+        spectrum_drift(ref[:2], ref)
+
+
+def test_orthogonality_error_of_a_stretched_block_and_a_rotation():
+    c, s = math.cos(0.3), math.sin(0.3)
+    rot = torch.tensor([[c, -s], [s, c]], dtype=torch.float64)
+    stretched = torch.diag(torch.tensor([1.1, 1.0], dtype=torch.float64))
+    assert orthogonality_error(torch.stack([rot, rot])) < 1e-15
+    # GᵀG − I = diag(0.21, 0): spectral norm 0.21, the worst block wins
+    assert orthogonality_error(torch.stack([rot, stretched])) == pytest.approx(0.21)
+    with pytest.raises(ValueError, match=r"\[nb, b, b\]"):
+        orthogonality_error(rot)
+
+
+def test_hyperspherical_energy_by_hand_and_for_gaussian_neurons():
+    # e1, e2, -e1 at arbitrary norms: distances √2, 2, √2 between unit rows
+    w = torch.tensor([[2.0, 0.0], [0.0, 5.0], [-0.5, 0.0]], dtype=torch.float64)
+    assert hyperspherical_energy(w) == pytest.approx((math.sqrt(2) + 0.5) / 3)
+    gauss = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+    assert hyperspherical_energy(gauss) == pytest.approx(1 / math.sqrt(2), abs=0.01)
+    with pytest.raises(ValueError, match="all zeros"):
+        hyperspherical_energy(torch.zeros(2, 3))
+
+
+def test_direction_cosines_and_quantiles():
+    w = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+    w0 = torch.tensor([[2.0, 2.0], [0.0, 1.0]])
+    cos = direction_cosines(w, w0)
+    assert cos.dtype == torch.float64
+    assert cos.tolist() == pytest.approx([1 / math.sqrt(2), 1.0])
+    assert quantiles(torch.arange(5.0), (0.0, 0.5, 1.0)) == [0.0, 2.0, 4.0]
+
+
+def _layer(bits: int, seed: int = 0) -> POETXLinear:
+    g = torch.Generator().manual_seed(seed)
+    return POETXLinear(24, 40, block_size=8, bits=bits, generator=g)
+
+
+def test_a_fresh_layer_has_moved_nowhere():
+    d = LayerDiagnostics(_layer(16), sample=16, generator=torch.Generator().manual_seed(1))
+    out = d.measure()
+    assert out["sigma_drift_init"] == 0.0 and out["sigma_drift_w0"] < 1e-6
+    assert out["orth_error"] < 1e-6
+    assert out["cos"] == pytest.approx([1.0] * 5)
+    assert d.rows.numel() == 16 and d.w_init.shape == (16, 24)
+
+
+def test_measure_matches_the_dense_reference_after_training_moves_q():
+    layer = _layer(16)
+    d = LayerDiagnostics(layer, sample=100)  # fewer rows than that: all 40 kept
+    w_start = (layer.R.dense() @ layer.stored_w0(torch.float64) @ layer.P.dense()).clone()
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(
+                0.05 * torch.randn(side.Q.shape, generator=torch.Generator().manual_seed(2))
+            )
+    out = d.measure()
+    dense = layer.R.dense() @ layer.stored_w0(torch.float64) @ layer.P.dense()
+    sig = torch.linalg.svdvals(dense)
+    ref = torch.linalg.svdvals(w_start)
+    assert out["sigma_drift_init"] == pytest.approx(
+        float((sig - ref).abs().max() / ref.max()), rel=1e-3, abs=1e-6
+    )
+    blocks = torch.cat([layer.P.blocks(), layer.R.blocks()]).double()
+    eye = torch.eye(8, dtype=torch.float64)
+    want = max(torch.linalg.matrix_norm(b.t() @ b - eye, ord=2).item() for b in blocks)
+    assert out["orth_error"] == pytest.approx(want, rel=1e-4)
+    assert 0 < out["orth_error"] < 0.1  # k = 3 Neumann terms: small, not zero
+    cos = direction_cosines(dense, w_start)
+    assert out["cos"] == pytest.approx(quantiles(cos), abs=1e-6)
+    assert out["cos"][0] < 1.0
+
+
+def test_a_merge_resets_the_period_drift_and_int8_keeps_its_quantization_drift():
+    layer = _layer(8)
+    d = LayerDiagnostics(layer, sample=8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(
+                0.05 * torch.randn(side.Q.shape, generator=torch.Generator().manual_seed(4))
+            )
+    before = d.measure()
+    layer.merge_then_reinitialize(torch.Generator().manual_seed(5))
+    after = d.measure()
+    assert after["orth_error"] < 1e-6 < before["orth_error"]  # Q = 0 again
+    assert after["sigma_drift_w0"] < 1e-6  # R = P = I: W is the stored W0
+    # what stays: the re-quantized W0's spectrum is not the start's (int8 rounding)
+    assert 1e-5 < after["sigma_drift_init"] < 0.05
