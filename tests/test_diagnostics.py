@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from poetxq.model.diagnostics import (
+    DRIFT_WARNING,
     LayerDiagnostics,
     direction_cosines,
     hyperspherical_energy,
@@ -111,3 +114,41 @@ def test_a_merge_resets_the_period_drift_and_int8_keeps_its_quantization_drift()
     assert after["sigma_drift_w0"] < 1e-6  # R = P = I: W is the stored W0
     # what stays: the re-quantized W0's spectrum is not the start's (int8 rounding)
     assert 1e-5 < after["sigma_drift_init"] < 0.05
+
+
+_TINY_RUN = [
+    "train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8",
+    "--set", "poet.block_size=16", "--eval-every", "0", "--no-progress",
+    "--set", "model.hidden_size=64", "--set", "model.intermediate_size=136",
+    "--set", "model.num_attention_heads=4", "--set", "model.num_hidden_layers=1",
+    "--set", "optim.warmup_steps=2", "--max-steps", "6", "--set", "poet.merge_interval=4",
+    "--set", "train.diagnostics_every=2", "--set", "train.save_checkpoint=false",
+]  # fmt: skip
+
+
+def _diag_records(run: Path) -> dict[int, dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(ln) for ln in lines]
+    return {r["step"]: r for r in recs if "diag_orth_error" in r}
+
+
+def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkeypatch, capsys):
+    from poetxq.tools.cli import main
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    assert main([*_TINY_RUN, "--output-dir", str(tmp_path), "--run-name", "ok"]) == 0
+    diag = _diag_records(tmp_path / "ok")
+    assert sorted(diag) == [0, 2, 4, 6]
+    assert diag[0]["diag_orth_error"] < 1e-6 and diag[0]["diag_cos_min"] == pytest.approx(1.0)
+    assert diag[0]["diag_energy"] == pytest.approx(1 / math.sqrt(2), abs=0.1)  # Gaussian init
+    assert 0 < diag[2]["diag_orth_error"] < DRIFT_WARNING
+    assert diag[2]["diag_cos_min"] < 1.0
+    # the step-4 record is taken before that step's merge: this period's drift is in it
+    assert diag[4]["diag_sigma_drift_w0"] > 0
+    assert "note: at step" not in capsys.readouterr().out
+    # a rotation lr far too high: the one note, naming the knobs
+    high = [*_TINY_RUN, "--set", "optim.poet_lr=3.0", "--set", "optim.grad_clip=0"]
+    assert main([*high, "--output-dir", str(tmp_path), "--run-name", "hot"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("note: at step") == 1 and "optim.poet_lr" in out
+    assert max(r["diag_orth_error"] for r in _diag_records(tmp_path / "hot").values()) > 0.05

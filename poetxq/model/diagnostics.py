@@ -35,7 +35,12 @@ __all__ = [
     "orthogonality_error",
     "quantiles",
     "spectrum_drift",
+    "summarize_layers",
 ]
+
+#: ``orth_error`` or ``sigma_drift_w0`` above this earns a run one note: the CNP series is being
+#: used far outside its accurate range (a rotation lr too high for ``k`` Neumann terms)
+DRIFT_WARNING = 0.05
 
 #: the quantiles :func:`quantiles` reports (min, 5 %, median, 95 %, max)
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)
@@ -177,3 +182,30 @@ class LayerDiagnostics:
             "energy": hyperspherical_energy(sampled),
             "cos": quantiles(direction_cosines(sampled, self.w_init)),
         }
+
+
+def summarize_layers(measures: list[dict[str, float | list[float]]]) -> dict[str, float]:
+    """One record for ``metrics.jsonl`` from :meth:`LayerDiagnostics.measure` of every layer:
+    the worst layer's ``sigma_drift_init``, ``sigma_drift_w0`` and ``orth_error`` (max), the mean
+    ``energy``, the lowest neuron cosine (``cos_min``) and the median of the layers' median
+    cosines (``cos_median``), each key prefixed ``diag_``.
+
+    Raises:
+        ValueError: ``measures`` is empty.
+    """
+    if not measures:
+        raise ValueError("no POET layer to summarize")
+
+    def col(key: str) -> list[float]:
+        return [float(m[key]) for m in measures]  # type: ignore[arg-type]
+
+    cos = [list(m["cos"]) for m in measures]  # type: ignore[call-overload]
+    medians = sorted(c[2] for c in cos)
+    return {
+        "diag_sigma_drift_init": max(col("sigma_drift_init")),
+        "diag_sigma_drift_w0": max(col("sigma_drift_w0")),
+        "diag_orth_error": max(col("orth_error")),
+        "diag_energy": sum(col("energy")) / len(measures),
+        "diag_cos_min": min(c[0] for c in cos),
+        "diag_cos_median": medians[len(medians) // 2],
+    }

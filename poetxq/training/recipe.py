@@ -92,6 +92,11 @@ class TrainConfig(Section):
     eval_every: int = Field(150, ge=0)  # 0: validation at the start and the end only
     eval_max_batches: int | None = Field(None, gt=0)
     log_every: int = Field(10, gt=0)
+    # POET methods: every N steps, the layers' drift from exact POET (poetxq.model.diagnostics:
+    # spectrum drift, CNP orthogonality error, hyperspherical energy, neuron cosines to their
+    # direction at the start of this process) as diag_* keys in metrics.jsonl; 0: off. Each
+    # costs two SVDs per layer (seconds per layer at 8B: for small models or rare steps)
+    diagnostics_every: int = Field(0, ge=0)
     seed: int = 0
     output_dir: str = "runs"
     save_checkpoint: bool = True

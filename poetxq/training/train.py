@@ -32,7 +32,9 @@ from tqdm.auto import tqdm
 
 from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
+from poetxq.model.diagnostics import DRIFT_WARNING, LayerDiagnostics, summarize_layers
 from poetxq.model.relayout import relayout_if_wanted
+from poetxq.model.surgery import poet_layers
 from poetxq.paths import RUN_LOCK
 from poetxq.text import count
 from poetxq.training.build import build_for_training
@@ -126,6 +128,20 @@ class TrainResult:
     cuda_graph: bool = False  # the micro-steps replayed a CUDA graph (train.cuda_graph resolved)
     grad_sync: str = "none"  # "none" (one process), "ddp" or "step" (train.grad_sync resolved)
     precision: str = ""  # "autocast", "bf16-true" or "fp32" (train.precision resolved)
+
+
+def _diagnostics(
+    model: torch.nn.Module, every: int, seed: int
+) -> Callable[[], dict[str, float]] | None:
+    """With ``every`` > 0 and POET layers in ``model``: a function returning the
+    :func:`poetxq.model.diagnostics.summarize_layers` record of every layer now, against the
+    layers as they are at this call (the neuron sample drawn from ``seed``); else None."""
+    layers = poet_layers(model) if every else []
+    if not layers:
+        return None
+    gen = torch.Generator().manual_seed(seed + 7)
+    trackers = [LayerDiagnostics(layer, generator=gen) for layer in layers]
+    return lambda: summarize_layers([t.measure() for t in trackers])
 
 
 def _finite(record: dict) -> dict:
@@ -360,13 +376,15 @@ def train(
             max_batches=tc.eval_max_batches,
         )  # fmt: skip
 
+    diagnose = _diagnostics(raw_model, tc.diagnostics_every if is_poet else 0, tc.seed)
     if resumed:
         val_loss0, val_ppl0 = resumed["initial_val_loss"], resumed["initial_val_ppl"]
         log({"step": resumed["step"], "event": "resumed", "checkpoint": str(resume_from)})
     else:
         val_loss0, val_ppl0 = evaluate()
         say(f"step 0: val ppl {val_ppl0:.1f} (unigram baseline on this split: {unigram:.1f})")
-        log({"step": 0, "val_loss": val_loss0, "val_ppl": val_ppl0, "unigram_val_ppl": unigram})
+        log({"step": 0, "val_loss": val_loss0, "val_ppl": val_ppl0, "unigram_val_ppl": unigram,
+             **(diagnose() if diagnose else {})})  # fmt: skip
 
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len * world
     start_step = resumed.get("step", 0)
@@ -404,6 +422,7 @@ def train(
     model.train()
     step = start_step
     zero_grad_noted = False  # the one "gradient norm is 0" note of this run
+    drift_noted = False  # the one "past the CNP's accurate range" note of this run
     stop = StopSignals(announce=main)  # SIGTERM/SIGINT: finish the step, save, stop
     # a non-finite loss on any step since the last check (on the device: no sync per step)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -494,6 +513,22 @@ def train(
         logging = step % tc.log_every == 0 or step == tc.max_steps
         if merging or saving or evaluating or logging:
             loss_value = check_finite(step)  # a NaN model is never merged, evaluated or saved
+        if diagnose and step % tc.diagnostics_every == 0:  # before a merge: this period's drift
+            t0 = time.perf_counter()
+            diag = diagnose()
+            log({"step": step, **diag})
+            if main and not drift_noted and max(
+                diag["diag_orth_error"], diag["diag_sigma_drift_w0"]
+            ) > DRIFT_WARNING:  # fmt: skip
+                drift_noted = True
+                bar.write(
+                    f"note: at step {step} the rotations are {diag['diag_orth_error']:.3f} from "
+                    f"orthogonal (singular values moved {diag['diag_sigma_drift_w0']:.3f}): the "
+                    "Cayley-Neumann series is past its accurate range; lower optim.poet_lr or "
+                    "poet.merge_interval, or raise poet.neumann_terms"
+                )
+            window_start += time.perf_counter() - t0
+            paused += time.perf_counter() - t0
         if merging:
             merge_and_reset(raw_model, raw_optimizer, poet_gen)
             merges += 1
