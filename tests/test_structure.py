@@ -1,9 +1,10 @@
 """The package's shape: sub-packages by job, imports one way, no cycles.
 
-``poetxq.tools`` → ``poetxq.training`` (and ``poetxq.baselines``) → ``poetxq.model`` /
-``poetxq.data`` → ``quant_kernels``, with ``poetxq.paths``, ``poetxq.text`` and
-``poetxq.schema`` at the bottom for everyone. Imports inside functions count too: a lazy import
-hides a dependency from import time, not from the design.
+``poetxq.tools`` → ``poetxq.adapt`` (forward-only adaptation) → ``poetxq.training`` (and
+``poetxq.baselines``) → ``poetxq.model`` / ``poetxq.data`` → ``quant_kernels``, with
+``poetxq.paths``, ``poetxq.text`` and ``poetxq.schema`` at the bottom for everyone. Imports
+inside functions count too: a lazy import hides a dependency from import time, not from the
+design.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ ALLOWED = {
     "poetxq.model": {"quant_kernels"},
     "poetxq.baselines": {"poetxq.training", "poetxq.model", "quant_kernels"},
     "poetxq.training": {"poetxq.model", "poetxq.data", "poetxq.baselines", "quant_kernels"},
+    "poetxq.adapt": {"poetxq.training", "poetxq.model", "poetxq.data", "quant_kernels"},
     "poetxq.tools": {
-        "poetxq.training", "poetxq.model", "poetxq.data", "poetxq.baselines", "quant_kernels",
+        "poetxq.adapt", "poetxq.training", "poetxq.model", "poetxq.data", "poetxq.baselines",
+        "quant_kernels",
     },
 }  # fmt: skip
 SHARED = {"poetxq", "poetxq.paths", "poetxq.text", "poetxq.schema"}
