@@ -152,3 +152,10 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     out = capsys.readouterr().out
     assert out.count("note: at step") == 1 and "optim.poet_lr" in out
     assert max(r["diag_orth_error"] for r in _diag_records(tmp_path / "hot").values()) > 0.05
+    # poetxq report draws them beside the usual plots
+    from poetxq.tools.report import build_report
+
+    md = build_report([tmp_path / "ok", tmp_path / "hot"], tmp_path / "report").read_text()
+    assert "](diagnostics.png)" in md
+    png = (tmp_path / "report" / "diagnostics.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

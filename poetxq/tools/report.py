@@ -182,7 +182,16 @@ SUMMARY_NUMBERS = (
     "peak_memory_bytes",
     "peak_rss_bytes",
 )
-METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s")
+#: train.diagnostics_every's keys (poetxq.model.diagnostics.summarize_layers)
+DIAG_KEYS = (
+    "diag_sigma_drift_init",
+    "diag_sigma_drift_w0",
+    "diag_orth_error",
+    "diag_energy",
+    "diag_cos_min",
+    "diag_cos_median",
+)
+METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s", *DIAG_KEYS)
 
 
 def _check_numbers(record: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
@@ -376,6 +385,8 @@ def _plots(runs: list[Run], out: Path) -> None:
         _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
         plt.close(fig)
 
+    if any(m.get("diag_orth_error") is not None for r in runs for m in r.metrics):
+        _diagnostics_plot(runs, out, plt)
     curves("loss", "loss.png", "training loss (nats)", logy=False)
     curves("val_ppl", "val_ppl.png", "validation perplexity", logy=True)
     bars([r.summary.get("tokens_per_s") for r in runs], "throughput.png", "tokens / s")
@@ -383,6 +394,37 @@ def _plots(runs: list[Run], out: Path) -> None:
     kinds = {k for _, k in mem if k}
     bars([None if b is None else b / 2**30 for b, _ in mem], "peak_memory.png",
          "peak memory (GiB" + (", " + "/".join(sorted(kinds)) if kinds else "") + ")")  # fmt: skip
+
+
+def _diagnostics_plot(runs: list[Run], out: Path, plt: Any) -> None:
+    """``diagnostics.png``: the ``diag_*`` records of every run that logged them, per step."""
+    panels = (
+        (("diag_sigma_drift_init", "diag_sigma_drift_w0"), "singular-value drift (rel.)", True),
+        (("diag_orth_error",), "max ‖GᵀG − I‖₂", True),
+        (("diag_energy",), "hyperspherical energy", False),
+        (("diag_cos_median", "diag_cos_min"), "cosine to initial direction", False),
+    )
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (keys, ylabel, logy) in zip(axes.flat, panels, strict=True):
+        for i, run in enumerate(r for r in runs if any(k in m for m in r.metrics for k in keys)):
+            for key, style in zip(keys, ("-", "--"), strict=False):
+                pts = [(m["step"], m[key]) for m in run.metrics if m.get(key) is not None]
+                if logy:
+                    pts = [(x, max(y, 1e-12)) for x, y in pts]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=f"C{i}", marker=".", ms=3,
+                            label=f"{run.name}: {key.removeprefix('diag_')}")  # fmt: skip
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if logy:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=7)
+    fig.suptitle("POET layers against exact POET (train.diagnostics_every)")
+    fig.tight_layout()
+    _atomic_write(out / "diagnostics.png", lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
 
 
 def bar_labels(runs: list[Run]) -> list[str]:
@@ -446,6 +488,10 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
               "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
     for name in PLOTS:
         lines += [f"![{titles[name]}]({name})", ""]
+    if (out / "diagnostics.png").is_file() and any(
+        "diag_orth_error" in m for r in runs for m in r.metrics
+    ):
+        lines += ["![Diagnostics (train.diagnostics_every)](diagnostics.png)", ""]
     lines += ["## Runs", ""]
     for run in sorted(runs, key=_order):
         s = run.summary
