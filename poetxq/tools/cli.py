@@ -3,9 +3,10 @@
 The entry point (:func:`main`, also ``python -m poetxq``) with its error and signal handling, and
 the ``export`` and ``validate`` sub-commands; training's flags and run are
 :mod:`poetxq.tools.cli_train`, ``estimate-memory`` / ``bench`` / ``report`` are
-:mod:`poetxq.tools.cli_tools`. Most flags set a recipe key (named in their help);
-``--set section.key=value`` reaches any other key. Bad input exits with status 2 and one
-``poetxq: error: ...`` line, before anything is written to the run directory.
+:mod:`poetxq.tools.cli_tools`, ``fpo-diagnose`` is :mod:`poetxq.tools.cli_adapt`. Most flags
+set a recipe key (named in their help); ``--set section.key=value`` reaches any other key. Bad
+input exits with status 2 and one ``poetxq: error: ...`` line, before anything is written to the
+run directory.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     from poetxq.tools.cli_tools import add_tool_parsers  # estimate-memory, bench, report
 
     add_tool_parsers(sub)
+    from poetxq.tools.cli_adapt import add_adapt_parsers  # fpo-diagnose
+
+    add_adapt_parsers(sub)
     return parser
 
 
@@ -240,6 +244,7 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     from safetensors import SafetensorError
 
+    from poetxq.adapt.fpo import FPOError
     from poetxq.data import DataError
     from poetxq.model.pretrained import PretrainedError
     from poetxq.tools.cli_tools import TOOL_ERRORS, run_tool
@@ -255,10 +260,14 @@ def _main(argv: Sequence[str] | None) -> int:
             return run_tool(args)
         if args.command == "export":
             return _run_export(args)
+        if args.command == "fpo-diagnose":
+            from poetxq.tools.cli_adapt import run_adapt
+
+            return run_adapt(args)
         return run_train(args)
     except (
         RecipeError, DataError, RunDirError, CheckpointError, ExportError, PretrainedError,
-        DivergedError, *TOOL_ERRORS,
+        DivergedError, FPOError, *TOOL_ERRORS,
     ) as exc:  # fmt: skip
         _print_error(str(exc), same_on_every_rank=isinstance(exc, RecipeError))
         return 2
