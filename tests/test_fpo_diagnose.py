@@ -1,9 +1,8 @@
 """FPO's layer diagnostic: cosines against an independent autograd reference, micro-batch
-accumulation, the target and learning-rate rules, and the ``poetxq fpo-diagnose`` command."""
+accumulation, the target and learning-rate rules (the command: tests/test_fpo_cli.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -111,63 +110,3 @@ def test_lr_rule_from_the_ratio_and_the_weight_scale():
     assert lr["adamw"] == pytest.approx(1e-3 * 0.02)
     with pytest.raises(FPOError, match="zero"):
         suggest_lr([0.0], [0.1])
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    """A 4-layer random Llama and a 384-token byte-level BPE, saved side by side."""
-    import pydoc_data.topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["</s>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[::4], trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=hf_tok.eos_token_id, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
-    path = tmp_path / "tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    hf_tok.save_pretrained(str(path))
-    return path
-
-
-def test_fpo_diagnose_command_writes_json_and_plot(checkpoint, tmp_path, monkeypatch, capsys):
-    from poetxq.tools.cli import main
-
-    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
-    out, plot = tmp_path / "o" / "diag.json", tmp_path / "o" / "diag.png"
-    argv = ["fpo-diagnose", str(checkpoint), "--data", "pydoc", "--windows", "3", "--seq-len",
-            "16", "--micro-batch", "2", "--out", str(out), "--plot", str(plot)]  # fmt: skip
-    assert main(argv) == 0
-    report = json.loads(out.read_text())
-    assert [r["layer"] for r in report["layers"]] == [0, 1, 2, 3]
-    assert report["layers"][-1]["cos_mlp"] == pytest.approx(1.0, abs=1e-4)  # last: exact
-    assert report["targets"] == [3] and report["n_tokens"] == 3 * 16
-    assert report["lr"]["adamw"] > 0 and len(report["sweep"]["sgd"]) == 3
-    assert report["model"] == str(checkpoint.resolve())
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = capsys.readouterr().out
-    assert "targets: 3" in text and "cos_mlp" in text
-
-
-def test_fpo_diagnose_errors_are_one_line(tmp_path, capsys):
-    from poetxq.tools.cli import main
-
-    assert main(["fpo-diagnose", str(tmp_path / "nope"), "--data", "pydoc"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("poetxq: error: ")
-    (tmp_path / "d").mkdir()
-    assert main(["fpo-diagnose", str(tmp_path), "--data", "pydoc", "--out", str(tmp_path / "d")])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--out" in err[0]

@@ -3,10 +3,10 @@
 The entry point (:func:`main`, also ``python -m poetxq``) with its error and signal handling, and
 the ``export`` and ``validate`` sub-commands; training's flags and run are
 :mod:`poetxq.tools.cli_train`, ``estimate-memory`` / ``bench`` / ``report`` are
-:mod:`poetxq.tools.cli_tools`, ``fpo-diagnose`` is :mod:`poetxq.tools.cli_adapt`. Most flags
-set a recipe key (named in their help); ``--set section.key=value`` reaches any other key. Bad
-input exits with status 2 and one ``poetxq: error: ...`` line, before anything is written to the
-run directory.
+:mod:`poetxq.tools.cli_tools`, ``fpo-diagnose`` / ``fpo-adapt`` are
+:mod:`poetxq.tools.cli_adapt`. Most flags set a recipe key (named in their help);
+``--set section.key=value`` reaches any other key. Bad input exits with status 2 and one
+``poetxq: error: ...`` line, before anything is written to the run directory.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     from poetxq.tools.cli_tools import add_tool_parsers  # estimate-memory, bench, report
 
     add_tool_parsers(sub)
-    from poetxq.tools.cli_adapt import add_adapt_parsers  # fpo-diagnose
+    from poetxq.tools.cli_adapt import add_adapt_parsers  # fpo-diagnose, fpo-adapt
 
     add_adapt_parsers(sub)
     return parser
@@ -260,7 +260,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return run_tool(args)
         if args.command == "export":
             return _run_export(args)
-        if args.command == "fpo-diagnose":
+        if args.command in ("fpo-diagnose", "fpo-adapt"):
             from poetxq.tools.cli_adapt import run_adapt
 
             return run_adapt(args)

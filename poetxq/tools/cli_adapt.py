@@ -1,11 +1,15 @@
-"""The ``fpo-diagnose`` sub-command of ``poetxq`` (forward-only MLP adaptation, FPO).
+"""The ``fpo-diagnose`` and ``fpo-adapt`` sub-commands of ``poetxq`` (forward-only MLP
+adaptation, FPO).
 
 ``poetxq fpo-diagnose MODEL --data D`` loads a transformers Llama-family directory, tokenizes
 ``D`` with the model's own tokenizer, takes a calibration batch of training windows and runs
 :func:`poetxq.adapt.diagnose.diagnose`: the per-layer cosine between FPO's pseudo-gradient and the
 autograd gradient (``down_proj`` and the whole MLP), the suggested target layers and starting
-learning rates. Errors are :class:`poetxq.adapt.fpo.FPOError` (a ``ValueError``);
-``poetxq.tools.cli.main`` prints them as one ``poetxq: error: ...`` line with status 2.
+learning rates. ``poetxq fpo-adapt MODEL --data D --layers auto|LIST --out DIR`` adapts the
+target MLPs (:func:`poetxq.adapt.loop.adapt`); ``--layers auto`` and an unset ``--lr`` take the
+diagnosis' targets and AdamW / SGD learning rate. Errors are
+:class:`poetxq.adapt.fpo.FPOError` (a ``ValueError``); ``poetxq.tools.cli.main`` prints them as
+one ``poetxq: error: ...`` line with status 2.
 """
 
 from __future__ import annotations
@@ -17,22 +21,14 @@ from typing import Any
 
 import torch
 
-from poetxq.adapt.fpo import FPOError
+from poetxq.adapt.fpo import FPOError, check_layers
 from poetxq.tools.cli_common import check_output_file
 
-ADAPT_COMMANDS: tuple[str, ...] = ("fpo-diagnose",)
+ADAPT_COMMANDS: tuple[str, ...] = ("fpo-diagnose", "fpo-adapt")
 
 
-def add_adapt_parsers(sub: Any) -> None:
-    """Add ``fpo-diagnose`` to the ``poetxq`` sub-parsers."""
-    p = sub.add_parser(
-        "fpo-diagnose", help="which layers forward-only MLP adaptation (FPO) can train",
-        description="Per-layer cosine between the FPO pseudo-gradient (output error through "
-        "the LM head and final RMSNorm, no back-propagation through the layers; arXiv "
-        "2608.14563) and the true autograd gradient, for down_proj and the whole MLP, on a "
-        "calibration batch of MODEL's tokenization of --data. Prints the table, the suggested "
-        "target layers (the last quarter's plateau) and starting learning rates.",
-    )  # fmt: skip
+def _common(p: argparse.ArgumentParser) -> None:
+    """MODEL, --data, the calibration batch and the target rule (both commands)."""
     p.add_argument(
         "model",
         metavar="MODEL",
@@ -45,19 +41,22 @@ def add_adapt_parsers(sub: Any) -> None:
         help="text source as for poetxq train: embedded, pydoc, a local path, hf:NAME",
     )
     p.add_argument(
-        "--windows", type=int, default=16, help="calibration sequences (default 16, as the paper)"
-    )
-    p.add_argument(
         "--seq-len",
         type=int,
         default=512,
-        help="tokens per calibration sequence (default 512, as the paper)",
+        help="tokens per sequence (default 512, the paper's calibration length)",
+    )
+    p.add_argument(
+        "--windows",
+        type=int,
+        default=16,
+        help="calibration sequences of the diagnosis (default 16, as the paper)",
     )
     p.add_argument(
         "--micro-batch",
         type=int,
         default=4,
-        help="sequences per forward/backward (memory only; default 4)",
+        help="calibration sequences per forward/backward (memory only; default 4)",
     )
     p.add_argument(
         "--quarter",
@@ -71,34 +70,142 @@ def add_adapt_parsers(sub: Any) -> None:
         default=0.1,
         help="keep layers within this of the best whole-MLP cosine there (default 0.1)",
     )
-    p.add_argument("--seed", type=int, default=0, help="which training windows (default 0)")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="which windows calibrate, and the batch order (default 0)",
+    )
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   help="default: cuda when available")  # fmt: skip
+
+
+def add_adapt_parsers(sub: Any) -> None:
+    """Add ``fpo-diagnose`` and ``fpo-adapt`` to the ``poetxq`` sub-parsers."""
+    p = sub.add_parser(
+        "fpo-diagnose", help="which layers forward-only MLP adaptation (FPO) can train",
+        description="Per-layer cosine between the FPO pseudo-gradient (output error through "
+        "the LM head and final RMSNorm, no back-propagation through the layers; arXiv "
+        "2608.14563) and the true autograd gradient, for down_proj and the whole MLP, on a "
+        "calibration batch of MODEL's tokenization of --data. Prints the table, the suggested "
+        "target layers (the last quarter's plateau) and starting learning rates.",
+    )  # fmt: skip
+    _common(p)
     p.add_argument("--out", metavar="JSON", help="write the diagnosis as JSON")
-    p.add_argument("--plot", metavar="PNG", help="plot the cosine curves")  # fmt: skip
+    p.add_argument("--plot", metavar="PNG", help="plot the cosine curves")
+
+    p = sub.add_parser(
+        "fpo-adapt", help="forward-only MLP adaptation (FPO) of a pretrained model",
+        description="Adapt the MLPs of a few layers of MODEL to --data without back-propagation "
+        "(arXiv 2608.14563): the output error through the LM head and the final RMSNorm gives "
+        "each target MLP a pseudo-gradient; AdamW or SGD on fp32 masters, 1 % relative clip. "
+        "Writes OUT/metrics.jsonl, OUT/fpo_state/ (resumable) and OUT/model/ (transformers "
+        "loads it).",
+    )  # fmt: skip
+    _common(p)
+    p.add_argument(
+        "--layers",
+        default="auto",
+        help="auto (the diagnosis' targets) or a comma list, e.g. 20,21,-1",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--steps", type=int, default=100, help="update steps (default 100)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument(
+        "--lr",
+        type=float,
+        help="learning rate (default: the diagnosis' suggestion for --optimizer)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "sgd"),
+        default="adamw",
+        help="adamw (weight decay 0.01) or sgd (momentum 0.9); default adamw",
+    )
+    p.add_argument(
+        "--clip", type=float, default=0.01, help="relative clip per tensor (default 0.01; 0: off)"
+    )
+    p.add_argument(
+        "--clip-on",
+        choices=("update", "grad"),
+        default="update",
+        help="clip the update (default) or the gradient",
+    )
+    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument(
+        "--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)"
+    )
+    p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
+    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument(
+        "--ood-data",
+        metavar="D",
+        help="a second (e.g. the original) domain whose validation ppl is tracked",
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=(16,),
+        default=16,
+        help="base precision of the frozen layers (16 only so far)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT/fpo_state (same MODEL, --data and --layers)",
+    )
 
 
-def _calibration(model_dir: str, args: argparse.Namespace, config: Any) -> torch.Tensor:
-    """``args.windows`` training windows of ``args.seq_len + 1`` tokens of ``--data``."""
+def _data(model_dir: str, source: str, args: argparse.Namespace, config: Any) -> Any:
+    """``source`` tokenized by the model's tokenizer, packed into ``args.seq_len + 1`` windows."""
     from poetxq.data import DataConfig, prepare_data
     from poetxq.model.pretrained import check_seq_len
 
     if args.windows < 1 or args.seq_len < 1 or args.micro_batch < 1:
         raise FPOError("--windows, --seq-len and --micro-batch must be at least 1")
     check_seq_len(config, args.seq_len, model_dir)
-    data = prepare_data(DataConfig(source=args.data, tokenizer=model_dir), args.seq_len,
+    data = prepare_data(DataConfig(source=source, tokenizer=model_dir), args.seq_len,
                         progress=False)  # fmt: skip
     if data.vocab_size > config.vocab_size:
         raise FPOError(
             f"the tokenizer of '{model_dir}' has {data.vocab_size} ids but the model embeds "
             f"{config.vocab_size}; its tokenizer and weights do not belong together"
         )
-    n = data.train.shape[0]
-    if n == 0:
-        raise FPOError(f"--data {args.data} holds no training window of {args.seq_len + 1} tokens")
+    if data.train.shape[0] == 0:
+        raise FPOError(f"--data {source} holds no training window of {args.seq_len + 1} tokens")
+    return data
+
+
+def _calibration(train: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
+    """``args.windows`` training windows chosen with ``args.seed`` (all when fewer)."""
+    n = train.shape[0]
     if n < args.windows:
-        print(f"note: --data holds {n} training windows; using all, not {args.windows}")
+        print(f"note: --data holds {n} training windows; calibrating on all, not {args.windows}")
     pick = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))[: args.windows]
-    return data.train[pick.sort().values]
+    return train[pick.sort().values]
+
+
+def _quiet_load(load: Any, model_dir: str) -> Any:
+    """``load(model_dir)`` without transformers' per-tensor progress bars on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load(model_dir)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
+def _parse_layers(text: str) -> list[int] | None:
+    """None for ``auto``, else the comma list as ints."""
+    if text.strip() == "auto":
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise FPOError(f"--layers '{text}': give auto or a comma list of layer indices") from None
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -131,27 +238,7 @@ def _plot(report: dict, path: Path) -> None:
         plt.close(fig)
 
 
-def run_adapt(args: argparse.Namespace) -> int:
-    """Run the parsed ``fpo-diagnose`` command; returns the exit status."""
-    from poetxq.adapt.diagnose import diagnose
-    from poetxq.model.pretrained import check_pretrained_config, load_pretrained, resolve_pretrained
-    from poetxq.tools.bench import write_json
-
-    for flag, value in (("--out", args.out), ("--plot", args.plot)):
-        if value:
-            check_output_file(Path(value), flag, FPOError)
-    model_dir = resolve_pretrained(args.model)
-    config = check_pretrained_config(model_dir)
-    windows = _calibration(model_dir, args, config)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_pretrained(model_dir).to(device)
-    diag = diagnose(model, windows, micro_batch=args.micro_batch, quarter=args.quarter,
-                    tolerance=args.tolerance)  # fmt: skip
-    report = {"model": model_dir, "data": args.data, **diag.to_dict()}
-    if args.out:
-        write_json(report, Path(args.out))
-    if args.plot:
-        _plot(report, Path(args.plot))
+def _print_diagnosis(diag: Any) -> None:
     print(f"{'layer':>5}  {'cos_w3':>7}  {'cos_mlp':>7}  {'|g~h|/|W3|':>10}")
     for r in diag.layers:
         mark = "  <- target" if r.layer in diag.targets else ""
@@ -161,4 +248,68 @@ def run_adapt(args: argparse.Namespace) -> int:
     for name, lr in diag.lr.items():
         sweep = ", ".join(f"{v:.3g}" for v in diag.sweep[name])
         print(f"lr {name}: {lr:.3g} (sweep {sweep})")
+
+
+def run_adapt(args: argparse.Namespace) -> int:
+    """Run the parsed ``fpo-diagnose`` or ``fpo-adapt`` command; returns the exit status."""
+    from poetxq.adapt.diagnose import diagnose
+    from poetxq.model.pretrained import check_pretrained_config, load_pretrained, resolve_pretrained
+    from poetxq.tools.bench import write_json
+
+    adapting = args.command == "fpo-adapt"
+    layers = _parse_layers(args.layers) if adapting else None
+    if adapting:
+        if min(args.steps, args.batch_size) < 1:
+            raise FPOError("--steps and --batch-size must be at least 1")
+        out_dir = Path(args.out)
+        if out_dir.is_file():
+            raise FPOError(f"--out '{out_dir}' is a file; pass a directory")
+        if not args.resume and out_dir.is_dir() and any(out_dir.iterdir()):
+            raise FPOError(
+                f"--out '{out_dir}' is not empty; pass --resume to continue it or another DIR"
+            )
+    else:
+        for flag, value in (("--out", args.out), ("--plot", args.plot)):
+            if value:
+                check_output_file(Path(value), flag, FPOError)
+    model_dir = resolve_pretrained(args.model)
+    config = check_pretrained_config(model_dir)
+    if layers is not None:
+        check_layers(layers, config.num_hidden_layers)  # before minutes of data and loading
+    data = _data(model_dir, args.data, args, config)
+    ood = _data(model_dir, args.ood_data, args, config) if adapting and args.ood_data else None
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = _quiet_load(load_pretrained, model_dir).to(device)
+    diag = None
+    if not adapting or layers is None or args.lr is None:
+        diag = diagnose(model, _calibration(data.train, args), micro_batch=args.micro_batch,
+                        quarter=args.quarter, tolerance=args.tolerance)  # fmt: skip
+        _print_diagnosis(diag)
+    if not adapting:
+        assert diag is not None
+        report = {"model": model_dir, "data": args.data, **diag.to_dict()}
+        if args.out:
+            write_json(report, Path(args.out))
+        if args.plot:
+            _plot(report, Path(args.plot))
+        return 0
+    from poetxq.adapt.fpo import FPOAdapter
+    from poetxq.adapt.loop import LoopConfig, adapt
+    from poetxq.training.rundir import as_hf_tokenizer
+
+    lr = args.lr if args.lr is not None else diag.lr[args.optimizer]  # type: ignore[union-attr]
+    targets = layers if layers is not None else diag.targets  # type: ignore[union-attr]
+    adapter = FPOAdapter(model, targets, lr=lr, optimizer=args.optimizer, clip=args.clip,
+                         clip_on=args.clip_on)  # fmt: skip
+    print(f"fpo-adapt: layers {','.join(map(str, adapter.layers))}, {args.optimizer} lr {lr:.3g}, "
+          f"{adapter.target_numel():,} adapted weights")  # fmt: skip
+    cfg = LoopConfig(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
+                     eval_batches=args.eval_batches, save_every=args.save_every,
+                     log_every=args.log_every, seed=args.seed)  # fmt: skip
+    summary = adapt(adapter, data.train, data.val, cfg, out_dir,
+                    ood_val=ood.val if ood is not None else None,
+                    tokenizer=as_hf_tokenizer(data.tokenizer, data.eos_id),
+                    resume=args.resume)  # fmt: skip
+    first, last = summary["first"], summary["last"]
+    print(f"val ppl {first['val_ppl']:.2f} -> {last['val_ppl']:.2f}; model: {summary['model_dir']}")
     return 0

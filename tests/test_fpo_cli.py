@@ -1,0 +1,119 @@
+"""``poetxq fpo-diagnose`` and ``poetxq fpo-adapt`` on a tiny random Llama saved to disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from poetxq.tools.cli import main
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A 4-layer random Llama and a 384-token byte-level BPE, saved side by side."""
+    import pydoc_data.topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=["</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[::4], trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(hf_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        eos_token_id=hf_tok.eos_token_id, bos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    path = tmp_path / "tiny-llama"
+    LlamaForCausalLM(config).save_pretrained(str(path))
+    hf_tok.save_pretrained(str(path))
+    return path
+
+
+def test_fpo_diagnose_command_writes_json_and_plot(checkpoint, tmp_path, monkeypatch, capsys):
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out, plot = tmp_path / "o" / "diag.json", tmp_path / "o" / "diag.png"
+    argv = ["fpo-diagnose", str(checkpoint), "--data", "pydoc", "--windows", "3", "--seq-len",
+            "16", "--micro-batch", "2", "--out", str(out), "--plot", str(plot)]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["layer"] for r in report["layers"]] == [0, 1, 2, 3]
+    assert report["layers"][-1]["cos_mlp"] == pytest.approx(1.0, abs=1e-4)  # last: exact
+    assert report["targets"] == [3] and report["n_tokens"] == 3 * 16
+    assert report["lr"]["adamw"] > 0 and len(report["sweep"]["sgd"]) == 3
+    assert report["model"] == str(checkpoint.resolve())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = capsys.readouterr().out
+    assert "targets: 3" in text and "cos_mlp" in text
+
+
+def test_fpo_diagnose_errors_are_one_line(tmp_path, capsys):
+
+    assert main(["fpo-diagnose", str(tmp_path / "nope"), "--data", "pydoc"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poetxq: error: ")
+    (tmp_path / "d").mkdir()
+    assert main(["fpo-diagnose", str(tmp_path), "--data", "pydoc", "--out", str(tmp_path / "d")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0]
+
+
+def _adapt_argv(checkpoint, out, *extra):
+    return ["fpo-adapt", str(checkpoint), "--data", "pydoc", "--seq-len", "16", "--windows", "2",
+            "--micro-batch", "2", "--batch-size", "2", "--eval-batches", "1", "--log-every", "1",
+            "--out", str(out), *extra]  # fmt: skip
+
+
+def test_fpo_adapt_command_adapts_the_targets_and_saves_a_loadable_model(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    argv = _adapt_argv(checkpoint, out, "--layers", "auto", "--steps", "3", "--eval-every", "2",
+                       "--ood-data", "pydoc")  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "targets: 3" in text and "fpo-adapt: layers 3, adamw lr" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layers"] == [3] and summary["steps"] == 3
+    assert summary["first"]["step"] == 0 and summary["last"]["step"] == 3
+    assert "ood_ppl" in summary["last"]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_ppl" in r] == [0, 2, 3]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    changed = {
+        name for (name, p), q in zip(adapted.named_parameters(), original.parameters(), strict=True)
+        if not torch.equal(p, q)
+    }  # fmt: skip
+    assert changed == {f"model.layers.3.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    cases = [
+        (_adapt_argv(checkpoint, tmp_path / "full", "--layers", "1"), "not empty"),
+        (_adapt_argv(checkpoint, tmp_path / "a", "--layers", "one"), "--layers 'one'"),
+        (_adapt_argv(checkpoint, tmp_path / "b", "--layers", "9", "--lr", "1e-3"), "layer 9"),
+        (_adapt_argv(checkpoint, tmp_path / "c", "--layers", "1", "--lr", "1e-3", "--resume"),
+         "nothing to resume"),
+    ]  # fmt: skip
+    for argv, expected in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("poetxq: error: ") and expected in err[0], err
