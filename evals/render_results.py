@@ -4,6 +4,10 @@ Every number in the page is read from a results file, whose path, date, commit a
 beside its table; nothing is typed in by hand. Re-run after committing new results::
 
     python evals/render_results.py            # writes docs/RESULTS.md and docs/img/*.png
+
+It also renders the README's results table (between ``<!-- headline:begin -->`` and
+``<!-- headline:end -->``): the rows of the files ``evals/headline.py`` regenerates, each number
+linked to the current file of its stem; rows of other sources in that table are kept as they are.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import headline
 import matplotlib
 
 matplotlib.use("Agg")
@@ -45,8 +50,15 @@ PRECISION_RUNS = (
     "precision_60m_seeds_h200_2dd220d.json",
     "precision_60m_1200_h200_2dd220d.json",
 )
-#: the current ``evals/throughput.py`` files (every method side by side at 1B / 3B)
-THROUGHPUT = {"1b": "throughput_1b_h200_90a76c3.json", "3b": "throughput_3b_h200_90a76c3.json"}
+README = REPO / "README.md"
+HEADLINE_BEGIN, HEADLINE_END = "<!-- headline:begin -->", "<!-- headline:end -->"
+
+
+def current(stem: str, machine: str = "h200") -> str:
+    """The current results file of a stem that ``evals/headline.py`` writes
+    (``<stem>_<machine>_<commit>.json``; its ``--adopt`` keeps one per stem in ``RESULTS``), or a
+    name no file has when there is none (the sections that read it are then left out)."""
+    return headline.current(stem, RESULTS, machine) or f"{stem}_{machine}_none.json"
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -62,10 +74,10 @@ def _provenance(name: str, d: dict[str, Any]) -> str:
     return f"Source: `evals/results/{name}` ({gpu}, {date}, commit {commit})."
 
 
-def _throughput(img: Path, name: str = THROUGHPUT["1b"]) -> list[str]:
+def _throughput(img: Path, name: str | None = None) -> list[str]:
     """A bar chart of the tokens/s of every run (method, variant, CUDA graph) of one
-    ``evals/throughput.py`` file, per sequence length."""
-    d = _load(name)
+    ``evals/throughput.py`` file (default: the current Llama-1B one), per sequence length."""
+    d = _load(name or current("throughput_1b"))
     if d is None:
         return []
     rows = [r for r in d["runs"] if "tokens_per_s" in r]
@@ -120,14 +132,12 @@ SLAB_GEMM_COLUMNS = (
 )
 
 
-#: the newest one-run measurement of issue 3's kernel targets (evals/kernel_targets.py)
-KERNEL_TARGETS = "kernel_targets_h200_7857f3d.json"
-
-
-def _kernel_targets(name: str = KERNEL_TARGETS) -> list[str]:
-    """Issue 3's targets from one run, each beside its floor (``evals/kernel_targets.py``)."""
+def _kernel_targets(name: str | None = None) -> list[str]:
+    """Issue 3's targets from one run (default: the current one), each beside its floor
+    (``evals/kernel_targets.py``)."""
     import kernel_targets
 
+    name = name or current("kernel_targets")
     d = _load(name)
     if d is None:
         return []
@@ -524,8 +534,10 @@ def _sync_label(spec: str, summary: dict[str, Any]) -> str:
     return f"{LABELS.get(method, method)}, grad_sync {summary.get('grad_sync', '?')}{graph}"
 
 
-def _multi_gpu_sync(name: str = "multi_gpu_step_h200x2_ab6a379.json") -> list[str]:
-    """``train.grad_sync`` step (CUDA graph per GPU) against DDP on two GPUs."""
+def _multi_gpu_sync(name: str | None = None) -> list[str]:
+    """``train.grad_sync`` step (CUDA graph per GPU) against DDP on two GPUs (default: the
+    current file)."""
+    name = name or current("multi_gpu_step", "h200x2")
     d = _load(name)
     if d is None:
         return []
@@ -724,37 +736,219 @@ _SLICED_BEFORE_THE_FIELD = ("3490c42", "10193c1")
 
 SIDE_BY_SIDE_COMMIT = "d5a8a3e"
 #: later calls without the official step in them, compared with the first call's official step
+#: (stems: the current file of each)
 LATER_STEPS = [
-    "optim8bit_13b_ours_h200_ef47a77.json",
-    "gpu_memory_8b_graph_oib_off_split64_h200_314af78.json",
-    "gpu_memory_13b_default_sizes_h200_e0551b7.json",
-    "gpu_memory_13b_relayout_expandable_h200_68dc694.json",
-    "gpu_memory_8b_relayout_expandable_h200_68dc694.json",
+    "optim8bit_13b_ours",
+    "gpu_memory_8b_graph_oib_off_split64",
+    "gpu_memory_13b_default_sizes",
+    "gpu_memory_13b_relayout_expandable",
+    "gpu_memory_8b_relayout_expandable",
 ]
 
 
-def side_by_side(commit: str = SIDE_BY_SIDE_COMMIT) -> list[str]:
-    """The side-by-side section: layers and whole steps, ours beside the official code."""
+def side_by_side(commit: str | None = None) -> list[str]:
+    """The side-by-side section: layers and whole steps, ours beside the official code; the
+    files of one call (``commit``), or by default the current file of each stem."""
+
+    def name(stem: str) -> str:
+        return f"{stem}_h200_{commit}.json" if commit else current(stem)
+
     steps = [
-        f"gpu_memory_{m}_{kind}_h200_{commit}.json"
+        name(f"gpu_memory_{m}_{kind}")
         for m in ("8b", "13b")
         for kind in ("official", "graph", "oib", "oib_off")
     ]
-    body = _side_by_side_layers(f"official_layers_h200_{commit}.json")
+    body = _side_by_side_layers(name("official_layers"))
     body += _side_by_side_steps(steps)
     body += _side_by_side_steps(
         [f"optim8bit_{run}_h200_2e10d2e.json" for run in ("13b_off", "13b_on", "13b_off2")],
         "Llama-13B without the chunked loss, beside the official step of a later call "
         "(bitsandbytes' 8-bit update as its CUDA op and as its Triton kernel)",
     )
-    first_call = [f"gpu_memory_{m}_official_h200_{commit}.json" for m in ("8b", "13b")]
+    first_call = [name(f"gpu_memory_{m}_official") for m in ("8b", "13b")]
     body += _side_by_side_steps(
-        LATER_STEPS,
+        [name(stem) for stem in LATER_STEPS],
         "Later calls against the first call's official step (our 8-bit update; the optimizer "
         "step inside the CUDA graph; every storage laid out afresh after the optimizer's build)",
         official_from=first_call,
     )
     return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
+
+
+def _link(text: str, name: str) -> str:
+    return f"[{text}](evals/results/{name})"
+
+
+def _official_step(row: dict[str, Any]) -> float | None:
+    """The official step time beside ``row``: measured in its own call, else in the current
+    ``gpu_memory_<size>_official`` file's row of the same model and setting."""
+    if "official_measured" in row:
+        return row["official_measured"]["step_time_s"]
+    size = row["model"].removeprefix("llama-")
+    d = _load(current(f"gpu_memory_{size}_official")) or {"results": []}
+    key = ("gradient_checkpointing", "batch_size", "seq_len")
+    for r in d["results"]:
+        if "official_measured" in r and all(r.get(k) == row.get(k) for k in key):
+            return r["official_measured"]["step_time_s"]
+    return None
+
+
+def _memory_cell(size: str, stem: str, ckpt: bool) -> tuple[str, float] | None:
+    """``8B [22.58 GiB, 1.65×](file)`` of the current file of ``stem`` (its row of the given
+    checkpointing; a CUDA graph's peak is its reserved one) and that row's target in GiB."""
+    name = current(stem)
+    d = _load(name)
+    row = next((r for r in (d or {}).get("results", []) if r["gradient_checkpointing"] == ckpt),
+               None)  # fmt: skip
+    if row is None:
+        return None
+    peak = _peak_cell(row, 2).removesuffix(" (reserved)")
+    off = _official_step(row)
+    speed = f", {off / row['step_time_s']:.2f}×" if off else ""
+    return f"{size.upper()} {_link(f'{peak} GiB{speed}', name)}", row["target_peak_gib"]
+
+
+#: the README rows rendered from the files evals/headline.py regenerates, by their first cell
+HEADLINE_LABELS = {
+    "adamw": "tokens/s ÷ AdamW, Llama-1B / 3B, 8,192 tokens per step, POET-XQ int8 in a CUDA "
+    "graph (seq 256 / 1024)",
+    "qgalore": "the same ÷ Q-GaLore",
+    "multi_gpu": "Llama-1B tokens/s, 2 H200s ÷ 1",
+    "no_ckpt": "Llama-8B / 13B, batch 1 × 2048, no checkpointing: peak and speed-up over the "
+    "official step measured beside ours",
+    "ckpt": "the same with checkpointing, in one run each",
+    "layer": "one layer forward+backward ÷ `nn.Linear`, 8B MLP shapes, GPU time",
+    "layer_peak": "peak extra memory of that int8 `mem` layer",
+    "gemm": "weight GEMM ÷ bf16 cuBLAS, 8,192 tokens, 8B / 13B MLP shapes, forward and dX",
+    "cnp": "Cayley–Neumann forward+backward, every b = 256 block of 8B, ÷ torch",
+}
+
+
+def _throughput_rows() -> list[str]:
+    files = {size: current(f"throughput_{size}") for size in ("1b", "3b")}
+    docs = {size: _load(name) for size, name in files.items()}
+    if any(d is None for d in docs.values()):
+        return []
+
+    def cells(base: str, key: str) -> str:
+        out = []
+        for size, d in docs.items():
+            by_seq = {r["seq_len"]: r for r in d["ratios"]}
+            vals = " / ".join(f"{by_seq[s][f'{key}_over_{base}']:.2f}" for s in (256, 1024))
+            out.append(f"{size.upper()} {_link(vals, files[size])}")
+        return ", ".join(out)
+
+    rows = []
+    for base, target in (("adamw", "≥ 0.9"), ("qgalore", "≥ 1.3")):
+        mem, fast = cells(base, "poetxq_graph"), cells(base, "poetxq_fast_graph")
+        default = " (the default)" if base == "adamw" else ""
+        rows.append(f"| {HEADLINE_LABELS[base]} | `mem`{default} {mem}; `fast` {fast} | "
+                    f"{target} |")  # fmt: skip
+    return rows
+
+
+def _multi_gpu_row() -> list[str]:
+    name = current("multi_gpu_step", "h200x2")
+    d = _load(name)
+    if d is None:
+        return []
+    step, ddp = (f"{d['throughput'][k]['scaling_2_over_1']:.2f}" for k in ("poetxq@step", "adamw"))
+    return [
+        f"| {HEADLINE_LABELS['multi_gpu']} | POET-XQ {_link(step, name)}, AdamW (DDP) "
+        f"{_link(ddp, name)} | – |"
+    ]
+
+
+def _memory_rows() -> list[str]:
+    rows = []
+    for key, ckpt, stems in (
+        ("no_ckpt", False, ("gpu_memory_8b_graph", "optim8bit_13b_ours")),
+        ("ckpt", True, ("gpu_memory_8b_relayout_expandable", "gpu_memory_13b_relayout_expandable")),
+    ):
+        got = [_memory_cell(size, stem, ckpt) for size, stem in zip(("8b", "13b"), stems)]
+        if any(g is None for g in got):
+            continue
+        targets = " / ".join(f"≤ {t}" for _, t in got)
+        rows.append(f"| {HEADLINE_LABELS[key]} | {'; '.join(c for c, _ in got)} | "
+                    f"{targets} GiB, ≥ 1.5× |")  # fmt: skip
+    return rows
+
+
+def _kernel_rows() -> list[str]:
+    import kernel_targets
+
+    name = current("kernel_targets")
+    d = _load(name)
+    if d is None:
+        return []
+    t = {row["target"]: row for row in kernel_targets.targets(d)}
+    shapes = ("4096→14336", "14336→4096")
+
+    def pick(prefix: str) -> list[dict[str, Any]]:
+        return [t[f"{prefix}, {s}"] for s in shapes]
+
+    xq = pick("POET-XQ int8 mem layer fwd+bwd ÷ nn.Linear")
+    fast = pick("POET-X bf16 fast layer fwd+bwd ÷ nn.Linear")
+    peak = pick("POET-XQ int8 mem layer peak extra memory (MiB)")
+
+    def pair(rows: list[dict[str, Any]], fmt: str = ".2f", get: Any = None) -> str:
+        return " / ".join(format(get(r) if get else r["measured"], fmt) for r in rows)
+
+    official = ""
+    if all("official_xq_mem" in r.get("official_ratios", {}) for r in xq):
+        vals = pair(xq, get=lambda r: r["official_ratios"]["official_xq_mem"])
+        official = f" (official {_link(vals, name)})"
+    gemms = {b: [r for k, r in t.items() if k.startswith(f"{b} weight GEMM ÷ bf16")]
+             for b in ("int8", "NF4")}  # fmt: skip
+    ranges = {
+        b: _link(f"{min(r['measured'] for r in rs):.3f}–{max(r['measured'] for r in rs):.3f}", name)
+        for b, rs in gemms.items()
+    }
+    cnp = next(r for k, r in t.items() if k.startswith("CNP fwd+bwd speed-up"))
+    cnp_cell = _link(f"{cnp['measured']:.2f}×", name)
+    return [
+        f"| {HEADLINE_LABELS['layer']} | POET-XQ int8 `mem` {_link(pair(xq), name)}{official}; "
+        f"POET-X bf16 `fast` {_link(pair(fast), name)} | ≤ {xq[0]['threshold']:.2f}; "
+        f"≤ {fast[0]['threshold']:g} |",
+        f"| {HEADLINE_LABELS['layer_peak']} | {_link(pair(peak, '.0f') + ' MiB', name)} "
+        f"(`nn.Linear` {pair(peak, '.0f', lambda r: r['nn_linear_peak_extra_mib'])}) | "
+        f"< {peak[0]['threshold']:.0f} MiB |",
+        f"| {HEADLINE_LABELS['gemm']} | int8 {ranges['int8']}; NF4 {ranges['NF4']} | "
+        f"≤ {gemms['int8'][0]['threshold']:.2f}; ≤ {gemms['NF4'][0]['threshold']:.2f} |",
+        f"| {HEADLINE_LABELS['cnp']} | {cnp_cell} | ≥ {cnp['threshold']:g}× |",
+    ]
+
+
+def headline_rows() -> list[str]:
+    """The README's results rows from the current files of ``evals/headline.py``'s stems."""
+    return [*_throughput_rows(), *_multi_gpu_row(), *_memory_rows(), *_kernel_rows()]
+
+
+def render_readme(text: str) -> str:
+    """``text`` (the README) with its results table re-rendered between the headline markers:
+    the header, the rows whose first cell is not one of :data:`HEADLINE_LABELS` kept as they
+    are, then :func:`headline_rows`.
+
+    Raises:
+        ValueError: the markers are missing or out of order.
+    """
+    lines = text.split("\n")
+    try:
+        begin, end = lines.index(HEADLINE_BEGIN), lines.index(HEADLINE_END)
+    except ValueError:
+        raise ValueError(f"no {HEADLINE_BEGIN} ... {HEADLINE_END} block") from None
+    if end < begin:
+        raise ValueError(f"{HEADLINE_END} comes before {HEADLINE_BEGIN}")
+    generated = set(HEADLINE_LABELS.values())
+    kept = [
+        ln
+        for ln in lines[begin + 1 : end]
+        if ln.startswith("| ")
+        and not ln.startswith("| measurement |")
+        and ln.split(" | ")[0].removeprefix("| ") not in generated
+    ]
+    block = ["| measurement | result | target |", "|---|---|---|", *kept, *headline_rows()]
+    return "\n".join([*lines[: begin + 1], *block, *lines[end:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -765,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
         default=str(RESULTS / f"official_side_by_side_h200_{SIDE_BY_SIDE_COMMIT}.md"),
         help="where the side-by-side tables (ours beside the official code) also go on their own",
     )
+    ap.add_argument("--readme", default=str(README),
+                    help="the README whose headline table to re-render ('': none)")  # fmt: skip
     args = ap.parse_args(argv)
     out, sbs_out = Path(args.out), Path(args.side_by_side_out)
     try:  # before any plot is drawn or folder made
@@ -799,8 +995,8 @@ def main(argv: list[str] | None = None) -> int:
             "`poet.variant=fast`; the recipes' default is `mem`.",
             "",
             *_throughput(img),
-            *_tokens_table(THROUGHPUT["1b"], "### Llama-1B, every method"),
-            *_tokens_table(THROUGHPUT["3b"], "### Llama-3B, every method"),
+            *_tokens_table(current("throughput_1b"), "### Llama-1B, every method"),
+            *_tokens_table(current("throughput_3b"), "### Llama-3B, every method"),
             *_gpu_time_table(
                 "throughput_1b_profiled_h200_daf8277.json",
                 "### Where the GPU time of a Llama-1B step goes (seq 256, torch.profiler)",
@@ -853,6 +1049,17 @@ def main(argv: list[str] | None = None) -> int:
         lines += sec
     out.write_text("\n".join(lines).rstrip() + "\n", encoding="utf-8")
     print(f"wrote {out}")
+    if args.readme:
+        readme = Path(args.readme)
+        text = readme.read_text(encoding="utf-8")
+        try:
+            new = render_readme(text)
+        except ValueError as exc:
+            print(f"{readme}: headline table left as it is ({exc})", file=sys.stderr)
+            return 0
+        if new != text:
+            readme.write_text(new, encoding="utf-8")
+            print(f"wrote {readme}")
     return 0
 
 

@@ -26,7 +26,11 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
     render = _load("render_results")
     out = tmp_path / "RESULTS.md"
     sbs = tmp_path / "side_by_side.md"
-    assert render.main(["--out", str(out), "--side-by-side-out", str(sbs)]) == 0
+    readme = tmp_path / "README.md"
+    readme.write_text((REPO / "README.md").read_text())
+    args = ["--out", str(out), "--side-by-side-out", str(sbs), "--readme", str(readme)]
+    assert render.main(args) == 0
+    assert readme.read_text() == (REPO / "README.md").read_text()  # rendered from the same files
     page = out.read_text()
     assert sbs.read_text().startswith("# Side by side with the official")
     assert "\n".join(sbs.read_text().splitlines()[1:]) in page  # the same tables, on their own
@@ -55,7 +59,7 @@ def test_slab_gemm_table_reads_every_ratio_from_the_json():
 
 def test_results_page_has_the_kernel_targets_of_one_run():
     render = _load("render_results")
-    doc = json.loads((REPO / "evals/results" / render.KERNEL_TARGETS).read_text())
+    doc = json.loads((REPO / "evals/results" / render.current("kernel_targets")).read_text())
     page = "\n".join(render._kernel_targets())
     assert page.startswith("## Kernel targets in one run")
     assert f"commit {doc['commit']}" in page and "Top CUDA kernels" not in page
