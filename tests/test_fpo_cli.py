@@ -117,3 +117,19 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("poetxq: error: ") and expected in err[0], err
+
+
+def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run8"
+    argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "1",
+                       "--bits", "8")  # fmt: skip
+    assert main(argv) == 0
+    assert "25 frozen linears held in 8-bit"  # 4 layers × 7 − 3 in capsys.readouterr().out
+    adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    q = adapted.model.layers[0].self_attn.q_proj.weight  # the int8 grid, dequantized
+    w = original.model.layers[0].self_attn.q_proj.weight
+    assert 0 < ((q - w).norm() / w.norm()).item() < 0.02

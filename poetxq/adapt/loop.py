@@ -9,7 +9,8 @@ out-of-domain set), appends records to ``OUT/metrics.jsonl`` and writes:
   (``state.safetensors`` + ``state.json`` through :mod:`poetxq.training.checkpoint`'s encoding),
   written to a temporary folder and renamed, so a crash leaves the previous state whole;
 * ``OUT/model/`` at the end — the adapted model and its tokenizer (``save_pretrained``), which
-  transformers loads directly; also written to a temporary folder and renamed.
+  transformers loads directly (low-bit frozen layers dequantized); also written to a temporary
+  folder and renamed.
 
 Batches are deterministic in the step (epoch ``k`` is a seeded permutation of the windows), so a
 resumed run sees the batches the uninterrupted run would have seen.
@@ -30,6 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from poetxq.adapt.fpo import FPOAdapter, FPOError
+from poetxq.adapt.lowbit import densify
 from poetxq.training.checkpoint import decode_state, encode_state, save_safetensors
 from poetxq.training.evaluate import evaluate_perplexity
 from poetxq.training.rundir import keep_metrics_until
@@ -127,10 +129,24 @@ def load_state(out: Path, adapter: FPOAdapter) -> dict[str, Any]:
 
 
 def save_model(out: Path, model: torch.nn.Module, tokenizer: Any) -> Path:
-    """``save_pretrained`` of the model (and ``tokenizer`` when given) as ``out/model``."""
+    """``save_pretrained`` of the model (and ``tokenizer`` when given) as ``out/model``.
+
+    Low-bit frozen layers (:func:`poetxq.adapt.lowbit.freeze_low_bit`) are first turned into
+    dense ``nn.Linear`` in place (:func:`~poetxq.adapt.lowbit.densify`): the saved checkpoint is
+    plain transformers and computes the function that was adapted.
+    """
+    densify(model)
     tmp, final = out / f".{MODEL_DIR}.tmp-{os.getpid()}", out / MODEL_DIR
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no per-shard bar in the command's output
+    try:
+        model.save_pretrained(str(tmp))
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     shutil.rmtree(final, ignore_errors=True)

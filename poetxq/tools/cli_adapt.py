@@ -145,9 +145,14 @@ def add_adapt_parsers(sub: Any) -> None:
     p.add_argument(
         "--bits",
         type=int,
-        choices=(16,),
+        choices=(16, 8, 4),
         default=16,
-        help="base precision of the frozen layers (16 only so far)",
+        help="precision of every non-target decoder linear: 16 (as loaded), 8 (int8 row-wise) "
+        "or 4 (--quant-type), bitsandbytes layouts, fused dequant-matmul on a GPU; the "
+        "diagnosis runs before, on the dense model",
+    )
+    p.add_argument(
+        "--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit code (default nf4)"
     )
     p.add_argument(
         "--resume",
@@ -299,6 +304,12 @@ def run_adapt(args: argparse.Namespace) -> int:
 
     lr = args.lr if args.lr is not None else diag.lr[args.optimizer]  # type: ignore[union-attr]
     targets = layers if layers is not None else diag.targets  # type: ignore[union-attr]
+    if args.bits < 16:
+        from poetxq.adapt.lowbit import freeze_low_bit
+
+        n = freeze_low_bit(model, check_layers(targets, config.num_hidden_layers), args.bits,
+                           quant_type=args.quant_type)  # fmt: skip
+        print(f"fpo-adapt: {n} frozen linears held in {args.bits}-bit")
     adapter = FPOAdapter(model, targets, lr=lr, optimizer=args.optimizer, clip=args.clip,
                          clip_on=args.clip_on)  # fmt: skip
     print(f"fpo-adapt: layers {','.join(map(str, adapter.layers))}, {args.optimizer} lr {lr:.3g}, "
