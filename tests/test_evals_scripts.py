@@ -443,3 +443,22 @@ def test_gpu_suite_runs_pytest_and_keeps_the_summary_and_failures(tmp_path):
     assert text.startswith("# ") and "test_a.py:6: in test_bad" in text
     repo = Path(suite.__file__).resolve().parents[1]
     assert all((repo / p).is_file() for p in suite.TRAINING_TEST_FILES)  # no stale name
+
+
+def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    diag = _load("diagnostics_run")
+    out, png = tmp_path / "d.json", tmp_path / "d.png"
+    sets = ["train.max_steps=6", "poet.merge_interval=4", "train.eval_every=0",
+            "model.num_hidden_layers=1"]  # fmt: skip
+    argv = ["--out", str(out), "--plot", str(png), "--every", "2"]
+    assert diag.main(argv + [a for s in sets for a in ("--set", s)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["merge_steps"] == [4] and set(doc["runs"]) == {"bits 8", "bits 16"}
+    for r in doc["runs"].values():
+        assert [d["step"] for d in r["diag"]] == [0, 2, 4, 6] and r["merges"] == 1
+        assert r["diag"][0]["diag_orth_error"] < 1e-12 < r["diag"][1]["diag_orth_error"]
+    # int8 re-quantization at the merge moves the spectrum; an unquantized W0 barely does
+    q8, q16 = (doc["runs"][k]["diag"][-1]["diag_sigma_drift_init"] for k in ("bits 8", "bits 16"))
+    assert q8 > 10 * q16
+    assert png.read_bytes().startswith(b"\x89PNG")
