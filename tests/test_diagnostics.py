@@ -141,7 +141,7 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     assert sorted(diag) == [0, 2, 4, 6]
     assert diag[0]["diag_orth_error"] < 1e-6 and diag[0]["diag_cos_min"] == pytest.approx(1.0)
     assert diag[0]["diag_energy"] == pytest.approx(1 / math.sqrt(2), abs=0.1)  # Gaussian init
-    assert 0 < diag[2]["diag_orth_error"] < DRIFT_WARNING
+    assert 0 < diag[2]["diag_sigma_drift_w0"] < DRIFT_WARNING and diag[2]["diag_orth_error"] > 0
     assert diag[2]["diag_cos_min"] < 1.0
     # the step-4 record is taken before that step's merge: this period's drift is in it
     assert diag[4]["diag_sigma_drift_w0"] > 0
@@ -151,7 +151,7 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     assert main([*high, "--output-dir", str(tmp_path), "--run-name", "hot"]) == 0
     out = capsys.readouterr().out
     assert out.count("note: at step") == 1 and "optim.poet_lr" in out
-    assert max(r["diag_orth_error"] for r in _diag_records(tmp_path / "hot").values()) > 0.05
+    assert max(r["diag_sigma_drift_w0"] for r in _diag_records(tmp_path / "hot").values()) > 0.05
     # poetxq report draws them beside the usual plots
     from poetxq.tools.report import build_report
 

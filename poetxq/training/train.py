@@ -517,15 +517,13 @@ def train(
             t0 = time.perf_counter()
             diag = diagnose()
             log({"step": step, **diag})
-            if main and not drift_noted and max(
-                diag["diag_orth_error"], diag["diag_sigma_drift_w0"]
-            ) > DRIFT_WARNING:  # fmt: skip
+            if main and not drift_noted and diag["diag_sigma_drift_w0"] > DRIFT_WARNING:
                 drift_noted = True
                 bar.write(
-                    f"note: at step {step} the rotations are {diag['diag_orth_error']:.3f} from "
-                    f"orthogonal (singular values moved {diag['diag_sigma_drift_w0']:.3f}): the "
-                    "Cayley-Neumann series is past its accurate range; lower optim.poet_lr or "
-                    "poet.merge_interval, or raise poet.neumann_terms"
+                    f"note: at step {step} the weights' singular values moved "
+                    f"{diag['diag_sigma_drift_w0']:.3f} (rotations {diag['diag_orth_error']:.3f} "
+                    "from orthogonal): the Cayley-Neumann series is past its accurate range; "
+                    "lower optim.poet_lr or poet.merge_interval, or raise poet.neumann_terms"
                 )
             window_start += time.perf_counter() - t0
             paused += time.perf_counter() - t0
