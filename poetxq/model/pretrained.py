@@ -34,14 +34,15 @@ def resolve_pretrained(ref: str) -> str:
     """Where to load ``ref`` from: a local checkpoint directory, or a reachable hub id.
 
     Args:
-        ref: a directory holding ``config.json`` (``save_pretrained`` output) or a hub id
-            ``owner/name``.
+        ref: a directory holding ``config.json`` (``save_pretrained`` output), a named base of
+            :data:`poetxq.model.bases.NAMED_BASES` (``smollm2-135m``) or a hub id ``owner/name``.
 
     Returns:
         The local directory (resolved, as a string) or the hub id.
 
     Raises:
-        PretrainedError: a local path that is missing, a poetxq run directory (export it first),
+        PretrainedError: a local path that is missing, a named base that cannot be provided
+            (its package is not installed), a poetxq run directory (export it first),
             a directory without ``config.json``, or a hub id that cannot be fetched (no network,
             unknown repository).
     """
@@ -57,6 +58,13 @@ def resolve_pretrained(ref: str) -> str:
                 f"'{ref}' holds no config.json; pass a directory written by save_pretrained"
             )
         return str(path.resolve())
+    from poetxq.model.bases import NAMED_BASES, NamedBaseError, named_base_dir
+
+    if ref in NAMED_BASES:  # e.g. smollm2-135m, converted once into the model cache
+        try:
+            return str(named_base_dir(ref))
+        except NamedBaseError as exc:
+            raise PretrainedError(str(exc)) from None
     parts = ref.split("/")
     is_hub_id = len(parts) == 2 and all(parts) and not ref.startswith((".", "~", "/"))
     if not is_hub_id:
