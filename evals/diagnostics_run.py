@@ -24,15 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from evals._common import provenance, write_json_atomic  # noqa: E402
-
-KEYS = (
-    "diag_sigma_drift_init",
-    "diag_sigma_drift_w0",
-    "diag_orth_error",
-    "diag_energy",
-    "diag_cos_min",
-    "diag_cos_median",
-)
+from poetxq.model.diagnostics import DIAG_KEYS as KEYS  # noqa: E402
 
 
 def run(bits: int, every: int, work: Path, extra: list[str]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from poetxq.model.layer import POETXLinear
 
 __all__ = [
+    "DIAG_KEYS",
     "LayerDiagnostics",
     "direction_cosines",
     "hyperspherical_energy",
@@ -44,6 +45,17 @@ __all__ = [
 #: blocks' ``orth_error``: the embedded default recipe reaches 0.05 there while its spectrum moves
 #: 0.2 % (evals/results/diagnostics_tiny_cpu.json)
 DRIFT_WARNING = 0.05
+
+#: the keys of a :func:`summarize_layers` record (``metrics.jsonl`` of a run with
+#: ``train.diagnostics_every``)
+DIAG_KEYS = (
+    "diag_sigma_drift_init",
+    "diag_sigma_drift_w0",
+    "diag_orth_error",
+    "diag_energy",
+    "diag_cos_min",
+    "diag_cos_median",
+)
 
 #: the quantiles :func:`quantiles` reports (min, 5 %, median, 95 %, max)
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from poetxq.model.diagnostics import DIAG_KEYS
 from poetxq.paths import unwritable_reason
 from poetxq.text import count
 from poetxq.training.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_label, run_label
@@ -181,15 +182,6 @@ SUMMARY_NUMBERS = (
     "unigram_val_ppl",
     "peak_memory_bytes",
     "peak_rss_bytes",
-)
-#: train.diagnostics_every's keys (poetxq.model.diagnostics.summarize_layers)
-DIAG_KEYS = (
-    "diag_sigma_drift_init",
-    "diag_sigma_drift_w0",
-    "diag_orth_error",
-    "diag_energy",
-    "diag_cos_min",
-    "diag_cos_median",
 )
 METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s", *DIAG_KEYS)
 
