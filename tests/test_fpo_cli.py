@@ -84,7 +84,7 @@ def test_fpo_adapt_command_adapts_the_targets_and_saves_a_loadable_model(
                        "--ood-data", "pydoc")  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "targets: 3" in text and "fpo-adapt: layers 3, adamw lr" in text
+    assert "targets: 3" in text and "fpo-adapt (fpo): layers 3, adamw lr" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layers"] == [3] and summary["steps"] == 3
     assert summary["first"]["step"] == 0 and summary["last"]["step"] == 3
@@ -133,3 +133,22 @@ def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
     q = adapted.model.layers[0].self_attn.q_proj.weight  # the int8 grid, dequantized
     w = original.model.layers[0].self_attn.q_proj.weight
     assert 0 < ((q - w).norm() / w.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("method", ["sft-partial", "full"])
+def test_fpo_adapt_runs_the_autograd_references(method, checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / method
+    argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "2",
+                       "--method", method)  # fmt: skip
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == method and summary["peak_memory_bytes"] is None  # CPU
+    adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    moved = {n for (n, p), q in zip(adapted.named_parameters(), original.parameters(), strict=True)
+             if not torch.equal(p, q)}  # fmt: skip
+    expected = {f"model.layers.3.mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    if method == "full":
+        expected = {n for n, _ in original.named_parameters()}
+    assert moved == expected

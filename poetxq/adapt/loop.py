@@ -180,8 +180,9 @@ def adapt(
         echo: where progress lines go.
 
     Returns:
-        The summary written to ``out/summary.json``: first and last in-domain (and
-        out-of-domain) loss / perplexity, steps, tokens, tokens/s, path of the saved model.
+        The summary written to ``out/summary.json``: method, first and last in-domain (and
+        out-of-domain) loss / perplexity, steps, tokens, tokens/s, peak GPU memory of the steps
+        (None on the CPU), path of the saved model.
 
     Raises:
         FPOError: no training window, nothing to resume, a state for other layers.
@@ -220,6 +221,8 @@ def adapt(
 
     if first is None:
         first = evaluate(0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     tokens, t0, last = 0, time.perf_counter(), first
     for step in range(start, cfg.steps):
         idx = batch_indices(step, cfg.batch_size, train.shape[0], cfg.seed)
@@ -240,8 +243,11 @@ def adapt(
         last = evaluate(cfg.steps)
     save_state(out, adapter, {"first_eval": first})
     path = save_model(out, model, tokenizer)
+    method = {"partial": "sft-partial", "full": "full"}.get(getattr(adapter, "mode", ""), "fpo")
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     summary = {
-        "steps": cfg.steps, "layers": adapter.layers, "lr": adapter.lr,
+        "method": method, "steps": cfg.steps, "layers": adapter.layers, "lr": adapter.lr,
+        "peak_memory_bytes": peak,
         "optimizer": adapter.optimizer, "target_params": adapter.target_numel(),
         "tokens_this_session": tokens, "tokens_per_s": tokens / max(elapsed, 1e-9),
         "first": first, "last": last, "model_dir": str(path),

@@ -152,6 +152,13 @@ def add_adapt_parsers(sub: Any) -> None:
         "diagnosis runs before, on the dense model",
     )
     p.add_argument(
+        "--method",
+        choices=("fpo", "sft-partial", "full"),
+        default="fpo",
+        help="fpo (forward-only); the autograd references with the same optimizer, clip, data "
+        "and budget: sft-partial (the target MLPs only) or full (every parameter)",
+    )
+    p.add_argument(
         "--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit code (default nf4)"
     )
     p.add_argument(
@@ -310,9 +317,16 @@ def run_adapt(args: argparse.Namespace) -> int:
         n = freeze_low_bit(model, check_layers(targets, config.num_hidden_layers), args.bits,
                            quant_type=args.quant_type)  # fmt: skip
         print(f"fpo-adapt: {n} frozen linears held in {args.bits}-bit")
-    adapter = FPOAdapter(model, targets, lr=lr, optimizer=args.optimizer, clip=args.clip,
-                         clip_on=args.clip_on)  # fmt: skip
-    print(f"fpo-adapt: layers {','.join(map(str, adapter.layers))}, {args.optimizer} lr {lr:.3g}, "
+    settings = dict(lr=lr, optimizer=args.optimizer, clip=args.clip, clip_on=args.clip_on)
+    if args.method == "fpo":
+        adapter = FPOAdapter(model, targets, **settings)
+    else:
+        from poetxq.adapt.reference import AutogradAdapter
+
+        mode = "full" if args.method == "full" else "partial"
+        adapter = AutogradAdapter(model, targets, mode=mode, **settings)
+    print(f"fpo-adapt ({args.method}): layers {','.join(map(str, adapter.layers))}, "
+          f"{args.optimizer} lr {lr:.3g}, "
           f"{adapter.target_numel():,} adapted weights")  # fmt: skip
     cfg = LoopConfig(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, save_every=args.save_every,
