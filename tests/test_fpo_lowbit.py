@@ -79,3 +79,21 @@ def test_fpo_on_a_low_bit_base_is_exact_on_the_last_layer_and_saves_dense(bits, 
 def test_bits_other_than_8_or_4_are_refused():
     with pytest.raises(ValueError, match="bits 8 or 4"):
         freeze_low_bit(_tiny(), [0], 16)
+
+
+def test_sft_partial_back_propagates_through_the_frozen_low_bit_layers():
+    from poetxq.adapt.reference import AutogradAdapter
+
+    model = _tiny()
+    freeze_low_bit(model, [1], 8)
+    ids, labels = _batch()
+    dense = _tiny()
+    dense.load_state_dict(model.state_dict(), strict=False)
+    for name, mod in model.named_modules():
+        if isinstance(mod, FrozenLinear):
+            dense.get_submodule(name).weight.data.copy_(mod.store.dequantize())
+    grads, _ = AutogradAdapter(model, [1], lr=1e-3).pseudo_grads(ids, labels)
+    F.cross_entropy(dense(input_ids=ids).logits.flatten(0, 1), labels.flatten()).backward()
+    for proj in MLP_PROJS:  # layer 1's gradient crosses layer 2's int8 linears on its way
+        truth = getattr(dense.model.layers[1].mlp, proj).weight.grad
+        assert ((grads[1, proj] - truth).norm() / truth.norm()).item() < 1e-4

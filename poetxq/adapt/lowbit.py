@@ -16,6 +16,7 @@ transformers checkpoint that computes what was adapted.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +25,26 @@ from poetxq.adapt.fpo import MLP_PROJS, llama_parts
 from poetxq.model.quant import FrozenWeight, make_frozen_weight
 
 
+class _FrozenMatmul(torch.autograd.Function):
+    """``x @ Wᵀ`` through the store, differentiable in ``x`` only (``dx = g @ W``): what the
+    autograd references (SFT-partial) need to pass gradients through a frozen low-bit layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, store: FrozenWeight) -> torch.Tensor:  # type: ignore[override]
+        ctx.store = store
+        return store.matmul(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return ctx.store.matmul_t(grad), None
+
+
 class FrozenLinear(nn.Module):
     """A bias-free linear whose weight is a :class:`poetxq.model.quant.FrozenWeight` store.
 
     ``forward(x)`` is ``store.matmul(x)`` (``[..., n]`` → ``[..., m]``, ``x.dtype``); no
-    parameter, nothing to train.
+    parameter, nothing to train. Under grad mode, with ``x`` requiring grad, the input gradient
+    is ``store.matmul_t(g)`` (no weight gradient); FPO itself never builds that graph.
     """
 
     def __init__(self, store: FrozenWeight) -> None:
@@ -37,6 +53,8 @@ class FrozenLinear(nn.Module):
         self.in_features, self.out_features = store.in_features, store.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _FrozenMatmul.apply(x, self.store)
         return self.store.matmul(x)
 
     def extra_repr(self) -> str:
