@@ -11,6 +11,7 @@ import torch
 
 from poetxq.model.diagnostics import (
     DRIFT_WARNING,
+    REQUANT_KEY,
     LayerDiagnostics,
     direction_cosines,
     hyperspherical_energy,
@@ -146,6 +147,9 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     # the step-4 record is taken before that step's merge: this period's drift is in it
     assert diag[4]["diag_sigma_drift_w0"] > 0
     assert "note: at step" not in capsys.readouterr().out
+    recs = [json.loads(ln) for ln in (tmp_path / "ok" / "metrics.jsonl").read_text().splitlines()]
+    requant = [(r["step"], r[REQUANT_KEY]) for r in recs if REQUANT_KEY in r]
+    assert [s for s, _ in requant] == [4] and 1e-4 < requant[0][1] < 1e-2  # int8, one merge
     # a rotation lr far too high: the one note, naming the knobs
     high = [*_TINY_RUN, "--set", "optim.poet_lr=3.0", "--set", "optim.grad_clip=0"]
     assert main([*high, "--output-dir", str(tmp_path), "--run-name", "hot"]) == 0
@@ -159,3 +163,21 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     assert "](diagnostics.png)" in md
     png = (tmp_path / "report" / "diagnostics.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_merge_measures_the_requantization_error_against_an_int8_reference():
+    layer = _layer(8)
+    with torch.no_grad():
+        for side in (layer.P, layer.R):
+            side.Q.copy_(
+                0.05 * torch.randn(side.Q.shape, generator=torch.Generator().manual_seed(6))
+            )
+    w = layer.effective_weight(torch.float64)
+    err = layer.merge_then_reinitialize(torch.Generator().manual_seed(7), measure=True)
+    # row-wise absmax int8 (bitsandbytes LLM.int8 layout: q = round(127 w / absmax)) by hand
+    absmax = w.abs().amax(dim=1, keepdim=True)
+    deq = torch.round(w * 127 / absmax) * absmax / 127
+    assert err == pytest.approx(float((deq - w).norm() / w.norm()), rel=1e-5)
+    assert 1e-4 < err < 1e-2
+    assert _layer(16).merge_then_reinitialize(measure=True) == pytest.approx(0.0, abs=1e-7)
+    assert _layer(8).merge_then_reinitialize() is None

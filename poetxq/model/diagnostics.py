@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DIAG_KEYS",
+    "REQUANT_KEY",
     "LayerDiagnostics",
     "direction_cosines",
     "hyperspherical_energy",
@@ -56,6 +57,11 @@ DIAG_KEYS = (
     "diag_cos_min",
     "diag_cos_median",
 )
+
+#: the key of the record a run with ``train.diagnostics_every`` logs after each merge: the worst
+#: layer's ``W0`` re-quantization error ``‖W0_new − W‖_F / ‖W‖_F``
+#: (:meth:`poetxq.model.layer.POETXLinear.merge_then_reinitialize`)
+REQUANT_KEY = "diag_requant_error"
 
 #: the quantiles :func:`quantiles` reports (min, 5 %, median, 95 %, max)
 QUANTILES = (0.0, 0.05, 0.5, 0.95, 1.0)

@@ -420,16 +420,26 @@ class POETXLinear(nn.Module):
         return w[self.R.inv_perm][:, self.P.inv_perm].to(dtype)
 
     @torch.no_grad()
-    def merge_then_reinitialize(self, generator: torch.Generator | None = None) -> None:
+    def merge_then_reinitialize(
+        self, generator: torch.Generator | None = None, *, measure: bool = False
+    ) -> float | None:
         """Fold ``R``, ``P`` into ``W'``, draw new permutations, re-store ``W'``, reset ``Q = 0``.
 
         The optimizer's moments of ``Q`` must be reset by the caller
         (:func:`poetxq.training.optim.reset_orthogonal_state`).
+
+        Returns:
+            With ``measure``: the re-quantization error ``‖W0_new − W‖_F / ‖W‖_F`` of the merged
+            weight ``W = R·W0·P`` (fp32) against what the store now holds (0 for a 16-bit
+            ``W'`` in fp32; costs one more dequantization); else None.
         """
         w = self.effective_weight(torch.float32)
         self.P.reinitialize(generator)
         self.R.reinitialize(generator)
         self.frozen.store(self._to_store_order(w), generator=generator)
+        if not measure:
+            return None
+        return float((self.stored_w0(torch.float32) - w).norm() / w.norm())
 
     def extra_repr(self) -> str:
         return (

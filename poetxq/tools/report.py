@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from poetxq.model.diagnostics import DIAG_KEYS
+from poetxq.model.diagnostics import DIAG_KEYS, REQUANT_KEY
 from poetxq.paths import unwritable_reason
 from poetxq.text import count
 from poetxq.training.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_label, run_label
@@ -183,7 +183,7 @@ SUMMARY_NUMBERS = (
     "peak_memory_bytes",
     "peak_rss_bytes",
 )
-METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s", *DIAG_KEYS)
+METRIC_NUMBERS = ("step", "loss", "val_ppl", "tokens", "tokens_per_s", *DIAG_KEYS, REQUANT_KEY)
 
 
 def _check_numbers(record: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
@@ -392,7 +392,7 @@ def _diagnostics_plot(runs: list[Run], out: Path, plt: Any) -> None:
     """``diagnostics.png``: the ``diag_*`` records of every run that logged them, per step."""
     panels = (
         (("diag_sigma_drift_init", "diag_sigma_drift_w0"), "singular-value drift (rel.)", True),
-        (("diag_orth_error",), "max ‖GᵀG − I‖₂", True),
+        (("diag_orth_error", REQUANT_KEY), "‖GᵀG − I‖₂; W0 re-quantization error", True),
         (("diag_energy",), "hyperspherical energy", False),
         (("diag_cos_median", "diag_cos_min"), "cosine to initial direction", False),
     )

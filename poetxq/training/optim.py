@@ -370,16 +370,25 @@ def reset_orthogonal_state(optimizer: torch.optim.Optimizer, params: list[nn.Par
 
 @torch.no_grad()
 def merge_and_reset(
-    model: nn.Module, optimizer: torch.optim.Optimizer, generator: torch.Generator | None = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    generator: torch.Generator | None = None,
+    *,
+    requant_errors: list[float] | None = None,
 ) -> int:
     """Merge-then-reinitialize every POET-X(Q) layer and reset ``Q``'s Adam moments.
+
+    ``requant_errors``: a list that gets each layer's re-quantization error appended
+    (:meth:`poetxq.model.layer.POETXLinear.merge_then_reinitialize` with ``measure``).
 
     Returns:
         The number of layers merged.
     """
     layers = poet_layers(model)
     for layer in layers:
-        layer.merge_then_reinitialize(generator)
+        err = layer.merge_then_reinitialize(generator, measure=requant_errors is not None)
+        if requant_errors is not None and err is not None:
+            requant_errors.append(err)
     reset_orthogonal_state(optimizer, orthogonal_parameters(model))
     return len(layers)
 

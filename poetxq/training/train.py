@@ -32,7 +32,12 @@ from tqdm.auto import tqdm
 
 from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
-from poetxq.model.diagnostics import DRIFT_WARNING, LayerDiagnostics, summarize_layers
+from poetxq.model.diagnostics import (
+    DRIFT_WARNING,
+    REQUANT_KEY,
+    LayerDiagnostics,
+    summarize_layers,
+)
 from poetxq.model.relayout import relayout_if_wanted
 from poetxq.model.surgery import poet_layers
 from poetxq.paths import RUN_LOCK
@@ -528,7 +533,10 @@ def train(
             window_start += time.perf_counter() - t0
             paused += time.perf_counter() - t0
         if merging:
-            merge_and_reset(raw_model, raw_optimizer, poet_gen)
+            errors: list[float] | None = [] if diagnose else None
+            merge_and_reset(raw_model, raw_optimizer, poet_gen, requant_errors=errors)
+            if errors:  # the worst layer's W0 re-quantization error at this merge
+                log({"step": step, REQUANT_KEY: max(errors)})
             merges += 1
             steps_since_merge = 0
             if world > 1 and not replicas_identical(raw_model):
