@@ -11,7 +11,13 @@ from a signal computed at the output, without back-propagation through the layer
   ``up_proj`` (W2), and :class:`~poetxq.adapt.fpo.FPOAdapter`, the update step (fp32 masters,
   AdamW or SGD with momentum, relative clipping);
 * :mod:`~poetxq.adapt.diagnose` — the per-layer cosine between pseudo-gradient and autograd
-  gradient on a calibration batch, the suggested target layers and a starting learning rate.
+  gradient on a calibration batch, the suggested target layers and a starting learning rate;
+* :mod:`~poetxq.adapt.loop` — the adaptation loop: batches, evaluation, resumable state, the
+  adapted model saved for transformers;
+* :mod:`~poetxq.adapt.lowbit` — every non-target linear frozen in our int8 / NF4 / FP4 stores;
+* :mod:`~poetxq.adapt.reference` — SFT-partial and full fine-tuning through the same update.
+
+``docs/FPO.md`` gives the method, the choices where the paper is not explicit, and results.
 
 Imports :mod:`poetxq.model`, :mod:`poetxq.data` and :mod:`poetxq.training`; only
 :mod:`poetxq.tools` imports this package.
