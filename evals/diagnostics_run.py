@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from evals._common import provenance, write_json_atomic  # noqa: E402
 from poetxq.model.diagnostics import DIAG_KEYS as KEYS  # noqa: E402
+from poetxq.model.diagnostics import REQUANT_KEY  # noqa: E402
 
 
 def run(bits: int, every: int, work: Path, extra: list[str]) -> dict[str, Any]:
@@ -45,6 +46,9 @@ def run(bits: int, every: int, work: Path, extra: list[str]) -> dict[str, Any]:
         "diag": [{"step": m["step"], **{k: m[k] for k in KEYS}} for m in metrics if KEYS[0] in m],
         "val_ppl": [
             {"step": m["step"], "val_ppl": m["val_ppl"]} for m in metrics if "val_ppl" in m
+        ],
+        "requant_error": [
+            {"step": m["step"], REQUANT_KEY: m[REQUANT_KEY]} for m in metrics if REQUANT_KEY in m
         ],
         "merges": summary.get("merges"),
         "merge_interval": resolved["poet"]["merge_interval"],
@@ -72,6 +76,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
                 ax.plot([d["step"] for d in r["diag"]], [d[key] for d in r["diag"]], style,
                         color=f"C{i}", marker=".", ms=3,
                         label=f"{label}: {key.removeprefix('diag_')}")  # fmt: skip
+        if keys == ("diag_orth_error",):  # each merge's W0 re-quantization error beside it
+            for i, (label, r) in enumerate(doc["runs"].items()):
+                pts = r.get("requant_error", [])
+                ax.plot([d["step"] for d in pts], [d[REQUANT_KEY] for d in pts], "x",
+                        color=f"C{i}", label=f"{label}: W0 re-quantization error")  # fmt: skip
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
