@@ -34,6 +34,9 @@ def block_diag_matmul_nograd(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """
     nb, b, _ = g.shape
     xb = _as_blocks(x, nb, b)
+    if torch.compiler.is_compiling():  # the same bmm; a strided out= cannot be traced
+        out = torch.bmm(xb.transpose(0, 1), g.transpose(1, 2)).transpose(0, 1).contiguous()
+        return out.view(*x.shape[:-1], nb * b)
     out = torch.empty_like(xb, memory_format=torch.contiguous_format)
     torch.bmm(xb.transpose(0, 1), g.transpose(1, 2), out=out.transpose(0, 1))
     return out.view(*x.shape[:-1], nb * b)

@@ -80,6 +80,8 @@ def cayley_neumann_lean(
     Raises:
         ValueError: ``k < 1`` or ``packed`` has the wrong width for ``b``.
     """
-    if torch.is_grad_enabled() and packed.requires_grad:
+    # under torch.compile the plain ops: the compiler decides what to save or recompute, and the
+    # lean backward's torch.autograd.grad would break the graph
+    if torch.is_grad_enabled() and packed.requires_grad and not torch.compiler.is_compiling():
         return _CayleyNeumannLean.apply(packed, block_size, terms, kernels)
     return cayley_neumann(packed, block_size, terms, kernels=kernels)

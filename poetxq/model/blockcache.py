@@ -114,7 +114,11 @@ def _stack_q(sides: list[OrthogonalSide]) -> torch.Tensor:
     qs = [s.Q if s.mask is None else s.Q * s.mask for s in sides]
     if len(qs) == 1:
         return qs[0]
-    if all(s.mask is None for s in sides) and adjacent_span(qs) is not None:
+    if (
+        not torch.compiler.is_compiling()  # storage pointers cannot be traced: cat, same values
+        and all(s.mask is None for s in sides)
+        and adjacent_span(qs) is not None
+    ):
         return _AdjacentRows.apply(*qs)
     return torch.cat(qs)
 

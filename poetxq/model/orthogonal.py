@@ -137,7 +137,9 @@ class OrthogonalSide(nn.Module):
     def blocks_as(self, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`blocks` cast to ``dtype``, taken from the model's batched
         :class:`poetxq.model.blockcache.BlockCache` when one holds fresh blocks for this side."""
-        cache = self.block_cache
+        # under torch.compile each side's own CNP: the cache's staleness checks (Q._version)
+        # cannot be traced, and the compiler batches and fuses the CNPs itself
+        cache = None if torch.compiler.is_compiling() else self.block_cache
         g = cache.blocks(self, dtype) if cache is not None else None
         return g if g is not None else self.blocks().to(dtype)
 
