@@ -35,10 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 class Tiny(nn.Module):
     """Two projections named like Llama's (so the baselines target them) and a norm weight."""
 
-    def __init__(self, poet: bool, gen: torch.Generator) -> None:
+    def __init__(self, poet: bool, gen: torch.Generator, structure: str = "block") -> None:
         super().__init__()
         if poet:
-            kw = {"block_size": 8, "bits": 8, "generator": gen, "stochastic_requant": True}
+            kw = {"block_size": 8, "bits": 8, "generator": gen, "stochastic_requant": True,
+                  "structure": structure}  # fmt: skip
             self.q_proj, self.up_proj = POETXLinear(24, 40, **kw), POETXLinear(40, 24, **kw)
         else:
             self.q_proj, self.up_proj = nn.Linear(24, 40, bias=False), nn.Linear(40, 24)
@@ -54,7 +55,7 @@ def _setup(method: str):
     torch.manual_seed(0)  # nn.Linear init
     gen = torch.Generator().manual_seed(7)
     oc = OptimConfig(lr=0.02, poet_lr=0.05, warmup_steps=2, state_bits=8 if "8" in method else 32)
-    model = Tiny(method.startswith("poetxq"), gen)
+    model = Tiny(method.startswith("poetxq"), gen, "full" if method.endswith("-fs") else "block")
     if method.startswith("poetxq"):
         opt = build_optimizer(model, oc)
         if oc.state_bits == 8:  # 8-bit codes for these small tensors too (default: >= 4096)
@@ -100,7 +101,7 @@ def _save(tmp_path, step, model, opt, sched, merge_gen, keep_last=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method", ["poetxq", "poetxq-8bit", "qgalore", "qapollo", "galore", "adamw"]
+    "method", ["poetxq", "poetxq-8bit", "poetxq-fs", "qgalore", "qapollo", "galore", "adamw"]
 )
 def test_resumed_state_continues_bit_for_bit(tmp_path, method):
     """5 steps, save, 5 more steps; a fresh setup loaded from the checkpoint repeats the last 5

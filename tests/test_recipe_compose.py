@@ -28,8 +28,8 @@ SHAPES = {
 
 def test_all_sizes_and_methods_exist():
     assert sorted(SHAPES) == MODELS
-    assert set(METHODS) == {"poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore",
-                            "apollo", "adamw"}  # fmt: skip
+    assert set(METHODS) == {"poetxq", "poetxq4", "poetxq-fs", "poetx", "qgalore", "qapollo",
+                            "galore", "apollo", "adamw"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -60,6 +60,9 @@ class POETConfig(Section):
     requant: Literal["nearest", "stochastic"] = "nearest"
     quant_type: Literal["nf4", "fp4"] = "nf4"  # 4-bit code (bits = 4 only)
     double_quant: bool = True  # 4-bit: quantize absmax again (bitsandbytes compress_statistics)
+    # block: POET-BS, every b x b block of R and P trains; full: POET-FS, one b x b block per side
+    # rotates a random subset of b coordinates, drawn again at each merge (arXiv 2506.08001 §3.2)
+    structure: Literal["block", "full"] = "block"
     freeze_orthogonal: bool = False  # control: Q frozen at 0, only embeddings/norms/lm_head train
     # merge once more after the last step, so the final evaluation, model.safetensors and a
     # same-format export (hf-bnb8 of int8, hf-bnb4 of 4-bit) are one model, R = P = I

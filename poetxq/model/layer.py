@@ -250,12 +250,15 @@ class POETXLinear(nn.Module):
         stochastic_requant: stochastic rounding when re-quantizing at merges.
         kernels: the kernel policy of every call of this layer (and of its two orthogonal
             sides); default :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``).
+        structure: ``"block"`` (POET-BS: every ``b×b`` block of ``R`` and ``P`` trains) or
+            ``"full"`` (POET-FS: one block per side over a random subset of ``b`` coordinates,
+            drawn again at each merge; :mod:`poetxq.model.orthogonal`).
         generator: RNG for ``W0`` and the permutations.
         dtype: of ``Q`` (and of a 16-bit ``W'``); default fp32.
         device: where parameters and buffers live.
 
     Raises:
-        ValueError: bad ``bits``, ``variant`` or ``block_size``.
+        ValueError: bad ``bits``, ``variant``, ``block_size`` or ``structure``.
     """
 
     def __init__(
@@ -276,6 +279,7 @@ class POETXLinear(nn.Module):
         quant_type: str = "nf4",
         double_quant: bool = True,
         kernels: KernelPolicy | None = None,
+        structure: str = "block",
     ) -> None:
         super().__init__()
         if variant not in VARIANTS:
@@ -292,11 +296,11 @@ class POETXLinear(nn.Module):
         self._kernels = default_policy() if kernels is None else kernels
         self.P = OrthogonalSide(
             in_features, block_size, neumann_terms=neumann_terms, generator=generator,
-            dtype=dtype, device=device, kernels=self._kernels,
+            dtype=dtype, device=device, kernels=self._kernels, structure=structure,
         )  # fmt: skip
         self.R = OrthogonalSide(
             out_features, block_size, neumann_terms=neumann_terms, generator=generator,
-            dtype=dtype, device=device, kernels=self._kernels,
+            dtype=dtype, device=device, kernels=self._kernels, structure=structure,
         )  # fmt: skip
         w = weight.detach().to(device=device, dtype=torch.float32 if bits in (4, 8) else dtype)
         #: 4-bit: W'' = Ψ_m W0 (columns in input order, see FrozenStore); else W' = Ψ_m W0 Ψ_nᵀ
@@ -445,6 +449,7 @@ class POETXLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"b={self.block_size}, bits={self.bits}, variant={self.variant}"
+            + (", structure=full" if self.P.structure == "full" else "")
         )
 
 

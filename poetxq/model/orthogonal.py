@@ -9,6 +9,12 @@ Ragged dimensions (``d`` not a multiple of ``b``) are handled by padding to ``nb
 last block: the packed entries of ``Q`` that touch padded coordinates are held at zero, so that
 block is ``diag(G_r, I)`` with ``G_r`` the CNP of an ``r×r`` skew matrix — still orthogonal on the
 ``r`` real coordinates, which never mix with the (zero) padding.
+
+Fully stochastic (POET-FS, arXiv 2506.08001 §3.2; ``structure="full"``): one ``b×b`` orthogonal
+block rotates a random subset of ``b`` coordinates (the first ``b`` of the permuted order) and
+every other coordinate is left alone; a merge draws a new permutation, so a new subset. It is
+built as the block-stochastic side with every block but the first masked to ``Q = 0``
+(``G = I``): the same kernels, checkpoints and merges, at the block-stochastic side's cost.
 """
 
 from __future__ import annotations
@@ -47,6 +53,27 @@ def ragged_mask(dim: int, block_size: int) -> torch.Tensor | None:
     return mask
 
 
+#: ``structure`` of a side: block-stochastic (POET-BS, every block trains) or fully stochastic
+#: (POET-FS, one block over a random subset of ``b`` coordinates trains)
+STRUCTURES = ("block", "full")
+
+
+def side_mask(dim: int, block_size: int, structure: str = "block") -> torch.Tensor | None:
+    """Mask ``[nb, b(b-1)/2]`` (1 = trainable) of a side: :func:`ragged_mask` for ``"block"``;
+    for ``"full"`` ones in the first block only (``b ≤ dim``, so that block is never ragged).
+
+    Raises:
+        ValueError: unknown ``structure``.
+    """
+    if structure not in STRUCTURES:
+        raise ValueError(f"unknown structure {structure!r}; choose one of {STRUCTURES}")
+    if structure == "block":
+        return ragged_mask(dim, block_size)
+    mask = torch.zeros(num_blocks(dim, block_size), packed_size(block_size))
+    mask[0] = 1.0
+    return mask
+
+
 def random_permutation(dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """A uniformly random permutation of ``range(dim)`` (int64, CPU)."""
     return torch.randperm(dim, generator=generator)
@@ -60,7 +87,9 @@ class OrthogonalSide(nn.Module):
     Buffers:
         perm: ``Ψ`` as a gather index ``[dim]`` (int64): ``(Ψ x) = x[..., perm]``.
         inv_perm: its inverse ``[dim]``.
-        mask: ``[nb, b(b-1)/2]`` for a ragged last block (absent when ``b | dim``).
+        mask: ``[nb, b(b-1)/2]`` (:func:`side_mask`): a ragged last block's padding, or with
+            ``structure="full"`` every block but the first (absent for ``"block"`` when
+            ``b | dim``).
 
     Args:
         dim: features on this side (``n`` for ``P``, ``m`` for ``R``).
@@ -70,9 +99,10 @@ class OrthogonalSide(nn.Module):
         dtype, device: of ``Q``.
         kernels: the kernel policy of :meth:`blocks` (the owning layer's); default
             :func:`quant_kernels.policy.default_policy`.
+        structure: ``"block"`` (POET-BS) or ``"full"`` (POET-FS, module docstring).
 
     Raises:
-        ValueError: if ``b < 2`` or ``b > dim``.
+        ValueError: if ``b < 2`` or ``b > dim``, or an unknown ``structure``.
     """
 
     #: set by :class:`poetxq.model.blockcache.BlockCache` (batched CNP over all sides of a model)
@@ -89,6 +119,7 @@ class OrthogonalSide(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         kernels: KernelPolicy | None = None,
+        structure: str = "block",
     ) -> None:
         super().__init__()
         #: kernel policy of the CNP (set by the owning layer: ``POETXLinear.use_kernels``)
@@ -107,7 +138,8 @@ class OrthogonalSide(nn.Module):
         perm = random_permutation(dim, generator).to(device)
         self.register_buffer("perm", perm)
         self.register_buffer("inv_perm", torch.argsort(perm))
-        mask = ragged_mask(dim, block_size)
+        self.structure = structure
+        mask = side_mask(dim, block_size, structure)
         self.register_buffer("mask", None if mask is None else mask.to(device=device, dtype=dtype))
 
     @property
@@ -117,7 +149,8 @@ class OrthogonalSide(nn.Module):
 
     @property
     def ragged(self) -> bool:
-        return self.mask is not None
+        """Whether ``b`` does not divide ``dim`` (the last block is padded)."""
+        return self.dim % self.block_size != 0
 
     def num_trainable(self) -> int:
         """Effective trainable entries (masked padding entries excluded)."""
@@ -165,4 +198,8 @@ class OrthogonalSide(nn.Module):
             if self.ragged
             else ""
         )
-        return f"dim={self.dim}, b={self.block_size}, blocks={self.nb}, k={self.neumann_terms}{rag}"
+        fs = ", fully stochastic (one trained block)" if self.structure == "full" else ""
+        return (
+            f"dim={self.dim}, b={self.block_size}, blocks={self.nb}, k={self.neumann_terms}"
+            f"{rag}{fs}"
+        )

@@ -41,6 +41,7 @@ class SurgeryReport:
     variant: str = "mem"
     quant_type: str = "nf4"
     fused_mlps: int = 0  # MLPs replaced by POETXSwiGLUMLP
+    structure: str = "block"  # POET-BS or POET-FS (poetxq.model.orthogonal)
 
     def ragged(self) -> list[ConvertedLayer]:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
@@ -214,8 +215,9 @@ def convert_to_poetx(
             is on the meta device with ``keep_weights`` or without ``device``.
     """
     report = SurgeryReport(
-        block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant, quant_type=cfg.quant_type
-    )
+        block_size=cfg.block_size, bits=cfg.bits, variant=cfg.variant, quant_type=cfg.quant_type,
+        structure=cfg.structure,
+    )  # fmt: skip
     targets = [
         (name, mod)
         for name, mod in model.named_modules()
@@ -253,6 +255,7 @@ def convert_to_poetx(
             bits=cfg.bits,
             variant=cfg.variant,
             neumann_terms=cfg.neumann_terms,
+            structure=cfg.structure,
             bias=lin.bias is not None,
             stochastic_requant=cfg.requant == "stochastic",
             generator=generator,
@@ -327,7 +330,9 @@ def summarize(model: nn.Module, report: SurgeryReport) -> str:
         shapes[key] = shapes.get(key, 0) + 1
     lines = [
         f"POET-X surgery: {len(report.layers)} linear layers converted "
-        f"(b={report.block_size}, variant={report.variant}, W0 {kind})",
+        f"(b={report.block_size}, variant={report.variant}, W0 {kind}"
+        + (", fully stochastic: one b x b block per side" if report.structure == "full" else "")
+        + ")",
     ]
     for (proj, m, n), count in shapes.items():
         lines.append(f"  {count:3d} x {proj:<9s} {m}x{n}")

@@ -309,7 +309,10 @@ def _check_pretrained(recipe: Recipe) -> None:
         recipe.data.tokenizer = recipe.model.pretrained  # type: ignore[assignment]
 
 
-METHOD_LABELS = ("poetxq4", "poetxq", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
+METHOD_LABELS = (
+    "poetxq4-fs", "poetxq-fs", "poetx-fs", "poetxq4", "poetxq", "poetx", "qgalore", "qapollo",
+    "galore", "apollo", "adamw",
+)  # fmt: skip
 
 
 def poet_variant(recipe: Recipe) -> str | None:
@@ -319,9 +322,11 @@ def poet_variant(recipe: Recipe) -> str | None:
 
 def method_label(recipe: Recipe) -> str:
     """Short label of what a recipe trains: ``poetxq`` (int8 W0), ``poetxq4`` (4-bit W0),
-    ``poetx`` (unquantized W0) or the baseline's method name."""
+    ``poetx`` (unquantized W0), each with ``-fs`` for fully stochastic rotations
+    (``poet.structure: full``), or the baseline's method name."""
     if recipe.method == "poetxq":
-        return {8: "poetxq", 4: "poetxq4"}.get(recipe.poet.bits, "poetx")
+        label = {8: "poetxq", 4: "poetxq4"}.get(recipe.poet.bits, "poetx")
+        return label + ("-fs" if recipe.poet.structure == "full" else "")
     return recipe.method
 
 
