@@ -5,6 +5,8 @@ Runs, with identical data, seed and steps:
   * ``bits16``  — ``--bits 16`` (unquantized POET-X; fp32 on CPU),
   * ``control`` — ``--bits 8 --freeze-orthogonal`` (R = P = I frozen; only embeddings, norms and
     lm_head train),
+  * ``nf4`` — ``--bits 4`` (NF4 W0) and ``fs`` — POET-FS with b = 128 (``poet.structure: full``),
+    on request (``--runs``),
 and writes one JSON with their validation perplexities, the unigram perplexity of the validation
 split (add-one smoothing, counts from the training split), wall time and the checks of the issue:
 int8 < 0.25 × unigram, int8 ≥ 10 % better than control, |bits16 − int8| ≤ 5 % of int8.
@@ -33,6 +35,9 @@ RUNS = {
     "bits16": ["--bits", "16"],
     "control": ["--bits", "8", "--freeze-orthogonal"],
     "nf4": ["--bits", "4", "--quant-type", "nf4"],
+    # POET-FS at the paper's b = n/2 (d = 256): one 128 x 128 rotation per side, a new subset at
+    # each merge (poet.structure: full)
+    "fs": ["--bits", "8", "--set", "poet.structure=full", "--block-size", "128"],
 }
 
 
@@ -85,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         i8, nf4 = results["int8"]["final_val_ppl"], results["nf4"]["final_val_ppl"]
         report.setdefault("checks", {})["nf4_vs_int8_rel"] = (nf4 - i8) / i8
         report["checks"]["nf4_within_10pct_of_int8"] = abs(nf4 - i8) <= 0.10 * i8
+    if {"int8", "fs"} <= results.keys():
+        i8, fs = results["int8"]["final_val_ppl"], results["fs"]["final_val_ppl"]
+        report.setdefault("checks", {})["fs_vs_int8_rel"] = (fs - i8) / i8
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report.get("checks", {}), indent=2))
