@@ -621,14 +621,13 @@ def execute(
 
 
 def _device_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
-    except ImportError:
-        pass
+    """``N x <GPU name>`` when CUDA is there, else ``cpu (<machine>)``."""
     import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
 
     return f"cpu ({platform.machine()})"
 

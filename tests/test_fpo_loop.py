@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama
+from transformers import AutoModelForCausalLM
 
 from poetxq.adapt.fpo import FPOAdapter
 from poetxq.adapt.loop import LoopConfig, adapt, batch_indices
 
 
 def _tiny():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def _windows(n, seed):

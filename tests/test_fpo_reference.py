@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_llama import tiny_llama
 
 from poetxq.adapt.fpo import MLP_PROJS, FPOAdapter
 from poetxq.adapt.reference import AutogradAdapter
 
 
 def _tiny():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def _batch():

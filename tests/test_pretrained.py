@@ -6,7 +6,8 @@ import json
 import bitsandbytes.functional as bnbF
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tiny_llama import save_tiny_checkpoint
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from poetxq.model.surgery import convert_to_poetx, poet_layers
 from poetxq.tools.cli import main
@@ -30,30 +31,9 @@ def _cache(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A small Llama (d=64, 2 layers) and a 384-token byte-level BPE, saved side by side."""
-    import pydoc_data.topics
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=["</s>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
-    tok.train_from_iterator(list(pydoc_data.topics.topics.values())[::2], trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        eos_token_id=hf_tok.eos_token_id, bos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
     path = tmp_path_factory.mktemp("ckpt") / "tiny-llama"
-    LlamaForCausalLM(config).save_pretrained(str(path))
-    hf_tok.save_pretrained(str(path))
-    return path
+    return save_tiny_checkpoint(path, hidden_size=64, intermediate_size=128, layers=2,
+                                text_stride=2)  # fmt: skip
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -377,7 +377,7 @@ def _plots(runs: list[Run], out: Path) -> None:
         _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
         plt.close(fig)
 
-    if any(m.get("diag_orth_error") is not None for r in runs for m in r.metrics):
+    if _has_diagnostics(runs):
         _diagnostics_plot(runs, out, plt)
     curves("loss", "loss.png", "training loss (nats)", logy=False)
     curves("val_ppl", "val_ppl.png", "validation perplexity", logy=True)
@@ -386,6 +386,11 @@ def _plots(runs: list[Run], out: Path) -> None:
     kinds = {k for _, k in mem if k}
     bars([None if b is None else b / 2**30 for b, _ in mem], "peak_memory.png",
          "peak memory (GiB" + (", " + "/".join(sorted(kinds)) if kinds else "") + ")")  # fmt: skip
+
+
+def _has_diagnostics(runs: list[Run]) -> bool:
+    """Whether any run logged ``train.diagnostics_every`` records."""
+    return any(m.get("diag_orth_error") is not None for r in runs for m in r.metrics)
 
 
 def _diagnostics_plot(runs: list[Run], out: Path, plt: Any) -> None:
@@ -480,9 +485,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
               "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
     for name in PLOTS:
         lines += [f"![{titles[name]}]({name})", ""]
-    if (out / "diagnostics.png").is_file() and any(
-        "diag_orth_error" in m for r in runs for m in r.metrics
-    ):
+    if _has_diagnostics(runs):  # _plots drew diagnostics.png
         lines += ["![Diagnostics (train.diagnostics_every)](diagnostics.png)", ""]
     lines += ["## Runs", ""]
     for run in sorted(runs, key=_order):
