@@ -519,6 +519,11 @@ def _startable(
     return None
 
 
+def _out_of_memory(line: str) -> bool:
+    """Whether a worker's last log line is CUDA's out-of-memory error (torch.OutOfMemoryError)."""
+    return "OutOfMemoryError" in line or "CUDA out of memory" in line
+
+
 def _progress(path: Path) -> str:
     """The worker's last trainer progress line (``step N ...``), or its last line."""
     try:
@@ -577,12 +582,17 @@ def execute(
                 how = "diverged" if rec["diverged"] else f"tune ppl {rec['tune_ppl']:.3f}"
                 echo(f"done {w.spec['id']}: {how}, {durations[-1]:.0f} s")
             else:
-                failed.add(w.spec["id"])
                 log = w.run_dir / "worker.log"
-                echo(
-                    f"FAILED {w.spec['id']} (exit {w.proc.returncode}): {_last_line(log)}; "
-                    f"see {log}"
-                )
+                last = _last_line(log)
+                if _out_of_memory(last) and running:
+                    # the GPU is shared too thinly: run the others first, this one again later
+                    jobs = len(running)
+                    echo(f"out of GPU memory in {w.spec['id']} with {len(running) + 1} runs "
+                         f"sharing the GPU: it goes back in the queue and at most {jobs} run "
+                         "at a time from now (lower --jobs next time)")  # fmt: skip
+                    continue
+                failed.add(w.spec["id"])
+                echo(f"FAILED {w.spec['id']} (exit {w.proc.returncode}): {last}; see {log}")
         elapsed = time.monotonic() - t0
         if deadline is not None and elapsed >= deadline and running:
             for w in running:
@@ -709,7 +719,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("study", nargs="+" if cmd == "report" else None, help="study YAML file")
         p.add_argument("--results", help="results JSON (default: the study's 'results')")
         if cmd == "run":
-            p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+            p.add_argument(
+                "--jobs", type=int, default=1,
+                help="runs at a time (default 1). At Llama-60M each run holds 20-34 GiB of GPU "
+                "memory, so 4 share one H200; a run that runs out of GPU memory goes back in "
+                "the queue and fewer run at a time from then on",
+            )  # fmt: skip
             p.add_argument("--gpus", help="comma-separated GPU ids to spread runs over")
             p.add_argument(
                 "--deadline", type=float, metavar="SECONDS",

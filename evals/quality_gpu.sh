@@ -5,7 +5,7 @@
 # seconds, and leaves the updated results JSON and the log in $OUT. Runs stopped by the deadline
 # keep a checkpoint under runs/quality/ and resume in the next call on the same machine.
 #
-#   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 520 3
+#   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 520 4   (4 jobs fit one H200 at 60M)
 set -uo pipefail
 # the commit the results record: .commit (written beside a snapshot) when the tree has no .git
 if [ -z "${POETXQ_COMMIT:-}" ] && [ -f .commit ]; then export POETXQ_COMMIT=$(cat .commit); fi

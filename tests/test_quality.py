@@ -443,6 +443,61 @@ def test_run_recipe_sets_the_run_length_seed_and_schedule(tmp_path, corpus):
     assert r.optim.lr == 2e-3 and r.optim.warmup_steps == 1 and r.train.save_checkpoint
 
 
+_FAKE_WORKER = """
+import json, sys, time
+from pathlib import Path
+run_dir = Path(sys.argv[1])
+spec = json.loads((run_dir / "spec.json").read_text())
+tries = run_dir / "tries"
+n = int(tries.read_text()) + 1 if tries.exists() else 1
+tries.write_text(str(n))
+time.sleep(0.2 if spec["method"] == "adamw" and n == 1 else 0.6)
+if spec["method"] == "adamw" and n == 1:
+    print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB.")
+    sys.exit(1)
+rec = {"id": spec["id"], "method": spec["method"], "diverged": None, "tune_ppl": 20.0 + n,
+       "test_ppl": 21.0, "train_seconds": 1.0}
+(run_dir / "result.json").write_text(json.dumps(rec))
+"""
+
+
+def test_a_run_out_of_gpu_memory_is_requeued_with_fewer_runs_at_a_time(
+    tmp_path, corpus, monkeypatch
+):
+    import subprocess
+    import sys
+
+    import evals.quality as q
+
+    class FakeWorker(q._Worker):
+        def __init__(self, spec, study_file, run_dir, gpu):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "spec.json").write_text(json.dumps(spec))
+            self.spec, self.run_dir, self.gpu = spec, run_dir, gpu
+            self.log = (run_dir / "worker.log").open("a")
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _FAKE_WORKER, str(run_dir)],
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+            )
+            self.start = q.time.monotonic()
+
+    monkeypatch.setattr(q, "_Worker", FakeWorker)
+    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
+    study = load_study(study_file)
+    lines: list[str] = []
+    results = q.execute(study, study_file, Path(study.results), jobs=4, gpus=None,
+                        deadline=None, max_runs=None, echo=lines.append)  # fmt: skip
+    oom = [ln for ln in lines if ln.startswith("out of GPU memory")]
+    # both adamw runs ran out of memory beside the others, were re-queued, then finished
+    assert len(oom) == 2 and not any(ln.startswith("FAILED") for ln in lines), lines
+    assert "with 4 runs sharing the GPU" in oom[0] and "at most 3 run at a time" in oom[0]
+    assert "at most 2 run at a time" in oom[1]  # 3 sharing after the first: jobs 3 -> 2
+    assert len(results["runs"]) == 4
+    adamw = [r for r in results["runs"].values() if r["method"] == "adamw"]
+    assert [r["tune_ppl"] for r in adamw] == [22.0, 22.0]  # each finished on its second try
+
+
 @pytest.mark.slow
 def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     from evals.quality import execute
