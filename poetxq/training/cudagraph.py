@@ -58,7 +58,8 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     that ran Llama-1B at 69,432 tokens/s against eager DDP's 22,605,
     ``evals/results/multi_gpu_step_h200x2_ab6a379.json``) — without ``gradient_checkpointing``
     and the other
-    memory options (``offload_activations``, ``loss_chunk_tokens``, ``optimizer_in_backward``):
+    memory options (``offload_activations``, ``loss_chunk_tokens``, ``optimizer_in_backward``,
+    ``offload_optimizer``):
     there the step issues thousands of small launches, and replaying them took a Llama-1B step
     from 0.32 to 0.21 s and a Llama-8B one from 0.30 to 0.27 s on an H200
     (``evals/results/throughput_1b_h200_54e0272.json``, ``gpu_memory_8b_*_hybrid_h200.json``).
@@ -76,6 +77,7 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
         or tc.offload_activations
         or tc.loss_chunk_tokens
         or tc.optimizer_in_backward
+        or tc.offload_optimizer
     )
     return (
         torch.device(device).type == "cuda"

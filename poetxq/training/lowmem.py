@@ -32,7 +32,7 @@ from torch import nn
 from torch.autograd.graph import save_on_cpu
 from torch.utils.checkpoint import checkpoint
 
-from poetxq.training.optim import bnb_update_one, is_bnb_8bit
+from poetxq.training.optim import update_one
 
 _CKPT_KWARGS = {"use_reentrant": False}
 
@@ -178,10 +178,6 @@ class OptimizerInBackward:
                 )
             if p.requires_grad:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._step_one))
-        # bitsandbytes' 8-bit optimizers synchronize the device after every parameter in
-        # step(), which inside backward would stall the CPU once per parameter: their own
-        # per-parameter update (the body of that loop) is called instead, without the sync
-        self._bnb_update = is_bnb_8bit(optimizer)  # (a paged one keeps step() and its sync)
         #: parameters updated since the last :meth:`reset_count` (one per hooked parameter per
         #: backward): lets the caller check that a backward reached every parameter
         self.updated = 0
@@ -189,19 +185,7 @@ class OptimizerInBackward:
     @torch.no_grad()
     def _step_one(self, p: torch.Tensor) -> None:
         gi, pi = self._where[id(p)]
-        opt, groups = self.optimizer, self.optimizer.param_groups
-        if self._bnb_update:
-            bnb_update_one(opt, gi, pi, p)
-        else:
-            saved = [g["params"] for g in groups]
-            try:
-                for g in groups:
-                    g["params"] = []
-                groups[gi]["params"] = [p]
-                opt.step()
-            finally:
-                for g, ps in zip(groups, saved, strict=True):
-                    g["params"] = ps
+        update_one(self.optimizer, gi, pi, p)
         p.grad = None
         self.updated += 1
 

@@ -117,6 +117,31 @@ def bnb_update_one(
     opt.update_step(opt.param_groups[group_index], p, group_index, param_index)
 
 
+@torch.no_grad()
+def update_one(
+    optimizer: torch.optim.Optimizer, group_index: int, param_index: int, p: torch.Tensor
+) -> None:
+    """Update the single parameter ``p`` (``optimizer.param_groups[group_index]["params"]
+    [param_index]``) from its ``.grad`` with ``optimizer``'s own rule, leaving every other
+    parameter as it is: :func:`bnb_update_one` for a (non-paged) bitsandbytes 8-bit optimizer;
+    otherwise one ``optimizer.step()`` with every param group emptied but ``p``'s, which holds
+    ``p`` alone (the groups are restored afterwards, also on error). Exact for update rules in
+    which one parameter's update reads no other's gradient (Adam-type rules)."""
+    if is_bnb_8bit(optimizer):
+        bnb_update_one(optimizer, group_index, param_index, p)
+        return
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        for g in groups:
+            g["params"] = []
+        groups[group_index]["params"] = [p]
+        optimizer.step()
+    finally:
+        for g, ps in zip(groups, saved, strict=True):
+            g["params"] = ps
+
+
 def bnb_ensure_state(
     optimizer: torch.optim.Optimizer, group_index: int, param_index: int, p: torch.Tensor
 ) -> None:

@@ -136,6 +136,10 @@ class TrainConfig(Section):
     # cuda_graph: true (POET methods, optim.state_bits: 8) the updates are captured inside the
     # graph's backward (poetxq.training.graph_optim)
     optimizer_in_backward: bool = False
+    # keep the gradients and optimizer states in pinned host memory; each parameter's share
+    # comes to the GPU only for its update, after backward (poetxq.training.offload.HostOffload):
+    # clipping and accumulation exact, one process, eager steps
+    offload_optimizer: bool = False
     # cross-entropy over chunks of this many tokens, logits recomputed in backward and never
     # held whole (poetxq.training.loss); 0: one [tokens, vocab] logits tensor as usual
     loss_chunk_tokens: int = Field(0, ge=0)
@@ -144,7 +148,8 @@ class TrainConfig(Section):
         """The memory settings that are on, e.g. ``["gradient_checkpointing",
         "loss_chunk_tokens=256"]`` (``summary.json``, ``poetxq report``)."""
         on = [k for k in ("gradient_checkpointing", "offload_activations",
-                          "optimizer_in_backward") if getattr(self, k)]  # fmt: skip
+                          "optimizer_in_backward", "offload_optimizer")
+              if getattr(self, k)]  # fmt: skip
         return on + (
             [f"loss_chunk_tokens={self.loss_chunk_tokens}"] if self.loss_chunk_tokens else []
         )
@@ -177,7 +182,7 @@ class Recipe(Section):
             self._notes.append(note)
 
     def _check_memory_options(self) -> None:
-        """``train.offload_activations`` / ``optimizer_in_backward`` / ``loss_chunk_tokens``:
+        """``train.offload_activations`` / ``optimizer_in_backward`` / ``offload_optimizer``:
         what they need (every unmet need in one message)."""
         tc = self.train
         if tc.offload_activations and not tc.gradient_checkpointing:
@@ -185,6 +190,22 @@ class Recipe(Section):
                 "train.offload_activations moves the checkpointed layer inputs to the host; "
                 "set train.gradient_checkpointing: true as well (or offload_activations: false)"
             )
+        if tc.offload_optimizer:
+            if self.method not in ("poetxq", "poetx", "adamw"):
+                raise ValueError(
+                    f"train.offload_optimizer applies to poetxq, poetx and adamw, not "
+                    f"{self.method}; set train.offload_optimizer: false"
+                )
+            if tc.optimizer_in_backward:
+                raise ValueError(
+                    "train.offload_optimizer and train.optimizer_in_backward are two ways to "
+                    "keep gradients off the GPU; set one of them to false"
+                )
+            if tc.cuda_graph is True:
+                raise ValueError(
+                    "train.offload_optimizer runs eager steps; set train.cuda_graph: false "
+                    "(or auto)"
+                )
         if not tc.optimizer_in_backward:
             return
         if self.method not in ("poetxq", "poetx", "adamw"):

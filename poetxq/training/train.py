@@ -68,6 +68,7 @@ from poetxq.training.evaluate import evaluate_perplexity
 from poetxq.training.graph_optim import GraphedInBackward, hooks_for
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
+from poetxq.training.offload import HostOffload
 from poetxq.training.optim import (
     build_optimizer,
     build_scheduler,
@@ -240,11 +241,9 @@ def train(
             )
     graph = graph_wanted(recipe, accelerator.device, world)
     sync = grad_sync_mode(tc, graph, world)  # "none", "ddp" or "step"
-    if world > 1 and tc.optimizer_in_backward:  # updates before any all-reduce could run
-        raise RunDirError(
-            "train.optimizer_in_backward runs in one process only; set "
-            "train.optimizer_in_backward: false"
-        )
+    for key in ("optimizer_in_backward", "offload_optimizer"):  # no all-reduce of their grads
+        if world > 1 and getattr(tc, key):
+            raise RunDirError(f"train.{key} runs in one process only; set train.{key}: false")
     if sync == "ddp" and tc.loss_chunk_tokens:  # it calls the bare model, past DDP's hooks
         raise RunDirError(
             "train.loss_chunk_tokens cannot run under DDP; set train.grad_sync: step (or auto), "
@@ -300,7 +299,8 @@ def train(
     say(built.summary(recipe))
     say(built.build_line())
     if is_poet:
-        optimizer = build_optimizer(model, oc)
+        # HostOffload moves each parameter's states on their own: no flattened groups
+        optimizer = build_optimizer(model, oc, flatten=not tc.offload_optimizer)
         relayout_if_wanted(model, optimizer, built.device, say)
     else:
         assert built.baseline is not None
@@ -340,6 +340,9 @@ def train(
         )  # fmt: skip
         resumed = meta["loop"]
         say(f"resumed from {resume_from} (step {meta['step']} of {tc.max_steps})")
+    # train.offload_optimizer: gradients and optimizer states wait in host memory (a resumed
+    # optimizer's states go there now); clipping and the update run in offload.step()
+    offload = HostOffload(raw_optimizer) if tc.offload_optimizer else None
     if device.type == "cuda":
         # peak_memory_bytes measures training from here on: the built model and optimizer, the
         # steps' activations and optimizer states, evaluations and checkpoint writes; not the
@@ -459,7 +462,9 @@ def train(
 
     for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
-        for _ in range(tc.grad_accum):
+        for micro in range(tc.grad_accum):
+            if offload is not None:  # the last backward's gradients are the step's: their norm
+                offload.final = micro == tc.grad_accum - 1
             batch = next(batches).to(device)
             position += 1
             with accelerator.accumulate(model):
@@ -483,7 +488,9 @@ def train(
         to_average += [q.float_grad for q in qmods if q.float_grad is not None]
         all_reduce_float_grads(to_average)
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
-        if in_backward is not None:  # updated and freed during backward: no norm to log
+        if offload is not None:  # the exact global norm, clipping and every update
+            grad_norm = offload.step(max_norm or float("inf"))
+        elif in_backward is not None:  # updated and freed during backward: no norm to log
             grad_norm = float("nan")
         elif qmods:
             grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
@@ -495,7 +502,7 @@ def train(
                 f"step {step}: train.optimizer_in_backward updated no parameter in backward; "
                 "set train.optimizer_in_backward: false"
             )
-        # with the optimizer in backward every gradient was applied and freed already: step()
+        # with the optimizer in backward (or offload) every gradient was applied and freed: step()
         # finds none and does nothing (the LR scheduler still sees it called, in order)
         optimizer.step()
         scheduler.step()
