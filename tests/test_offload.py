@@ -178,3 +178,48 @@ def test_recipe_refuses_what_offload_cannot_do(over, needle):
     method = over.pop("method", "poetxq")
     with pytest.raises(RecipeError, match=needle):
         load_recipe(f"llama-60m:{method}", {"train.offload_optimizer": True, **over})
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_estimate_books_the_host_buffers_of_a_built_model(state_bits):
+    """The estimator's offload terms against a real model's HostOffload after one accumulated
+    step: host bytes = every gradient buffer + every optimizer state; the update's transient =
+    the largest parameter's gradient + its states; the accumulator = that gradient again."""
+    from poetxq.baselines.lowrank import optimizer_state_bytes
+    from poetxq.model.surgery import build_llama, convert_to_poetx
+    from poetxq.tools.estimate import estimate_memory
+    from poetxq.training.evaluate import causal_lm_loss
+    from poetxq.training.optim import build_optimizer
+    from poetxq.training.recipe_files import load_recipe
+
+    vocab = 96
+    recipe = load_recipe(None, {
+        "model.hidden_size": 64, "model.intermediate_size": 176, "model.num_hidden_layers": 2,
+        "model.num_attention_heads": 4, "poet.block_size": 32, "optim.state_bits": state_bits,
+        "train.offload_optimizer": True, "train.grad_accum": 2,
+    })  # fmt: skip
+    est = estimate_memory(recipe, vocab_size=vocab, precision="fp32")
+    torch.manual_seed(0)
+    model = build_llama(recipe.model, vocab)
+    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    opt = build_optimizer(model, recipe.optim, flatten=False)
+    engine = HostOffload(opt)
+    for i in range(2):
+        engine.final = i == 1
+        causal_lm_loss(model, torch.randint(0, vocab, (2, 17))).backward()
+    engine.step(1.0)
+    grads = sum(b.nbytes for b in engine.grads.values())
+    assert est.host_optimizer == grads + optimizer_state_bytes(opt)
+    largest = max((p for p in model.parameters() if p.requires_grad), key=lambda p: p.numel())
+    # 8-bit: codes, absmax and bitsandbytes' two 256-entry fp32 code maps (qmap1/2)
+    state = sum(t.nbytes for t in opt.state[largest].values() if torch.is_tensor(t))
+    assert est.offload_transient == largest.nbytes + state
+    assert est.offload_accumulator == largest.nbytes
+    assert est.peak == (
+        est.frozen_weights + est.buffers + est.trainable_params
+        + max(est.activations + est.logits + est.workspace + est.lm_head_grad
+              + est.offload_accumulator,
+              est.in_backward_gradients + est.layer_activations + est.workspace
+              + est.offload_accumulator,
+              est.offload_transient)
+    )  # fmt: skip

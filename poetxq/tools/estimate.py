@@ -128,8 +128,19 @@ class MemoryEstimate:
     #: torch AdamW's temporary while it updates the largest parameter alone (bitsandbytes'
     #: 8-bit update is in place: 0)
     in_backward_transient: int = 0
-    #: train.offload_activations: the checkpointed layer inputs, in pinned host memory
+    #: train.offload_optimizer: gradients and optimizer states wait in host memory
+    #: (poetxq.training.offload.HostOffload); the GPU holds one parameter's share at a time
+    offload_optimizer: bool = False
+    #: with offload_optimizer: the largest parameter's gradient and optimizer states, on the GPU
+    #: during its update after backward
+    offload_transient: int = 0
+    #: with offload_optimizer and gradient accumulation: the largest gradient's accumulator,
+    #: brought back from the host beside the new gradient (from the second micro-batch on)
+    offload_accumulator: int = 0
+    #: pinned host memory: the checkpointed layer inputs (train.offload_activations), and the
+    #: gradients and optimizer states (train.offload_optimizer)
     host_offloaded: int = 0
+    host_optimizer: int = 0  #: the part of host_offloaded that is gradients and states
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
     #: train.cuda_graph on a GPU: the gradients are static tensors made before the capture
     #: (poetxq.training.cudagraph.GraphedMicroStep), so all of them exist from the start of backward
@@ -142,13 +153,21 @@ class MemoryEstimate:
 
     def __post_init__(self) -> None:
         persistent = self.frozen_weights + self.buffers + self.trainable_params
-        persistent += self.optimizer_states
+        persistent += 0 if self.offload_optimizer else self.optimizer_states
         # backward starts with every activation saved and ends with every gradient made while
         # the last layer's activations (or its recomputation) are still alive
         start = self.activations + self.logits + self.workspace + self.lm_head_grad
         if self.cuda_graph and not self.optimizer_in_backward:
             start += self.gradients - self.lm_head_grad  # every gradient, lm_head's included
-        if self.optimizer_in_backward:
+        if self.offload_optimizer:
+            # each gradient leaves for the host as it completes (lm_head's first, joined from
+            # the second micro-batch on by its accumulator); after backward one parameter's
+            # gradient and states at a time come back for its update
+            start += self.offload_accumulator
+            end = self.in_backward_gradients + self.layer_activations + self.workspace
+            end += self.offload_accumulator
+            step = self.offload_transient
+        elif self.optimizer_in_backward:
             # updated as they complete: lm_head's gradient (and its update's temporary) at the
             # start, at most one layer's gradients later; no separate optimizer step
             start += self.in_backward_transient
@@ -228,6 +247,7 @@ def estimate_memory(
     cast_weights = 0  # autocast bf16 copies of nn.Linear weights per layer
     largest_mn = max(m * n for _, m, n in projections(recipe))
     lowrank_states = 0
+    largest_train = 0  # elements of the largest trainable tensor
     group = recipe.baseline.weight_group_size or (256 if recipe.method == "qgalore" else 128)
 
     def adam_states(numel: int) -> int:
@@ -242,10 +262,11 @@ def estimate_memory(
 
     def adam_param(numel: int) -> None:
         """A parameter trained with plain AdamW (torch's, or LowRankAdamW's adamw group)."""
-        nonlocal params, grads, states, n_train
+        nonlocal params, grads, states, n_train, largest_train
         params += numel * p
         grads += numel * p
         n_train += numel
+        largest_train = max(largest_train, numel)
         # torch AdamW: moments in the param dtype + a 4-byte step; LowRankAdamW: fp32 moments
         states += 8 * numel if lowrank else adam_states(numel)
 
@@ -260,6 +281,7 @@ def estimate_memory(
             for dim in (n, m):
                 nb, per, ragged = side_blocks(dim, b)
                 q_numel = nb * per
+                largest_train = max(largest_train, q_numel)
                 params += q_numel * p
                 q_bytes += q_numel * p
                 grads += q_numel * p
@@ -354,13 +376,22 @@ def estimate_memory(
     head = 8 * B * (S + 1) + rotary + T * head_norm
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
     host = 0
+    offload_tmp = offload_acc = 0
+    if tc.offload_optimizer:
+        host += grads + states
+        offload_tmp = largest_train * p + adam_states(largest_train)
+        offload_acc = largest_train * p if tc.grad_accum > 1 else 0
+        notes.append(
+            f"offload: gradients and optimizer states ({(grads + states) / 2**30:.2f} GiB) wait "
+            "in pinned host memory; one parameter's at a time on the GPU for its update"
+        )
     if tc.gradient_checkpointing:
         acts = head + layer_full  # one layer recomputed, + the layer inputs unless offloaded
         inputs = L * T * d * r
         if tc.offload_activations and precision != "fp32":
-            host = inputs
+            host += inputs
             notes.append(
-                f"offload: the layer inputs ({host / 2**30:.2f} GiB) wait in pinned host memory"
+                f"offload: the layer inputs ({inputs / 2**30:.2f} GiB) wait in pinned host memory"
             )
         else:
             acts += inputs
@@ -412,6 +443,9 @@ def estimate_memory(
         num_frozen=n_frozen, layer_activations=layer_full, head_activations=head,
         optimizer_in_backward=tc.optimizer_in_backward, in_backward_gradients=in_backward_grads,
         in_backward_transient=lm_head_grad if oc.state_bits == 32 else 0,
+        offload_optimizer=tc.offload_optimizer, offload_transient=offload_tmp,
+        offload_accumulator=offload_acc,
+        host_optimizer=grads + states if tc.offload_optimizer else 0,
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
         cuda_graph=graph and precision != "fp32",
     )  # fmt: skip

@@ -91,9 +91,11 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
             (
                 "gradients",
                 est.in_backward_gradients,
-                f"alive at once, optimizer in backward (all: {est.gradients / 2**30:.3f} GiB)",
+                f"alive at once, "
+                + ("then to the host" if est.offload_optimizer else "optimizer in backward")
+                + f" (all: {est.gradients / 2**30:.3f} GiB)",
             )
-            if est.optimizer_in_backward
+            if est.optimizer_in_backward or est.offload_optimizer
             else (
                 "gradients",
                 est.gradients,
@@ -102,7 +104,9 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
                 else "all present at the optimizer step",
             )
         ),
-        ("optimizer states", est.optimizer_states, ""),
+        ("optimizer states", 0, f"in host memory (all: {est.optimizer_states / 2**30:.3f} GiB)")
+        if est.offload_optimizer
+        else ("optimizer states", est.optimizer_states, ""),
         ("activations", est.activations, f"checkpointing {ckpt}"),
         (
             "logits / loss",
@@ -111,12 +115,16 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
             + (f" in chunks of {est.loss_chunk_tokens} tokens" if est.loss_chunk_tokens else ""),
         ),
         ("workspace", est.workspace, "largest layer's transients"),
-        ("optimizer temporaries", est.in_backward_transient, "per parameter, inside backward")
+        ("optimizer temporaries", est.offload_transient, "one parameter's gradient and states")
+        if est.offload_optimizer
+        else ("optimizer temporaries", est.in_backward_transient, "per parameter, inside backward")
         if est.optimizer_in_backward
         else ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
     ]
     if est.host_offloaded:
-        rows.append(("offloaded to host (not GPU)", est.host_offloaded, "checkpointed inputs"))
+        what = ["checkpointed inputs"] if est.host_offloaded > est.host_optimizer else []
+        what += ["gradients, optimizer states"] if est.host_optimizer else []
+        rows.append(("offloaded to host (not GPU)", est.host_offloaded, " + ".join(what)))
     head = (
         f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
         f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"
