@@ -91,7 +91,7 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
             (
                 "gradients",
                 est.in_backward_gradients,
-                f"alive at once, "
+                "alive at once, "
                 + ("then to the host" if est.offload_optimizer else "optimizer in backward")
                 + f" (all: {est.gradients / 2**30:.3f} GiB)",
             )
