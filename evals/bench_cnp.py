@@ -1,8 +1,8 @@
 """Benchmark + real-size check of the fused CNP (:mod:`quant_kernels.cnp_hybrid`) (GPU).
 
 The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
-``recipes/models/llama-8b.yaml`` as :mod:`poetxq.tools.estimate` reads them (32 layers; q, k, v, o
-4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear ``m×n`` has
+``recipes/models/llama-8b.yaml`` as :mod:`poetxq.training.estimate` reads them (32 layers;
+q, k, v, o 4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear ``m×n`` has
 ``⌈m/b⌉`` blocks in R and ``⌈n/b⌉`` in P, 11,008 blocks in all, evaluated as one stack as
 :mod:`poetxq.model.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
 ``‖Q‖₂ ≈ 0.4``.
@@ -39,7 +39,7 @@ from _common import (
 )
 
 from poetxq.model.orthogonal import num_blocks
-from poetxq.tools.estimate_terms import projections
+from poetxq.training.estimate_terms import projections
 from poetxq.training.recipe_files import load_recipe
 from quant_kernels import cnp, reference
 

@@ -14,7 +14,7 @@ checkpointing (``poetxq.training.lowmem.enable_activation_checkpointing``, non-r
 ``--offload`` keeps the layer inputs in pinned host memory). The memory options of a recipe apply
 through ``--set``: ``train.optimizer_in_backward=true optim.grad_clip=0`` (each parameter updated
 during backward, no clipping) and ``train.loss_chunk_tokens=N`` (chunked cross-entropy).
-``poetxq.tools.estimate.estimate_memory(..., precision="bf16-true")`` gives the prediction beside
+``poetxq.training.estimate.estimate_memory(..., precision="bf16-true")`` gives the prediction beside
 each measurement. The official POET-XQ code measured on this H200 (2026-11-30, quoted in the
 project's issue) and the issue's targets are recorded next to them.
 
@@ -53,8 +53,8 @@ from peak_alloc import fragmentation, peak_report
 from poetxq.model.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
 from poetxq.model.relayout import model_tensors, relayout
 from poetxq.model.surgery import build_llama, convert_to_poetx
-from poetxq.tools.estimate import estimate_memory
 from poetxq.training.cudagraph import GraphedMicroStep
+from poetxq.training.estimate import estimate_memory
 from poetxq.training.graph_optim import GraphedInBackward, hooks_for
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "POET-XQ int8 (b, mem variant) peak memory and one full training step "
         "(forward, backward, clip, AdamW step; with train.optimizer_in_backward the update "
         "inside backward and no clip), bf16, without and/or with whole-layer activation "
-        "checkpointing, beside poetxq.tools.estimate's prediction",
+        "checkpointing, beside poetxq.training.estimate's prediction",
         **provenance(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", argv),
         "vocab_size": VOCAB,
         "kernel_policy": args.kernels.to_dict(),

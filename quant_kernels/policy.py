@@ -2,9 +2,10 @@
 
 A POET-X(Q) layer is given its policy once, when it is built (``POETXLinear(kernels=...)``,
 ``poetxq.model.surgery.convert_to_poetx(kernels=...)``), and hands that same object to every kernel
-call of its forward and, through the autograd context, of its backward; the memory estimator
-(``poetxq.tools.estimate``) and the flat 8-bit optimizer read the same object. Nothing is switched
-at run time: a benchmark that compares two paths builds (or re-points) a layer with another policy.
+call of its forward and, through the autograd context, of its backward; the memory
+estimator (``poetxq.training.estimate``) and the flat 8-bit optimizer read the same object.
+Nothing is switched at run time: a benchmark that compares two paths builds (or re-points) a
+layer with another policy.
 
 The default, :class:`KernelPolicy()`, is the fastest path measured on the H200 for every choice
 (``docs/KERNELS.md`` gives the numbers and result files). The environment variable

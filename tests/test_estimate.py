@@ -14,10 +14,10 @@ from poetxq.baselines import (
     quant_modules,
 )
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
-from poetxq.tools import estimate as estimate_mod
 from poetxq.tools import estimate_report
-from poetxq.tools.estimate import EstimateError, estimate_memory
 from poetxq.tools.estimate_report import format_estimate, parse_bytes
+from poetxq.training import estimate as estimate_mod
+from poetxq.training.estimate import EstimateError, estimate_memory
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.optim import build_optimizer
 from poetxq.training.recipe_files import load_recipe

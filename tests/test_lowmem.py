@@ -14,8 +14,8 @@ from torch import nn
 
 from poetxq.model.surgery import build_llama, convert_to_poetx
 from poetxq.tools.cli import main
-from poetxq.tools.estimate import estimate_memory
 from poetxq.tools.estimate_report import format_estimate
+from poetxq.training.estimate import estimate_memory
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.lowmem import OptimizerInBackward, enable_activation_checkpointing
 from poetxq.training.recipe_files import load_recipe

@@ -187,7 +187,7 @@ def test_estimate_books_the_host_buffers_of_a_built_model(state_bits):
     the largest parameter's gradient + its states; the accumulator = that gradient again."""
     from poetxq.baselines.lowrank import optimizer_state_bytes
     from poetxq.model.surgery import build_llama, convert_to_poetx
-    from poetxq.tools.estimate import estimate_memory
+    from poetxq.training.estimate import estimate_memory
     from poetxq.training.evaluate import causal_lm_loss
     from poetxq.training.optim import build_optimizer
     from poetxq.training.recipe_files import load_recipe

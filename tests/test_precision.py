@@ -154,7 +154,7 @@ def test_bench_follows_train_precision(tmp_path):
     data = json.loads(out.read_text())
     assert data["precision"] == "bf16-true"
     # the estimate books bf16 parameters: the estimator's own bf16 figure
-    from poetxq.tools.estimate import estimate_memory
+    from poetxq.training.estimate import estimate_memory
 
     recipe = load_recipe("recipes/tiny/poetxq.yaml", {"train.precision": "bf16-true",
                                                       "model.num_hidden_layers": 1})  # fmt: skip

@@ -4,8 +4,8 @@
   parsers and error handling; :mod:`~poetxq.tools.cli_train` adds training,
   :mod:`~poetxq.tools.cli_tools` ``estimate-memory``, ``bench`` and ``report``;
   :mod:`~poetxq.tools.cli_common` holds what they share;
-* :mod:`~poetxq.tools.estimate` — analytic GPU-memory estimate of a recipe (its per-tensor terms
-  in :mod:`~poetxq.tools.estimate_terms`, its text in :mod:`~poetxq.tools.estimate_report`);
+* :mod:`~poetxq.tools.estimate_report` — the text of the analytic GPU-memory estimate
+  (:mod:`poetxq.training.estimate`, which the trainer's memory plans read too);
 * :mod:`~poetxq.tools.bench` and :mod:`~poetxq.tools.profiling` — timed training steps;
 * :mod:`~poetxq.tools.report` — tables and plots of finished runs;
 * :mod:`~poetxq.tools.export` — a run as a Hugging Face / bitsandbytes checkpoint (the

@@ -229,8 +229,8 @@ def run_bench(
     """
     from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.model.fuse import fuse_wanted
-    from poetxq.tools.estimate import estimate_memory
     from poetxq.training.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
+    from poetxq.training.estimate import estimate_memory
     from poetxq.training.graph_optim import GraphedInBackward, hooks_for
     from poetxq.training.loss import training_loss
     from poetxq.training.lowmem import enable_activation_checkpointing

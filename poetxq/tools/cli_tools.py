@@ -19,8 +19,8 @@ from typing import Any
 from poetxq.text import count
 from poetxq.tools.bench import BenchError
 from poetxq.tools.cli_common import check_kernels_env, check_output_file
-from poetxq.tools.estimate import EstimateError
 from poetxq.tools.report import ReportError
+from poetxq.training.estimate import EstimateError
 
 TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
 
@@ -44,9 +44,9 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
 
 def _estimate_precision(text: str) -> str:
     """``estimate-memory --precision``: a run precision
-    (:data:`poetxq.tools.estimate_terms.PRECISIONS`). ``bf16`` is refused by name: as
+    (:data:`poetxq.training.estimate_terms.PRECISIONS`). ``bf16`` is refused by name: as
     ``train.precision`` it means autocast, elsewhere it is often read as everything-bf16."""
-    from poetxq.tools.estimate_terms import PRECISIONS
+    from poetxq.training.estimate_terms import PRECISIONS
 
     if text == "bf16":
         raise argparse.ArgumentTypeError(
@@ -145,13 +145,13 @@ def run_tool(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     if args.command == "estimate-memory":
-        from poetxq.tools.estimate import estimate_memory
         from poetxq.tools.estimate_report import (
             format_estimate,
             format_other_variant,
             other_variant,
             parse_bytes,
         )
+        from poetxq.training.estimate import estimate_memory
         from poetxq.training.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from poetxq.tools.estimate import EstimateError, MemoryEstimate, estimate_memory
+from poetxq.training.estimate import EstimateError, MemoryEstimate, estimate_memory
 from poetxq.training.recipe import POET_METHODS, Recipe
 
 

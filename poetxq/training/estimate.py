@@ -73,7 +73,8 @@ from dataclasses import asdict, dataclass, field
 
 from poetxq.model.flat import BNB_STATE_BLOCK
 from poetxq.model.fuse import fuse_wanted
-from poetxq.tools.estimate_terms import (
+from poetxq.training.cudagraph import graph_wanted
+from poetxq.training.estimate_terms import (
     PRECISIONS,
     Precision,
     frozen_store_bytes,
@@ -84,7 +85,6 @@ from poetxq.tools.estimate_terms import (
     projections,
     side_blocks,
 )
-from poetxq.training.cudagraph import graph_wanted
 from poetxq.training.loss import SLICE_BYTES
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label
 from quant_kernels.policy import KernelPolicy, default_policy

@@ -1,7 +1,7 @@
 """The estimator's terms: bytes of each kind of tensor a step holds (a frozen store, one
 orthogonal side, a low-rank optimizer state) and which kernel path a layer takes under the run's
 :class:`~quant_kernels.policy.KernelPolicy` (the same policy object the layer is built with), so
-:func:`poetxq.tools.estimate.estimate_memory` counts what the run will really keep."""
+:func:`poetxq.training.estimate.estimate_memory` counts what the run will really keep."""
 
 from __future__ import annotations
 
