@@ -2,8 +2,9 @@
 
 The stack: every orthogonal block of a Llama-8B POET-XQ model at ``b = 256`` — the shapes of
 ``recipes/models/llama-8b.yaml`` as :mod:`poetxq.training.estimate` reads them (32 layers;
-q, k, v, o 4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear ``m×n`` has
-``⌈m/b⌉`` blocks in R and ``⌈n/b⌉`` in P, 11,008 blocks in all, evaluated as one stack as
+q, k, v, o 4096→4096: the recipe has no GQA; gate, up 4096→14336; down 14336→4096); a linear
+``m×n`` has ``⌈m/b⌉`` blocks in R and ``⌈n/b⌉`` in P, 11,008 blocks in all, evaluated as one
+stack as
 :mod:`poetxq.model.blockcache` does once per model forward. Packed entries ~ N(0, (0.2/√b)²), so
 ``‖Q‖₂ ≈ 0.4``.
 
