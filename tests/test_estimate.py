@@ -14,7 +14,6 @@ from poetxq.baselines import (
     quant_modules,
 )
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
-from poetxq.tools import estimate_report
 from poetxq.tools.estimate_report import format_estimate, parse_bytes
 from poetxq.training import estimate as estimate_mod
 from poetxq.training.estimate import EstimateError, estimate_memory
@@ -406,7 +405,7 @@ def test_fused_input_cast_activations_equal_what_autograd_saves():
 def test_graph_runs_are_also_checked_with_the_measured_pool_overhead():
     """A CUDA-graph estimate gets a second verdict at peak x (1 + GRAPH_POOL_OVERHEAD): the
     graph's reserved peak measured up to 14.4 % above the estimate on an H200 (8B / 13B)."""
-    assert estimate_report.GRAPH_POOL_OVERHEAD == 0.144
+    assert estimate_mod.GRAPH_POOL_OVERHEAD == 0.144
     graph = estimate_memory(_recipe(), vocab_size=V, precision="autocast")
     eager = estimate_memory(_recipe(**{"train.cuda_graph": False}), vocab_size=V,
                             precision="autocast")  # fmt: skip

@@ -148,10 +148,12 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.tools.estimate_report import (
             format_estimate,
             format_other_variant,
+            format_plans,
             other_variant,
             parse_bytes,
         )
         from poetxq.training.estimate import estimate_memory
+        from poetxq.training.memory import plan_table
         from poetxq.training.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
@@ -166,12 +168,14 @@ def run_tool(args: argparse.Namespace) -> int:
             )
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
         alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
+        plans = plan_table(recipe, gpu_mem=gpu, vocab_size=args.vocab_size)
         if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
             extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
-            write_json({**est.to_dict(), **extra}, Path(args.json))
+            write_json({**est.to_dict(), **extra, "plans": plans}, Path(args.json))
         print(format_estimate(est, gpu))
         if alt:
             print(format_other_variant(*alt, gpu))
+        print(format_plans(plans, gpu))
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 

@@ -43,6 +43,7 @@ _FLAG_KEYS = {
     "tokenizer": "data.tokenizer",
     "vocab_size": "data.vocab_size",
     "model": "model.pretrained",
+    "memory": "train.memory",
 }
 
 _TRAIN_EPILOG = """\
@@ -177,6 +178,23 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "[optim.poet_lr, default 4e-3]",
     )
     g.add_argument("--seed", type=int, help="run seed [train.seed, default 0]")
+    g = p.add_argument_group("memory")
+    g.add_argument(
+        "--memory",
+        choices=("auto", "fastest", "balanced", "lowest"),
+        help="memory plan [train.memory, default auto: on a GPU the fastest plan whose predicted "
+        "peak fits its memory; fastest = the recipe as written, balanced = + activation "
+        "checkpointing, chunked loss, 8-bit states, lowest = + activations, gradients and "
+        "optimizer states in host memory and bf16 parameters; clipping and accumulation stay "
+        "exact in every plan]. Memory keys the recipe sets itself win; `poetxq estimate-memory` "
+        "lists the plans' peaks",
+    )
+    g.add_argument(
+        "--gpu-mem",
+        metavar="SIZE",
+        help="plan for this much GPU memory instead of the device's (e.g. 16GB; GB and GiB both "
+        "mean 2^30 bytes)",
+    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -406,6 +424,11 @@ def run_train(args: argparse.Namespace) -> int:
 
     check_kernels_env()
     _check_tracker(args.log_with)
+    gpu_mem = None
+    if args.gpu_mem is not None:  # a bad size fails before any work
+        from poetxq.tools.estimate_report import parse_bytes
+
+        gpu_mem = parse_bytes(args.gpu_mem)
     if args.resume and args.overwrite:
         raise RecipeError("--resume continues a run and --overwrite would erase it; drop one")
     if args.resume and args.resume != "auto" and (args.run_name or args.output_dir):
@@ -456,7 +479,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         result = train(
             recipe, run_dir, log_with=args.log_with, progress=not args.no_progress,
-            resume_from=ckpt,
+            resume_from=ckpt, gpu_mem=gpu_mem,
         )  # fmt: skip
     except BaseException as exc:
         # a full disk: say whether a checkpoint is there to resume from (before the release)

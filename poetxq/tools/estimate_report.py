@@ -7,7 +7,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from poetxq.training.estimate import EstimateError, MemoryEstimate, estimate_memory
+from poetxq.training.estimate import (
+    GRAPH_POOL_OVERHEAD,
+    EstimateError,
+    MemoryEstimate,
+    estimate_memory,
+)
 from poetxq.training.recipe import POET_METHODS, Recipe
 
 
@@ -36,14 +41,6 @@ def parse_bytes(text: str) -> int:
     if size < 2**20:  # "80kB": a unit slip, not a GPU
         raise EstimateError(f"memory size '{text}' is below 1 MiB; write e.g. 80GB")
     return size
-
-
-#: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
-#: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
-#: checkpointing and a chunked loss (``evals/results/gpu_memory_graph_h200_90a76c3.json``,
-#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
-#: (``gpu_memory_*_graph_oib*_h200_*.json``)
-GRAPH_POOL_OVERHEAD = 0.144
 
 
 def _size(x: int) -> str:
@@ -143,4 +140,27 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
                 f"+{GRAPH_POOL_OVERHEAD:.0%}): {high / 2**30:.3f} GiB, {verdict}"
             )
     lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
+    """The memory plans of :func:`poetxq.training.memory.plan_table` as text: predicted peak,
+    what each costs (recomputation, a CUDA graph's pool, host memory and traffic per step) and,
+    with ``gpu_mem``, whether ``train.memory: auto`` would count it as fitting."""
+    from poetxq.training.memory import HEADROOM
+
+    head = "memory plans (train.memory / --memory; auto takes the first that fits"
+    head += f" with {HEADROOM:.0%} of the GPU kept free)" if gpu_mem else ")"
+    lines = [head]
+    for row in rows:
+        cost = ["CUDA graph"] if row["cuda_graph"] else []
+        cost += ["recomputes each layer"] if row["recompute"] else []
+        if row["host"]:
+            cost.append(f"host {row['host'] / 2**30:.2f} GiB")
+        if row["host_traffic_per_step"]:
+            cost.append(f"{row['host_traffic_per_step'] / 2**30:.2f} GiB host traffic per step")
+        fits = "" if row["fits"] is None else ("fits  " if row["fits"] else "too big")
+        lines.append(
+            f"  {row['plan']:<9s}{_gib(row['peak'])}  {fits:<7s}  {', '.join(cost) or '-'}"
+        )
     return "\n".join(lines)

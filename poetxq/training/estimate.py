@@ -89,6 +89,13 @@ from poetxq.training.loss import SLICE_BYTES
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label
 from quant_kernels.policy import KernelPolicy, default_policy
 
+#: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
+#: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
+#: checkpointing and a chunked loss (``evals/results/gpu_memory_graph_h200_90a76c3.json``,
+#: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
+#: (``gpu_memory_*_graph_oib*_h200_*.json``)
+GRAPH_POOL_OVERHEAD = 0.144
+
 
 class EstimateError(ValueError):
     """Bad estimator input (unknown precision, unparsable memory size)."""

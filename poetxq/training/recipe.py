@@ -128,6 +128,10 @@ class TrainConfig(Section):
     # outside a CUDA graph, where the recomputed compiled calls cost more host time than the
     # fused kernels save (poetxq.model.fuse.fuse_wanted); ignored on a CPU
     fuse_elementwise: bool | Literal["auto"] = "auto"
+    # the memory plan (poetxq.training.memory): auto fits fastest / balanced / lowest to the
+    # GPU's memory (on a CPU: fastest); a plan name fixes it. A plan sets only the memory keys
+    # the recipe does not set itself
+    memory: Literal["auto", "fastest", "balanced", "lowest"] = "auto"
     # keep the checkpointed layer inputs in pinned host memory (needs gradient_checkpointing;
     # poetxq.training.lowmem.enable_activation_checkpointing)
     offload_activations: bool = False

@@ -68,6 +68,7 @@ from poetxq.training.evaluate import evaluate_perplexity
 from poetxq.training.graph_optim import GraphedInBackward, hooks_for
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
+from poetxq.training.memory import apply_allocator, resolve_memory_plan
 from poetxq.training.offload import HostOffload
 from poetxq.training.optim import (
     build_optimizer,
@@ -131,6 +132,12 @@ class TrainResult:
     replicas_identical: bool | None = None  # multi-process: all ranks ended with equal weights
     # the memory settings in use, e.g. ["gradient_checkpointing", "loss_chunk_tokens=256"]
     memory_options: list[str] = field(default_factory=list)
+    # the memory plan (poetxq.training.memory.PlanChoice.to_dict): name, how it was chosen, the
+    # keys it set, the predicted peak and the device memory it was planned for
+    memory_plan: dict | None = None
+    # torch.cuda.max_memory_reserved since the model was built (None on CPU): what the
+    # allocator held, the number to compare with a GPU's memory
+    peak_reserved_bytes: int | None = None
     cuda_graph: bool = False  # the micro-steps replayed a CUDA graph (train.cuda_graph resolved)
     grad_sync: str = "none"  # "none" (one process), "ddp" or "step" (train.grad_sync resolved)
     precision: str = ""  # "autocast", "bf16-true" or "fp32" (train.precision resolved)
@@ -179,6 +186,7 @@ def train(
     data: TokenData | None = None,
     echo: Callable[[str], None] = print,
     resume_from: Path | None = None,
+    gpu_mem: int | None = None,
 ) -> TrainResult:
     """Train ``recipe`` and write metrics, the checkpoint and the resolved recipe to ``run_dir``.
 
@@ -193,6 +201,8 @@ def train(
         resume_from: a checkpoint directory (``<run_dir>/checkpoints/step-N``) to continue from;
             its recipe must match ``recipe`` (checked by the caller, see
             :func:`poetxq.training.resume.recipe_differences`).
+        gpu_mem: bytes of GPU memory ``train.memory: auto`` plans for (default: the GPU's own;
+            :func:`poetxq.training.memory.resolve_memory_plan`).
 
     Returns:
         :class:`TrainResult` (``interrupted`` is True when a signal stopped the run early).
@@ -203,8 +213,15 @@ def train(
             training into ``run_dir`` (:func:`lock_run_dir`).
         DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
-    tc, oc, pc = recipe.train, recipe.optim, recipe.poet
     cuda = torch.cuda.is_available()
+    # train.memory: the plan fitted to this GPU (poetxq.training.memory) decides memory keys,
+    # precision included, so it comes before anything reads them; recipe.yaml records its keys
+    vocab = data.vocab_size if data is not None else None
+    recipe, plan = resolve_memory_plan(
+        recipe, "cuda" if cuda else "cpu", gpu_mem=gpu_mem, vocab_size=vocab
+    )
+    apply_allocator(plan)
+    tc, oc, pc = recipe.train, recipe.optim, recipe.poet
     # autocast: accelerate's bf16 mixed precision; bf16-true: bf16 parameters (cast by
     # poetxq.training.build), no autocast; fp32
     precision = run_precision(tc, "cuda" if cuda else "cpu")
@@ -250,6 +267,8 @@ def train(
             "or train.loss_chunk_tokens: 0"
         )
     say = echo if main else (lambda _s: None)
+    if cuda or plan.name != "fastest":  # on a CPU, auto (fastest) changes nothing
+        say(plan.line())
     if note := cpu_note(tc, accelerator.device):  # what a user on a laptop would wonder about
         say(note)
     hint = graph_hint(recipe, accelerator.device, world)  # a graph would serve this run
@@ -637,6 +656,10 @@ def train(
             resumed_from=resumed_from,
             replicas_identical=same,
             memory_options=tc.memory_options(),
+            memory_plan=plan.to_dict(),
+            peak_reserved_bytes=(
+                torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+            ),
             cuda_graph=graph,
             grad_sync=sync,
         )

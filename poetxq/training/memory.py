@@ -1,0 +1,288 @@
+"""Memory plans: one choice, ``train.memory``, instead of eight memory keys.
+
+A plan is a set of the memory options of :mod:`poetxq.training.lowmem`,
+:mod:`poetxq.training.offload` and :mod:`poetxq.training.loss`, ordered from fastest to smallest:
+
+=========  ==============================================================================
+plan       what it sets (only where the recipe does not set the key itself)
+=========  ==============================================================================
+fastest    nothing: the recipe as written (CUDA graph, fused elementwise kernels where they
+           apply)
+balanced   ``train.gradient_checkpointing``, ``train.loss_chunk_tokens: 1024``, 8-bit AdamW
+           states (``optim.state_bits: 8``, POET methods)
+lowest     the same with ``train.loss_chunk_tokens: 256``, plus
+           ``train.offload_activations``, ``train.offload_optimizer`` (gradients and
+           optimizer states in host memory; clipping and accumulation exact) and
+           ``train.precision: bf16-true`` (POET methods and AdamW)
+=========  ==============================================================================
+
+Keys a plan does not apply to a method are left out (8-bit states are the POET methods' own; the
+optimizer offload serves POET and AdamW in one process, and gives way to a recipe that sets
+``train.optimizer_in_backward`` or ``train.cuda_graph: true`` itself).
+
+``auto`` (the default) takes, on a GPU, the first plan whose peak predicted by
+:func:`poetxq.training.estimate.estimate_memory` fits the device's memory (or the size planned
+for with ``--gpu-mem``) with :data:`HEADROOM` of it kept free — for the CUDA context, the
+allocator's fragmentation and the estimator's error (1–3 % of measured peaks) — and, for a plan
+that replays a CUDA graph, the graph pool's measured overhead
+(:data:`poetxq.training.estimate.GRAPH_POOL_OVERHEAD`) on top; where none fits it takes
+``lowest`` and says so. On a CPU ``auto`` is ``fastest``. ``balanced`` and ``lowest`` also turn
+on the allocator's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
+which the trainer sets itself), as the measured low-memory runs of docs/MEMORY.md had it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from poetxq.training.cudagraph import graph_wanted
+from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, estimate_memory
+from poetxq.training.precision import run_precision
+from poetxq.training.recipe import POET_METHODS, Recipe
+
+#: the plans in the order ``auto`` tries them (fastest first)
+PLANS: tuple[str, ...] = ("fastest", "balanced", "lowest")
+#: share of the device memory ``auto`` keeps free of the predicted peak (module docstring)
+HEADROOM = 0.10
+#: the allocator setting of the balanced and lowest plans
+EXPANDABLE = "expandable_segments:True"
+
+_PLAN_KEYS: dict[str, dict[str, Any]] = {
+    "fastest": {},
+    "balanced": {
+        "train.gradient_checkpointing": True,
+        "train.loss_chunk_tokens": 1024,
+        "optim.state_bits": 8,
+    },
+    "lowest": {
+        "train.gradient_checkpointing": True,
+        "train.offload_activations": True,
+        "train.offload_optimizer": True,
+        "train.loss_chunk_tokens": 256,
+        "optim.state_bits": 8,
+        "train.precision": "bf16-true",
+    },
+}
+#: the methods a plan key applies to (others: every method)
+_APPLIES: dict[str, tuple[str, ...]] = {
+    "optim.state_bits": POET_METHODS,
+    "train.precision": (*POET_METHODS, "adamw"),
+    "train.offload_optimizer": ("poetxq", "poetx", "adamw"),
+}
+
+
+class MemoryPlanError(ValueError):
+    """A memory plan that cannot be resolved (unknown name)."""
+
+
+@dataclass
+class PlanChoice:
+    """The memory plan a run takes (``summary.json`` ``memory_plan``; sizes in bytes).
+
+    Attributes:
+        name: ``fastest``, ``balanced`` or ``lowest``.
+        chosen_by: ``auto`` (fitted to ``device_memory``) or ``train.memory`` (named).
+        applied: the keys the plan set, dotted (``{"train.offload_optimizer": True, ...}``).
+        kept: the plan's keys the recipe sets itself, with the recipe's value (explicit keys win).
+        predicted_peak: the estimator's peak of the resolved recipe (None on a CPU).
+        device_memory: the memory planned for (the GPU's, or ``--gpu-mem``; None on a CPU).
+        allocator: the CUDA allocator setting the plan applies, or None.
+        tried: with ``auto``, each plan tried before the choice and its predicted peak.
+    """
+
+    name: str
+    chosen_by: str
+    applied: dict[str, Any] = field(default_factory=dict)
+    kept: dict[str, Any] = field(default_factory=dict)
+    predicted_peak: int | None = None
+    device_memory: int | None = None
+    allocator: str | None = None
+    tried: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """The run's one line about its memory, e.g. ``memory plan: lowest (auto: ...)``."""
+        how = "train.memory" if self.chosen_by == "train.memory" else "auto"
+        text = f"memory plan: {self.name} ({how}"
+        if self.tried:
+            over = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in self.tried.items())
+            text += f"; {over} predicted, over the limit"
+        text += ")"
+        if self.predicted_peak is not None and self.device_memory is not None:
+            text += (
+                f", predicted peak {self.predicted_peak / 2**30:.2f} GiB of "
+                f"{self.device_memory / 2**30:.1f} GiB"
+            )
+            if self.predicted_peak > self.device_memory * (1 - HEADROOM):
+                text += " - does not fit: expect out-of-memory, or use a larger GPU / several"
+        if self.kept:
+            text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
+        return text
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+def plan_overrides(recipe: Recipe, plan: str, world: int = 1) -> tuple[dict, dict]:
+    """The keys ``plan`` sets on ``recipe`` and the plan keys ``recipe`` sets itself.
+
+    A key counts as set by the recipe when a recipe file or an override named it (pydantic's
+    ``model_fields_set`` of its section); those keep their value. Keys that do not apply to the
+    recipe's method are left out, and so is ``train.offload_optimizer`` with several processes
+    (``world``), which it does not serve, and beside the recipe's own
+    ``train.optimizer_in_backward`` or ``train.cuda_graph: true``.
+
+    Returns:
+        ``(applied, kept)``: dotted key -> value.
+
+    Raises:
+        MemoryPlanError: unknown ``plan``.
+    """
+    if plan not in _PLAN_KEYS:
+        raise MemoryPlanError(f"unknown memory plan '{plan}'; choose auto or one of {PLANS}")
+    applied: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
+    for key, value in _PLAN_KEYS[plan].items():
+        section, name = key.split(".")
+        if recipe.method not in _APPLIES.get(key, (recipe.method,)):
+            continue
+        if key == "train.offload_optimizer" and (
+            world > 1 or recipe.train.optimizer_in_backward or recipe.train.cuda_graph is True
+        ):
+            continue  # one process, eager steps; the recipe's own way of freeing gradients wins
+        part = getattr(recipe, section)
+        if name in part.model_fields_set:
+            kept[key] = getattr(part, name)
+        else:
+            applied[key] = value
+    return applied, kept
+
+
+def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
+    """``recipe`` with the ``applied`` keys set and ``train.memory`` naming ``plan``: a copy
+    validated again (the combination checks of :class:`~poetxq.training.recipe.Recipe` run on
+    it) that keeps ``recipe``'s notes. ``recipe`` itself is left as it is."""
+    if not applied:  # nothing to validate again: a copy (notes and all), renamed
+        same = recipe.model_copy(deep=True)
+        same.train.memory = plan  # type: ignore[assignment]
+        return same
+    tree = recipe.model_dump(exclude_unset=True)
+    for key, value in {**applied, "train.memory": plan}.items():
+        section, name = key.split(".")
+        tree.setdefault(section, {})[name] = value
+    resolved = Recipe.model_validate(tree)
+    for note in recipe.notes:
+        resolved.add_note(note)
+    return resolved
+
+
+def _peak(recipe: Recipe, vocab_size: int | None) -> int:
+    est = estimate_memory(
+        recipe, vocab_size=vocab_size, precision=run_precision(recipe.train, "cuda")
+    )
+    return est.peak
+
+
+def _limit(recipe: Recipe, device_memory: int) -> int:
+    """The largest predicted peak ``auto`` accepts for ``recipe`` (module docstring)."""
+    room = device_memory * (1 - HEADROOM)
+    return int(room / (1 + GRAPH_POOL_OVERHEAD)) if graph_wanted(recipe, "cuda") else int(room)
+
+
+def resolve_memory_plan(
+    recipe: Recipe,
+    device: torch.device | str,
+    *,
+    gpu_mem: int | None = None,
+    vocab_size: int | None = None,
+    world: int | None = None,
+) -> tuple[Recipe, PlanChoice]:
+    """The recipe a run uses under its ``train.memory`` setting, and the choice made.
+
+    Args:
+        recipe: validated recipe (``train.memory``: ``auto`` or a plan name).
+        device: where the run trains: on a CUDA device ``auto`` fits the plan to its memory
+            (device 0's, or the current one), elsewhere ``auto`` is ``fastest``.
+        gpu_mem: plan for this many bytes instead of the device's (a GPU one does not have).
+        vocab_size: the tokenizer's vocabulary for the estimate (default ``data.vocab_size``).
+        world: processes of the run (default ``$WORLD_SIZE`` or 1).
+
+    Returns:
+        ``(resolved recipe, PlanChoice)``; the resolved recipe's ``train.memory`` names the plan.
+
+    Raises:
+        MemoryPlanError: unknown plan name.
+        pydantic.ValidationError: the plan's keys and the recipe's own do not combine (a plan
+            gives way where it knows of a conflict, :func:`plan_overrides`).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    setting = recipe.train.memory
+    on_gpu = torch.device(device).type == "cuda"
+    if gpu_mem is None and on_gpu:
+        gpu_mem = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    candidates = PLANS if setting == "auto" else (setting,)
+    if setting == "auto" and gpu_mem is None:
+        candidates = ("fastest",)
+    tried: dict[str, int] = {}
+    for name in candidates:
+        applied, kept = plan_overrides(recipe, name, world)
+        resolved = apply_plan(recipe, applied, name)
+        peak = _peak(resolved, vocab_size) if gpu_mem is not None else None
+        last = name == candidates[-1]
+        if setting != "auto" or peak is None or last or peak <= _limit(resolved, gpu_mem):
+            choice = PlanChoice(
+                name=name,
+                chosen_by="auto" if setting == "auto" else "train.memory",
+                applied=applied,
+                kept=kept,
+                predicted_peak=peak,
+                device_memory=gpu_mem,
+                allocator=EXPANDABLE if name != "fastest" else None,
+                tried=tried,
+            )
+            return resolved, choice
+        tried[name] = peak
+    raise AssertionError("unreachable: the last candidate is always taken")
+
+
+def apply_allocator(choice: PlanChoice) -> None:
+    """Set ``choice``'s CUDA allocator setting for this process (segments allocated from now on;
+    call before the model is built). No effect without CUDA or without a setting."""
+    if choice.allocator and torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings(choice.allocator)
+
+
+def plan_table(
+    recipe: Recipe, *, gpu_mem: int | None = None, vocab_size: int | None = None
+) -> list[dict[str, Any]]:
+    """Every plan of ``recipe`` with its predicted peak, host memory and host traffic per step
+    (``poetxq estimate-memory``): one dict per plan, sizes in bytes, ``fits`` against
+    ``gpu_mem`` with ``auto``'s rule (None without ``gpu_mem``)."""
+    rows = []
+    for name in PLANS:
+        applied, _ = plan_overrides(recipe, name)
+        resolved = apply_plan(recipe, applied, name)
+        est = estimate_memory(
+            resolved, vocab_size=vocab_size, precision=run_precision(resolved.train, "cuda")
+        )
+        tc = resolved.train
+        # optimizer offload: every gradient to the host per micro-batch (and back from the
+        # second on), then every gradient and state to the GPU and every state back per step
+        traffic = 0
+        if tc.offload_optimizer:
+            grads, states = est.gradients, est.host_optimizer - est.gradients
+            traffic = grads * (2 * tc.grad_accum - 1) + grads + 2 * states
+        if tc.offload_activations and tc.gradient_checkpointing:
+            traffic += 2 * tc.grad_accum * (est.host_offloaded - est.host_optimizer)
+        rows.append({
+            "plan": name, "peak": est.peak, "host": est.host_offloaded,
+            "host_traffic_per_step": traffic,
+            "recompute": tc.gradient_checkpointing, "cuda_graph": est.cuda_graph,
+            "fits": None if gpu_mem is None else est.peak <= _limit(resolved, gpu_mem),
+            "applied": applied,
+        })  # fmt: skip
+    return rows

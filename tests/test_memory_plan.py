@@ -1,0 +1,178 @@
+"""Memory plans (poetxq.training.memory): which plan for which memory (against the estimator's
+own peaks and auto's stated rule), what each plan sets per method, that keys the recipe sets
+itself win, the one-line report, and the CLI (train --memory, estimate-memory's plan list)."""
+
+import json
+
+import pytest
+
+from poetxq.tools.cli import main
+from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, estimate_memory
+from poetxq.training.memory import (
+    HEADROOM,
+    MemoryPlanError,
+    apply_plan,
+    plan_overrides,
+    resolve_memory_plan,
+)
+from poetxq.training.recipe_files import RecipeError, load_recipe
+
+GiB = 2**30
+_8B = {"train.batch_size": 1, "train.seq_len": 2048, "train.grad_accum": 1}
+
+
+def _peaks(recipe) -> dict[str, tuple[int, bool]]:
+    """Each plan's predicted peak and whether it replays a CUDA graph, computed here from the
+    estimator on the plan's recipe (the keys the plan sets, by hand)."""
+    by_hand = {
+        "fastest": {},
+        "balanced": {"train.gradient_checkpointing": True, "train.loss_chunk_tokens": 1024,
+                     "optim.state_bits": 8},
+        "lowest": {"train.gradient_checkpointing": True, "train.offload_activations": True,
+                   "train.offload_optimizer": True, "train.loss_chunk_tokens": 256,
+                   "optim.state_bits": 8, "train.precision": "bf16-true"},
+    }  # fmt: skip
+    out = {}
+    for name, keys in by_hand.items():
+        r = load_recipe("llama-8b:poetxq", {**_8B, **keys})
+        prec = "bf16-true" if r.train.precision == "bf16-true" else "autocast"
+        est = estimate_memory(r, precision=prec)
+        out[name] = (est.peak, est.cuda_graph)
+    return out
+
+
+def test_auto_takes_the_fastest_plan_that_fits_by_the_stated_rule():
+    recipe = load_recipe("llama-8b:poetxq", _8B)
+    peaks = _peaks(recipe)
+    fast, graph = peaks["fastest"]
+    assert graph  # the fastest 8B plan replays a CUDA graph: its pool overhead counts too
+    assert peaks["lowest"][0] < peaks["balanced"][0] < fast
+
+    def smallest_gpu(peak: int, graph: bool) -> int:  # auto's rule, inverted
+        return int(peak * (1 + GRAPH_POOL_OVERHEAD if graph else 1) / (1 - HEADROOM)) + 2**20
+
+    cases = [
+        (smallest_gpu(*peaks["fastest"]), "fastest"),
+        (smallest_gpu(*peaks["fastest"]) - 2**24, "balanced"),
+        (smallest_gpu(*peaks["balanced"]), "balanced"),
+        (smallest_gpu(*peaks["balanced"]) - 2**24, "lowest"),
+        (smallest_gpu(*peaks["lowest"]), "lowest"),
+        (4 * GiB, "lowest"),  # nothing fits: the smallest plan, said in the line
+    ]
+    for gpu_mem, want in cases:
+        resolved, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=gpu_mem)
+        assert choice.name == want == resolved.train.memory, gpu_mem / GiB
+        assert choice.predicted_peak == peaks[want][0] and choice.chosen_by == "auto"
+        assert list(choice.tried) == ["fastest", "balanced", "lowest"][: len(choice.tried)]
+        assert choice.name not in choice.tried
+    _, tight = resolve_memory_plan(recipe, "cpu", gpu_mem=4 * GiB)
+    assert "does not fit: expect out-of-memory" in tight.line()
+    assert tight.allocator == "expandable_segments:True"
+
+
+def test_auto_on_a_cpu_is_the_recipe_as_written():
+    recipe = load_recipe("llama-60m:poetxq")
+    resolved, choice = resolve_memory_plan(recipe, "cpu")
+    assert (choice.name, choice.applied, choice.predicted_peak) == ("fastest", {}, None)
+    assert choice.allocator is None
+    assert resolved.model_dump() == {
+        **recipe.model_dump(),
+        "train": {**recipe.train.model_dump(), "memory": "fastest"},
+    }
+
+
+def test_each_plan_sets_only_what_the_method_has_and_the_recipe_leaves_open():
+    lowest = plan_overrides(load_recipe("llama-60m:poetxq"), "lowest")[0]
+    assert lowest == {
+        "train.gradient_checkpointing": True, "train.offload_activations": True,
+        "train.offload_optimizer": True, "train.loss_chunk_tokens": 256, "optim.state_bits": 8,
+        "train.precision": "bf16-true",
+    }  # fmt: skip
+    adamw = plan_overrides(load_recipe("llama-60m:adamw"), "lowest")[0]
+    assert "optim.state_bits" not in adamw and adamw["train.offload_optimizer"] is True
+    qgalore = plan_overrides(load_recipe("llama-60m:qgalore"), "lowest")[0]
+    assert set(qgalore) == {"train.gradient_checkpointing", "train.offload_activations",
+                            "train.loss_chunk_tokens"}  # fmt: skip
+    assert (
+        "train.offload_optimizer"
+        not in plan_overrides(load_recipe("llama-60m:poetxq"), "lowest", world=2)[0]
+    )  # one process only
+    # keys the recipe sets itself keep their value
+    own = load_recipe("llama-60m:poetxq", {"train.loss_chunk_tokens": 64,
+                                           "train.precision": "autocast"})  # fmt: skip
+    applied, kept = plan_overrides(own, "lowest")
+    assert kept == {"train.loss_chunk_tokens": 64, "train.precision": "autocast"}
+    resolved = apply_plan(own, applied, "lowest")
+    assert resolved.train.loss_chunk_tokens == 64 and resolved.train.offload_optimizer
+    _, choice = resolve_memory_plan(own, "cpu")
+    own_named = load_recipe("llama-60m:poetxq", {"train.memory": "lowest",
+                                                 "train.loss_chunk_tokens": 64})  # fmt: skip
+    _, choice = resolve_memory_plan(own_named, "cpu")
+    assert choice.chosen_by == "train.memory"
+    assert choice.line() == (
+        "memory plan: lowest (train.memory); kept from the recipe: train.loss_chunk_tokens=64"
+    )
+
+
+@pytest.mark.parametrize(
+    "own",
+    [{"train.optimizer_in_backward": True, "optim.grad_clip": 0, "train.grad_accum": 1},
+     {"train.cuda_graph": True, "optim.state_bits": 8}],
+)  # fmt: skip
+def test_the_lowest_plan_gives_way_to_the_recipes_own_gradient_handling(own):
+    recipe = load_recipe("llama-60m:poetxq", {**own, "train.memory": "lowest"})
+    resolved, choice = resolve_memory_plan(recipe, "cpu")
+    assert not resolved.train.offload_optimizer and "train.offload_optimizer" not in choice.applied
+    assert resolved.train.offload_activations  # the rest of the plan holds
+
+
+def test_an_unknown_plan_is_one_line():
+    with pytest.raises(RecipeError, match=r"train\.memory"):
+        load_recipe(None, {"train.memory": "tiny"})
+    with pytest.raises(MemoryPlanError, match="choose auto or one of"):
+        plan_overrides(load_recipe(None), "tiny")
+
+
+def test_estimate_memory_lists_the_plans(tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert main(["estimate-memory", "--recipe", "llama-8b:poetxq", "--batch-size", "1",
+                 "--seq-len", "2048", "--set", "train.grad_accum=1", "--gpu-mem", "16GB",
+                 "--json", str(out)]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    plans = {p["plan"]: p for p in json.loads(out.read_text())["plans"]}
+    peaks = _peaks(None)
+    for name in ("fastest", "balanced", "lowest"):
+        assert plans[name]["peak"] == peaks[name][0]
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"  {name} "))
+        assert f" {peaks[name][0] / GiB:.3f} GiB" in line
+    assert [plans[n]["fits"] for n in ("fastest", "balanced", "lowest")] == [False, False, True]
+    low = plans["lowest"]
+    # batch 1, one micro-batch: gradients out once, back once with the states, states out;
+    # the checkpointed layer inputs out and back
+    est = estimate_memory(load_recipe("llama-8b:poetxq", {**_8B, **low["applied"]}),
+                          precision="bf16-true")  # fmt: skip
+    states = est.optimizer_states
+    inputs = est.host_offloaded - est.gradients - states
+    assert low["host_traffic_per_step"] == 2 * est.gradients + 2 * states + 2 * inputs
+    assert "recomputes each layer, host 2.84 GiB" in text
+
+
+@pytest.mark.slow
+def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    args = ["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
+            "--batch-size", "4", "--max-steps", "2", "--no-progress", "--output-dir",
+            str(tmp_path), "--run-name", "low", "--memory", "lowest", "--grad-accum", "2",
+            "--set", "model.num_hidden_layers=1", "--set", "train.precision=fp32"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: lowest (train.memory); kept from the recipe: train.precision=fp32" in out
+    summary = json.loads((tmp_path / "low" / "summary.json").read_text())
+    plan = summary["memory_plan"]
+    assert plan["name"] == "lowest" and plan["applied"]["train.offload_optimizer"] is True
+    assert summary["memory_options"] == ["gradient_checkpointing", "offload_activations",
+                                         "offload_optimizer", "loss_chunk_tokens=256"]  # fmt: skip
+    recipe = (tmp_path / "low" / "recipe.yaml").read_text()
+    assert "memory: lowest" in recipe and "offload_optimizer: true" in recipe
+    assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
+    assert "lots" in capsys.readouterr().err
