@@ -43,7 +43,8 @@ from quant_kernels.streamed import (
 WEIGHTS = [(14336, 4096), (4096, 14336), (13824, 5120), (5120, 13824)]  # (N out, K in)
 # evals/results/slab_decode_sweep_h200_d59ade3.json has a wider sweep (int8 tiles within 10 % of
 # each other; the 32-bit packed NF4 store and the select lookup slower), and
-# slab_decode_h200_c30093d.json a 256-entry pair lookup (no faster)
+# the run at c30093d (its slab_decode_h200_c30093d.json is in git history) a 256-entry pair
+# lookup (no faster)
 INT8_TILES = [(32, 128, 4), (16, 256, 4), (64, 128, 8)]
 FOURBIT_TILES = [(8, 512, 4), (4, 1024, 4), (16, 256, 4), (4, 512, 2), (8, 256, 2), (2, 1024, 2)]
 FOURBIT_PER_BLOCK = (False, True)  # absmax loaded per byte / per block

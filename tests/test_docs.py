@@ -35,3 +35,23 @@ def test_readme_is_a_product_page_and_names_the_ci_test_command():
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert 'python -m pytest -m "slow or not slow"' in ci
     assert "python -m pytest" in readme and "python -m pytest -m slow" in readme
+
+
+def test_readme_recipe_snippet_resolves_from_the_repository_root(tmp_path: Path):
+    """The quick-start's ``my-run.yaml`` says it sits in the repository root: its ``base`` paths
+    name files there (not ``../recipes/...``), and the file validates from there (here a copy
+    beside a link to ``recipes/``, so nothing is written into the checkout)."""
+    import yaml
+
+    from poetxq.training.recipe_files import load_recipe
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
+    snippet = next(b for b in blocks if b.startswith("# my-run.yaml"))
+    bases = yaml.safe_load(snippet)["base"]
+    assert bases and all((REPO / b).is_file() for b in bases), bases
+    (tmp_path / "recipes").symlink_to(REPO / "recipes", target_is_directory=True)
+    (tmp_path / "my-run.yaml").write_text(snippet, encoding="utf-8")
+    recipe = load_recipe(tmp_path / "my-run.yaml")
+    assert recipe.name == "llama-350m" and recipe.model.hidden_size == 1024
+    assert recipe.optim.poet_lr == 1e-3 and recipe.train.max_steps == 20000

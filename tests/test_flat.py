@@ -273,7 +273,7 @@ def test_flat_step_on_the_triton_8bit_update_follows_bitsandbytes_per_tensor_ste
         # the same update up to the rounding of state codes: a code flip of a tiny second moment
         # changes that element's step (bitsandbytes' CPU op and its Triton kernel round a few
         # codes apart; on the H200 the Triton kernel and the CUDA op differ in 0.001-0.1 % of
-        # the codes, evals/results/bench_optim8bit_h200_bea4de0.json)
+        # the codes, evals/results/bench_optim8bit_h200_ef47a77.json)
         assert diff.quantile(0.99) < 0.01 * moved.max() and diff.mean() < 0.01 * moved.mean()
         # the moments, dequantized: equal up to a code step of the block's scale (code indices
         # can be far apart where a near-zero first moment changes sign between the two ops)

@@ -38,7 +38,7 @@ re-quantized), draws new permutations and resets ``Q`` to zero; the layer's func
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ from torch import nn
 
 import quant_kernels
 from poetxq.model import swiglu as maps
-from poetxq.model.layer_fm import POETXFastFmFn, SwiGLUDownFastFmFn, forward_fm, mem_backward_fm
+from poetxq.model.layer_fm import POETXFastFmFn, fast_backward_fm, forward_fm, mem_backward_fm
 from poetxq.model.orthogonal import OrthogonalSide
 from poetxq.model.quant import make_frozen_weight
 from poetxq.model.store import FrozenStore
@@ -54,6 +54,13 @@ from quant_kernels.policy import KernelPolicy, default_policy
 
 Variant = Literal["fast", "mem"]
 VARIANTS: tuple[str, ...] = ("fast", "mem")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a call on ``x`` computes in: autocast's for ``x``'s device where it is on,
+    else ``x.dtype``."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
@@ -181,11 +188,16 @@ def _mem_backward(
     return dx, dg_p, dg_r
 
 
-class _SwiGLUDownMemFn(torch.autograd.Function):
-    """``down(SiLU(gate) · up)`` with a ``mem`` down projection, saving ``gate`` and ``up`` only.
+class _SwiGLUDownFn(torch.autograd.Function):
+    """``down(SiLU(gate) · up)`` saving ``gate`` and ``up`` (and, on the ``fast`` variant's
+    feature-major path, ``keep_h``, the GEMM output ``hᵀ [m, T]``) instead of the down
+    projection's input.
 
-    The product ``SiLU(gate) · up`` (the down projection's input) and ``SiLU(gate)`` are
-    recomputed in backward (elementwise), instead of being kept as two more ``[T, f]`` tensors.
+    The product ``SiLU(gate) · up`` and ``SiLU(gate)`` are recomputed in backward (elementwise,
+    the maps of :data:`poetxq.model.swiglu.SWIGLU_OPS`), instead of being kept as two more
+    ``[T, f]`` tensors (with ``keep_h``: ``SiLU(gate)`` and the permuted input ``x'ᵀ``). The down
+    projection's backward is the ``mem`` one (:func:`_mem_backward`) or, with ``keep_h``,
+    :func:`poetxq.model.layer_fm.fast_backward_fm`, which spares the GEMM recompute.
     """
 
     @staticmethod
@@ -198,23 +210,45 @@ class _SwiGLUDownMemFn(torch.autograd.Function):
         frozen: FrozenStore,
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
+        keep_h: bool,
     ) -> torch.Tensor:
-        ctx.save_for_backward(gate, up, g_p, g_r)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
         x = maps.SWIGLU_OPS["forward"](gate, up)
-        return _forward(x, g_p, g_r, frozen, side_p, side_r)
+        if keep_h:
+            y, xpt, ht = forward_fm(x, g_p, g_r, frozen, side_p, side_r)
+            del xpt
+            kept: tuple[torch.Tensor, ...] = (ht,)
+        else:
+            y, kept = _forward(x, g_p, g_r, frozen, side_p, side_r), ()
+        del x
+        ctx.save_for_backward(gate, up, g_p, g_r, *kept)
+        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        gate, up, g_p, g_r = ctx.saved_tensors
-        x = maps.SWIGLU_OPS["forward"](gate, up)
+        gate, up, g_p, g_r, *kept = ctx.saved_tensors
+        sp, sr = ctx.side_p, ctx.side_r
         needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
-        dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, needs)
-        del x
+        if kept:
+
+            def permuted_input() -> tuple[torch.Tensor, torch.Size, torch.dtype]:
+                x = maps.SWIGLU_OPS["forward"](gate, up)
+                xpt = quant_kernels.permute_to_feature_major(
+                    x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
+                )
+                return xpt, x.shape, x.dtype
+
+            dx, dg_p, dg_r = fast_backward_fm(
+                dy, kept[0], g_p, g_r, ctx.frozen, sp, sr, needs, permuted_input
+            )
+        else:
+            x = maps.SWIGLU_OPS["forward"](gate, up)
+            dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, sp, sr, needs)
+            del x
         d_gate = d_up = None
         if dx is not None:
             d_gate, d_up = maps.SWIGLU_OPS["grads"](gate, up, dx)
-        return d_gate, d_up, dg_p, dg_r, None, None, None
+        return d_gate, d_up, dg_p, dg_r, None, None, None, None
 
 
 def normalized_gaussian(
@@ -347,8 +381,7 @@ class POETXLinear(nn.Module):
         return [self.P.Q, self.R.Q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        dev, cdtype = x.device.type, _compute_dtype(x)
         store = self._store_op()
         if not self._casts_inside(x, cdtype, store):
             x = x.to(cdtype)
@@ -391,20 +424,19 @@ class POETXLinear(nn.Module):
         if self.bias is not None or not torch.is_grad_enabled():
             return self(F.silu(gate) * up)
         store = self._store_op()
-        if self.variant == "mem":
-            fn: Any = _SwiGLUDownMemFn
-        elif self._kernels.lean_fast_swiglu_for(gate) and _feature_major(
-            gate, store, self.P, self.R, fast=True
+        keep_h = self.variant == "fast"
+        if keep_h and not (
+            self._kernels.lean_fast_swiglu_for(gate)
+            and _feature_major(gate, store, self.P, self.R, fast=True)
         ):
-            fn = SwiGLUDownFastFmFn
-        else:
             return self(F.silu(gate) * up)
-        dev = gate.device.type
-        cdtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else gate.dtype
+        dev, cdtype = gate.device.type, _compute_dtype(gate)
         with torch.autocast(dev, enabled=False):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
-            return fn.apply(gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R)
+            return _SwiGLUDownFn.apply(
+                gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R, keep_h
+            )
 
     @torch.no_grad()
     def effective_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

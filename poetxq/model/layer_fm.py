@@ -5,19 +5,19 @@ changes the layout in one coalesced pass (:mod:`quant_kernels.transpose_perm`); 
 multiplies are ``bmm``s over ``[nb, b, T]`` views and the weight GEMMs multiply feature-major
 (``FrozenWeight.matmul_fm`` / ``matmul_t_fm`` / ``backward_fm`` under the layer's policy).
 Derivation and timings: ``evals/notes/streamed_and_layer.md``. :mod:`poetxq.model.layer` chooses
-between this path and its row-major autograd one (``_feature_major``); the ``mem`` Function lives
-there, the ``fast`` ones here. The torch path of :mod:`poetxq.model.layer` is the oracle of every
-function below.
+between this path and its row-major autograd one (``_feature_major``); the ``mem`` Function and
+the SwiGLU down projection's Function (both variants) live there, the ``fast`` one here. The
+torch path of :mod:`poetxq.model.layer` is the oracle of every function below.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 import quant_kernels
-from poetxq.model import swiglu as maps
 from poetxq.model.orthogonal import OrthogonalSide
 from poetxq.model.store import FrozenStore
 
@@ -150,10 +150,35 @@ class POETXFastFmFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         xpt, ht, g_p, g_r = ctx.saved_tensors
+        kept = (xpt, ctx.x_shape, ctx.x_dtype)
         needs = ctx.needs_input_grad[:3]
-        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.sr, needs[2])
-        dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, ctx.sp, needs, ctx.x_shape, ctx.x_dtype)
+        dx, dg_p, dg_r = fast_backward_fm(
+            dy, ht, g_p, g_r, ctx.frozen, ctx.sp, ctx.sr, needs, lambda: kept
+        )
         return dx, dg_p, dg_r, None, None, None
+
+
+def fast_backward_fm(
+    dy: torch.Tensor,
+    ht: torch.Tensor,
+    g_p: torch.Tensor,
+    g_r: torch.Tensor,
+    frozen: FrozenStore,
+    sp: OrthogonalSide,
+    sr: OrthogonalSide,
+    needs: tuple[bool, ...],
+    permuted_input: Callable[[], tuple[torch.Tensor, torch.Size, torch.dtype]],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of the ``fast`` feature-major forward (:func:`forward_fm`) from ``dy`` and the
+    kept GEMM output ``hᵀ [m, T]``: ``(dx, dG_P, dG_R)``, None where ``needs`` is False.
+
+    ``permuted_input()`` gives ``(x'ᵀ [n, T], x.shape, x.dtype)`` of the layer's input; it is
+    called only when ``dx`` or ``dG_P`` is needed (so a caller may recompute ``x'ᵀ`` there)."""
+    dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, frozen, sr, needs[2])
+    if not (needs[0] or needs[1]):
+        return None, None, dg_r
+    xpt, x_shape, x_dtype = permuted_input()
+    return (*_input_side_backward_fm(dzt, xpt, g_p, sp, needs, x_shape, x_dtype), dg_r)
 
 
 def _output_side_backward_fm(
@@ -179,51 +204,3 @@ def _output_side_backward_fm(
     dht = torch.bmm(g_r.transpose(1, 2), du_blocks).view(sr.dim, t)
     del du_blocks
     return frozen.matmul_t_fm(dht), dg_r
-
-
-class SwiGLUDownFastFmFn(torch.autograd.Function):
-    """``down(SiLU(gate) · up)`` with a ``fast`` feature-major down projection, keeping ``gate``,
-    ``up`` and the GEMM output ``hᵀ [m, T]`` only.
-
-    The autograd composition keeps ``SiLU(gate)`` (for the product's backward) and the down
-    layer's permuted input ``x'ᵀ`` beside them: two more ``[T, f]`` tensors. Here the product
-    and ``x'ᵀ`` are recomputed in backward (one elementwise map, one permute-transpose) and the
-    SwiGLU gradients come from :data:`poetxq.model.swiglu.SWIGLU_OPS` as in the ``mem`` MLP; ``hᵀ``
-    still spares the GEMM recompute. Taken with the policy's ``lean_fast_swiglu``.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        frozen: FrozenStore,
-        side_p: OrthogonalSide,
-        side_r: OrthogonalSide,
-    ) -> torch.Tensor:
-        x = maps.SWIGLU_OPS["forward"](gate, up)
-        y, xpt, ht = forward_fm(x, g_p, g_r, frozen, side_p, side_r)
-        del x, xpt
-        ctx.save_for_backward(gate, up, ht, g_p, g_r)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        gate, up, ht, g_p, g_r = ctx.saved_tensors
-        sp = ctx.side_p
-        needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
-        dzt, dg_r = _output_side_backward_fm(dy, ht, g_r, ctx.frozen, ctx.side_r, needs[2])
-        dx = dg_p = d_gate = d_up = None
-        if needs[0] or needs[1]:
-            x = maps.SWIGLU_OPS["forward"](gate, up)
-            xpt = quant_kernels.permute_to_feature_major(
-                x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
-            )
-            dx, dg_p = _input_side_backward_fm(dzt, xpt, g_p, sp, needs, x.shape, x.dtype)
-            del x, xpt
-        if dx is not None:
-            d_gate, d_up = maps.SWIGLU_OPS["grads"](gate, up, dx)
-        return d_gate, d_up, dg_p, dg_r, None, None, None

@@ -92,37 +92,32 @@ class FrozenWeight(nn.Module, abc.ABC):
         return f"out_features={self.out_features}, in_features={self.in_features}"
 
 
-class Int8RowwiseWeight(FrozenWeight):
-    """int8 row-wise absmax store in the bitsandbytes ``Int8Params`` layout.
+class _KernelWeight(FrozenWeight):
+    """A quantized store whose five GEMMs are :mod:`quant_kernels` functions of one family:
+    ``<KERNELS>_matmul``, ``_matmul_t``, ``_matmul_fm``, ``_matmul_t_fm`` and ``_backward_fm``
+    (looked up at call time), each taking the activations, then the store's :meth:`_gemm_args`,
+    then (``backward_fm``) ``row_align`` and ``on_rows``."""
 
-    Buffers (state-dict keys as bitsandbytes ``Linear8bitLt``): ``weight`` int8 ``[m, n]`` (CB),
-    ``SCB`` fp32 ``[m]``, ``weight_format`` uint8 scalar (0 = row). ``W ≈ CB · SCB / 127``.
+    KERNELS: str  # the quant_kernels function family, e.g. "int8_rowwise"
 
-    Args:
-        weight: initial float weight ``[m, n]``; quantized immediately, not kept.
-        stochastic: round stochastically when (re-)quantizing (unbiased), else to nearest.
-    """
+    @abc.abstractmethod
+    def _gemm_args(self) -> tuple[Any, ...]:
+        """The stored operands the GEMMs take after the activations."""
 
-    def __init__(self, weight: torch.Tensor, *, stochastic: bool = False) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.stochastic = stochastic
-        cb, scb = quant_kernels.quantize_int8_rowwise(weight)
-        self.register_buffer("weight", cb)
-        self.register_buffer("SCB", scb)
-        self.register_buffer("weight_format", torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8))
+    def _kernel(self, op: str) -> Callable[..., torch.Tensor]:
+        return getattr(quant_kernels, f"{self.KERNELS}_{op}")
 
     def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul(x, self.weight, self.SCB, kernels=kernels)
+        return self._kernel("matmul")(x, *self._gemm_args(), kernels=kernels)
 
     def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_t(g, self.weight, self.SCB, kernels=kernels)
+        return self._kernel("matmul_t")(g, *self._gemm_args(), kernels=kernels)
 
     def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_fm(zt, self.weight, self.SCB, kernels=kernels)
+        return self._kernel("matmul_fm")(zt, *self._gemm_args(), kernels=kernels)
 
     def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_matmul_t_fm(dht, self.weight, self.SCB, kernels=kernels)
+        return self._kernel("matmul_t_fm")(dht, *self._gemm_args(), kernels=kernels)
 
     def backward_fm(
         self,
@@ -133,9 +128,35 @@ class Int8RowwiseWeight(FrozenWeight):
         *,
         kernels: KernelPolicy = AUTO,
     ) -> torch.Tensor:
-        return quant_kernels.int8_rowwise_backward_fm(
-            zt, dht, self.weight, self.SCB, row_align, on_rows, kernels=kernels
-        )
+        args = (*self._gemm_args(), row_align, on_rows)
+        return self._kernel("backward_fm")(zt, dht, *args, kernels=kernels)
+
+
+class Int8RowwiseWeight(_KernelWeight):
+    """int8 row-wise absmax store in the bitsandbytes ``Int8Params`` layout.
+
+    Buffers (state-dict keys as bitsandbytes ``Linear8bitLt``): ``weight`` int8 ``[m, n]`` (CB),
+    ``SCB`` fp32 ``[m]``, ``weight_format`` uint8 scalar (0 = row). ``W ≈ CB · SCB / 127``.
+
+    Args:
+        weight: initial float weight ``[m, n]``; quantized immediately, not kept.
+        stochastic: round stochastically when (re-)quantizing (unbiased), else to nearest.
+    """
+
+    KERNELS = "int8_rowwise"
+
+    def __init__(self, weight: torch.Tensor, *, stochastic: bool = False) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.stochastic = stochastic
+        cb, scb = quant_kernels.quantize_int8_rowwise(weight)
+        self.register_buffer("weight", cb)
+        self.register_buffer("SCB", scb)
+        self.register_buffer("weight_format", torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8))
+
+    def _gemm_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(CB, SCB)`` for the int8 row-wise GEMMs."""
+        return self.weight, self.SCB
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant_kernels.dequant_int8_rowwise(self.weight, self.SCB, dtype)
@@ -149,7 +170,7 @@ class Int8RowwiseWeight(FrozenWeight):
         self.SCB.copy_(scb)
 
 
-class Blockwise4bitWeight(FrozenWeight):
+class Blockwise4bitWeight(_KernelWeight):
     """NF4/FP4 blockwise store in the bitsandbytes ``Params4bit`` layout.
 
     Buffers: ``weight`` uint8 ``[ceil(m·n/2), 1]`` (two codes per byte, first in the high nibble);
@@ -175,6 +196,8 @@ class Blockwise4bitWeight(FrozenWeight):
     Raises:
         ValueError: unknown ``quant_type``, bad ``blocksize`` or a non-2-D weight.
     """
+
+    KERNELS = "blockwise_4bit"
 
     def __init__(
         self,
@@ -232,33 +255,6 @@ class Blockwise4bitWeight(FrozenWeight):
         """``(packed, fp32 absmax, quant_type, blocksize, (m, n))`` for the 4-bit GEMMs."""
         shape = (self.out_features, self.in_features)
         return self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize, shape
-
-    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul(
-            x, *self._gemm_args(), kernels=kernels
-        )  # streamed on CUDA
-
-    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_t(g, *self._gemm_args(), kernels=kernels)
-
-    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_fm(zt, *self._gemm_args(), kernels=kernels)
-
-    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_matmul_t_fm(dht, *self._gemm_args(), kernels=kernels)
-
-    def backward_fm(
-        self,
-        zt: torch.Tensor,
-        dht: torch.Tensor,
-        row_align: int,
-        on_rows: Callable[[int, torch.Tensor], None],
-        *,
-        kernels: KernelPolicy = AUTO,
-    ) -> torch.Tensor:
-        return quant_kernels.blockwise_4bit_backward_fm(
-            zt, dht, *self._gemm_args(), row_align, on_rows, kernels=kernels
-        )
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return q4.dequantize_4bit_blockwise(

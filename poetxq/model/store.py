@@ -32,23 +32,30 @@ class FrozenStore:
         self.frozen, self.kernels, self.side_p = frozen, kernels, side_p
 
     def matmul(self, z: torch.Tensor) -> torch.Tensor:
+        """``z @ W'ᵀ``: ``z [..., n]`` in ``P``'s permuted order → ``[..., m]``."""
         if self.side_p is not None:
             z = quant_kernels.permute_last(z, self.side_p.inv_perm)
         return self.frozen.matmul(z, kernels=self.kernels)
 
     def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
+        """``dh @ W'``: ``[..., m]`` → ``[..., n]`` in ``P``'s permuted order."""
         dz = self.frozen.matmul_t(dh, kernels=self.kernels)
         return dz if self.side_p is None else quant_kernels.permute_last(dz, self.side_p.perm)
 
-    # feature-major (``[features, T]``): the permutations become row gathers of whole rows
+    # feature-major (``[features, T]``): the permutations become gathers of whole rows
+    def _to_store_fm(self, zt: torch.Tensor) -> torch.Tensor:
+        return zt if self.side_p is None else zt.index_select(0, self.side_p.inv_perm)
+
+    def _from_store_fm(self, dzt: torch.Tensor) -> torch.Tensor:
+        return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
+
     def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        if self.side_p is not None:
-            zt = zt.index_select(0, self.side_p.inv_perm)
-        return self.frozen.matmul_fm(zt, kernels=self.kernels)
+        """``W' zᵀ``: ``[n, T]`` → ``[m, T]`` (:meth:`FrozenWeight.matmul_fm`)."""
+        return self.frozen.matmul_fm(self._to_store_fm(zt), kernels=self.kernels)
 
     def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        dzt = self.frozen.matmul_t_fm(dht, kernels=self.kernels)
-        return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
+        """``W'ᵀ dhᵀ``: ``[m, T]`` → ``[n, T]`` (:meth:`FrozenWeight.matmul_t_fm`)."""
+        return self._from_store_fm(self.frozen.matmul_t_fm(dht, kernels=self.kernels))
 
     def backward_fm(
         self,
@@ -57,8 +64,8 @@ class FrozenStore:
         row_align: int,
         on_rows: Callable[[int, torch.Tensor], None],
     ) -> torch.Tensor:
-        if self.side_p is None:
-            return self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
-        zt_in = zt.index_select(0, self.side_p.inv_perm)
-        dzt = self.frozen.backward_fm(zt_in, dht, row_align, on_rows, kernels=self.kernels)
-        return dzt.index_select(0, self.side_p.perm)
+        """The recompute ``W' zᵀ`` (to ``on_rows``) and the returned ``W'ᵀ dhᵀ`` of a ``mem``
+        backward (:meth:`FrozenWeight.backward_fm`)."""
+        zt = self._to_store_fm(zt)
+        dzt = self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
+        return self._from_store_fm(dzt)
