@@ -79,6 +79,9 @@ class BenchResult:
     offload_activations: bool = False
     optimizer_in_backward: bool = False
     loss_chunk_tokens: int = 0
+    offload_optimizer: bool = False  # gradients and optimizer states in host memory
+    #: the memory plan (train.memory resolved: fastest / balanced / lowest)
+    memory_plan: str = "fastest"
     # RMSNorm / rotary / SwiGLU compiled (poetxq.model.fuse), resolved
     fuse_elementwise: bool = False
     state_bits: int = 32  # optimizer state bits (optim.state_bits)
@@ -174,7 +177,11 @@ def build_model_and_optimizer(
         kernels=kernels,
     )  # fmt: skip
     if built.surgery is not None:
-        optimizer = build_optimizer(built.model, recipe.optim, kernels=kernels)
+        # train.offload_optimizer moves each parameter's states on their own: no flat groups
+        optimizer = build_optimizer(
+            built.model, recipe.optim, kernels=kernels,
+            flatten=not recipe.train.offload_optimizer,
+        )  # fmt: skip
         relayout_if_wanted(built.model, optimizer, built.device, echo)
     else:
         assert built.baseline is not None
@@ -201,6 +208,7 @@ def run_bench(
     profile: Path | None = None,
     echo: Callable[[str], None] = print,
     kernels: KernelPolicy | None = None,
+    gpu_mem: int | None = None,
 ) -> BenchResult:
     """Time ``steps`` training steps of ``recipe`` on random tokens.
 
@@ -219,6 +227,8 @@ def run_bench(
         echo: where the progress lines go (model build time, first step done).
         kernels: the kernel policy of the POET layers, their optimizer and the memory estimate
             (benchmarks' A/B runs); default :func:`quant_kernels.policy.default_policy`.
+        gpu_mem: bytes ``train.memory: auto`` plans for (default: the device's memory), as
+            :func:`poetxq.training.train.train`.
 
     Returns:
         :class:`BenchResult`.
@@ -234,6 +244,8 @@ def run_bench(
     from poetxq.training.graph_optim import GraphedInBackward, hooks_for
     from poetxq.training.loss import training_loss
     from poetxq.training.lowmem import enable_activation_checkpointing
+    from poetxq.training.memory import apply_allocator, resolve_memory_plan
+    from poetxq.training.offload import HostOffload
     from poetxq.training.train import peak_rss_bytes
 
     if steps < 1 or warmup < 0:
@@ -248,6 +260,11 @@ def run_bench(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")
+    # train.memory, as the trainer resolves it (before anything reads the memory keys)
+    recipe, plan = resolve_memory_plan(recipe, dev, gpu_mem=gpu_mem, vocab_size=vocab_size)
+    apply_allocator(plan)
+    if dev.type == "cuda" or plan.name != "fastest":
+        echo(plan.line())
     tc, oc = recipe.train, recipe.optim
     if tc.cuda_graph is True and dev.type != "cuda":  # before the model is built
         raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
@@ -262,6 +279,7 @@ def run_bench(
         # offloaded in a graph: to host buffers made once (poetxq.training.lowmem.HostSlots)
         enable_activation_checkpointing(model, offload=tc.offload_activations, graph_safe=graph)
     in_backward = hooks_for(optimizer, graph=graph) if tc.optimizer_in_backward else None
+    offload = HostOffload(optimizer) if tc.offload_optimizer else None
     model.train()
     qmods = quant_modules(model)
     precision = run_precision(tc, dev)  # bf16-true: parameters cast by poetxq.training.build
@@ -279,7 +297,9 @@ def run_bench(
 
     def step() -> None:
         nonlocal graphed, graph
-        for _ in range(tc.grad_accum):
+        for micro in range(tc.grad_accum):
+            if offload is not None:
+                offload.final = micro == tc.grad_accum - 1
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
             if graph and graphed is None:  # under auto a failed capture goes on eagerly
@@ -295,6 +315,9 @@ def run_bench(
         if in_backward is not None:  # each parameter was updated, its gradient freed
             return
         clip = oc.grad_clip or float("inf")
+        if offload is not None:  # the exact clip and every update, from the host buffers
+            offload.step(clip)
+            return
         if qmods:
             clip_grad_norm_all(model.parameters(), qmods, clip)
         else:
@@ -349,7 +372,8 @@ def run_bench(
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
-        loss_chunk_tokens=tc.loss_chunk_tokens, fuse_elementwise=fuse_wanted(tc, dev, graph),
+        loss_chunk_tokens=tc.loss_chunk_tokens, offload_optimizer=tc.offload_optimizer,
+        memory_plan=plan.name, fuse_elementwise=fuse_wanted(tc, dev, graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,

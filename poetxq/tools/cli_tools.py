@@ -40,6 +40,10 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
         help="whole-layer activation checkpointing [train.gradient_checkpointing]",
     )  # fmt: skip
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary [data.vocab_size]")
+    p.add_argument(
+        "--memory", choices=("auto", "fastest", "balanced", "lowest"),
+        help="memory plan [train.memory, default auto] (see poetxq train --help)",
+    )  # fmt: skip
 
 
 def _estimate_precision(text: str) -> str:
@@ -81,6 +85,12 @@ def add_tool_parsers(sub: Any) -> None:
                    "on a GPU); bf16-true: every parameter bf16, no autocast (train.precision: "
                    "bf16-true); fp32: everything fp32 (the CPU). Default: what the recipe's "
                    "train.precision runs on a GPU")  # fmt: skip
+    p.add_argument(
+        "--processes", type=int, metavar="N",
+        help="also give the per-GPU peak of N data-parallel processes (torchrun / accelerate "
+        "launch; each holds the whole model), and what sharding the frozen W0 over them would "
+        "leave (not implemented in poetxq)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
 
     p = sub.add_parser(
@@ -100,6 +110,11 @@ def add_tool_parsers(sub: Any) -> None:
         help="accelerator peak for MFU (default: by GPU name, H100/H200 989.4)",
     )  # fmt: skip
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    p.add_argument(
+        "--gpu-mem", metavar="SIZE",
+        help="plan the memory (train.memory: auto) for this much GPU memory instead of the "
+        "device's, e.g. 16GB",
+    )  # fmt: skip
     p.add_argument("--out", metavar="JSON", help="write the result here")
     p.add_argument(
         "--profile", metavar="TXT",
@@ -129,6 +144,8 @@ def _load(args: argparse.Namespace):  # -> Recipe
             flags[key] = ("--" + dest.replace("_", "-"), getattr(args, dest))
     if args.gradient_checkpointing:
         flags["train.gradient_checkpointing"] = ("--gradient-checkpointing", True)
+    if args.memory is not None:
+        flags["train.memory"] = ("--memory", args.memory)
     return load_recipe(args.recipe, merge_overrides(flags, args.overrides))
 
 
@@ -153,12 +170,17 @@ def run_tool(args: argparse.Namespace) -> int:
             parse_bytes,
         )
         from poetxq.training.estimate import estimate_memory
-        from poetxq.training.memory import plan_table
+        from poetxq.training.memory import per_process_peaks, plan_table, resolve_memory_plan
         from poetxq.training.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
+        # the recipe a GPU run would train: train.memory resolved (auto: fitted to --gpu-mem)
+        written = recipe  # the plans' table starts from the recipe as written
+        recipe, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=gpu, vocab_size=args.vocab_size)
+        if choice.name != "fastest" or gpu is not None:
+            print(choice.line())
         runs = run_precision(recipe.train, "cuda")
         precision = args.precision or runs
         if precision != runs:
@@ -168,14 +190,27 @@ def run_tool(args: argparse.Namespace) -> int:
             )
         est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
         alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
-        plans = plan_table(recipe, gpu_mem=gpu, vocab_size=args.vocab_size)
+        plans = plan_table(written, gpu_mem=gpu, vocab_size=args.vocab_size)
+        shared = None
+        if args.processes is not None:
+            shared = per_process_peaks(
+                written, args.processes, gpu_mem=gpu, vocab_size=args.vocab_size
+            )
         if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
             extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
+            extra.update({"per_process": shared} if shared else {})
             write_json({**est.to_dict(), **extra, "plans": plans}, Path(args.json))
         print(format_estimate(est, gpu))
         if alt:
             print(format_other_variant(*alt, gpu))
         print(format_plans(plans, gpu))
+        if shared:
+            print(
+                f"per GPU with {shared['processes']} data-parallel processes: "
+                f"{shared['data_parallel'] / 2**30:.2f} GiB (plan {shared['plan']}, gradient "
+                f"sync {shared['grad_sync']}); with W0 sharded over them (not implemented): "
+                f"{shared['w0_sharded'] / 2**30:.2f} GiB"
+            )
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 
@@ -187,9 +222,12 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.out and Path(args.profile).resolve() == Path(args.out).resolve():
             raise BenchError(f"--profile and --out are the same file '{args.out}'; give two paths")
 
+    from poetxq.tools.estimate_report import parse_bytes
+
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,
         peak_tflops=args.peak_tflops, device=args.device,
+        gpu_mem=parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None,
         command="poetxq " + shlex.join(sys.argv[1:]),
         profile=Path(args.profile) if args.profile else None, echo=print,
     )  # fmt: skip

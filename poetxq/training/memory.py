@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from poetxq.training.cudagraph import graph_wanted
+from poetxq.training.cudagraph import grad_sync_mode, graph_wanted
 from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, estimate_memory
 from poetxq.training.precision import run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe
@@ -251,9 +251,18 @@ def resolve_memory_plan(
 
 def apply_allocator(choice: PlanChoice) -> None:
     """Set ``choice``'s CUDA allocator setting for this process (segments allocated from now on;
-    call before the model is built). No effect without CUDA or without a setting."""
-    if choice.allocator and torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings(choice.allocator)
+    call before the model is built): in torch's allocator and in ``PYTORCH_CUDA_ALLOC_CONF``, which
+    :func:`poetxq.model.relayout.relayout_wanted` reads. An ``expandable_segments`` setting the
+    user made in the environment stays as it is. No effect without CUDA or without a setting."""
+    from poetxq.model.relayout import alloc_conf
+
+    if not choice.allocator or not torch.cuda.is_available():
+        return
+    if "expandable_segments" in alloc_conf():  # the user's own choice
+        return
+    current = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (current, choice.allocator) if x)
+    torch.cuda.memory._set_allocator_settings(choice.allocator)
 
 
 def plan_table(
@@ -286,3 +295,41 @@ def plan_table(
             "applied": applied,
         })  # fmt: skip
     return rows
+
+
+def per_process_peaks(
+    recipe: Recipe,
+    processes: int,
+    *,
+    gpu_mem: int | None = None,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    """Predicted per-GPU peak of ``recipe`` trained by ``processes`` data-parallel processes
+    (``poetxq estimate-memory --processes N``), sizes in bytes.
+
+    ``data_parallel``: every process holds the whole model (:mod:`poetxq.training.distributed`),
+    so it is the one-process estimate of the plan resolved for ``processes`` (no optimizer
+    offload there), plus DDP's bucketed copy of every gradient where the gradients are
+    all-reduced inside backward (``grad_sync`` ``ddp``). ``w0_sharded``: what sharding the
+    frozen ``W0`` over the processes would leave (``W0 / N`` plus one gathered decoder layer); a
+    what-if, poetxq does not shard ``W0``.
+
+    Raises:
+        ValueError: ``processes < 1``.
+    """
+    if processes < 1:
+        raise ValueError(f"--processes must be at least 1, got {processes}")
+    resolved, choice = resolve_memory_plan(
+        recipe, "cpu", gpu_mem=gpu_mem, vocab_size=vocab_size, world=processes
+    )
+    est = estimate_memory(
+        resolved, vocab_size=vocab_size, precision=run_precision(resolved.train, "cuda")
+    )
+    sync = grad_sync_mode(resolved.train, est.cuda_graph, processes)
+    ddp = est.peak + (est.gradients if sync == "ddp" else 0)
+    layer_w0 = est.frozen_weights // resolved.model.num_hidden_layers
+    sharded = ddp - est.frozen_weights + -(-est.frozen_weights // processes) + layer_w0
+    return {
+        "processes": processes, "plan": choice.name, "grad_sync": sync,
+        "data_parallel": ddp, "w0_sharded": sharded if processes > 1 else ddp,
+    }  # fmt: skip
