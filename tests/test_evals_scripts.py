@@ -462,3 +462,16 @@ def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeyp
     q8, q16 = (doc["runs"][k]["diag"][-1]["diag_sigma_drift_init"] for k in ("bits 8", "bits 16"))
     assert q8 > 10 * q16
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_memory_plans_script_records_what_bench_took_and_predicted(tmp_path):
+    """evals/memory_plans.py's smoke case on the CPU: one ``poetxq bench`` process with the lowest
+    plan and 2 accumulated micro-batches; the record names the plan and the estimate."""
+    mod = _load("memory_plans")
+    out = tmp_path / "plans.json"
+    assert mod.main(["--device", "cpu", "--cases", "smoke", "--steps", "1", "--out", str(out)]) == 0
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["ok"] and case["plan"] == "lowest" and case["bench"]["offload_optimizer"]
+    assert case["plan_line"].startswith("memory plan: lowest (train.memory)")
+    assert case["predicted_peak_gib"] == case["bench"]["estimated_peak_bytes"] / 2**30 > 0
