@@ -4,7 +4,8 @@ one process per case, beside the plan's predicted peak (issue 30).
 Each case is one command line of ``poetxq bench`` (POET-XQ at batch 1 × 2,048 tokens, one
 micro-batch, gradient clipping at the recipe's 1.0) run in a fresh process, so every case starts
 with an empty allocator and the allocator setting its plan applies. Recorded per case: the plan
-the run took, the predicted peak, the measured allocated and reserved peaks, the step time, and
+the run took, the predicted peak, the measured allocated and reserved peaks (and the reserved
+peak while the model was built, which must stay under the step's), the step time, and
 whether the reserved peak stayed under the memory planned for (``--gpu-mem``) or under the
 issue's target.
 
@@ -88,11 +89,15 @@ def run_case(name: str, steps: int, device: str | None) -> dict:
         "predicted_peak_gib": rec["estimated_peak_bytes"] / GiB,
         "peak_allocated_gib": (rec["peak_memory_bytes"] or 0) / GiB,
         "peak_reserved_gib": (reserved or 0) / GiB,
+        "build_peak_reserved_gib": (rec.get("build_peak_reserved_bytes") or 0) / GiB,
         "step_time_s": rec["step_time_s"], "tokens_per_s": rec["tokens_per_s"],
         "target_reserved_gib": target, "planned_gib": planned, "bench": rec,
     }  # fmt: skip
     if target is not None and reserved is not None:
         result["meets_target"] = reserved / GiB <= target
+    if reserved is not None and rec.get("build_peak_reserved_bytes") is not None:
+        # issue 30: building must not exceed the plan's peak
+        result["build_within_step_peak"] = rec["build_peak_reserved_bytes"] <= reserved
     return result
 
 

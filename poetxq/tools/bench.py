@@ -80,6 +80,8 @@ class BenchResult:
     optimizer_in_backward: bool = False
     loss_chunk_tokens: int = 0
     offload_optimizer: bool = False  # gradients and optimizer states in host memory
+    #: CUDA reserved-memory peak while the model and optimizer were built (before any step)
+    build_peak_reserved_bytes: int | None = None
     #: the memory plan (train.memory resolved: fastest / balanced / lowest)
     memory_plan: str = "fastest"
     # RMSNorm / rotary / SwiGLU compiled (poetxq.model.fuse), resolved
@@ -272,8 +274,12 @@ def run_bench(
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo, kernels=kernels)
     build_s = time.perf_counter() - start
+    # what building held at most (W0 drawn and quantized layer by layer on the device)
+    build_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
     echo(f"model: built in {build_s:.1f} s on {dev}")
     if tc.gradient_checkpointing:
         # offloaded in a graph: to host buffers made once (poetxq.training.lowmem.HostSlots)
@@ -373,7 +379,8 @@ def run_bench(
         torch=torch.__version__, command=command, build_s=build_s, cuda_graph=graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
         loss_chunk_tokens=tc.loss_chunk_tokens, offload_optimizer=tc.offload_optimizer,
-        memory_plan=plan.name, fuse_elementwise=fuse_wanted(tc, dev, graph),
+        memory_plan=plan.name, build_peak_reserved_bytes=build_reserved,
+        fuse_elementwise=fuse_wanted(tc, dev, graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,
