@@ -10,6 +10,7 @@ from typing import ClassVar
 import bitsandbytes as bnb
 import pytest
 import torch
+from small_nets import small_mlp, two_groups
 from torch import nn
 
 from poetxq.model.surgery import build_llama, convert_to_poetx
@@ -21,23 +22,11 @@ from poetxq.training.lowmem import OptimizerInBackward, enable_activation_checkp
 from poetxq.training.recipe_files import load_recipe
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8))
-
-
-def _groups(m: nn.Module) -> list[dict]:
-    return [
-        {"params": [m[0].weight, m[2].weight], "lr": 1e-2, "weight_decay": 0.1},
-        {"params": [m[0].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
-    ]
-
-
 @pytest.mark.parametrize("make", [torch.optim.AdamW, bnb.optim.AdamW8bit], ids=["torch", "8bit"])
 def test_in_backward_equals_step_after_backward(make):
     # 64x96 = 6144 elements: bitsandbytes keeps 8-bit states for it, fp32 for the rest
-    ref, m = _mlp(), _mlp()
-    opt_ref, opt = make(_groups(ref)), make(_groups(m))
+    ref, m = small_mlp(), small_mlp()
+    opt_ref, opt = make(two_groups(ref)), make(two_groups(m))
     hooks = OptimizerInBackward(opt)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -56,7 +45,7 @@ def test_in_backward_equals_step_after_backward(make):
 
 
 def test_in_backward_remove_and_foreign_parameter():
-    m = _mlp()
+    m = small_mlp()
     opt = torch.optim.AdamW(m.parameters())
     hooks = OptimizerInBackward(opt)
     hooks.remove()

@@ -5,22 +5,11 @@ bitsandbytes AdamW8bit, with clipping active and gradient accumulation; clear er
 import bitsandbytes as bnb
 import pytest
 import torch
+from small_nets import small_mlp, two_groups
 from torch import nn
 
 from poetxq.training.offload import HostOffload
 from poetxq.training.optim import adamw8bit_class
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 8))
-
-
-def _groups(m: nn.Module) -> list[dict]:
-    return [
-        {"params": [m[0].weight, m[2].weight], "lr": 1e-2, "weight_decay": 0.1},
-        {"params": [m[0].bias, m[2].bias], "lr": 3e-3, "weight_decay": 0.0},
-    ]
 
 
 def _batches(device: str = "cpu") -> list[list[torch.Tensor]]:
@@ -55,9 +44,9 @@ def _offloaded(model, opt, steps, max_norm):
 @pytest.mark.parametrize("max_norm", [0.5, float("inf")], ids=["clipped", "unclipped"])
 def test_offloaded_steps_equal_accumulate_clip_step(make, max_norm):
     steps = _batches()
-    ref, m = _mlp(), _mlp()
-    want = _reference(ref, make(_groups(ref)), steps, max_norm)
-    _, got = _offloaded(m, make(_groups(m)), steps, max_norm)
+    ref, m = small_mlp(), small_mlp()
+    want = _reference(ref, make(two_groups(ref)), steps, max_norm)
+    _, got = _offloaded(m, make(two_groups(m)), steps, max_norm)
     # the gradient norms (2-3 x the threshold: clipping acts on every step)
     assert got == pytest.approx(want, rel=1e-6)
     if max_norm < 1:
@@ -68,8 +57,8 @@ def test_offloaded_steps_equal_accumulate_clip_step(make, max_norm):
 
 def test_one_micro_batch_needs_no_accumulation_and_state_dict_is_the_optimizers():
     steps = [s[:1] for s in _batches()]
-    ref, m = _mlp(), _mlp()
-    opt_ref, opt = torch.optim.AdamW(_groups(ref)), torch.optim.AdamW(_groups(m))
+    ref, m = small_mlp(), small_mlp()
+    opt_ref, opt = torch.optim.AdamW(two_groups(ref)), torch.optim.AdamW(two_groups(m))
     _reference(ref, opt_ref, steps, 1.0)
     _offloaded(m, opt, steps, 1.0)
     for a, b in zip(ref.parameters(), m.parameters(), strict=True):
@@ -82,8 +71,8 @@ def test_one_micro_batch_needs_no_accumulation_and_state_dict_is_the_optimizers(
 
 
 def test_errors_name_the_fix():
-    m = _mlp()
-    opt = torch.optim.AdamW(_groups(m))
+    m = small_mlp()
+    opt = torch.optim.AdamW(two_groups(m))
     engine = HostOffload(opt)
     assert torch.isnan(engine.step())  # no gradient arrived: nothing to do
     engine.final = False  # the caller forgot to mark the last micro-batch
@@ -93,7 +82,7 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="not in the optimizer's param groups"):
         HostOffload(opt, params=[nn.Parameter(torch.zeros(3))])
     with pytest.raises(ValueError, match="without flattened groups"):
-        flat = adamw8bit_class()([{"params": list(_mlp().parameters()), "name": "poet"}])
+        flat = adamw8bit_class()([{"params": list(small_mlp().parameters()), "name": "poet"}])
         flat.flatten_group(0)
         HostOffload(flat)
 
@@ -101,9 +90,9 @@ def test_errors_name_the_fix():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_states_and_gradients_wait_in_pinned_host_memory():
     steps = _batches("cuda")
-    ref, m = _mlp().cuda(), _mlp().cuda()
-    want = _reference(ref, bnb.optim.AdamW8bit(_groups(ref)), steps, 0.5)
-    opt = bnb.optim.AdamW8bit(_groups(m))
+    ref, m = small_mlp().cuda(), small_mlp().cuda()
+    want = _reference(ref, bnb.optim.AdamW8bit(two_groups(ref)), steps, 0.5)
+    opt = bnb.optim.AdamW8bit(two_groups(m))
     engine, got = _offloaded(m, opt, steps, 0.5)
     assert got == pytest.approx(want, rel=1e-5)
     for a, b in zip(ref.parameters(), m.parameters(), strict=True):
