@@ -250,3 +250,12 @@ def test_the_lower_plans_turn_on_expandable_segments_unless_the_user_chose(monke
     apply_allocator(PlanChoice("lowest", "auto", allocator="expandable_segments:True"))
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:False"
     assert seen == ["expandable_segments:True"]  # not called again
+
+
+def test_auto_leaves_a_pretrained_checkpoint_at_fastest_and_says_why():
+    recipe = load_recipe(None, {"model.pretrained": "/some/llama-dir"})
+    _, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=8 * GiB)
+    assert choice.name == "fastest" and choice.predicted_peak is None and not choice.applied
+    assert "a --model checkpoint's memory is not estimated; --memory chooses" in choice.line()
+    named = load_recipe(None, {"model.pretrained": "/some/llama-dir", "train.memory": "lowest"})
+    assert resolve_memory_plan(named, "cpu")[1].applied["train.offload_optimizer"] is True

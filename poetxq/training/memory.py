@@ -26,9 +26,11 @@ for with ``--gpu-mem``) with :data:`HEADROOM` of it kept free — for the CUDA c
 allocator's fragmentation and the estimator's error (1–3 % of measured peaks) — and, for a plan
 that replays a CUDA graph, the graph pool's measured overhead
 (:data:`poetxq.training.estimate.GRAPH_POOL_OVERHEAD`) on top; where none fits it takes
-``lowest`` and says so. On a CPU ``auto`` is ``fastest``. ``balanced`` and ``lowest`` also turn
-on the allocator's expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``,
-which the trainer sets itself), as the measured low-memory runs of docs/MEMORY.md had it.
+``lowest`` and says so. On a CPU ``auto`` is ``fastest``, and so it is for a ``--model``
+checkpoint, whose shape the estimator does not read (``--memory`` chooses there).
+``balanced`` and ``lowest`` also turn on the allocator's expandable segments
+(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the trainer sets itself), as the
+measured low-memory runs of docs/MEMORY.md had it.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ class PlanChoice:
 
     Attributes:
         name: ``fastest``, ``balanced`` or ``lowest``.
-        chosen_by: ``auto`` (fitted to ``device_memory``) or ``train.memory`` (named).
+        chosen_by: ``auto`` (fitted to ``device_memory``), ``train.memory`` (named), or, for a
+            ``--model`` checkpoint under ``auto``, the reason it stays ``fastest``.
         applied: the keys the plan set, dotted (``{"train.offload_optimizer": True, ...}``).
         kept: the plan's keys the recipe sets itself, with the recipe's value (explicit keys win).
         predicted_peak: the estimator's peak of the resolved recipe (None on a CPU).
@@ -105,8 +108,7 @@ class PlanChoice:
 
     def line(self) -> str:
         """The run's one line about its memory, e.g. ``memory plan: lowest (auto: ...)``."""
-        how = "train.memory" if self.chosen_by == "train.memory" else "auto"
-        text = f"memory plan: {self.name} ({how}"
+        text = f"memory plan: {self.name} ({self.chosen_by}"
         if self.tried:
             over = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in self.tried.items())
             text += f"; {over} predicted, over the limit"
@@ -225,8 +227,12 @@ def resolve_memory_plan(
     if gpu_mem is None and on_gpu:
         gpu_mem = torch.cuda.get_device_properties(torch.device(device)).total_memory
     candidates = PLANS if setting == "auto" else (setting,)
-    if setting == "auto" and gpu_mem is None:
+    # the estimator reads the recipe's model section, which a --model checkpoint replaces
+    unknown_shape = recipe.model.pretrained is not None
+    if setting == "auto" and (gpu_mem is None or unknown_shape):
         candidates = ("fastest",)
+    if unknown_shape:
+        gpu_mem = None  # no prediction to compare with it
     tried: dict[str, int] = {}
     for name in candidates:
         applied, kept = plan_overrides(recipe, name, world)
@@ -234,9 +240,12 @@ def resolve_memory_plan(
         peak = _peak(resolved, vocab_size) if gpu_mem is not None else None
         last = name == candidates[-1]
         if setting != "auto" or peak is None or last or peak <= _limit(resolved, gpu_mem):
+            by = "auto" if setting == "auto" else "train.memory"
+            if unknown_shape and setting == "auto":
+                by = "auto: a --model checkpoint's memory is not estimated; --memory chooses"
             choice = PlanChoice(
                 name=name,
-                chosen_by="auto" if setting == "auto" else "train.memory",
+                chosen_by=by,
                 applied=applied,
                 kept=kept,
                 predicted_peak=peak,
