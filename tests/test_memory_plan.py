@@ -174,6 +174,9 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
                                          "offload_optimizer", "loss_chunk_tokens=256"]  # fmt: skip
     recipe = (tmp_path / "low" / "recipe.yaml").read_text()
     assert "memory: lowest" in recipe and "offload_optimizer: true" in recipe
+    assert main(["report", str(tmp_path / "low"), "-o", str(tmp_path / "report")]) == 0
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "checkpointing, offload, optimizer offload, chunked loss (256), 8-bit states" in table
     assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
     assert "lots" in capsys.readouterr().err
 

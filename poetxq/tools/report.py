@@ -45,7 +45,8 @@ class ReportError(ValueError):
 
 #: how the report's table names the memory settings (TrainConfig.memory_options)
 _SHORT = {"gradient_checkpointing": "checkpointing", "offload_activations": "offload",
-          "optimizer_in_backward": "optimizer in backward"}  # fmt: skip
+          "optimizer_in_backward": "optimizer in backward",
+          "offload_optimizer": "optimizer offload"}  # fmt: skip
 
 
 def _memory_options(run: Run) -> str:
