@@ -177,6 +177,12 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
     assert main(["report", str(tmp_path / "low"), "-o", str(tmp_path / "report")]) == 0
     table = (tmp_path / "report" / "report.md").read_text()
     assert "checkpointing, offload, optimizer offload, chunked loss (256), 8-bit states" in table
+    # the plan is part of the run: a resume cannot switch it (its keys may change one by one)
+    capsys.readouterr()
+    resume = ["train", "--resume", str(tmp_path / "low"), "--no-progress"]
+    assert main([*resume, "--set", "train.memory=fastest", "--max-steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.memory" in err, err
     assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
     assert "lots" in capsys.readouterr().err
 

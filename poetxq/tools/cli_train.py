@@ -62,13 +62,13 @@ resume after a crash or SIGTERM (exactly: same losses as an uninterrupted run):
   poetxq train --resume runs/tiny-poetxq-20261130-101500
   poetxq train --run-name long --save-every 100 --resume auto   # same line to start or continue
 
-lowest memory for a large model on one GPU (recipe keys; estimate-memory takes them too):
-  --set train.gradient_checkpointing=true --set train.offload_activations=true \\
-  --set train.optimizer_in_backward=true --set optim.grad_clip=0 --set train.grad_accum=1 \\
-  --set train.loss_chunk_tokens=256
-  and at graph speed on a GPU, the optimizer step inside a CUDA graph (POET methods):
-  --set optim.state_bits=8 --set train.cuda_graph=true
-  (PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:64 kept the graph's pool smaller at Llama-8B)
+memory plans (--memory; auto, the default, fits one to the GPU; docs/MEMORY.md):
+  poetxq train --recipe llama-13b:poetxq --memory lowest     # clipping and accumulation kept
+  poetxq train --recipe llama-8b:poetxq --gpu-mem 16GB       # plan for a 16 GiB GPU
+  poetxq estimate-memory --recipe llama-70b:poetxq4           # each plan's predicted peak
+  the fastest low-memory step without clipping or accumulation (the optimizer inside a CUDA
+  graph's backward, POET methods): --set train.optimizer_in_backward=true --set optim.grad_clip=0
+  --set train.grad_accum=1 --set optim.state_bits=8 --set train.cuda_graph=true
 
 multi-GPU (--batch-size is per process; POET: a CUDA graph per GPU and one all-reduce per
 step, train.grad_sync; the baselines: DDP):

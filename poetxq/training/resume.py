@@ -32,6 +32,7 @@ RESUMABLE_KEYS = frozenset(
         "train.gradient_checkpointing",
         "train.offload_activations",
         "train.optimizer_in_backward",
+        "train.offload_optimizer",  # exact: equal losses, tests/test_offload.py
         "train.loss_chunk_tokens",
         # the same math in fused kernels (poetxq.model.fuse; bf16 rounding may differ in the last
         # bit)
