@@ -21,10 +21,10 @@ optimizer offload serves POET and AdamW in one process, and gives way to a recip
 ``train.optimizer_in_backward`` or ``train.cuda_graph: true`` itself).
 
 ``auto`` (the default) takes, on a GPU, the first plan whose peak predicted by
-:func:`poetxq.training.estimate.estimate_memory` fits the device's memory (or the size planned
-for with ``--gpu-mem``) with :data:`HEADROOM` of it kept free — for the CUDA context, the
-allocator's fragmentation and the estimator's error (1–3 % of measured peaks) — and, for a plan
-that replays a CUDA graph, the graph pool's measured overhead
+:func:`poetxq.training.estimate.estimate_memory` fits the memory free on the device when the run
+starts (or the size planned for with ``--gpu-mem``) with :data:`HEADROOM` of it kept free — for
+the CUDA context, the allocator's fragmentation and the estimator's error (1–3 % of measured
+peaks) — and, for a plan that replays a CUDA graph, the graph pool's measured overhead
 (:data:`poetxq.training.estimate.GRAPH_POOL_OVERHEAD`) on top; where none fits it takes
 ``lowest`` and says so. On a CPU ``auto`` is ``fastest``, and so it is for a ``--model``
 checkpoint, whose shape the estimator does not read (``--memory`` chooses there).
@@ -92,7 +92,9 @@ class PlanChoice:
         applied: the keys the plan set, dotted (``{"train.offload_optimizer": True, ...}``).
         kept: the plan's keys the recipe sets itself, with the recipe's value (explicit keys win).
         predicted_peak: the estimator's peak of the resolved recipe (None on a CPU).
-        device_memory: the memory planned for (the GPU's, or ``--gpu-mem``; None on a CPU).
+        device_memory: the memory planned for: what the GPU has free when the run starts, or
+            ``--gpu-mem`` (None on a CPU).
+        memory_source: where ``device_memory`` comes from (``free on <GPU>`` or ``--gpu-mem``).
         allocator: the CUDA allocator setting the plan applies, or None.
         tried: with ``auto``, each plan tried before the choice and its predicted peak.
     """
@@ -103,6 +105,7 @@ class PlanChoice:
     kept: dict[str, Any] = field(default_factory=dict)
     predicted_peak: int | None = None
     device_memory: int | None = None
+    memory_source: str | None = None
     allocator: str | None = None
     tried: dict[str, int] = field(default_factory=dict)
 
@@ -117,6 +120,7 @@ class PlanChoice:
             text += (
                 f", predicted peak {self.predicted_peak / 2**30:.2f} GiB of "
                 f"{self.device_memory / 2**30:.1f} GiB"
+                + (f" ({self.memory_source})" if self.memory_source else "")
             )
             if self.predicted_peak > self.device_memory * (1 - HEADROOM):
                 text += " - does not fit: expect out-of-memory, or use a larger GPU / several"
@@ -207,8 +211,9 @@ def resolve_memory_plan(
 
     Args:
         recipe: validated recipe (``train.memory``: ``auto`` or a plan name).
-        device: where the run trains: on a CUDA device ``auto`` fits the plan to its memory
-            (device 0's, or the current one), elsewhere ``auto`` is ``fastest``.
+        device: where the run trains: on a CUDA device ``auto`` fits the plan to the memory
+            free on it now (``torch.cuda.mem_get_info``: other processes' use counts), elsewhere
+            ``auto`` is ``fastest``.
         gpu_mem: plan for this many bytes instead of the device's (a GPU one does not have).
         vocab_size: the tokenizer's vocabulary for the estimate (default ``data.vocab_size``).
         world: processes of the run (default ``$WORLD_SIZE`` or 1).
@@ -224,8 +229,10 @@ def resolve_memory_plan(
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     setting = recipe.train.memory
     on_gpu = torch.device(device).type == "cuda"
-    if gpu_mem is None and on_gpu:
-        gpu_mem = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    source = "--gpu-mem" if gpu_mem is not None else None
+    if gpu_mem is None and on_gpu:  # what is free now: other processes on the GPU count
+        gpu_mem = torch.cuda.mem_get_info(torch.device(device))[0]
+        source = f"free on {torch.cuda.get_device_name(torch.device(device))}"
     candidates = PLANS if setting == "auto" else (setting,)
     # the estimator reads the recipe's model section, which a --model checkpoint replaces
     unknown_shape = recipe.model.pretrained is not None
@@ -250,6 +257,7 @@ def resolve_memory_plan(
                 kept=kept,
                 predicted_peak=peak,
                 device_memory=gpu_mem,
+                memory_source=source if gpu_mem is not None else None,
                 allocator=EXPANDABLE if name != "fastest" else None,
                 tried=tried,
             )
