@@ -123,7 +123,11 @@ class PlanChoice:
                 + (f" ({self.memory_source})" if self.memory_source else "")
             )
             if self.predicted_peak > self.device_memory * (1 - HEADROOM):
-                text += " - does not fit: expect out-of-memory, or use a larger GPU / several"
+                lower = "" if self.name == "lowest" else "--memory lowest, "
+                text += (
+                    f" - does not fit: expect out-of-memory; try {lower}a smaller batch, a larger "
+                    "GPU or several (docs/MEMORY.md)"
+                )
         if self.kept:
             text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
         return text
