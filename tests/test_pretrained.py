@@ -21,6 +21,9 @@ RUN = [
     "--max-steps", "16", "--eval-every", "100", "--merge-interval", "8", "--no-progress",
     "--set", "train.log_every=2", "--set", "optim.warmup_steps=2",
 ]  # fmt: skip
+#: the test checkpoint is random, not pretrained: it trains at the pretraining rates (a --model
+#: run without rates takes the lower continued-training ones, tests/test_continued_training.py)
+RATES = ["--lr", "5e-3", "--poet-lr", "4e-3"]
 
 
 @pytest.fixture(autouse=True)
@@ -99,8 +102,9 @@ def test_step0_logits_equal_original_within_quantization_error(checkpoint, bits)
 @pytest.mark.slow
 @pytest.mark.parametrize(("bits", "fmt"), [(8, "hf-bnb8"), (4, "hf-bf16")])
 def test_model_trains_and_exports_back(checkpoint, tmp_path, bits, fmt):
-    code = main(["quantize-and-train", *RUN, "--model", str(checkpoint), "--bits", str(bits),
-                 "--output-dir", str(tmp_path), "--run-name", "run"])  # fmt: skip
+    code = main(["quantize-and-train", *RUN, *RATES, "--model", str(checkpoint),
+                 "--bits", str(bits), "--output-dir", str(tmp_path),
+                 "--run-name", "run"])  # fmt: skip
     assert code == 0
     run_dir = tmp_path / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -169,3 +169,45 @@ def load_pretrained(path: str) -> nn.Module:
         raise PretrainedError(f"cannot load '{path}': {exc}".splitlines()[0]) from None
     model.config._attn_implementation = "sdpa"
     return model
+
+
+#: the ``optim`` rates a ``--model`` run takes when its recipe does not set them: the recipes'
+#: rates are pretraining rates and wreck a trained model within a few steps; these keep the
+#: validation perplexity of SmolLM2-135M from rising (evals/continued_training_sweep.py,
+#: evals/results/continued_training_smollm2_cpu.json; docs/EXPORT.md)
+CONTINUED_TRAINING_RATES: dict[str, float] = {"lr": 1e-4, "poet_lr": 1e-4}
+
+
+def apply_continued_training_rates(optim: Any) -> str | None:
+    """Give a ``--model`` run the continued-training rates its recipe left at their defaults.
+
+    A rate the user set (in a recipe file, ``--set``, ``--lr`` or ``--poet-lr``; pydantic's
+    ``model_fields_set`` of the section) is kept; each other rate of
+    :data:`CONTINUED_TRAINING_RATES` replaces the schema's pretraining default.
+
+    Args:
+        optim: the recipe's ``optim`` section (:class:`poetxq.training.recipe.OptimConfig`),
+            changed in place.
+
+    Returns:
+        The note to print (which rates were taken, and why; which were kept), or None when the
+        recipe set every rate itself.
+    """
+    explicit = set(optim.model_fields_set)
+    taken = {k: v for k, v in CONTINUED_TRAINING_RATES.items() if k not in explicit}
+    if not taken:
+        return None
+    for key, value in taken.items():
+        setattr(optim, key, value)
+    kept = [f"optim.{k} {getattr(optim, k):g}" for k in CONTINUED_TRAINING_RATES if k in explicit]
+    note = (
+        "--model continues a pretrained checkpoint: "
+        + ", ".join(f"optim.{k} {v:g}" for k, v in taken.items())
+        + " (continued-training default"
+        + ("s" if len(taken) > 1 else "")
+        + "; the recipe defaults are pretraining rates that raise a trained model's validation "
+        "perplexity within a few steps, docs/EXPORT.md)"
+    )
+    if kept:
+        note += f"; kept {', '.join(kept)} as set"
+    return note

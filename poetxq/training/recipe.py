@@ -303,6 +303,20 @@ class Recipe(Section):
             )
         return self
 
+    # --- continued training (model.pretrained): rates the recipe did not set --------------------
+    @model_validator(mode="after")
+    def _continued_training_rates(self) -> Recipe:
+        """``model.pretrained`` with a POET method: the optim rates the user did not set become
+        the continued-training defaults, with a note
+        (:func:`poetxq.model.pretrained.apply_continued_training_rates`)."""
+        if self.model.pretrained is not None and self.method in POET_METHODS:
+            from poetxq.model.pretrained import apply_continued_training_rates
+
+            note = apply_continued_training_rates(self.optim)
+            if note:
+                self.add_note(note)
+        return self
+
 
 def _unused_settings(recipe: Recipe) -> list[str]:
     """Notes for settings the recipe's method ignores: ``poet.*`` away from its defaults under a
