@@ -169,13 +169,15 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "checkpoint's an error (RoPE is not extended)",
     )
     g.add_argument(
-        "--lr", type=float, help="lr of embeddings, lm_head, norms [optim.lr, default 5e-3]"
+        "--lr",
+        type=float,
+        help="lr of embeddings, lm_head, norms [optim.lr, default 5e-3; 1e-4 with --model]",
     )
     g.add_argument(
         "--poet-lr",
         type=float,
         help="poet_lr; Q params use poet_lr x optim.poet_lr_scale (default 0.5) "
-        "[optim.poet_lr, default 4e-3]",
+        "[optim.poet_lr, default 4e-3; 1e-4 with --model: continued training, docs/EXPORT.md]",
     )
     g.add_argument("--seed", type=int, help="run seed [train.seed, default 0]")
     g = p.add_argument_group("memory")
