@@ -183,6 +183,11 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
     assert main([*resume, "--set", "train.memory=fastest", "--max-steps", "3"]) == 2
     err = capsys.readouterr().err
     assert "train.memory" in err, err
+    # --resume auto with the recipe as first given (memory auto) takes the run's own plan: the
+    # finished run is found as such, not refused for its plan's keys
+    auto = [a for a in args if a not in ("--memory", "lowest")]
+    assert main([*auto, "--resume", "auto"]) == 2
+    assert "already finished (step 2 of 2)" in capsys.readouterr().err
     assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
     assert "lots" in capsys.readouterr().err
 

@@ -13,6 +13,7 @@ from poetxq.training.checkpoint import (
     latest_checkpoint,
     read_checkpoint,
 )
+from poetxq.training.memory import apply_plan, plan_overrides
 from poetxq.training.recipe import Recipe, RecipeError
 from poetxq.training.recipe_files import load_recipe
 
@@ -146,6 +147,11 @@ def plan_resume(
         # the run stays where it is, whatever output_dir the recipe names
     meta = read_checkpoint(ckpt)
     saved = load_recipe(ckpt / "recipe.yaml")
+    if recipe.train.memory == "auto" and saved.train.memory != "auto":
+        # the run chose its plan when it started (recipe.yaml holds the keys): take the same
+        # plan, resolved on this recipe as it was then, rather than fit one to this GPU again
+        applied, _ = plan_overrides(recipe, saved.train.memory)
+        recipe = apply_plan(recipe, applied, saved.train.memory)
     diff = recipe_differences(saved.model_dump(mode="json"), recipe.model_dump(mode="json"))
     if recipe.train.optimizer_in_backward and not recipe.optim.grad_clip and saved.optim.grad_clip:
         # turning the optimizer into backward on needs clipping off (no global norm exists
