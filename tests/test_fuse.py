@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from poetxq.model.config import ModelConfig, POETConfig
-from poetxq.model.fuse import fuse_elementwise, unfuse_elementwise
+from poetxq.model.fuse import fuse_elementwise, rope_fused, unfuse_elementwise
 from poetxq.model.surgery import build_llama, convert_to_poetx
 
 CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -38,7 +38,7 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
     n = fuse_elementwise(fused, backend="aot_eager")
     # two norms per layer, the final norm, rotary, the two SwiGLU maps
     assert n == 2 * CFG.num_hidden_layers + 1 + 1 + 2
-    assert getattr(restore_rope.apply_rotary_pos_emb, "_poetxq_compiled", False)
+    assert rope_fused()
     assert fuse_elementwise(fused, backend="aot_eager") == 0  # idempotent
     assert list(fused.state_dict()) == list(eager.state_dict())  # names unchanged
     ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -99,13 +99,30 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     except ImportError:  # pragma: no cover - transformers without Llama
         return done
     rope = modeling_llama.apply_rotary_pos_emb
-    if not getattr(rope, "_poetxq_compiled", False):
-        compiled = torch.compile(rope, backend=backend, dynamic=None)
-        compiled._poetxq_compiled = True  # type: ignore[attr-defined]
-        compiled._poetxq_original = rope  # type: ignore[attr-defined]
-        modeling_llama.apply_rotary_pos_emb = compiled
+    if not rope_fused():
+        # the pair is kept here, not as attributes of the compiled object: recent transformers
+        # wrap the function in a module (hub-kernel dispatch), and torch.compile's wrapper of a
+        # module forwards attribute writes to it, so they would stick to the plain function
+        _ROPE["compiled"] = torch.compile(rope, backend=backend, dynamic=None)
+        _ROPE["original"] = rope
+        modeling_llama.apply_rotary_pos_emb = _ROPE["compiled"]
         done += 1
     return done
+
+
+#: the compiled rotary function :func:`fuse_elementwise` installed and the one it replaced
+_ROPE: dict[str, Any] = {"compiled": None, "original": None}
+
+
+def rope_fused() -> bool:
+    """Whether transformers' Llama ``apply_rotary_pos_emb`` is the compiled one
+    :func:`fuse_elementwise` installed (False without transformers' Llama)."""
+    try:
+        from transformers.models.llama import modeling_llama
+    except ImportError:  # pragma: no cover - transformers without Llama
+        return False
+    fn = modeling_llama.apply_rotary_pos_emb
+    return _ROPE["compiled"] is not None and fn is _ROPE["compiled"]
 
 
 def unfuse_elementwise(model: nn.Module) -> int:
@@ -131,8 +148,7 @@ def unfuse_elementwise(model: nn.Module) -> int:
         from transformers.models.llama import modeling_llama
     except ImportError:  # pragma: no cover - transformers without Llama
         return done
-    original = getattr(modeling_llama.apply_rotary_pos_emb, "_poetxq_original", None)
-    if original is not None:
-        modeling_llama.apply_rotary_pos_emb = original
+    if rope_fused():
+        modeling_llama.apply_rotary_pos_emb = _ROPE["original"]
         done += 1
     return done
