@@ -266,10 +266,27 @@ def test_the_lower_plans_turn_on_expandable_segments_unless_the_user_chose(monke
     assert seen == ["expandable_segments:True"]  # not called again
 
 
-def test_auto_leaves_a_pretrained_checkpoint_at_fastest_and_says_why():
-    recipe = load_recipe(None, {"model.pretrained": "/some/llama-dir"})
-    _, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=8 * GiB)
-    assert choice.name == "fastest" and choice.predicted_peak is None and not choice.applied
-    assert "a --model checkpoint's memory is not estimated; --memory chooses" in choice.line()
-    named = load_recipe(None, {"model.pretrained": "/some/llama-dir", "train.memory": "lowest"})
+def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path):
+    """--model: the estimator reads the checkpoint's config.json (shape and vocabulary), not the
+    recipe's model section; without a local config.json auto stays at fastest and says why."""
+    config = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "max_position_embeddings": 8192, "tie_word_embeddings": False,
+              "model_type": "llama"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    recipe = load_recipe(None, {"model.pretrained": str(tmp_path), **_8B})
+    _, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=16 * GiB)
+    # the same shape written as a recipe, by hand, under the plan auto took
+    keys = {f"model.{k}": config[k] for k in ("hidden_size", "intermediate_size",
+            "num_attention_heads", "num_hidden_layers", "num_key_value_heads")}  # fmt: skip
+    by_hand = load_recipe(None, {**keys, **_8B, **choice.applied,
+                                 "model.max_position_embeddings": 8192})  # fmt: skip
+    est = estimate_memory(by_hand, vocab_size=128256, precision="bf16-true")
+    assert choice.name == "lowest" and choice.predicted_peak == est.peak
+    assert est.peak > 8 * GiB  # an 8B shape, not the embedded recipe's tiny one
+    (tmp_path / "config.json").unlink()
+    _, none = resolve_memory_plan(recipe, "cpu", gpu_mem=16 * GiB)
+    assert none.name == "fastest" and none.predicted_peak is None and not none.applied
+    assert "no local config.json to estimate the --model checkpoint by" in none.line()
+    named = load_recipe(None, {"model.pretrained": str(tmp_path), "train.memory": "lowest"})
     assert resolve_memory_plan(named, "cpu")[1].applied["train.offload_optimizer"] is True

@@ -26,8 +26,9 @@ starts (or the size planned for with ``--gpu-mem``) with :data:`HEADROOM` of it 
 the CUDA context, the allocator's fragmentation and the estimator's error (1–3 % of measured
 peaks) — and, for a plan that replays a CUDA graph, the graph pool's measured overhead
 (:data:`poetxq.training.estimate.GRAPH_POOL_OVERHEAD`) on top; where none fits it takes
-``lowest`` and says so. On a CPU ``auto`` is ``fastest``, and so it is for a ``--model``
-checkpoint, whose shape the estimator does not read (``--memory`` chooses there).
+``lowest`` and says so. On a CPU ``auto`` is ``fastest``. A ``--model`` checkpoint is estimated
+with its own shape (its ``config.json``); where there is no local one, ``auto`` is ``fastest``
+(``--memory`` chooses there).
 ``balanced`` and ``lowest`` also turn on the allocator's expandable segments
 (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which the trainer sets itself), as the
 measured low-memory runs of docs/MEMORY.md had it.
@@ -35,8 +36,10 @@ measured low-memory runs of docs/MEMORY.md had it.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -190,6 +193,31 @@ def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
     return resolved
 
 
+#: the config.json fields of a Llama-family checkpoint the estimator reads
+_SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
+               "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
+
+
+def estimation_recipe(recipe: Recipe) -> Recipe | None:
+    """The recipe the estimator reads for ``recipe``: itself, or for a ``--model`` checkpoint
+    (``model.pretrained``) a copy whose model section and vocabulary are the checkpoint's, read
+    from its ``config.json`` (JSON, no code). None where that file is not a local one or lacks
+    a field the recipe's model section needs (a hub id, a named base not converted yet)."""
+    ref = recipe.model.pretrained
+    if ref is None:
+        return recipe
+    path = Path(ref) / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        tree = recipe.model_dump(mode="json")
+        tree["model"].update({k: cfg[k] for k in _SHAPE_KEYS if k in cfg}, pretrained=None)
+        tree["model"]["max_position_embeddings"] = cfg["max_position_embeddings"]
+        tree["data"]["vocab_size"] = cfg["vocab_size"]
+        return Recipe.model_validate(tree)
+    except (OSError, ValueError, KeyError, TypeError):  # ValidationError is a ValueError
+        return None
+
+
 def _peak(recipe: Recipe, vocab_size: int | None) -> int:
     est = estimate_memory(
         recipe, vocab_size=vocab_size, precision=run_precision(recipe.train, "cuda")
@@ -238,8 +266,11 @@ def resolve_memory_plan(
         gpu_mem = torch.cuda.mem_get_info(torch.device(device))[0]
         source = f"free on {torch.cuda.get_device_name(torch.device(device))}"
     candidates = PLANS if setting == "auto" else (setting,)
-    # the estimator reads the recipe's model section, which a --model checkpoint replaces
-    unknown_shape = recipe.model.pretrained is not None
+    # the estimator reads the model section, which a --model checkpoint replaces by its own
+    shaped = estimation_recipe(recipe)
+    unknown_shape = shaped is None
+    if shaped is not None and shaped is not recipe:
+        vocab_size = None  # the checkpoint's vocabulary, not the tokenizer setting's
     if setting == "auto" and (gpu_mem is None or unknown_shape):
         candidates = ("fastest",)
     if unknown_shape:
@@ -248,12 +279,15 @@ def resolve_memory_plan(
     for name in candidates:
         applied, kept = plan_overrides(recipe, name, world)
         resolved = apply_plan(recipe, applied, name)
-        peak = _peak(resolved, vocab_size) if gpu_mem is not None else None
+        peak = None
+        if gpu_mem is not None and shaped is not None:
+            peak = _peak(apply_plan(shaped, applied, name), vocab_size)
         last = name == candidates[-1]
         if setting != "auto" or peak is None or last or peak <= _limit(resolved, gpu_mem):
             by = "auto" if setting == "auto" else "train.memory"
             if unknown_shape and setting == "auto":
-                by = "auto: a --model checkpoint's memory is not estimated; --memory chooses"
+                by = "auto: no local config.json to estimate the --model checkpoint by; --memory"
+                by += " chooses"
             choice = PlanChoice(
                 name=name,
                 chosen_by=by,
