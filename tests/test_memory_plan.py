@@ -266,7 +266,7 @@ def test_the_lower_plans_turn_on_expandable_segments_unless_the_user_chose(monke
     assert seen == ["expandable_segments:True"]  # not called again
 
 
-def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path):
+def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path, capsys):
     """--model: the estimator reads the checkpoint's config.json (shape and vocabulary), not the
     recipe's model section; without a local config.json auto stays at fastest and says why."""
     config = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -284,9 +284,17 @@ def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path):
     est = estimate_memory(by_hand, vocab_size=128256, precision="bf16-true")
     assert choice.name == "lowest" and choice.predicted_peak == est.peak
     assert est.peak > 8 * GiB  # an 8B shape, not the embedded recipe's tiny one
+    flags = ["estimate-memory", "--set", f"model.pretrained={tmp_path}", "--batch-size", "1",
+             "--seq-len", "2048", "--set", "train.grad_accum=1", "--gpu-mem", "16GB"]  # fmt: skip
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert f"note: the shape and vocabulary of {tmp_path}/config.json" in out
+    assert "memory plan: lowest (auto;" in out and "vocab 128,256" in out
     (tmp_path / "config.json").unlink()
     _, none = resolve_memory_plan(recipe, "cpu", gpu_mem=16 * GiB)
     assert none.name == "fastest" and none.predicted_peak is None and not none.applied
     assert "no local config.json to estimate the --model checkpoint by" in none.line()
+    assert main(flags) == 2
+    assert "has no local config.json to read its shape from" in capsys.readouterr().err
     named = load_recipe(None, {"model.pretrained": str(tmp_path), "train.memory": "lowest"})
     assert resolve_memory_plan(named, "cpu")[1].applied["train.offload_optimizer"] is True

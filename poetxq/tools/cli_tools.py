@@ -170,7 +170,12 @@ def run_tool(args: argparse.Namespace) -> int:
             parse_bytes,
         )
         from poetxq.training.estimate import estimate_memory
-        from poetxq.training.memory import per_process_peaks, plan_table, resolve_memory_plan
+        from poetxq.training.memory import (
+            estimation_recipe,
+            per_process_peaks,
+            plan_table,
+            resolve_memory_plan,
+        )
         from poetxq.training.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
@@ -188,14 +193,22 @@ def run_tool(args: argparse.Namespace) -> int:
                 f"note: --precision {precision} estimates another setting than the recipe's "
                 f"train.precision {recipe.train.precision} runs on a GPU ({runs})"
             )
-        est = estimate_memory(recipe, vocab_size=args.vocab_size, precision=precision)
-        alt = other_variant(recipe, vocab_size=args.vocab_size, precision=precision)
-        plans = plan_table(written, gpu_mem=gpu, vocab_size=args.vocab_size)
+        vocab = args.vocab_size
+        if recipe.model.pretrained is not None:  # a --model checkpoint: its own shape
+            shaped = estimation_recipe(recipe)
+            if shaped is None:
+                raise EstimateError(
+                    f"model.pretrained '{recipe.model.pretrained}' has no local config.json to "
+                    "read its shape from; pass a checkpoint directory"
+                )
+            print(f"note: the shape and vocabulary of {recipe.model.pretrained}/config.json")
+            recipe, written, vocab = shaped, estimation_recipe(written) or shaped, None
+        est = estimate_memory(recipe, vocab_size=vocab, precision=precision)
+        alt = other_variant(recipe, vocab_size=vocab, precision=precision)
+        plans = plan_table(written, gpu_mem=gpu, vocab_size=vocab)
         shared = None
         if args.processes is not None:
-            shared = per_process_peaks(
-                written, args.processes, gpu_mem=gpu, vocab_size=args.vocab_size
-            )
+            shared = per_process_peaks(written, args.processes, gpu_mem=gpu, vocab_size=vocab)
         if args.json:  # first: a reader that closes the pipe early (| head) cannot lose it
             extra = {"other_variant": {"variant": alt[0], "peak": alt[1]}} if alt else {}
             extra.update({"per_process": shared} if shared else {})

@@ -209,10 +209,12 @@ def estimation_recipe(recipe: Recipe) -> Recipe | None:
     path = Path(ref) / "config.json"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-        tree = recipe.model_dump(mode="json")
-        tree["model"].update({k: cfg[k] for k in _SHAPE_KEYS if k in cfg}, pretrained=None)
-        tree["model"]["max_position_embeddings"] = cfg["max_position_embeddings"]
-        tree["data"]["vocab_size"] = cfg["vocab_size"]
+        # the keys set so far stay the only ones set: a plan still fills the others in
+        tree = recipe.model_dump(mode="json", exclude_unset=True)
+        model = tree.setdefault("model", {})
+        model.update({k: cfg[k] for k in _SHAPE_KEYS if k in cfg}, pretrained=None)
+        model["max_position_embeddings"] = cfg["max_position_embeddings"]
+        tree.setdefault("data", {})["vocab_size"] = cfg["vocab_size"]
         return Recipe.model_validate(tree)
     except (OSError, ValueError, KeyError, TypeError):  # ValidationError is a ValueError
         return None
