@@ -70,6 +70,19 @@ def test_one_micro_batch_needs_no_accumulation_and_state_dict_is_the_optimizers(
             torch.testing.assert_close(got["state"][k][name], t, rtol=1e-6, atol=1e-9)
 
 
+def test_a_resumed_8bit_optimizer_keeps_its_states_where_they_are():
+    """bitsandbytes moves every state to its parameter's device on its first update after a
+    load (``to_gpu``); HostOffload marks it done, so states move one parameter at a time."""
+    m = small_mlp()
+    opt = bnb.optim.AdamW8bit(two_groups(m))
+    _offloaded(m, opt, _batches()[:1], 1.0)
+    again = bnb.optim.AdamW8bit(two_groups(m))
+    again.load_state_dict(opt.state_dict())
+    assert again.initialized is False
+    HostOffload(again)
+    assert again.initialized is True
+
+
 def test_errors_name_the_fix():
     m = small_mlp()
     opt = torch.optim.AdamW(two_groups(m))

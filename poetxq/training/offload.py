@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,6 +102,13 @@ class HostOffload:
         self.final = True
         #: host buffers of each parameter's optimizer states, by state name
         self._host_states: dict[int, dict[str, torch.Tensor]] = {}
+        opt: Any = optimizer
+        if getattr(opt, "initialized", None) is False and hasattr(opt, "check_overrides"):
+            # bitsandbytes moves every parameter's state to its device on its first update
+            # (``to_gpu``); done here instead, that move never happens: each state comes to the
+            # device only for its own parameter's update (a resumed run's would all come at once)
+            opt.check_overrides()
+            opt.initialized = True
         self._handles = [p.register_post_accumulate_grad_hook(self._take) for p in self.params]
         self._fresh.update(id(p) for p in self.params)
         for p in self.params:
