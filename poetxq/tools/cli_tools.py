@@ -21,8 +21,11 @@ from poetxq.tools.bench import BenchError
 from poetxq.tools.cli_common import check_kernels_env, check_output_file
 from poetxq.tools.report import ReportError
 from poetxq.training.estimate import EstimateError
+from poetxq.training.memory import MemoryPlanError
 
-TOOL_ERRORS: tuple[type[Exception], ...] = (EstimateError, BenchError, ReportError)
+TOOL_ERRORS: tuple[type[Exception], ...] = (
+    EstimateError, BenchError, ReportError, MemoryPlanError,
+)  # fmt: skip
 
 
 def _recipe_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +185,17 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.json:
             check_output_file(Path(args.json), "--json", EstimateError)
         # the recipe a GPU run would train: train.memory resolved (auto: fitted to --gpu-mem)
+        if args.processes is not None and args.processes < 1:
+            raise EstimateError(f"--processes must be at least 1, got {args.processes}")
+        ref = recipe.model.pretrained
+        if ref is not None and estimation_recipe(recipe) is None:  # before any other line
+            where = Path(ref) / "config.json"
+            why = (
+                f"'{ref}' holds no config.json" if not where.is_file() else
+                f"{where} is not a Llama-family config (JSON with hidden_size, intermediate_size, "
+                "num_attention_heads, num_hidden_layers, vocab_size, max_position_embeddings)"
+            )  # fmt: skip
+            raise EstimateError(f"model.pretrained: {why}; pass a checkpoint directory")
         written = recipe  # the plans' table starts from the recipe as written
         recipe, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=gpu, vocab_size=args.vocab_size)
         if choice.name != "fastest" or gpu is not None:
@@ -196,11 +210,7 @@ def run_tool(args: argparse.Namespace) -> int:
         vocab = args.vocab_size
         if recipe.model.pretrained is not None:  # a --model checkpoint: its own shape
             shaped = estimation_recipe(recipe)
-            if shaped is None:
-                raise EstimateError(
-                    f"model.pretrained '{recipe.model.pretrained}' has no local config.json to "
-                    "read its shape from; pass a checkpoint directory"
-                )
+            assert shaped is not None  # checked above
             print(f"note: the shape and vocabulary of {recipe.model.pretrained}/config.json")
             recipe, written, vocab = shaped, estimation_recipe(written) or shaped, None
         est = estimate_memory(recipe, vocab_size=vocab, precision=precision)

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
 from poetxq.training.cudagraph import grad_sync_mode, graph_wanted
 from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, estimate_memory
@@ -81,7 +82,8 @@ _APPLIES: dict[str, tuple[str, ...]] = {
 
 
 class MemoryPlanError(ValueError):
-    """A memory plan that cannot be resolved (unknown name)."""
+    """A memory plan that cannot be resolved (unknown name, or keys the recipe's own settings
+    refuse)."""
 
 
 @dataclass
@@ -128,8 +130,8 @@ class PlanChoice:
             if self.predicted_peak > self.device_memory * (1 - HEADROOM):
                 lower = "" if self.name == "lowest" else "--memory lowest, "
                 text += (
-                    f" - does not fit: expect out-of-memory; try {lower}a smaller batch, a larger "
-                    "GPU or several (docs/MEMORY.md)"
+                    f" - does not leave {HEADROOM:.0%} free: expect out-of-memory; try {lower}a "
+                    "smaller batch, a larger GPU or several (docs/MEMORY.md)"
                 )
         if self.kept:
             text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
@@ -187,7 +189,14 @@ def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
     for key, value in {**applied, "train.memory": plan}.items():
         section, name = key.split(".")
         tree.setdefault(section, {})[name] = value
-    resolved = Recipe.model_validate(tree)
+    try:
+        resolved = Recipe.model_validate(tree)
+    except ValidationError as exc:
+        why = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise MemoryPlanError(
+            f"memory plan {plan} does not combine with this recipe: {why}; change that key or "
+            "choose another plan (--memory)"
+        ) from None
     for note in recipe.notes:
         resolved.add_note(note)
     return resolved

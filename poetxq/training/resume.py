@@ -147,9 +147,10 @@ def plan_resume(
         # the run stays where it is, whatever output_dir the recipe names
     meta = read_checkpoint(ckpt)
     saved = load_recipe(ckpt / "recipe.yaml")
-    if recipe.train.memory == "auto" and saved.train.memory != "auto":
-        # the run chose its plan when it started (recipe.yaml holds the keys): take the same
-        # plan, resolved on this recipe as it was then, rather than fit one to this GPU again
+    if recipe.train.memory in ("auto", saved.train.memory) and saved.train.memory != "auto":
+        # the run chose its plan when it started (recipe.yaml holds the keys): the same plan,
+        # named again or left at auto, is resolved on this recipe as it was then (not fitted
+        # to this GPU again)
         applied, _ = plan_overrides(recipe, saved.train.memory)
         recipe = apply_plan(recipe, applied, saved.train.memory)
     diff = recipe_differences(saved.model_dump(mode="json"), recipe.model_dump(mode="json"))
@@ -170,8 +171,9 @@ def plan_resume(
         )
         raise CheckpointError(
             f"--resume: {what} differs from the checkpoint's ({ckpt.name}) in "
-            f"{'; '.join(diff)}; resume with the run's own recipe (only save/log/eval, memory, "
-            "fuse_elementwise, cuda_graph, grad_sync and merge_at_end settings may change) or "
+            f"{'; '.join(diff)}; resume with the run's own recipe (only save/log/eval, "
+            "memory-option (not the memory plan), fuse_elementwise, cuda_graph, grad_sync and "
+            "merge_at_end settings may change) or "
             "start a new run"
         )
     if meta["step"] >= recipe.train.max_steps:

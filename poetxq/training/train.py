@@ -267,7 +267,7 @@ def train(
             "or train.loss_chunk_tokens: 0"
         )
     say = echo if main else (lambda _s: None)
-    if cuda or plan.name != "fastest":  # on a CPU, auto (fastest) changes nothing
+    if cuda or plan.name != "fastest" or gpu_mem is not None:  # on a CPU auto changes nothing
         say(plan.line())
     if note := cpu_note(tc, accelerator.device):  # what a user on a laptop would wonder about
         say(note)
