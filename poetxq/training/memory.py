@@ -46,7 +46,7 @@ import torch
 from pydantic import ValidationError
 
 from poetxq.training.cudagraph import grad_sync_mode, graph_wanted
-from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, estimate_memory
+from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, MemoryEstimate, estimate_memory
 from poetxq.training.precision import run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe
 
@@ -229,11 +229,11 @@ def estimation_recipe(recipe: Recipe) -> Recipe | None:
         return None
 
 
-def _peak(recipe: Recipe, vocab_size: int | None) -> int:
-    est = estimate_memory(
+def _estimate(recipe: Recipe, vocab_size: int | None) -> MemoryEstimate:
+    """The estimator's breakdown of ``recipe`` as a GPU run of it computes (its precision)."""
+    return estimate_memory(
         recipe, vocab_size=vocab_size, precision=run_precision(recipe.train, "cuda")
     )
-    return est.peak
 
 
 def _limit(recipe: Recipe, device_memory: int) -> int:
@@ -292,7 +292,9 @@ def resolve_memory_plan(
         resolved = apply_plan(recipe, applied, name)
         peak = None
         if gpu_mem is not None and shaped is not None:
-            peak = _peak(apply_plan(shaped, applied, name), vocab_size)
+            # the same plan on the estimator's recipe (the checkpoint's shape for --model)
+            on = resolved if shaped is recipe else apply_plan(shaped, applied, name)
+            peak = _estimate(on, vocab_size).peak
         last = name == candidates[-1]
         if setting != "auto" or peak is None or last or peak <= _limit(resolved, gpu_mem):
             by = "auto" if setting == "auto" else "train.memory"
@@ -341,9 +343,7 @@ def plan_table(
     for name in PLANS:
         applied, _ = plan_overrides(recipe, name)
         resolved = apply_plan(recipe, applied, name)
-        est = estimate_memory(
-            resolved, vocab_size=vocab_size, precision=run_precision(resolved.train, "cuda")
-        )
+        est = _estimate(resolved, vocab_size)
         tc = resolved.train
         # optimizer offload: every gradient to the host per micro-batch (and back from the
         # second on), then every gradient and state to the GPU and every state back per step
@@ -388,9 +388,7 @@ def per_process_peaks(
     resolved, choice = resolve_memory_plan(
         recipe, "cpu", gpu_mem=gpu_mem, vocab_size=vocab_size, world=processes
     )
-    est = estimate_memory(
-        resolved, vocab_size=vocab_size, precision=run_precision(resolved.train, "cuda")
-    )
+    est = _estimate(resolved, vocab_size)
     sync = grad_sync_mode(resolved.train, est.cuda_graph, processes)
     ddp = est.peak + (est.gradients if sync == "ddp" else 0)
     layer_w0 = est.frozen_weights // resolved.model.num_hidden_layers
