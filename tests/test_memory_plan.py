@@ -124,6 +124,11 @@ def test_the_lowest_plan_gives_way_to_the_recipes_own_gradient_handling(own):
     resolved, choice = resolve_memory_plan(recipe, "cpu")
     assert not resolved.train.offload_optimizer and "train.offload_optimizer" not in choice.applied
     assert resolved.train.offload_activations  # the rest of the plan holds
+    why = ("the recipe's train.optimizer_in_backward frees the gradients"
+           if "train.optimizer_in_backward" in own
+           else "the recipe's train.cuda_graph: true; it runs eager steps")  # fmt: skip
+    assert choice.left_out == {"train.offload_optimizer": why}
+    assert choice.line().endswith(f"; left out: train.offload_optimizer ({why})")
 
 
 def test_an_unknown_plan_is_one_line():
@@ -241,6 +246,8 @@ def test_per_process_peaks_hold_the_whole_model_per_gpu_and_say_what_sharding_w0
             "train.precision": "bf16-true"}  # fmt: skip
     est = estimate_memory(load_recipe("llama-70b:poetxq", {**_8B, **keys}), precision="bf16-true")
     assert (two["plan"], two["grad_sync"]) == ("lowest", "step")
+    assert two["left_out"] == {"train.offload_optimizer": "2 processes; it serves one"}
+    assert two["one_process_only"] == [] and per_process_peaks(recipe, 1)["left_out"] == {}
     assert two["data_parallel"] == est.peak
     layer = est.frozen_weights // 80
     assert two["w0_sharded"] == est.peak - est.frozen_weights + est.frozen_weights // 2 + layer
@@ -292,12 +299,24 @@ def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path, capsys)
     est = estimate_memory(by_hand, vocab_size=128256, precision="bf16-true")
     assert choice.name == "lowest" and choice.predicted_peak == est.peak
     assert est.peak > 8 * GiB  # an 8B shape, not the embedded recipe's tiny one
-    flags = ["estimate-memory", "--set", f"model.pretrained={tmp_path}", "--batch-size", "1",
+    flags = ["estimate-memory", "--model", str(tmp_path), "--batch-size", "1",
              "--seq-len", "2048", "--set", "train.grad_accum=1", "--gpu-mem", "16GB"]  # fmt: skip
     assert main(flags) == 0
     out = capsys.readouterr().out
-    assert f"note: the shape and vocabulary of {tmp_path}/config.json" in out
-    assert "memory plan: lowest (auto;" in out and "vocab 128,256" in out
+    assert (
+        f"note: the shape and vocabulary of {tmp_path}/config.json, the other settings of "
+        "recipe tiny-poetxq"
+    ) in out
+    assert "memory plan: lowest (auto;" in out
+    # the table's title names what it estimates: the checkpoint's config.json, not the recipe
+    title = next(ln for ln in out.splitlines() if ln.startswith("memory estimate:"))
+    assert title == (
+        f"memory estimate: {tmp_path}/config.json (poetxq), batch 1 x seq 2048, vocab 128,256, "
+        "bf16-true"
+    )
+    assert f"{est.peak / GiB:9.3f} GiB" in out
+    assert main(["estimate-memory", "--set", f"model.pretrained={tmp_path}", *flags[3:]]) == 0
+    assert capsys.readouterr().out == out  # --model is model.pretrained
     (tmp_path / "config.json").unlink()
     _, none = resolve_memory_plan(recipe, "cpu", gpu_mem=16 * GiB)
     assert none.name == "fastest" and none.predicted_peak is None and not none.applied
@@ -307,3 +326,42 @@ def test_a_pretrained_checkpoint_is_planned_with_its_own_shape(tmp_path, capsys)
     assert "holds no config.json; pass a checkpoint directory" in err.err and not err.out
     named = load_recipe(None, {"model.pretrained": str(tmp_path), "train.memory": "lowest"})
     assert resolve_memory_plan(named, "cpu")[1].applied["train.offload_optimizer"] is True
+
+
+def test_several_processes_say_in_one_line_that_the_optimizer_offload_is_left_out(capsys):
+    """The lowest plan's optimizer offload serves one process: with --processes 2 the per-GPU
+    peak is the plan without it, and one line says so; a recipe that sets it itself is refused
+    by train with several processes, so it is estimated without it and the line says that."""
+    flags = ["estimate-memory", "--recipe", "llama-8b:poetxq", "--batch-size", "1", "--seq-len",
+             "2048", "--set", "train.grad_accum=1", "--memory", "lowest"]  # fmt: skip
+    keys = {"train.gradient_checkpointing": True, "train.offload_activations": True,
+            "train.loss_chunk_tokens": 256, "optim.state_bits": 8,
+            "train.precision": "bf16-true"}  # fmt: skip
+    without = estimate_memory(load_recipe("llama-8b:poetxq", {**_8B, **keys}),
+                              precision="bf16-true").peak  # fmt: skip
+    assert main([*flags, "--processes", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln for ln in out if ln.startswith("note: with")] == [
+        "note: with 2 processes plan lowest leaves out train.offload_optimizer (it serves one "
+        "process): each GPU keeps its gradients and optimizer states, counted in the per-GPU "
+        "peak below"
+    ]
+    per_gpu = next(ln for ln in out if ln.startswith("per GPU with 2"))
+    assert f": {without / GiB:.2f} GiB (plan lowest, gradient sync step)" in per_gpu
+    assert main([*flags, "--processes", "1"]) == 0  # one process: the offload stays, no line
+    assert "note: with" not in capsys.readouterr().out
+    recipe = load_recipe("llama-8b:poetxq", {**_8B, "train.memory": "lowest"})
+    _, choice = resolve_memory_plan(recipe, "cpu", world=2)  # train under a launcher
+    assert choice.line() == (
+        "memory plan: lowest (train.memory); left out: train.offload_optimizer (2 processes; it "
+        "serves one)"
+    )
+    assert main([*flags, "--set", "train.offload_optimizer=true", "--processes", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln for ln in out if ln.startswith("note: with")] == [
+        "note: with 2 processes train.offload_optimizer runs in one process only (poetxq train "
+        "refuses it): each GPU keeps its gradients and optimizer states, counted in the per-GPU "
+        "peak below"
+    ]
+    per_gpu = next(ln for ln in out if ln.startswith("per GPU with 2"))
+    assert f": {without / GiB:.2f} GiB (plan lowest, gradient sync step)" in per_gpu

@@ -77,6 +77,12 @@ def add_tool_parsers(sub: Any) -> None:
     )  # fmt: skip
     _recipe_args(p)
     p.add_argument(
+        "--model", metavar="DIR",
+        help="estimate a local transformers Llama-family checkpoint, as poetxq train --model "
+        "trains it: the shape and vocabulary of DIR/config.json, the rest from the recipe "
+        "[model.pretrained]",
+    )  # fmt: skip
+    p.add_argument(
         "--gpu-mem", metavar="SIZE",
         help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
@@ -149,6 +155,8 @@ def _load(args: argparse.Namespace):  # -> Recipe
         flags["train.gradient_checkpointing"] = ("--gradient-checkpointing", True)
     if args.memory is not None:
         flags["train.memory"] = ("--memory", args.memory)
+    if getattr(args, "model", None) is not None:
+        flags["model.pretrained"] = ("--model", args.model)
     return load_recipe(args.recipe, merge_overrides(flags, args.overrides))
 
 
@@ -168,6 +176,7 @@ def run_tool(args: argparse.Namespace) -> int:
         from poetxq.tools.estimate_report import (
             format_estimate,
             format_other_variant,
+            format_per_process,
             format_plans,
             other_variant,
             parse_bytes,
@@ -211,7 +220,10 @@ def run_tool(args: argparse.Namespace) -> int:
         if recipe.model.pretrained is not None:  # a --model checkpoint: its own shape
             shaped = estimation_recipe(recipe)
             assert shaped is not None  # checked above
-            print(f"note: the shape and vocabulary of {recipe.model.pretrained}/config.json")
+            print(
+                f"note: the shape and vocabulary of {shaped.name}, the other settings of "
+                f"recipe {recipe.name}"
+            )
             recipe, written, vocab = shaped, estimation_recipe(written) or shaped, None
         est = estimate_memory(recipe, vocab_size=vocab, precision=precision)
         alt = other_variant(recipe, vocab_size=vocab, precision=precision)
@@ -228,12 +240,7 @@ def run_tool(args: argparse.Namespace) -> int:
             print(format_other_variant(*alt, gpu))
         print(format_plans(plans, gpu))
         if shared:
-            print(
-                f"per GPU with {shared['processes']} data-parallel processes: "
-                f"{shared['data_parallel'] / 2**30:.2f} GiB (plan {shared['plan']}, gradient "
-                f"sync {shared['grad_sync']}); with W0 sharded over them (not implemented): "
-                f"{shared['w0_sharded'] / 2**30:.2f} GiB"
-            )
+            print(format_per_process(shared))
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 

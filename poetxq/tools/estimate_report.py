@@ -164,3 +164,29 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
             f"  {row['plan']:<9s}{_gib(row['peak'])}  {fits:<7s}  {', '.join(cost) or '-'}"
         )
     return "\n".join(lines)
+
+
+def format_per_process(shared: dict[str, Any]) -> str:
+    """``estimate-memory --processes N``'s lines for
+    :func:`poetxq.training.memory.per_process_peaks`: first, where several processes take
+    something away from the one-process estimate (its ``left_out`` and ``one_process_only``),
+    one line that says so; then the per-GPU peak and what sharding ``W0`` would leave."""
+    n, parts = shared["processes"], []
+    if shared["left_out"]:
+        keys = ", ".join(shared["left_out"])
+        parts.append(f"plan {shared['plan']} leaves out {keys} (it serves one process)")
+    if shared["one_process_only"]:
+        keys = ", ".join(shared["one_process_only"])
+        parts.append(f"{keys} runs in one process only (poetxq train refuses it)")
+    lines = []
+    if parts:
+        lines.append(
+            f"note: with {n} processes {'; '.join(parts)}: each GPU keeps its gradients and "
+            "optimizer states, counted in the per-GPU peak below"
+        )
+    lines.append(
+        f"per GPU with {n} data-parallel processes: {shared['data_parallel'] / 2**30:.2f} GiB "
+        f"(plan {shared['plan']}, gradient sync {shared['grad_sync']}); with W0 sharded over "
+        f"them (not implemented): {shared['w0_sharded'] / 2**30:.2f} GiB"
+    )
+    return "\n".join(lines)

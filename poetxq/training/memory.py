@@ -73,6 +73,8 @@ _PLAN_KEYS: dict[str, dict[str, Any]] = {
         "train.precision": "bf16-true",
     },
 }
+#: the keys a run of several processes cannot have (no all-reduce of their gradients)
+_ONE_PROCESS = ("offload_optimizer", "optimizer_in_backward")
 #: the methods a plan key applies to (others: every method)
 _APPLIES: dict[str, tuple[str, ...]] = {
     "optim.state_bits": POET_METHODS,
@@ -96,6 +98,8 @@ class PlanChoice:
             ``--model`` checkpoint under ``auto``, the reason it stays ``fastest``.
         applied: the keys the plan set, dotted (``{"train.offload_optimizer": True, ...}``).
         kept: the plan's keys the recipe sets itself, with the recipe's value (explicit keys win).
+        left_out: the plan's keys this run cannot take, with why (:func:`plan_left_out`, e.g.
+            ``train.offload_optimizer`` with several processes).
         predicted_peak: the estimator's peak of the resolved recipe (None on a CPU).
         device_memory: the memory planned for: what the GPU has free when the run starts, or
             ``--gpu-mem`` (None on a CPU).
@@ -108,6 +112,7 @@ class PlanChoice:
     chosen_by: str
     applied: dict[str, Any] = field(default_factory=dict)
     kept: dict[str, Any] = field(default_factory=dict)
+    left_out: dict[str, str] = field(default_factory=dict)
     predicted_peak: int | None = None
     device_memory: int | None = None
     memory_source: str | None = None
@@ -135,6 +140,8 @@ class PlanChoice:
                 )
         if self.kept:
             text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
+        if self.left_out:
+            text += "; left out: " + ", ".join(f"{k} ({why})" for k, why in self.left_out.items())
         return text
 
     def to_dict(self) -> dict:
@@ -165,9 +172,7 @@ def plan_overrides(recipe: Recipe, plan: str, world: int = 1) -> tuple[dict, dic
         section, name = key.split(".")
         if recipe.method not in _APPLIES.get(key, (recipe.method,)):
             continue
-        if key == "train.offload_optimizer" and (
-            world > 1 or recipe.train.optimizer_in_backward or recipe.train.cuda_graph is True
-        ):
+        if key == "train.offload_optimizer" and _offload_gives_way(recipe, world):
             continue  # one process, eager steps; the recipe's own way of freeing gradients wins
         part = getattr(recipe, section)
         if name in part.model_fields_set:
@@ -175,6 +180,41 @@ def plan_overrides(recipe: Recipe, plan: str, world: int = 1) -> tuple[dict, dic
         else:
             applied[key] = value
     return applied, kept
+
+
+def _offload_gives_way(recipe: Recipe, world: int) -> str | None:
+    """Why a plan's ``train.offload_optimizer`` is left out of ``recipe``'s run of ``world``
+    processes (:class:`~poetxq.training.offload.HostOffload` serves one process with eager
+    steps, and the recipe's own way of freeing gradients wins), or None where it applies."""
+    if world > 1:
+        return f"{world} processes; it serves one"
+    if recipe.train.optimizer_in_backward:
+        return "the recipe's train.optimizer_in_backward frees the gradients"
+    if recipe.train.cuda_graph is True:
+        return "the recipe's train.cuda_graph: true; it runs eager steps"
+    return None
+
+
+def plan_left_out(recipe: Recipe, plan: str, world: int = 1) -> dict[str, str]:
+    """The keys of ``plan`` that apply to ``recipe``'s method, are not set by the recipe itself,
+    and still are left out of its run of ``world`` processes (:func:`plan_overrides`): dotted
+    key -> why, e.g. ``{"train.offload_optimizer": "2 processes; it serves one"}``.
+
+    Raises:
+        MemoryPlanError: unknown ``plan``.
+    """
+    applied, kept = plan_overrides(recipe, plan, world)
+    out: dict[str, str] = {}
+    for key in _PLAN_KEYS[plan]:
+        if key in applied or key in kept:
+            continue
+        if recipe.method not in _APPLIES.get(key, (recipe.method,)):
+            continue
+        section, name = key.split(".")
+        why = _offload_gives_way(recipe, world) if key == "train.offload_optimizer" else None
+        if why and name not in getattr(recipe, section).model_fields_set:
+            out[key] = why
+    return out
 
 
 def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
@@ -210,8 +250,10 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_h
 def estimation_recipe(recipe: Recipe) -> Recipe | None:
     """The recipe the estimator reads for ``recipe``: itself, or for a ``--model`` checkpoint
     (``model.pretrained``) a copy whose model section and vocabulary are the checkpoint's, read
-    from its ``config.json`` (JSON, no code). None where that file is not a local one or lacks
-    a field the recipe's model section needs (a hub id, a named base not converted yet)."""
+    from its ``config.json`` (JSON, no code), named after that file (``DIR/config.json``: the
+    estimate's title names the shape it estimates, not the recipe). None where that file is not
+    a local one or lacks a field the recipe's model section needs (a hub id, a named base not
+    converted yet)."""
     ref = recipe.model.pretrained
     if ref is None:
         return recipe
@@ -224,6 +266,7 @@ def estimation_recipe(recipe: Recipe) -> Recipe | None:
         model.update({k: cfg[k] for k in _SHAPE_KEYS if k in cfg}, pretrained=None)
         model["max_position_embeddings"] = cfg["max_position_embeddings"]
         tree.setdefault("data", {})["vocab_size"] = cfg["vocab_size"]
+        tree["name"] = str(path)
         return Recipe.model_validate(tree)
     except (OSError, ValueError, KeyError, TypeError):  # ValidationError is a ValueError
         return None
@@ -306,6 +349,7 @@ def resolve_memory_plan(
                 chosen_by=by,
                 applied=applied,
                 kept=kept,
+                left_out=plan_left_out(recipe, name, world),
                 predicted_peak=peak,
                 device_memory=gpu_mem,
                 memory_source=source if gpu_mem is not None else None,
@@ -375,10 +419,18 @@ def per_process_peaks(
 
     ``data_parallel``: every process holds the whole model (:mod:`poetxq.training.distributed`),
     so it is the one-process estimate of the plan resolved for ``processes`` (no optimizer
-    offload there), plus DDP's bucketed copy of every gradient where the gradients are
-    all-reduced inside backward (``grad_sync`` ``ddp``). ``w0_sharded``: what sharding the
-    frozen ``W0`` over the processes would leave (``W0 / N`` plus one gathered decoder layer); a
-    what-if, poetxq does not shard ``W0``.
+    offload there: ``left_out`` says so), plus DDP's bucketed copy of every gradient where the
+    gradients are all-reduced inside backward (``grad_sync`` ``ddp``). A recipe that sets
+    ``train.offload_optimizer`` or ``train.optimizer_in_backward`` itself is estimated without
+    them for several processes, whose run ``poetxq train`` refuses with them
+    (``one_process_only`` names them). ``w0_sharded``: what sharding the frozen ``W0`` over the
+    processes would leave (``W0 / N`` plus one gathered decoder layer); a what-if, poetxq does
+    not shard ``W0``.
+
+    Returns:
+        ``processes``, ``plan``, ``grad_sync``, ``data_parallel``, ``w0_sharded`` (bytes),
+        ``left_out`` (dotted key -> why, :func:`plan_left_out`) and ``one_process_only``
+        (dotted keys).
 
     Raises:
         ValueError: ``processes < 1``.
@@ -388,6 +440,10 @@ def per_process_peaks(
     resolved, choice = resolve_memory_plan(
         recipe, "cpu", gpu_mem=gpu_mem, vocab_size=vocab_size, world=processes
     )
+    single = [k for k in _ONE_PROCESS if processes > 1 and getattr(resolved.train, k)]
+    if single:  # the run would be refused with them (poetxq.training.train): estimated without
+        train = resolved.train.model_copy(update=dict.fromkeys(single, False))
+        resolved = resolved.model_copy(update={"train": train})
     est = _estimate(resolved, vocab_size)
     sync = grad_sync_mode(resolved.train, est.cuda_graph, processes)
     ddp = est.peak + (est.gradients if sync == "ddp" else 0)
@@ -396,4 +452,5 @@ def per_process_peaks(
     return {
         "processes": processes, "plan": choice.name, "grad_sync": sync,
         "data_parallel": ddp, "w0_sharded": sharded if processes > 1 else ddp,
+        "left_out": choice.left_out, "one_process_only": [f"train.{k}" for k in single],
     }  # fmt: skip
