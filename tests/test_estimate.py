@@ -427,3 +427,39 @@ def test_a_gpu_below_one_gib_is_shown_in_mib():
 
     assert _size(2**20) == "1 MiB" and _size(512 * 2**20) == "512 MiB"
     assert _size(80 * 2**30) == "80.0 GiB" and _size(2**30) == "1.0 GiB"
+
+
+def test_the_breakdown_shows_what_the_optimizer_offload_keeps_on_the_gpu(capsys):
+    """train.offload_optimizer at Llama-8B (lowest plan, 2 micro-batches), by hand: the largest
+    gradient, the embedding's 32,000 x 4,096 in bf16, comes back as the accumulator; one norm per
+    trainable tensor (32 layers x (7 projections x 2 sides + 2 norms) + embedding, lm_head,
+    final norm), 512 bytes each; the breakdown gives them their own row, counted in the peak."""
+    from poetxq.tools.cli import main
+
+    assert main(["estimate-memory", "--recipe", "llama-8b:poetxq", "--memory", "lowest",
+                 "--set", "train.grad_accum=2"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    est = estimate_memory(
+        load_recipe("llama-8b:poetxq", {
+            "train.grad_accum": 2, "train.gradient_checkpointing": True,
+            "train.offload_activations": True, "train.offload_optimizer": True,
+            "train.loss_chunk_tokens": 256, "optim.state_bits": 8, "train.precision": "bf16-true",
+        }),
+        precision="bf16-true",
+    )  # fmt: skip
+    acc, norms = 32_000 * 4_096 * 2, (32 * (7 * 2 + 2) + 3) * 512
+    assert (est.offload_accumulator, est.offload_norms) == (acc, norms)
+    row = next(ln for ln in text.splitlines() if "offload accumulator" in ln)
+    assert row == (
+        f"  {'offload accumulator + norms':<31s}{(acc + norms) / 2**30:9.3f} GiB  the largest "
+        "gradient's accumulator (micro-batches 2+); 515 gradient norms"
+    )
+    end = est.in_backward_gradients + est.layer_activations + est.workspace + acc + norms
+    step = est.offload_transient + norms
+    start = est.activations + est.logits + est.workspace + est.lm_head_grad + acc
+    persistent = est.frozen_weights + est.buffers + est.trainable_params
+    assert est.peak == persistent + max(start, end, step)
+    assert f"{est.peak / 2**30:9.3f} GiB" in text
+    capsys.readouterr()
+    assert main(["estimate-memory", "--recipe", "llama-8b:poetxq"]) == 0  # no offload, no row
+    assert "offload accumulator" not in capsys.readouterr().out

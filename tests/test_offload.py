@@ -186,10 +186,13 @@ def test_recipe_refuses_what_offload_cannot_do(over, needle):
 def test_estimate_books_the_host_buffers_of_a_built_model(state_bits):
     """The estimator's offload terms against a real model's HostOffload after one accumulated
     step: host bytes = every gradient buffer + every optimizer state; the update's transient =
-    the largest parameter's gradient + its states; the accumulator = that gradient again."""
+    the largest parameter's gradient + its states; the accumulator = the largest gradient buffer
+    HostOffload brings back; the norms = the 0-d tensors it holds after the last micro-batch,
+    one CUDA allocator block each; and the breakdown's row shows those two."""
     from poetxq.baselines.lowrank import optimizer_state_bytes
     from poetxq.model.surgery import build_llama, convert_to_poetx
-    from poetxq.training.estimate import estimate_memory
+    from poetxq.tools.estimate_report import format_estimate
+    from poetxq.training.estimate import CUDA_BLOCK, estimate_memory
     from poetxq.training.evaluate import causal_lm_loss
     from poetxq.training.optim import build_optimizer
     from poetxq.training.recipe_files import load_recipe
@@ -209,7 +212,17 @@ def test_estimate_books_the_host_buffers_of_a_built_model(state_bits):
     for i in range(2):
         engine.final = i == 1
         causal_lm_loss(model, torch.randint(0, vocab, (2, 17))).backward()
+    held = list(engine._norms)  # on the GPU from the last backward to the end of the update
+    assert len(held) == len(engine.params) and all(t.dim() == 0 for t in held)
+    assert est.offload_norms == len(held) * CUDA_BLOCK
     engine.step(1.0)
+    # the accumulator: a gradient's host buffer brought back to the device (_take), the largest
+    assert est.offload_accumulator == max(b.nbytes for b in engine.grads.values())
+    row = next(ln for ln in format_estimate(est).splitlines() if "offload accumulator" in ln)
+    want = (est.offload_accumulator + est.offload_norms) / 2**30
+    assert row.split()[4:6] == [f"{want:.3f}", "GiB"]
+    assert row.endswith(f"the largest gradient's accumulator (micro-batches 2+); {len(held)} "
+                        "gradient norms")  # fmt: skip
     grads = sum(b.nbytes for b in engine.grads.values())
     assert est.host_optimizer == grads + optimizer_state_bytes(opt)
     largest = max((p for p in model.parameters() if p.requires_grad), key=lambda p: p.numel())
@@ -222,6 +235,6 @@ def test_estimate_books_the_host_buffers_of_a_built_model(state_bits):
         + max(est.activations + est.logits + est.workspace + est.lm_head_grad
               + est.offload_accumulator,
               est.in_backward_gradients + est.layer_activations + est.workspace
-              + est.offload_accumulator,
-              est.offload_transient)
+              + est.offload_accumulator + est.offload_norms,
+              est.offload_transient + est.offload_norms)
     )  # fmt: skip

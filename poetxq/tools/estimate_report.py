@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from poetxq.training.estimate import (
+    CUDA_BLOCK,
     GRAPH_POOL_OVERHEAD,
     EstimateError,
     MemoryEstimate,
@@ -118,6 +119,15 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
         if est.optimizer_in_backward
         else ("optimizer temporaries", est.optimizer_transient, "during optimizer.step"),
     ]
+    if est.offload_optimizer:  # what HostOffload keeps on the GPU besides those
+        acc = (
+            "the largest gradient's accumulator (micro-batches 2+)"
+            if est.offload_accumulator
+            else "no accumulator (one micro-batch)"
+        )
+        norms = est.offload_norms // CUDA_BLOCK
+        rows.append(("offload accumulator + norms", est.offload_accumulator + est.offload_norms,
+                     f"{acc}; {norms:,} gradient norms"))  # fmt: skip
     if est.host_offloaded:
         what = ["checkpointed inputs"] if est.host_offloaded > est.host_optimizer else []
         what += ["gradients, optimizer states"] if est.host_optimizer else []

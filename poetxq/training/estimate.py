@@ -61,7 +61,12 @@ The memory options of :mod:`poetxq.training.lowmem` and :mod:`poetxq.training.lo
 terms: ``train.offload_activations`` moves the checkpointed layer inputs to host memory
 (``host_offloaded``), ``train.optimizer_in_backward`` leaves at most one decoder layer's gradients
 alive (and no separate step), ``train.loss_chunk_tokens`` holds one chunk's logits instead of
-``T``'s.
+``T``'s. ``train.offload_optimizer`` (:class:`poetxq.training.offload.HostOffload`) keeps the
+gradients and optimizer states in host memory; on the GPU stay one decoder layer's gradients in
+backward, the largest gradient's accumulator brought back to add a micro-batch's gradient to it
+(with ``train.grad_accum`` > 1), the per-gradient norms of the step's last micro-batch (one
+allocator block each, :data:`CUDA_BLOCK`; their stacked copy in the update, ``4`` bytes each, is
+left out) and, in the update, one parameter's gradient and states.
 Checked against real byte counts of built models and optimizers and against autograd's saved
 tensors in ``tests/test_estimate.py``.
 """
@@ -95,6 +100,9 @@ from quant_kernels.policy import KernelPolicy, default_policy
 #: ``gpu_memory_graph_ckpt_chunk_h200_90a76c3.json``); 2–10 % with the optimizer inside the graph
 #: (``gpu_memory_*_graph_oib*_h200_*.json``)
 GRAPH_POOL_OVERHEAD = 0.144
+#: the CUDA caching allocator's smallest block: a 0-d tensor on the GPU takes this many bytes of
+#: ``torch.cuda.memory_allocated``
+CUDA_BLOCK = 512
 
 
 class EstimateError(ValueError):
@@ -144,6 +152,10 @@ class MemoryEstimate:
     #: with offload_optimizer and gradient accumulation: the largest gradient's accumulator,
     #: brought back from the host beside the new gradient (from the second micro-batch on)
     offload_accumulator: int = 0
+    #: with offload_optimizer: the step's per-gradient norms (0-d fp32 tensors, one allocator
+    #: block of CUDA_BLOCK bytes each), kept on the GPU from the last micro-batch's backward to
+    #: the end of the update
+    offload_norms: int = 0
     #: pinned host memory: the checkpointed layer inputs (train.offload_activations), and the
     #: gradients and optimizer states (train.offload_optimizer)
     host_offloaded: int = 0
@@ -172,8 +184,8 @@ class MemoryEstimate:
             # gradient and states at a time come back for its update
             start += self.offload_accumulator
             end = self.in_backward_gradients + self.layer_activations + self.workspace
-            end += self.offload_accumulator
-            step = self.offload_transient
+            end += self.offload_accumulator + self.offload_norms
+            step = self.offload_transient + self.offload_norms
         elif self.optimizer_in_backward:
             # updated as they complete: lm_head's gradient (and its update's temporary) at the
             # start, at most one layer's gradients later; no separate optimizer step
@@ -247,6 +259,7 @@ def estimate_memory(
 
     frozen = buffers = params = grads = states = opt_tmp = 0
     n_train = n_frozen = q_bytes = 0
+    n_tensors = 0  # trainable tensors (the POET methods' and AdamW's: one gradient each)
     cnp_const = 0  # saved Cayley–Neumann intermediates per decoder layer
     ckpt_q = 0  # under checkpointing: the recomputed layer's concatenated Q (unless flat)
     flat_gapless = True  # every side's Q fills whole 8-bit state blocks (no gaps in the buffer)
@@ -269,10 +282,11 @@ def estimate_memory(
 
     def adam_param(numel: int) -> None:
         """A parameter trained with plain AdamW (torch's, or LowRankAdamW's adamw group)."""
-        nonlocal params, grads, states, n_train, largest_train
+        nonlocal params, grads, states, n_train, n_tensors, largest_train
         params += numel * p
         grads += numel * p
         n_train += numel
+        n_tensors += 1
         largest_train = max(largest_train, numel)
         # torch AdamW: moments in the param dtype + a 4-byte step; LowRankAdamW: fp32 moments
         states += 8 * numel if lowrank else adam_states(numel)
@@ -294,6 +308,7 @@ def estimate_memory(
                 grads += q_numel * p
                 states += adam_states(q_numel)
                 n_train += q_numel
+                n_tensors += 1
                 buffers += 2 * 8 * dim + (q_numel * p if ragged else 0)
                 # the blocks G in the compute dtype, saved by the layer; the CNP saves only its
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
@@ -332,6 +347,7 @@ def estimate_memory(
         in_backward_grads = q_bytes  # the batched CNP's backward yields every Q gradient at once
     states += lowrank_states * L
     n_train *= L
+    n_tensors *= L
     n_frozen *= L
     # embeddings, lm_head, norms (2 per layer + final)
     for numel in [V * d] + ([] if mc.tie_word_embeddings else [V * d]) + [d] * (2 * L + 1):
@@ -383,11 +399,12 @@ def estimate_memory(
     head = 8 * B * (S + 1) + rotary + T * head_norm
     head += V * d * 2 if precision == "autocast" else 0  # bf16 copy of lm_head's weight
     host = 0
-    offload_tmp = offload_acc = 0
+    offload_tmp = offload_acc = offload_norms = 0
     if tc.offload_optimizer:
         host += grads + states
         offload_tmp = largest_train * p + adam_states(largest_train)
         offload_acc = largest_train * p if tc.grad_accum > 1 else 0
+        offload_norms = n_tensors * CUDA_BLOCK
         notes.append(
             f"offload: gradients and optimizer states ({(grads + states) / 2**30:.2f} GiB) wait "
             "in pinned host memory; one parameter's at a time on the GPU for its update"
@@ -451,7 +468,7 @@ def estimate_memory(
         optimizer_in_backward=tc.optimizer_in_backward, in_backward_gradients=in_backward_grads,
         in_backward_transient=lm_head_grad if oc.state_bits == 32 else 0,
         offload_optimizer=tc.offload_optimizer, offload_transient=offload_tmp,
-        offload_accumulator=offload_acc,
+        offload_accumulator=offload_acc, offload_norms=offload_norms,
         host_optimizer=grads + states if tc.offload_optimizer else 0,
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
         cuda_graph=graph and precision != "fp32",
