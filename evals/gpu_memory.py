@@ -53,14 +53,14 @@ from peak_alloc import fragmentation, peak_report
 from poetxq.model.fuse import fuse_elementwise, fuse_wanted, unfuse_elementwise
 from poetxq.model.relayout import model_tensors, relayout
 from poetxq.model.surgery import build_llama, convert_to_poetx
-from poetxq.training.cudagraph import GraphedMicroStep
 from poetxq.training.estimate import estimate_memory
-from poetxq.training.graph_optim import GraphedInBackward, hooks_for
+from poetxq.training.graph_optim import GraphedInBackward
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
 from poetxq.training.optim import build_optimizer
 from poetxq.training.recipe import RecipeError
 from poetxq.training.recipe_files import load_recipe, parse_override
+from poetxq.training.step import StepEngine
 
 VOCAB = 32000
 GIB = 2**30
@@ -144,11 +144,14 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
         gc.collect()
         relaid = relayout(model_tensors(model, optimizer), dev)
     tc = recipe.train
-    # train.optimizer_in_backward (--set): each parameter updated and freed during backward
-    # (inside the captured backward with --cuda-graph: poetxq.training.graph_optim)
-    in_backward = (
-        hooks_for(optimizer, graph=bool(args.cuda_graph)) if tc.optimizer_in_backward else None
-    )
+    # the trainer's step (poetxq.training.step), one micro-batch; train.optimizer_in_backward
+    # (--set): each parameter updated and freed during backward (inside the captured backward
+    # with --cuda-graph); a failed capture is an error here, not a note
+    engine = StepEngine(
+        model, optimizer, tc.model_copy(update={"cuda_graph": True}) if args.cuda_graph else tc,
+        loss_fn=lambda b: training_loss(model, b, tc.loss_chunk_tokens),
+        graph=bool(args.cuda_graph),
+    )  # fmt: skip
     _sync(dev)
     build_s = time.perf_counter() - t0
     # reserved bytes per pool once the model and its optimizer exist (before any state)
@@ -157,31 +160,10 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
     gen = torch.Generator(device=dev).manual_seed(1)
     B, S = args.batch_size, args.seq_len
 
-    graphed: GraphedMicroStep | None = None
-
     def step() -> None:
-        nonlocal graphed
         batch = torch.randint(0, VOCAB, (B, S + 1), device=dev, generator=gen)
-        if args.cuda_graph:
-            if graphed is None:
-                graphed = GraphedMicroStep(
-                    lambda b: training_loss(model, b, tc.loss_chunk_tokens),
-                    batch,
-                    list(model.parameters()),
-                    flat_groups=getattr(optimizer, "flat_groups", ()),
-                    in_backward=in_backward if isinstance(in_backward, GraphedInBackward) else None,
-                )
-            graphed(batch)
-        else:
-            training_loss(model, batch, tc.loss_chunk_tokens).backward()
-        if in_backward is not None:
-            return
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.optim.grad_clip)
-        optimizer.step()
-        if graphed is not None:
-            graphed.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        engine.micro(batch, final=True)
+        engine.update(recipe.optim.grad_clip)
 
     out = []
     for ckpt in args.settings:
@@ -207,7 +189,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             fuse_elementwise(model)
         else:
             unfuse_elementwise(model)
-        graphed = None  # capture again: checkpointing and the fusion change the graph
+        engine.recapture()  # checkpointing and the fusion change the graph
         r.train.fuse_elementwise = fused  # what this setting ran
         est = estimate_memory(
             r, vocab_size=VOCAB, batch_size=B, seq_len=S, precision="bf16-true",
@@ -285,7 +267,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             # that stayed on the device meanwhile (reachable from neither model nor optimizer)
             "relayout": None if relaid is None else dataclasses.asdict(relaid),
             # the LM head's gradient handed to the update inside the graph by slices of rows
-            "lm_head_by_slices": isinstance(in_backward, GraphedInBackward)
+            "lm_head_by_slices": isinstance(engine.in_backward, GraphedInBackward)
             and bool(tc.loss_chunk_tokens),
         }
         if segments is not None:  # reserved bytes per pool after the build (the model's, the
@@ -293,7 +275,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             row["segments_after_warmup"] = segments
         if peak_sites is not None:  # what was alive at the warm-up's (the capture's) peak
             row["warmup_peak_by_site"] = peak_sites
-        if graphed is not None:  # where the reserved bytes of a graph run sit (bytes)
+        if (graphed := engine.graphed) is not None:  # where a graph run's reserved bytes sit
             row["allocated_before_capture"] = graphed.allocated_before_capture
             row["reserved_before_capture"] = graphed.reserved_before_capture
             row["graph_pool_reserved_bytes"] = graphed.pool_reserved_bytes
@@ -317,8 +299,7 @@ def measure(name: str, args: argparse.Namespace, dev: torch.device) -> list[dict
             + (f" (official {official[0]} GiB, {official[1]} s)" if official else ""),
             flush=True,
         )
-    if in_backward is not None:  # its hooks hold the optimizer, which holds the parameters
-        in_backward.remove()
+    engine.remove()  # its hooks hold the optimizer, which holds the parameters
     optimizer.state.clear()  # free this model's memory before the next one is built
     model.to("meta")
     gc.collect()

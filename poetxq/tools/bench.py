@@ -239,15 +239,13 @@ def run_bench(
         BenchError: ``steps < 1``, ``warmup < 0``, ``vocab_size < 1``, a non-finite or
             non-positive ``peak_tflops``, or CUDA asked for but absent.
     """
-    from poetxq.baselines import clip_grad_norm_all, quant_modules
     from poetxq.model.fuse import fuse_wanted
-    from poetxq.training.cudagraph import GraphedMicroStep, capture_micro_step, graph_wanted
+    from poetxq.training.cudagraph import graph_wanted
     from poetxq.training.estimate import estimate_memory
-    from poetxq.training.graph_optim import GraphedInBackward, hooks_for
     from poetxq.training.loss import training_loss
     from poetxq.training.lowmem import enable_activation_checkpointing
     from poetxq.training.memory import apply_allocator, resolve_memory_plan
-    from poetxq.training.offload import HostOffload
+    from poetxq.training.step import StepEngine
     from poetxq.training.train import peak_rss_bytes
 
     if steps < 1 or warmup < 0:
@@ -284,10 +282,7 @@ def run_bench(
     if tc.gradient_checkpointing:
         # offloaded in a graph: to host buffers made once (poetxq.training.lowmem.HostSlots)
         enable_activation_checkpointing(model, offload=tc.offload_activations, graph_safe=graph)
-    in_backward = hooks_for(optimizer, graph=graph) if tc.optimizer_in_backward else None
-    offload = HostOffload(optimizer) if tc.offload_optimizer else None
     model.train()
-    qmods = quant_modules(model)
     precision = run_precision(tc, dev)  # bf16-true: parameters cast by poetxq.training.build
     if note := cpu_note(tc, dev):
         echo(note)
@@ -295,44 +290,20 @@ def run_bench(
     data_gen = torch.Generator(device=dev).manual_seed(tc.seed + 2)
     tokens_per_step = tc.batch_size * tc.grad_accum * tc.seq_len
 
-    graphed: GraphedMicroStep | None = None
-
-    def micro_loss(batch: torch.Tensor) -> torch.Tensor:
+    def loss_fn(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            return training_loss(model, batch, tc.loss_chunk_tokens) / tc.grad_accum
+            return training_loss(model, batch, tc.loss_chunk_tokens)
+
+    # the trainer's step (poetxq.training.step): under cuda_graph auto a failed capture goes
+    # on eagerly; the clip is the recipe's, without the trainer's re-warm after merges
+    engine = StepEngine(model, optimizer, tc, loss_fn=loss_fn, graph=graph, echo=echo)
 
     def step() -> None:
-        nonlocal graphed, graph
         for micro in range(tc.grad_accum):
-            if offload is not None:
-                offload.final = micro == tc.grad_accum - 1
             batch = torch.randint(0, V, (tc.batch_size, tc.seq_len + 1), device=dev,
                                   generator=data_gen)  # fmt: skip
-            if graph and graphed is None:  # under auto a failed capture goes on eagerly
-                graphed = capture_micro_step(
-                    micro_loss, batch, model, optimizer, tc, echo,
-                    in_backward if isinstance(in_backward, GraphedInBackward) else None,
-                )  # fmt: skip
-                graph = graphed is not None
-            if graphed is not None:
-                graphed(batch)
-            else:
-                micro_loss(batch).backward()
-        if in_backward is not None:  # each parameter was updated, its gradient freed
-            return
-        clip = oc.grad_clip or float("inf")
-        if offload is not None:  # the exact clip and every update, from the host buffers
-            offload.step(clip)
-            return
-        if qmods:
-            clip_grad_norm_all(model.parameters(), qmods, clip)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        if graphed is not None:
-            graphed.zero_grad()
-        else:
-            optimizer.zero_grad(set_to_none=True)
+            engine.micro(batch, final=micro == tc.grad_accum - 1)
+        engine.update(oc.grad_clip)
 
     for _ in range(warmup):
         step()
@@ -376,11 +347,11 @@ def run_bench(
         peak_memory_bytes=peak_alloc,
         peak_rss_bytes=peak_rss, estimated_peak_bytes=est.peak,
         date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=git_commit(),
-        torch=torch.__version__, command=command, build_s=build_s, cuda_graph=graph,
+        torch=torch.__version__, command=command, build_s=build_s, cuda_graph=engine.graph,
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
         loss_chunk_tokens=tc.loss_chunk_tokens, offload_optimizer=tc.offload_optimizer,
         memory_plan=plan.name, build_peak_reserved_bytes=build_reserved,
-        fuse_elementwise=fuse_wanted(tc, dev, graph),
+        fuse_elementwise=fuse_wanted(tc, dev, engine.graph),
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,

@@ -30,7 +30,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 
-from poetxq.baselines import build_baseline_optimizer, clip_grad_norm_all, quant_modules
+from poetxq.baselines import build_baseline_optimizer
 from poetxq.data import TokenData, prepare_data, unigram_perplexity
 from poetxq.model.diagnostics import (
     DRIFT_WARNING,
@@ -50,8 +50,6 @@ from poetxq.training.checkpoint import (
     save_training_checkpoint,
 )
 from poetxq.training.cudagraph import (
-    GraphedMicroStep,
-    capture_micro_step,
     grad_sync_mode,
     graph_hint,
     graph_wanted,
@@ -65,11 +63,9 @@ from poetxq.training.distributed import (
     replicas_identical,
 )
 from poetxq.training.evaluate import evaluate_perplexity
-from poetxq.training.graph_optim import GraphedInBackward, hooks_for
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
 from poetxq.training.memory import apply_allocator, resolve_memory_plan
-from poetxq.training.offload import HostOffload
 from poetxq.training.optim import (
     build_optimizer,
     build_scheduler,
@@ -87,6 +83,7 @@ from poetxq.training.rundir import (
     save_run_artifacts,
     unlock_run_dir,
 )
+from poetxq.training.step import StepEngine
 
 
 class DataPrepInterrupted(KeyboardInterrupt):
@@ -344,10 +341,23 @@ def train(
     raw_model = accelerator.unwrap_model(model)
     trainable = [p for p in raw_model.parameters() if p.requires_grad]
     raw_optimizer = getattr(optimizer, "optimizer", optimizer)
-    qmods = quant_modules(raw_model)  # int8 baseline weights: gradients live in float_grad
-    # train.optimizer_in_backward: the optimizer steps each parameter inside backward (inside
-    # the CUDA graph's backward when there is one: poetxq.training.graph_optim)
-    in_backward = hooks_for(raw_optimizer, graph=graph) if tc.optimizer_in_backward else None
+
+    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
+        if not tc.loss_chunk_tokens:
+            return training_loss(model, batch)
+        # the chunked loss runs the unwrapped decoder (one process, checked above), outside the
+        # autocast accelerate wraps around the model's own forward: enter it here
+        with accelerator.autocast():
+            return training_loss(raw_model, batch, tc.loss_chunk_tokens)
+
+    # micro-steps (eager or replayed from a CUDA graph captured on the first micro-batch) and
+    # the update (host offload, optimizer in backward, int8 weights' float_grad, or plain);
+    # train.optimizer_in_backward's hooks now, host offload after a resume loaded the states
+    engine = StepEngine(
+        model, raw_optimizer, tc, loss_fn=batch_loss, graph=graph, echo=say,
+        backward=accelerator.backward,  # divides by gradient_accumulation_steps itself
+        clip=accelerator.clip_grad_norm_, stepper=optimizer, offload=False,
+    )  # fmt: skip
     device = accelerator.device
     generators = {"poet": poet_gen}
 
@@ -359,9 +369,8 @@ def train(
         )  # fmt: skip
         resumed = meta["loop"]
         say(f"resumed from {resume_from} (step {meta['step']} of {tc.max_steps})")
-    # train.offload_optimizer: gradients and optimizer states wait in host memory (a resumed
-    # optimizer's states go there now); clipping and the update run in offload.step()
-    offload = HostOffload(raw_optimizer) if tc.offload_optimizer else None
+    if tc.offload_optimizer:  # gradients and states wait in host memory (a resumed optimizer's
+        engine.start_offload()  # states go there now); clipping and updates in offload.step()
     if device.type == "cuda":
         # peak_memory_bytes measures training from here on: the built model and optimizer, the
         # steps' activations and optimizer states, evaluations and checkpoint writes; not the
@@ -464,71 +473,25 @@ def train(
             raise _diverged(value, step, run_dir)
         return value
 
-    # train.cuda_graph: each micro-batch's forward+backward replayed from one CUDA graph,
-    # captured on the first micro-batch (poetxq.training.cudagraph); gradients are zeroed in place
-    graphed: GraphedMicroStep | None = None
-
-    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
-        if not tc.loss_chunk_tokens:
-            return training_loss(model, batch)
-        # the chunked loss runs the unwrapped decoder (one process, checked above), outside the
-        # autocast accelerate wraps around the model's own forward: enter it here
-        with accelerator.autocast():
-            return training_loss(raw_model, batch, tc.loss_chunk_tokens)
-
-    def micro_loss(batch: torch.Tensor) -> torch.Tensor:
-        return batch_loss(batch) / tc.grad_accum
-
     for step in stop.guard(range(start_step + 1, tc.max_steps + 1)):
         loss_sum = torch.zeros((), device=device)
         for micro in range(tc.grad_accum):
-            if offload is not None:  # the last backward's gradients are the step's: their norm
-                offload.final = micro == tc.grad_accum - 1
             batch = next(batches).to(device)
             position += 1
             with accelerator.accumulate(model):
-                if graph and graphed is None:
-                    graphed = capture_micro_step(
-                        micro_loss, batch, model, raw_optimizer, tc, say,
-                        in_backward if isinstance(in_backward, GraphedInBackward) else None,
-                    )  # fmt: skip
-                    graph = graphed is not None
-                if graph:
-                    loss = graphed(batch) * tc.grad_accum
-                else:
-                    loss = batch_loss(batch)
-                    accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
+                loss = engine.micro(batch, final=micro == tc.grad_accum - 1)
             loss_sum += loss.detach()
         nonfinite |= ~torch.isfinite(loss_sum)
         # grad_sync step: every gradient averaged once, after the (graphed) micro-steps; DDP
         # averages .grad only, so the int8 weights' float_grad always goes here (no-op in one
         # process)
         to_average = [p.grad for p in trainable if p.grad is not None] if sync == "step" else []
-        to_average += [q.float_grad for q in qmods if q.float_grad is not None]
+        to_average += [q.float_grad for q in engine.qmods if q.float_grad is not None]
         all_reduce_float_grads(to_average)
         max_norm = clip_threshold(oc.grad_clip, steps_since_merge, oc.clip_rewarm_steps)
-        if offload is not None:  # the exact global norm, clipping and every update
-            grad_norm = offload.step(max_norm or float("inf"))
-        elif in_backward is not None:  # updated and freed during backward: no norm to log
-            grad_norm = float("nan")
-        elif qmods:
-            grad_norm = clip_grad_norm_all(model.parameters(), qmods, max_norm or float("inf"))
-        else:  # grad_clip 0: no clipping, the norm is still logged
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
-        # (a replayed graph runs no hook: its capture checked that it holds the updates)
-        if in_backward is not None and graphed is None and in_backward.reset_count() == 0:
-            raise RuntimeError(  # the hooks never fired: no parameter was trained this step
-                f"step {step}: train.optimizer_in_backward updated no parameter in backward; "
-                "set train.optimizer_in_backward: false"
-            )
-        # with the optimizer in backward (or offload) every gradient was applied and freed: step()
-        # finds none and does nothing (the LR scheduler still sees it called, in order)
-        optimizer.step()
+        # clip (grad_clip 0: none, the norm is still logged), step, zero the gradients
+        grad_norm = engine.update(max_norm)
         scheduler.step()
-        if graphed is not None:
-            graphed.zero_grad()  # the graph keeps writing to these gradient tensors
-        else:
-            optimizer.zero_grad(set_to_none=True)
         if steps_since_merge is not None:
             steps_since_merge += 1
         merging = (
@@ -660,7 +623,7 @@ def train(
             peak_reserved_bytes=(
                 torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
             ),
-            cuda_graph=graph,
+            cuda_graph=engine.graph,
             grad_sync=sync,
         )
         if main:
