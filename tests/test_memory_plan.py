@@ -3,6 +3,7 @@ own peaks and auto's stated rule), what each plan sets per method, that keys the
 itself win, the one-line report, and the CLI (train --memory, estimate-memory's plan list)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,8 +111,36 @@ def test_each_plan_sets_only_what_the_method_has_and_the_recipe_leaves_open():
     _, choice = resolve_memory_plan(own_named, "cpu")
     assert choice.chosen_by == "train.memory"
     assert choice.line() == (
-        "memory plan: lowest (train.memory); kept from the recipe: train.loss_chunk_tokens=64"
+        "memory plan: lowest (train.memory); kept as overridden (--set or a flag): "
+        "train.loss_chunk_tokens=64"
     )
+
+
+def test_the_plan_line_calls_a_command_line_value_an_override(tmp_path, capsys):
+    """A plan key the recipe file sets is 'kept from the recipe'; one a --set or a flag sets is
+    'kept as overridden' (load_recipe records which keys its overrides set)."""
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    own = tmp_path / "own.yaml"
+    own.write_text(
+        f"base: [{recipes}/models/llama-60m.yaml, {recipes}/methods/poetxq.yaml]\n"
+        "train: {loss_chunk_tokens: 64}\n"
+    )
+    flags = ["estimate-memory", "--recipe", str(own), "--memory", "lowest"]
+    assert main([*flags, "--set", "train.precision=autocast"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "memory plan: lowest (train.memory); kept as overridden (--set or a flag): "
+        "train.precision=autocast; kept from the recipe: train.loss_chunk_tokens=64"
+    )
+    assert main([*flags, "--gradient-checkpointing"]) == 0  # a flag is an override too
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "memory plan: lowest (train.memory); kept as overridden (--set or a flag): "
+        "train.gradient_checkpointing=True; kept from the recipe: train.loss_chunk_tokens=64"
+    )
+    _, choice = resolve_memory_plan(
+        load_recipe(own, {"train.precision": "fp32", "train.memory": "lowest"}), "cpu"
+    )
+    assert choice.overridden == ["train.precision"]
+    assert set(choice.kept) == {"train.precision", "train.loss_chunk_tokens"}
 
 
 @pytest.mark.parametrize(
@@ -177,7 +206,10 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
             "--set", "model.num_hidden_layers=1", "--set", "train.precision=fp32"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "memory plan: lowest (train.memory); kept from the recipe: train.precision=fp32" in out
+    assert (
+        "memory plan: lowest (train.memory); kept as overridden (--set or a flag): "
+        "train.precision=fp32" in out
+    )
     summary = json.loads((tmp_path / "low" / "summary.json").read_text())
     plan = summary["memory_plan"]
     assert plan["name"] == "lowest" and plan["applied"]["train.offload_optimizer"] is True

@@ -98,6 +98,9 @@ class PlanChoice:
             ``--model`` checkpoint under ``auto``, the reason it stays ``fastest``.
         applied: the keys the plan set, dotted (``{"train.offload_optimizer": True, ...}``).
         kept: the plan's keys the recipe sets itself, with the recipe's value (explicit keys win).
+        overridden: the keys of ``kept`` an override set (a command-line flag or ``--set``,
+            :attr:`Recipe.overridden <poetxq.training.recipe.Recipe.overridden>`), not a recipe
+            file.
         left_out: the plan's keys this run cannot take, with why (:func:`plan_left_out`, e.g.
             ``train.offload_optimizer`` with several processes).
         predicted_peak: the estimator's peak of the resolved recipe (None on a CPU).
@@ -112,6 +115,7 @@ class PlanChoice:
     chosen_by: str
     applied: dict[str, Any] = field(default_factory=dict)
     kept: dict[str, Any] = field(default_factory=dict)
+    overridden: list[str] = field(default_factory=list)
     left_out: dict[str, str] = field(default_factory=dict)
     predicted_peak: int | None = None
     device_memory: int | None = None
@@ -138,8 +142,13 @@ class PlanChoice:
                     f" - does not leave {HEADROOM:.0%} free: expect out-of-memory; try {lower}a "
                     "smaller batch, a larger GPU or several (docs/MEMORY.md)"
                 )
-        if self.kept:
-            text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
+        over = {k: v for k, v in self.kept.items() if k in self.overridden}
+        own = {k: v for k, v in self.kept.items() if k not in self.overridden}
+        if over:
+            text += "; kept as overridden (--set or a flag): "
+            text += ", ".join(f"{k}={v}" for k, v in over.items())
+        if own:
+            text += "; kept from the recipe: " + ", ".join(f"{k}={v}" for k, v in own.items())
         if self.left_out:
             text += "; left out: " + ", ".join(f"{k} ({why})" for k, why in self.left_out.items())
         return text
@@ -153,10 +162,12 @@ def plan_overrides(recipe: Recipe, plan: str, world: int = 1) -> tuple[dict, dic
     """The keys ``plan`` sets on ``recipe`` and the plan keys ``recipe`` sets itself.
 
     A key counts as set by the recipe when a recipe file or an override named it (pydantic's
-    ``model_fields_set`` of its section); those keep their value. Keys that do not apply to the
-    recipe's method are left out, and so is ``train.offload_optimizer`` with several processes
-    (``world``), which it does not serve, and beside the recipe's own
-    ``train.optimizer_in_backward`` or ``train.cuda_graph: true``.
+    ``model_fields_set`` of its section); those keep their value (:class:`PlanChoice` tells the
+    overrides apart, :attr:`Recipe.overridden <poetxq.training.recipe.Recipe.overridden>`).
+    Keys that do not apply to the recipe's method are left out, and so is
+    ``train.offload_optimizer`` with several processes (``world``), which it does not serve, and
+    beside the recipe's own ``train.optimizer_in_backward`` or ``train.cuda_graph: true``
+    (:func:`plan_left_out` says why).
 
     Returns:
         ``(applied, kept)``: dotted key -> value.
@@ -220,9 +231,9 @@ def plan_left_out(recipe: Recipe, plan: str, world: int = 1) -> dict[str, str]:
 def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
     """``recipe`` with the ``applied`` keys set and ``train.memory`` naming ``plan``: a copy
     validated again (the combination checks of :class:`~poetxq.training.recipe.Recipe` run on
-    it) that keeps ``recipe``'s notes. ``recipe`` itself is left as it is."""
+    it) that keeps ``recipe``'s notes and overridden keys. ``recipe`` itself is left as it is."""
     if not applied:  # nothing to validate again: a copy (notes and all), renamed
-        same = recipe.model_copy(deep=True)
+        same = recipe.model_copy(deep=True)  # notes and overridden keys too
         same.train.memory = plan  # type: ignore[assignment]
         return same
     tree = recipe.model_dump(exclude_unset=True)
@@ -239,6 +250,7 @@ def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
         ) from None
     for note in recipe.notes:
         resolved.add_note(note)
+    resolved.mark_overridden(recipe.overridden)
     return resolved
 
 
@@ -349,6 +361,7 @@ def resolve_memory_plan(
                 chosen_by=by,
                 applied=applied,
                 kept=kept,
+                overridden=[k for k in kept if k in recipe.overridden],
                 left_out=plan_left_out(recipe, name, world),
                 predicted_peak=peak,
                 device_memory=gpu_mem,

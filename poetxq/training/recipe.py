@@ -172,6 +172,26 @@ class Recipe(Section):
     baseline: BaselineConfig = Field(default_factory=BaselineConfig)
     # what validation adjusted, one line each, for the run's log (not part of the recipe)
     _notes: list[str] = PrivateAttr(default_factory=list)
+    # the dotted keys an override set (load_recipe's overrides: a command-line flag or --set)
+    _overridden: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    @property
+    def overridden(self) -> frozenset[str]:
+        """Dotted keys (``train.precision``) set by an override of :func:`load_recipe
+        <poetxq.training.recipe_files.load_recipe>` (a command-line flag or ``--set``) rather
+        than by a recipe file; empty for a recipe built otherwise."""
+        return self._overridden
+
+    def mark_overridden(self, keys: frozenset[str] | set[str]) -> None:
+        """Record ``keys`` (dotted) as set by overrides (:attr:`overridden`)."""
+        self._overridden = frozenset(keys)
+
+    def __eq__(self, other: object) -> bool:
+        """The same settings and notes: where a key was set (:attr:`overridden`) is not part of
+        a recipe (a recipe with overrides equals its ``recipe.yaml`` read back)."""
+        if not isinstance(other, Recipe):
+            return NotImplemented
+        return self.__dict__ == other.__dict__ and self._notes == other._notes
 
     @property
     def notes(self) -> list[str]:

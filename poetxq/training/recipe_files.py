@@ -360,7 +360,8 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
         overrides: ``{"train.max_steps": 50, ...}``; a ``None`` value sets the key to null.
 
     Returns:
-        The validated :class:`Recipe`.
+        The validated :class:`Recipe`; its :attr:`~Recipe.overridden` names the keys of
+        ``overrides``.
 
     Raises:
         RecipeError: missing/unreadable file, bad YAML, unknown key or invalid value (one line,
@@ -374,7 +375,9 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
             )
     tree, prov, source = compose_recipe_tree(path, overrides)
     try:
-        return Recipe.model_validate(tree)
+        recipe = Recipe.model_validate(tree)
+        recipe.mark_overridden(set(overrides or {}))  # a memory plan says which it kept
+        return recipe
     except ValidationError as exc:
         if overrides:
             source += " (with overrides " + ", ".join(f"{k}={v}" for k, v in overrides.items())
