@@ -153,7 +153,10 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             trials = 0
         if not row.get("tuned"):
             mine = [r for r in runs.values() if r["method"] == name]
-            scored = [r for r in mine if r.get("tune_ppl") is not None]
+            # the tuning seeds' runs only, as the choice of the best point (a control's extra
+            # seeds at one point would make the minimum a best-of-three)
+            tuning = [r for r in mine if r.get("seed") in study.tune_seeds]
+            scored = [r for r in tuning if r.get("tune_ppl") is not None]
             lead = min(scored, key=lambda r: r["tune_ppl"]) if scored else None
             so_far = (
                 f"best tune ppl so far {lead['tune_ppl']:.2f} at "
@@ -162,7 +165,7 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
                 else "not started"
             )
             out.append(
-                f"| {name} | tuning: {len(mine)} runs, {so_far} | | | | {trials} | | | | | |"
+                f"| {name} | tuning: {len(tuning)} point(s) run, {so_far} | | | | {trials} | | | | | |"
             )
             continue
         recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds

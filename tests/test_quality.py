@@ -593,3 +593,21 @@ def test_every_committed_study_file_loads_and_its_recipes_compose(path):
         r = recipes[p["id"]]
         assert r.train.seq_len == study.shared["train.seq_len"]
         assert r.optim.grad_clip == study.shared["optim.grad_clip"]
+
+
+def test_a_method_still_tuning_reports_its_tuning_seeds_best_not_other_seeds(tmp_path, corpus):
+    from evals.quality_report import render
+
+    # seed 2 at one point (a control's seeds before the method was tuned) scores lower than
+    # any tuning run: the best-so-far must be the tuning seed's, as the planner chooses it
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0]))
+    point = {"optim.poet_lr": 4e-3}
+    results: dict = {"runs": {}}
+    for seed, ppl in ((0, 30.0), (2, 20.0)):
+        rid = run_id("poetxq", point, seed)
+        results["runs"][rid] = {"id": rid, "method": "poetxq", "seed": seed, "params": point,
+                                "tune_ppl": ppl, "test_ppl": ppl + 1}  # fmt: skip
+    render([(study, results)], tmp_path / "QUALITY.md")
+    row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
+               if ln.startswith("| poetxq |"))  # fmt: skip
+    assert "tuning: 1 point(s) run, best tune ppl so far 30.00 at optim.poet_lr 0.004" in row
