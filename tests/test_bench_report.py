@@ -278,8 +278,9 @@ def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(t
     row = next(r for r in md.splitlines() if r.startswith(f"| {run.name} "))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[0] == f"{run.name} — interrupted (no summary.json)"
-    # ppl, tok/s, memory, tokens, wall time, memory options
-    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a", "-"]
+    # ppl, tok/s, memory, tokens, wall time, precision (no device recorded: the setting),
+    # memory options
+    assert cells[3:] == ["n/a", "200", "n/a", "128", "n/a", "auto", "-"]
     assert "4 steps on n/a, n/a merges, val ppl 403.40 -> n/a (interrupted (no summary.json)" in md
     # neither summary.json nor metrics.jsonl: refused, nothing written
     (run / "metrics.jsonl").unlink()
@@ -409,3 +410,60 @@ def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path)
     assert rows[control.name][1:4] == ["poetxq, R = P = I control", "int8 W0", "175.00"]
     assert "val ppl 403.40 -> n/a (diverged at step 3; read from metrics.jsonl)" in md
     assert "interrupted" not in md
+
+
+def test_report_shows_the_memory_plan_and_precision_where_runs_record_them(tmp_path):
+    """summary.json's memory_plan and recipe.yaml's train.precision become two columns; a run
+    directory from before either (its recipe.yaml without those keys, no memory_plan) still
+    renders: '-' beside the others, and no such columns when no run has them."""
+    import yaml
+
+    from poetxq.training.memory import resolve_memory_plan
+    from poetxq.training.recipe import dump_recipe
+
+    def write(name: str, recipe_yaml: str, summary: dict) -> str:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "recipe.yaml").write_text(recipe_yaml)
+        (run / "summary.json").write_text(json.dumps({"steps": 2, "tokens_per_s": 9.0, **summary}))
+        return str(run)
+
+    recipe, choice = resolve_memory_plan(
+        load_recipe(None, SMALL), "cpu", gpu_mem=2**34, vocab_size=96
+    )  # auto on a CPU: fastest; precision auto
+    new = write("tiny-poetxq-new", dump_recipe(recipe),
+                {"memory_plan": choice.to_dict(), "device": "cuda:0"})  # fmt: skip
+    low = load_recipe(None, {**SMALL, "train.memory": "lowest"})
+    low, named = resolve_memory_plan(low, "cpu")
+    lowest = write("tiny-poetxq-low", dump_recipe(low),
+                   {"memory_plan": named.to_dict(), "device": "cpu"})  # fmt: skip
+    tree = yaml.safe_load(dump_recipe(load_recipe(None, SMALL)))
+    del tree["train"]["precision"], tree["train"]["memory"]  # as poetxq wrote it before both
+    old = write("tiny-poetxq-old", yaml.safe_dump(tree), {"device": "cpu"})
+    killed = tmp_path / "tiny-poetxq-killed"  # no summary.json: the plan from recipe.yaml
+    killed.mkdir()
+    (killed / "recipe.yaml").write_text(dump_recipe(low))
+    (killed / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+
+    def table(*runs: str) -> dict[str, dict[str, str]]:
+        out = tmp_path / f"rep{len(list(tmp_path.iterdir()))}"
+        assert main(["report", *runs, "-o", str(out)]) == 0
+        lines = [ln for ln in (out / "report.md").read_text().splitlines() if ln.startswith("|")]
+        head = [c.strip() for c in lines[0].strip("|").split("|")]
+        return {
+            cells[0]: dict(zip(head, cells, strict=True))
+            for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])
+        }
+
+    rows = table(new, lowest, old, str(killed))
+    assert rows["tiny-poetxq-killed — interrupted (no summary.json)"]["memory plan"] == "lowest"
+    assert (rows["tiny-poetxq-new"]["memory plan"], rows["tiny-poetxq-new"]["precision"]) == (
+        "fastest (auto)", "autocast (auto)")  # fmt: skip
+    assert (rows["tiny-poetxq-low"]["memory plan"], rows["tiny-poetxq-low"]["precision"]) == (
+        "lowest", "bf16-true")  # fmt: skip
+    assert (rows["tiny-poetxq-old"]["memory plan"], rows["tiny-poetxq-old"]["precision"]) == (
+        "-", "-")  # fmt: skip
+    assert list(rows["tiny-poetxq-low"])[-3:] == ["precision", "memory plan", "memory options"]
+    only_old = table(old)["tiny-poetxq-old"]
+    assert "memory plan" not in only_old and "precision" not in only_old
+    assert only_old["memory options"] == "-"

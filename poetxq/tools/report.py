@@ -9,7 +9,8 @@ runs of the same model (recipe name without its method suffix) side by side, in 
 order, and writes into ``out_dir``:
 
 * ``report.md`` — results table (run, method, weight bits, final val ppl, tokens/s, peak
-  memory, train tokens, wall time, memory options) and the plots;
+  memory, train tokens, wall time, precision and memory plan where a run records them, memory
+  options) and the plots;
 * ``loss.png``, ``val_ppl.png`` — training loss and validation perplexity against tokens;
 * ``throughput.png``, ``peak_memory.png`` — bars per run.
 
@@ -31,6 +32,7 @@ import yaml
 from poetxq.model.diagnostics import DIAG_KEYS, REQUANT_KEY
 from poetxq.paths import unwritable_reason
 from poetxq.text import count
+from poetxq.training.precision import run_precision
 from poetxq.training.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_label, run_label
 
 METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
@@ -70,6 +72,8 @@ class Run:
     has_summary: bool = True  # False: summary derived from metrics.jsonl (an interrupted run)
     # set by mark_shapes where runs of one recipe name differ in model shape, e.g. " (d 64, 2L)"
     shape_note: str = ""
+    # recipe.yaml as read, before validation: which keys the run's version of poetxq wrote
+    recipe_tree: dict[str, Any] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
@@ -115,6 +119,34 @@ class Run:
     @property
     def name(self) -> str:
         return self.path.name
+
+    @property
+    def plan(self) -> str | None:
+        """The memory plan the run took: ``summary.json`` ``memory_plan`` (``lowest (auto)``
+        where ``train.memory: auto`` chose it), else ``recipe.yaml``'s resolved ``train.memory``
+        (a run without a summary); None for a run from before memory plans."""
+        plan = self.summary.get("memory_plan")
+        if isinstance(plan, dict) and isinstance(plan.get("name"), str):
+            auto = str(plan.get("chosen_by", "")).startswith("auto")
+            return plan["name"] + (" (auto)" if auto else "")
+        train = self.recipe_tree.get("train")
+        named = train.get("memory") if isinstance(train, dict) else None
+        return named if isinstance(named, str) and named != "auto" else None
+
+    @property
+    def precision(self) -> str | None:
+        """How the run held its parameters and computed (``autocast``, ``bf16-true``, ``fp32``:
+        :func:`~poetxq.training.precision.run_precision` of ``train.precision`` on the run's
+        device), ``fp32 (auto)`` where ``auto`` chose it (plain ``auto`` where the device is not
+        recorded); None where ``recipe.yaml`` has no ``train.precision`` (an older run)."""
+        train = self.recipe_tree.get("train")
+        if not isinstance(train, dict) or "precision" not in train:
+            return None
+        tc, device = self.recipe.train, self.summary.get("device")
+        on = "cuda" if str(device).startswith("cuda") else "cpu"
+        if tc.precision != "auto":
+            return run_precision(tc, on)
+        return f"{run_precision(tc, on)} (auto)" if device else "auto"
 
     @property
     def bits(self) -> str:
@@ -268,7 +300,7 @@ def read_run(path: str | Path) -> Run:
         raise ReportError(f"{files[name]}: bad JSON ({exc})") from None
     if has_summary:
         _check_numbers(summary, SUMMARY_NUMBERS, str(files["summary.json"]))
-    return Run(p, recipe, summary, metrics, has_summary=has_summary)
+    return Run(p, recipe, summary, metrics, has_summary=has_summary, recipe_tree=tree)
 
 
 def mark_shapes(runs: list[Run]) -> None:
@@ -319,6 +351,7 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
             "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
             "train tokens": f"{s['tokens']:,}" if "tokens" in s else "n/a",
             "wall time": _fmt_seconds(s.get("train_seconds")),
+            "precision": run.precision or "-", "memory plan": run.plan or "-",
             "memory options": _memory_options(run),
         })  # fmt: skip
     return rows
@@ -465,8 +498,11 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     _plots(runs, out)
     rows = results_rows(runs)
+    # precision and memory plan: only where a run records them (older run directories do not)
+    extra = [c for c, has in (("precision", any(r.precision for r in runs)),
+                              ("memory plan", any(r.plan for r in runs))) if has]  # fmt: skip
     cols = ["run", "method", "bits", "final val ppl", "tokens/s", "peak memory", "train tokens",
-            "wall time", "memory options"]  # fmt: skip
+            "wall time", *extra, "memory options"]  # fmt: skip
     lines = ["# Results", ""]
     lines.append(
         f"{count(len(runs), 'run')}; runs of the same model (recipe name and shape) are side by "
