@@ -39,6 +39,25 @@ def test_help_explains_flags(capsys):
         assert flag in out
 
 
+def test_resume_help_says_what_it_continues_and_that_the_memory_plan_is_kept(capsys):
+    """--resume's help: what RUN_DIR and auto each continue and with which recipe, and that the
+    run keeps its memory plan (tests/test_memory_plan.py's named-plan run checks each claim)."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("--resume RUN_DIR|auto continue")
+    help_ = text[start : text.index("(--gpu-mem does not change it)", start)]
+    for claim in (
+        "RUN_DIR: that run, with RUN_DIR/recipe.yaml (or --recipe) and the flags given applied",
+        "auto: the run <output-dir>/<run- name> of the recipe and flags given (repeat the "
+        "command line that started it), continued if it holds a checkpoint, else started",
+        "The run keeps the memory plan it started with: leave --memory out (or give auto) or "
+        "give that same plan; another plan is refused, and the plan is not fitted to the GPU "
+        "again",
+    ):
+        assert claim in help_, claim
+
+
 def test_unknown_bits_is_rejected(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["quantize-and-train", "--bits", "3"])

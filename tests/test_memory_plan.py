@@ -235,6 +235,17 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
     assert "already finished (step 2 of 2)" in capsys.readouterr().err
     assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
     assert "lots" in capsys.readouterr().err
+    # what train --help says of --resume: without --memory, with auto or with the run's own
+    # plan it keeps that plan, not fitted to the GPU again (auto would take fastest in 1 TiB);
+    # without its final model the run counts as resumable at its last checkpoint
+    from poetxq.training.resume import plan_resume
+
+    (tmp_path / "low" / "model.safetensors").unlink()
+    for memory in ({}, {"train.memory": "auto"}, {"train.memory": "lowest"}):
+        again, _, _ = plan_resume(str(tmp_path / "low"), recipe_path=None, run_name=None,
+                                  overrides=memory)  # fmt: skip
+        kept, choice = resolve_memory_plan(again, "cpu", gpu_mem=2**40)
+        assert choice.name == "lowest" and kept.train.offload_optimizer, memory
 
 
 def test_llama_70b_recipe_builds_the_llama_2_70b_shape_on_meta():

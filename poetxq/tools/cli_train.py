@@ -61,6 +61,7 @@ summary.json, checkpoints/step-N/ (full training state; --save-every, --keep-las
 resume after a crash or SIGTERM (exactly: same losses as an uninterrupted run):
   poetxq train --resume runs/tiny-poetxq-20261130-101500
   poetxq train --run-name long --save-every 100 --resume auto   # same line to start or continue
+  (the run keeps its memory plan: the same --memory, or none)
 
 memory plans (--memory; auto, the default, fits one to the GPU; docs/MEMORY.md):
   poetxq train --recipe llama-13b:poetxq --memory lowest     # clipping and accumulation kept
@@ -258,9 +259,16 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--resume",
         metavar="RUN_DIR|auto",
-        help="continue a run from its newest checkpoint, exactly (the recipe must match the "
-        "checkpoint's; RUN_DIR/recipe.yaml is used when --recipe is not given). auto: continue "
-        "<output-dir>/<run-name> if it holds a checkpoint, else start it",
+        help="continue a run from its newest checkpoint, exactly (the losses of an unstopped "
+        "run). RUN_DIR: that run, with RUN_DIR/recipe.yaml (or --recipe) and the flags given "
+        "applied to it. auto: the run <output-dir>/<run-name> of the recipe and flags given "
+        "(repeat the command line that started it), continued if it holds a checkpoint, else "
+        "started. The recipe must match the checkpoint's except in settings that change no "
+        "training state (save/log/eval, single memory options such as --set "
+        "train.gradient_checkpointing=..., cuda_graph, grad_sync; a mismatch is one error naming "
+        "the keys). The run keeps the memory plan it started with: leave "
+        "--memory out (or give auto) or give that same plan; another plan is refused, and the "
+        "plan is not fitted to the GPU again (--gpu-mem does not change it)",
     )
 
 
