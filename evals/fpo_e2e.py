@@ -159,17 +159,17 @@ def _adapt_args(cfg: Config) -> list[str]:
             "--seed", str(cfg.seed), "--device", "cpu"]  # fmt: skip
 
 
-def adapt(method: str, model: Path, layers: list[int], lr: float, cfg: Config,
+def adapt(method: str, model: Path, layers: list[int], lr: float, lr_scale: float, cfg: Config,
           work: Path) -> dict[str, Any]:  # fmt: skip
     """One ``poetxq fpo-adapt --method METHOD`` run; returns its row of the table."""
-    out = work / f"adapt-{method}"
+    out = work / f"adapt-{method}-x{lr_scale:g}"
     args = ["fpo-adapt", str(model), *_adapt_args(cfg), "--ood-data", cfg.ood_data,
             "--method", method, "--layers", ",".join(map(str, layers)), "--lr", f"{lr:.6g}",
             "--optimizer", "adamw", "--steps", str(cfg.steps),
             "--batch-size", str(cfg.batch_size), "--eval-batches", str(cfg.eval_batches),
             "--eval-every", "0", "--save-every", "0", "--log-every", "10",
             "--out", str(out)]  # fmt: skip
-    ran = run(args, work / f"adapt-{method}.log")
+    ran = run(args, out.parent / f"{out.name}.log")
     s = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     first, last = s["first"], s["last"]
     return {
@@ -177,6 +177,7 @@ def adapt(method: str, model: Path, layers: list[int], lr: float, cfg: Config,
         "steps": s["steps"],
         "layers": s["layers"],
         "lr": s["lr"],
+        "lr_scale": lr_scale,
         "adapted_params": s["target_params"],
         "in_domain_ppl_before": first["val_ppl"],
         "in_domain_ppl_after": last["val_ppl"],
@@ -197,14 +198,15 @@ def render_table(doc: dict[str, Any]) -> str:
     """The one markdown table of a results document (docs/FPO.md shows it)."""
     tol = doc["ood_tolerance"]
     lines = [
-        "| method | in-domain ppl before → after | original-domain ppl before → after "
-        f"(Δ, within {tol:.0%}?) | tokens/s | peak RSS |",
-        "|---|---|---|---|---|",
+        "| method | lr (× diagnosed) | in-domain ppl before → after | original-domain ppl "
+        f"before → after (Δ, within {tol:.0%}?) | tokens/s | peak RSS |",
+        "|---|---|---|---|---|---|",
     ]
     for r in doc["methods"]:
         ok = "yes" if r["ood_within_tolerance"] else "**no**"
         lines.append(
-            f"| {r['method']} | {r['in_domain_ppl_before']:.2f} → {r['in_domain_ppl_after']:.2f} "
+            f"| {r['method']} | {r['lr']:.3g} (× {r.get('lr_scale', 1.0):g}) "
+            f"| {r['in_domain_ppl_before']:.2f} → {r['in_domain_ppl_after']:.2f} "
             f"| {r['ood_ppl_before']:.2f} → {r['ood_ppl_after']:.2f} "
             f"({r['ood_rel_change']:+.1%}, {ok}) | {r['tokens_per_s']:,.0f} "
             f"| {r['peak_rss_bytes'] / 2**20:,.0f} MiB |"
@@ -218,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--smoke", action="store_true", help="a 2-layer d=64 model, a few steps")
     p.add_argument("--work", help="keep the runs here (default: a temporary folder, removed)")
+    p.add_argument("--lr-scales", type=float, nargs="+", default=[1.0], metavar="S",
+                   help="run the three methods at each multiple S of the diagnosed lr "
+                   "(default 1): where the original domain's tolerance is met")  # fmt: skip
     args = p.parse_args(argv)
+    if any(not (0 < x < 100) for x in args.lr_scales):
+        p.error(f"--lr-scales must lie in (0, 100), got {args.lr_scales}")
     cfg = SMOKE if args.smoke else FULL
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fpo_e2e-") as tmp:
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    work / "diagnose.log")  # fmt: skip
         report = json.loads(diag_json.read_text(encoding="utf-8"))
         layers, lr = report["targets"], report["lr"]["adamw"]
-        rows = [adapt(m, hf, layers, lr, cfg, work) for m in METHODS]
+        rows = [adapt(m, hf, layers, lr * x, x, cfg, work)
+                for x in args.lr_scales for m in METHODS]  # fmt: skip
     doc = {
         **provenance("cpu", argv),
         "device": f"cpu ({os.cpu_count()} cores visible, "
