@@ -164,9 +164,8 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
                 if lead
                 else "not started"
             )
-            out.append(
-                f"| {name} | tuning: {len(tuning)} point(s) run, {so_far} | | | | {trials} | | | | | |"
-            )
+            runs_so_far = f"tuning: {len(tuning)} point(s) run, {so_far}"
+            out.append(f"| {name} | {runs_so_far} | | | | {trials} | | | | | |")
             continue
         recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
                 if run_id(name, row["best"], s) in runs]  # fmt: skip
