@@ -241,12 +241,21 @@ def parity_section(path: Path, img_dir: Path, rel: str) -> list[str]:
         f"lr {st['lr']:g}, {st['precision']}; seeds run: {', '.join(map(str, seeds)) or 'none'}."
         " What cannot be made equal: " + "; ".join(d["differences"]) + ".", "",
         f"Rule: {summ['rule']}.", "",
-        "| step | ours (val loss) | official | official − ours | agree |", "|---|---|---|---|---|",
+        "| step | ours (val loss) | official | official − ours | by seed | agree |",
+        "|---|---|---|---|---|---|",
     ]  # fmt: skip
+    # each seed's own difference: the spread a mean's two-standard-error rule judges against
+    by_seed: dict[int, list[str]] = {}
+    for r in d["runs"]:
+        ours = {v["step"]: v["val_loss"] for v in r.get("ours", {}).get("val", [])}
+        theirs = {v["step"]: v["val_loss"] for v in r.get("official", {}).get("val", [])}
+        for step in sorted(ours.keys() & theirs.keys()):
+            by_seed.setdefault(step, []).append(f"{theirs[step] - ours[step]:+.4f}")
     for row in summ["steps"]:
         agree = {True: "yes", False: "**no**", None: "– (one seed)"}[row["agree"]]
+        each = ", ".join(by_seed.get(row["step"], [])) or "–"
         out.append(f"| {row['step']} | {row['ours']:.4f} | {row['official']:.4f} "
-                   f"| {row['difference']:+.4f} | {agree} |")  # fmt: skip
+                   f"| {row['difference']:+.4f} | {each} | {agree} |")  # fmt: skip
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for side, style in (("ours", "-"), ("official", "--")):
         for r in d["runs"]:

@@ -569,8 +569,8 @@ def test_parity_section_renders_each_step_and_the_agreement(tmp_path):
     path = tmp_path / "parity_official_t.json"
     path.write_text(json.dumps(d))
     lines = parity_section(path, tmp_path, "img")
-    assert "| 50 | 6.0000 | 6.3000 | +0.3000 | **no** |" in lines
-    assert "| 0 | 10.5000 | 10.4000 | -0.1000 | – (one seed) |" in lines
+    assert "| 50 | 6.0000 | 6.3000 | +0.3000 | +0.3000, +0.3000 | **no** |" in lines
+    assert "| 0 | 10.5000 | 10.4000 | -0.1000 | – | – (one seed) |" in lines  # no official 0
     text = "\n".join(lines)
     assert "seeds run: 0, 1" in text and "one; two." in text and "@3a34bb6" in text
     assert (tmp_path / "parity_official_t.png").stat().st_size > 1000
