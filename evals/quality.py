@@ -78,6 +78,9 @@ class ControlSpec(_Strict):
     recipe: str
     like: str  # the method whose best grid point it takes
     set: dict[str, Any] = Field(default_factory=dict)
+    # its seeds (default: the study's final_seeds); fewer for a costly control whose question
+    # is a paired A/B against the reference's own seed (each must be one of final_seeds)
+    seeds: list[int] | None = Field(default=None, min_length=1)
 
 
 class Study(_Strict):
@@ -129,6 +132,11 @@ def load_study(path: str | Path) -> Study:
     for name, c in study.controls.items():
         if c.like not in study.methods:
             raise SystemExit(f"error: study {path}: control {name} is like unknown {c.like!r}")
+        if c.seeds and not set(c.seeds) <= set(study.final_seeds):
+            raise SystemExit(
+                f"error: study {path}: control {name}'s seeds {c.seeds} must be among "
+                f"final_seeds {study.final_seeds} (it is paired with {c.like}'s final seeds)"
+            )
     return study
 
 
@@ -318,7 +326,7 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
         if state[c.like]["tuned"]:
             best = state[c.like]["best"]
             extra = {**study.methods[c.like].set, **c.set}
-            for s in study.final_seeds:
+            for s in c.seeds or study.final_seeds:
                 if run_id(name, best, s) not in done:
                     why = f"control at {c.like}'s best point, seed {s}"
                     pending.append(_spec(study, name, c.recipe, best, s, extra, why))

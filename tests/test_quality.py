@@ -611,3 +611,22 @@ def test_a_method_still_tuning_reports_its_tuning_seeds_best_not_other_seeds(tmp
     row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
                if ln.startswith("| poetxq |"))  # fmt: skip
     assert "tuning: 1 point(s) run, best tune ppl so far 30.00 at optim.poet_lr 0.004" in row
+
+
+def test_a_control_with_its_own_seeds_runs_only_those(tmp_path, corpus):
+    lowest = {"recipe": "poetxq", "like": "poetxq", "set": {"train.memory": "lowest"},
+              "seeds": [1]}  # fmt: skip
+    study = load_study(_study(tmp_path, corpus.folder, controls={"lowest": lowest}))
+    results: dict = {"runs": {}}
+    for seed in (0, 1):  # poetxq and adamw tuned at both tuning seeds (= final seeds)
+        for method, key, values in (("poetxq", "optim.poet_lr", (4e-3, 8e-3)),
+                                    ("adamw", "optim.lr", (1e-3, 2e-3))):  # fmt: skip
+            for v, ppl in zip(values, (30.0, 29.0), strict=True):  # interior? max_extend 0
+                rid = run_id(method, {key: v}, seed)
+                results["runs"][rid] = {"method": method, "tune_ppl": ppl, "test_ppl": ppl}
+    pending, state = plan_runs(study, results)
+    assert state["poetxq"]["tuned"]
+    assert [p["id"] for p in pending] == [run_id("lowest", {"optim.poet_lr": 8e-3}, 1)]
+    bad = {**lowest, "seeds": [7]}
+    with pytest.raises(SystemExit, match=r"control lowest's seeds \[7\] must be among final_seeds"):
+        load_study(_study(tmp_path, corpus.folder, controls={"lowest": bad}))
