@@ -5,6 +5,7 @@
 #
 #   cd .snap && ln -sfn ../data data && ln -sfn ../.whl .whl && mkdir -p ../runs \
 #     && ln -sfn ../runs runs && evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 530 4
+#   (several studies side by side: evals/quality_gpu.sh A.yaml:2,B.yaml:2 530)
 #
 # runs/ lies outside .snap/ (which each call replaces), so stopped runs resume on a warm machine.
 # A machine may be released between calls (it waits only ~30 s): after every call copy the
