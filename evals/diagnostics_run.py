@@ -38,11 +38,31 @@ def run(bits: int, every: int, work: Path, extra: list[str]) -> dict[str, Any]:
             *extra]  # fmt: skip
     if main([*argv, "--output-dir", str(work), "--run-name", name, "--no-progress"]) != 0:
         raise SystemExit(f"error: the bits-{bits} run failed (its output is above)")
-    metrics = [json.loads(ln) for ln in (work / name / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((work / name / "summary.json").read_text())
-    resolved = yaml.safe_load((work / name / "recipe.yaml").read_text())
+    return read_run(work / name, "poetxq " + " ".join(argv))
+
+
+def read_run(run_dir: Path, command: str) -> dict[str, Any]:
+    """The ``diag_*`` records, validation perplexities and summary of a finished run directory
+    (its ``metrics.jsonl``, ``summary.json`` and ``recipe.yaml``).
+
+    Raises:
+        SystemExit: a file is missing, or the run logged no ``diag_*`` record (one line).
+    """
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        resolved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
+    except FileNotFoundError as exc:
+        raise SystemExit(f"error: {run_dir} is not a finished run directory: {exc}") from None
+    metrics = [json.loads(ln) for ln in lines]
+    if not any(KEYS[0] in m for m in metrics):
+        raise SystemExit(
+            f"error: {run_dir}/metrics.jsonl has no diagnostics; train with "
+            "--set train.diagnostics_every=N"
+        )
     return {
-        "command": "poetxq " + " ".join(argv),
+        "command": command,
+        "device": summary.get("device"),
         "diag": [{"step": m["step"], **{k: m[k] for k in KEYS}} for m in metrics if KEYS[0] in m],
         "val_ppl": [
             {"step": m["step"], "val_ppl": m["val_ppl"]} for m in metrics if "val_ppl" in m
@@ -88,9 +108,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for x in doc.get("merge_steps", []):
         for ax in axes.flat:
             ax.axvline(x, color="grey", lw=0.6, ls=":")
-    fig.suptitle(
-        "Embedded default recipe: POET-XQ (int8) and POET-X (bf16/fp32 W0) against exact POET"
-    )
+    fig.suptitle(doc.get("title") or "POET-XQ and POET-X against exact POET")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -104,22 +122,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=10, help="train.diagnostics_every (steps)")
     ap.add_argument("--bits", type=int, nargs="+", default=[8, 16])
     ap.add_argument(
+        "--from", dest="run_dirs", nargs="+", metavar="LABEL=RUN_DIR",
+        help="read finished runs instead of training (e.g. the quality study's diag controls, "
+        "from the run_files.tgz of evals/quality_gpu.sh): 'int8=DIR fp=DIR'",
+    )  # fmt: skip
+    ap.add_argument("--title", default="Embedded default recipe: POET-XQ (int8) and POET-X "
+                    "(bf16/fp32 W0) against exact POET", help="the plot's title")  # fmt: skip
+    ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="extra recipe override for both runs (e.g. train.max_steps=40)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     import torch
 
-    extra = [a for kv in args.set for a in ("--set", kv)]
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {f"bits {b}": run(b, args.every, Path(tmp), extra) for b in args.bits}
+    if args.run_dirs:
+        if any("=" not in x for x in args.run_dirs):
+            ap.error("--from takes LABEL=RUN_DIR pairs, e.g. 'int8=runs/a fp=runs/b'")
+        pairs = [x.split("=", 1) for x in args.run_dirs]
+        runs = {label: read_run(Path(d), f"(read from {d})") for label, d in pairs}
+        device = ", ".join(sorted({str(r["device"]) for r in runs.values()}))
+        what = "the runs' own recipes (see each run's command)"
+        first = next(iter(runs.values()))["diag"]
+        every = first[1]["step"] - first[0]["step"] if len(first) > 1 else None
+    else:
+        extra = [a for kv in args.set for a in ("--set", kv)]
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {f"bits {b}": run(b, args.every, Path(tmp), extra) for b in args.bits}
+        device, what, every = (
+            f"cpu, {torch.get_num_threads()} threads",
+            "the embedded default recipe",
+            args.every,
+        )
     interval = next(iter(runs.values()))["merge_interval"]
     steps = max(d["step"] for r in runs.values() for d in r["diag"])
     doc = {
-        **provenance(f"cpu, {torch.get_num_threads()} threads", argv),
-        "what": "diag_* records of train.diagnostics_every (poetxq.model.diagnostics) on the "
-        "embedded default recipe; measured before the merge on merge steps",
-        "every": args.every,
+        **provenance(device, argv),
+        "what": "diag_* records of train.diagnostics_every (poetxq.model.diagnostics) on "
+        f"{what}; measured before the merge on merge steps",
+        "title": args.title,
+        "every": every,
         "merge_steps": list(range(interval, steps, interval)),
         "runs": runs,
     }

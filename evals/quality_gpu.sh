@@ -21,6 +21,7 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 1
 fi
 mkdir -p runs/quality
+marker=$(mktemp) && touch "$marker"  # runs finished from here on are this call's
 
 run_study() {  # STUDY JOBS: one study's call, its results and log into $OUT
   local study=$1 jobs=$2 results name log
@@ -45,6 +46,11 @@ for spec in "${specs[@]}"; do
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
+# the run files of this call's finished runs (metrics.jsonl with any train.diagnostics_every
+# records, summary.json, recipe.yaml), for evals/diagnostics_run.py --from and the curves
+(cd runs/quality && find . -name summary.json -newer "$marker" -printf '%h\n' | while read -r d; do
+  for f in metrics.jsonl summary.json recipe.yaml; do [ -f "$d/$f" ] && echo "$d/$f"; done
+done | tar -czf "$out/run_files.tgz" -T -) 2>/dev/null
 # each study's lines (what started, finished, stopped), then where each unfinished run stopped
 # (its worker log's tail), for the next call's planning
 for log in "$out"/*_log.txt; do

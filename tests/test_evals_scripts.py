@@ -462,6 +462,16 @@ def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeyp
     q8, q16 = (doc["runs"][k]["diag"][-1]["diag_sigma_drift_init"] for k in ("bits 8", "bits 16"))
     assert q8 > 10 * q16
     assert png.read_bytes().startswith(b"\x89PNG")
+    # --from: the same records read back from a finished run directory (e.g. a GPU run's)
+    trained = diag.run(8, 2, tmp_path / "w", [a for s in sets for a in ("--set", s)])
+    again = tmp_path / "again.json"
+    argv = ["--out", str(again), "--plot", str(png), "--from", f"int8={tmp_path / 'w' / 'bits8'}"]
+    assert diag.main(argv) == 0
+    back = json.loads(again.read_text())
+    assert back["runs"]["int8"]["diag"] == trained["diag"] and back["every"] == 2
+    assert back["merge_steps"] == [4] and back["gpu"] == "cpu fp32"  # summary.json's device
+    with pytest.raises(SystemExit, match="is not a finished run directory"):
+        diag.main(["--out", str(again), "--from", f"x={tmp_path}"])
 
 
 @pytest.mark.slow
