@@ -142,7 +142,7 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             ),
             "",
         ]
-    out += ["| method | test ppl (mean ± sd) | seeds | vs " + study.reference
+    out += ["| method | test ppl (mean ± sd) | seeds | " + study.reference + " is"
             + " | best setting (effective lr) | trials | steps | epochs | tok/s (no eval) "
             "| peak GiB | tune − train (nats) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -183,7 +183,8 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             f"| {_f(mean_of('tokens_per_s'), 0)} "
             f"| {_f(mean_of('peak_memory_gib'))} | {_f(mean_of('train_tune_gap_nats'), 3)} |"
         )
-    out += ["", "“vs” reads: the reference is better / worse / tied against this method "
+    out += ["", f"“{study.reference} is” reads: {study.reference} (the reference) is better / "
+            "worse / tied against this row's method "
             "(paired over seeds: better only if the mean difference exceeds two standard errors "
             "and has the same sign on every seed).", ""]  # fmt: skip
     sources: list[str] = []

@@ -463,3 +463,70 @@ def test_the_breakdown_shows_what_the_optimizer_offload_keeps_on_the_gpu(capsys)
     capsys.readouterr()
     assert main(["estimate-memory", "--recipe", "llama-8b:poetxq"]) == 0  # no offload, no row
     assert "offload accumulator" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},  # eager, gradients and states on the GPU
+        {"train.memory": "lowest", "train.grad_accum": 4},  # offload, accumulator, chunked loss
+        {"train.optimizer_in_backward": True, "optim.grad_clip": 0.0, "train.grad_accum": 1},
+        {"train.cuda_graph": True},
+    ],
+    ids=["default", "lowest", "in_backward", "graph"],
+)
+def test_the_peak_is_the_sum_of_its_named_terms_and_the_table_says_them(over):
+    from poetxq.training.memory import resolve_memory_plan
+
+    recipe = load_recipe("llama-8b:poetxq", {"train.batch_size": 1, "train.seq_len": 2048, **over})
+    recipe, _ = resolve_memory_plan(recipe, "cpu")
+    est = estimate_memory(recipe, precision="bf16-true")
+    assert sum(b for _, b in est.peak_terms) == est.peak > 0
+    names = [n for n, _ in est.peak_terms]
+    assert names[:3] == ["frozen weights", "buffers", "parameters"]
+    assert ("optimizer states" in names) == (not est.offload_optimizer)
+    text = format_estimate(est)
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("= frozen weights"))
+    shown = [float(t.rsplit(" ", 1)[1]) for t in line.strip()[2:].removesuffix(" GiB").split(" + ")]
+    assert sum(shown) == pytest.approx(est.peak / 2**30, abs=5e-3 * len(shown))
+    accum = recipe.train.grad_accum
+    assert (f"x {accum} micro-batches per step" in text.splitlines()[0]) == (accum > 1)
+
+
+def test_per_process_peak_gets_the_fit_verdict_of_train_memory_auto():
+    from poetxq.tools.estimate_report import format_per_process
+
+    gib = 2**30
+    shared = {"processes": 2, "left_out": [], "one_process_only": [], "plan": "lowest",
+              "grad_sync": "step", "w0_sharded": 48 * gib}  # fmt: skip
+    for peak, verdict in ((60, "fits"), (79.27, "does not leave 10% free"), (90, "does not fit")):
+        text = format_per_process({**shared, "data_parallel": int(peak * gib)}, 80 * gib)
+        used = f"({peak / 80:.0%} used)"
+        assert text.splitlines()[-1] == f"  per GPU: {verdict} in 80.0 GiB {used}"
+    assert "per GPU:" not in format_per_process({**shared, "data_parallel": gib})  # no --gpu-mem
+
+
+def test_estimate_model_dir_errors_are_one_line_naming_the_problem(tmp_path, capsys):
+    import json
+
+    from poetxq.tools.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = {"hidden_size": 512, "intermediate_size": 1280, "num_attention_heads": 8,
+           "num_hidden_layers": 8, "vocab_size": 32000,
+           "max_position_embeddings": 1024}  # fmt: skip
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    cases = [
+        (["--model", str(ckpt), "--seq-len", "2048"],
+         f"--seq-len (train.seq_len) 2048 exceeds the max_position_embeddings 1024 of '{ckpt}'"),
+        (["--model", str(tmp_path / "nope")], f"'{tmp_path / 'nope'}' does not exist"),
+        (["--model", str(ckpt / "config.json")], "is a file, not a checkpoint directory"),
+    ]  # fmt: skip
+    for flags, needle in cases:
+        capsys.readouterr()
+        assert main(["estimate-memory", *flags]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+        assert needle in captured.err
+    assert main(["estimate-memory", "--model", str(ckpt), "--seq-len", "1024"]) == 0

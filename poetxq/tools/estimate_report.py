@@ -132,13 +132,17 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
         what = ["checkpointed inputs"] if est.host_offloaded > est.host_optimizer else []
         what += ["gradients, optimizer states"] if est.host_optimizer else []
         rows.append(("offloaded to host (not GPU)", est.host_offloaded, " + ".join(what)))
+    accum = f" x {est.grad_accum} micro-batches per step" if est.grad_accum > 1 else ""
     head = (
         f"memory estimate: {est.recipe} ({est.method}), batch {est.batch_size} x seq "
-        f"{est.seq_len}, vocab {est.vocab_size:,}, {est.precision}"
+        f"{est.seq_len}{accum}, vocab {est.vocab_size:,}, {est.precision}"
     )
     lines = [head, "-" * len(head)]
     lines += [f"  {name:<31s}{_gib(v)}  {note}".rstrip() for name, v, note in rows]
     lines.append(f"  {'predicted peak':<31s}{_gib(est.peak)}  at the {est.peak_phase}")
+    # the rows above are each term's largest size over the step: say what the peak adds up
+    terms = " + ".join(f"{name} {b / 2**30:.3f}" for name, b in est.peak_terms)
+    lines.append(f"  {'':<31s}= {terms} GiB")
     if gpu_mem is not None:
         verdict = "fits" if est.peak <= gpu_mem else "does not fit"
         lines.append(f"  {verdict} in {_size(gpu_mem)} ({est.peak / gpu_mem:.0%} used)")
@@ -176,7 +180,7 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_per_process(shared: dict[str, Any]) -> str:
+def format_per_process(shared: dict[str, Any], gpu_mem: int | None = None) -> str:
     """``estimate-memory --processes N``'s lines for
     :func:`poetxq.training.memory.per_process_peaks`: first, where several processes take
     something away from the one-process estimate (its ``left_out`` and ``one_process_only``),
@@ -199,4 +203,13 @@ def format_per_process(shared: dict[str, Any]) -> str:
         f"(plan {shared['plan']}, gradient sync {shared['grad_sync']}); with W0 sharded over "
         f"them (not implemented): {shared['w0_sharded'] / 2**30:.2f} GiB"
     )
+    if gpu_mem:  # the same rule as train.memory: auto, per GPU
+        from poetxq.training.memory import HEADROOM
+
+        used = shared["data_parallel"] / gpu_mem
+        verdict = (
+            "fits" if used <= 1 - HEADROOM
+            else f"does not leave {HEADROOM:.0%} free" if used <= 1 else "does not fit"
+        )  # fmt: skip
+        lines.append(f"  per GPU: {verdict} in {_size(gpu_mem)} ({used:.0%} used)")
     return "\n".join(lines)

@@ -161,6 +161,7 @@ class MemoryEstimate:
     host_offloaded: int = 0
     host_optimizer: int = 0  #: the part of host_offloaded that is gradients and states
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
+    grad_accum: int = 1  # train.grad_accum: micro-batches of batch_size x seq_len per step
     #: train.cuda_graph on a GPU: the gradients are static tensors made before the capture
     #: (poetxq.training.cudagraph.GraphedMicroStep), so all of them exist from the start of backward
     #: (unless optimizer_in_backward: then the update is inside the captured backward)
@@ -168,36 +169,55 @@ class MemoryEstimate:
     peak: int = 0
     #: when the peak happens: "start of backward", "end of backward" or "optimizer step"
     peak_phase: str = ""
+    #: the peak's composition: (term, bytes) pairs at ``peak_phase`` summing to ``peak`` (the
+    #: breakdown's rows are each term's largest size over the step and need not add up to it)
+    peak_terms: list[tuple[str, int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        persistent = self.frozen_weights + self.buffers + self.trainable_params
-        persistent += 0 if self.offload_optimizer else self.optimizer_states
+        persistent = [("frozen weights", self.frozen_weights), ("buffers", self.buffers),
+                      ("parameters", self.trainable_params)]  # fmt: skip
+        if not self.offload_optimizer:
+            persistent.append(("optimizer states", self.optimizer_states))
         # backward starts with every activation saved and ends with every gradient made while
         # the last layer's activations (or its recomputation) are still alive
-        start = self.activations + self.logits + self.workspace + self.lm_head_grad
+        start = [("activations", self.activations), ("logits", self.logits),
+                 ("workspace", self.workspace),
+                 ("lm_head gradient", self.lm_head_grad)]  # fmt: skip
         if self.cuda_graph and not self.optimizer_in_backward:
-            start += self.gradients - self.lm_head_grad  # every gradient, lm_head's included
+            # every gradient, lm_head's included
+            start.append(("other gradients", self.gradients - self.lm_head_grad))
         if self.offload_optimizer:
             # each gradient leaves for the host as it completes (lm_head's first, joined from
             # the second micro-batch on by its accumulator); after backward one parameter's
             # gradient and states at a time come back for its update
-            start += self.offload_accumulator
-            end = self.in_backward_gradients + self.layer_activations + self.workspace
-            end += self.offload_accumulator + self.offload_norms
-            step = self.offload_transient + self.offload_norms
+            start.append(("offload accumulator", self.offload_accumulator))
+            end = [("gradients alive", self.in_backward_gradients),
+                   ("last layer's activations", self.layer_activations),
+                   ("workspace", self.workspace),
+                   ("offload accumulator", self.offload_accumulator),
+                   ("gradient norms", self.offload_norms)]  # fmt: skip
+            step = [("one parameter's gradient and states", self.offload_transient),
+                    ("gradient norms", self.offload_norms)]  # fmt: skip
         elif self.optimizer_in_backward:
             # updated as they complete: lm_head's gradient (and its update's temporary) at the
             # start, at most one layer's gradients later; no separate optimizer step
-            start += self.in_backward_transient
-            end = self.in_backward_gradients + self.layer_activations + self.workspace
-            step = 0
+            start.append(("optimizer temporaries", self.in_backward_transient))
+            end = [("gradients alive", self.in_backward_gradients),
+                   ("last layer's activations", self.layer_activations),
+                   ("workspace", self.workspace)]  # fmt: skip
+            step = []
         else:
-            end = self.gradients + self.layer_activations + self.workspace
-            step = self.gradients + self.optimizer_transient
+            end = [("gradients", self.gradients),
+                   ("last layer's activations", self.layer_activations),
+                   ("workspace", self.workspace)]  # fmt: skip
+            step = [("gradients", self.gradients),
+                    ("optimizer temporaries", self.optimizer_transient)]  # fmt: skip
         phases = {"start of backward": start, "end of backward": end, "optimizer step": step}
-        self.peak_phase = max(phases, key=phases.__getitem__)  # the first of equal ones
-        self.peak = persistent + phases[self.peak_phase]
+        totals = {k: sum(b for _, b in v) for k, v in phases.items()}
+        self.peak_phase = max(totals, key=totals.__getitem__)  # the first of equal ones
+        self.peak_terms = [(n, b) for n, b in persistent + phases[self.peak_phase] if b]
+        self.peak = sum(b for _, b in persistent) + totals[self.peak_phase]
 
     def to_dict(self) -> dict:
         """JSON-ready dict (bytes as ints)."""
@@ -460,7 +480,8 @@ def estimate_memory(
         )
     return MemoryEstimate(
         recipe=recipe.name, method=method_label(recipe), precision=precision, batch_size=B,
-        seq_len=S, vocab_size=V, gradient_checkpointing=tc.gradient_checkpointing,
+        seq_len=S, vocab_size=V, grad_accum=tc.grad_accum,
+        gradient_checkpointing=tc.gradient_checkpointing,
         frozen_weights=frozen, buffers=buffers, trainable_params=params, gradients=grads,
         optimizer_states=states, activations=acts, logits=logits, workspace=workspace,
         optimizer_transient=opt_tmp, lm_head_grad=lm_head_grad, num_trainable=n_train,
