@@ -49,6 +49,14 @@ def test_bench_cpu_measures_tokens_and_mfu(method):
     assert res.variant == ("mem" if method in ("poetxq", "poetx") else None)
     graphed = dataclasses.replace(res, cuda_graph=True, peak_reserved_bytes=3 << 30)
     assert "peak memory 3.00 GiB reserved (CUDA graph)" in graphed.summary_line()
+    # a CPU run's RSS is not set against the GPU estimate as if they measured the same thing
+    est = res.estimated_peak_bytes / 2**30
+    assert (
+        f"peak RSS {res.peak_rss_bytes / 2**30:.2f} GiB (GPU tensors' estimate {est:.2f} GiB)"
+        in (res.summary_line())
+    )
+    on_gpu = dataclasses.replace(res, peak_memory_bytes=2 << 30)
+    assert f"peak memory 2.00 GiB (estimate {est:.2f} GiB)" in on_gpu.summary_line()
 
 
 def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):

@@ -111,10 +111,12 @@ class BenchResult:
             mem = f"peak RSS {self.peak_rss_bytes / 2**30:.2f} GiB"
         else:
             mem = "peak memory n/a"
+        # the estimate counts tensors on a GPU; a CPU run's RSS also holds Python, torch and data
+        vs = "estimate" if self.peak_memory_bytes is not None else "GPU tensors' estimate"
         return (
             f"bench {self.run_label}{f' ({self.variant})' if self.variant else ''}: "
             f"{self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
-            f"(estimate {self.estimated_peak_bytes / 2**30:.2f} GiB), "
+            f"({vs} {self.estimated_peak_bytes / 2**30:.2f} GiB), "
             f"{count(self.steps, 'step')} of "
             f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
             f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
