@@ -403,6 +403,14 @@ def test_bad_tokenizer_name() -> None:
         prepare_data(DataConfig(source="pydoc", tokenizer="nonexistent-tok"), 64, progress=False)
 
 
+def test_a_directory_without_tokenizer_files_is_one_line_naming_them(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint folder with weights only
+    cfg = DataConfig(source="pydoc", tokenizer=str(tmp_path), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"holds no tokenizer \(tokenizer\.json, ") as err:
+        prepare_data(cfg, 32, progress=False)
+    assert "\n" not in str(err.value) and "--tokenizer" in str(err.value)
+
+
 def test_tokenizer_json_path(tmp_path: Path) -> None:
     cfg = DataConfig(source="pydoc", vocab_size=400, val_fraction=0.1, cache_dir=str(tmp_path))
     td = prepare_data(cfg, 32, progress=False)

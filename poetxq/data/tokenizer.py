@@ -96,7 +96,23 @@ def train_bpe(texts: list[str], vocab_size: int, progress: bool) -> Encoder:
     return fast_encoder(tok, f"byte-level BPE trained on the train split (vocab {vocab_size:,})")
 
 
+#: the files a Hugging Face tokenizer directory holds at least one of
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+)
+
+
 def _load_hf_dir(path: Path) -> Encoder:
+    if not any((path / name).is_file() for name in HF_TOKENIZER_FILES):
+        raise DataError(
+            f"'{path}' holds no tokenizer ({', '.join(HF_TOKENIZER_FILES)}); copy the "
+            "checkpoint's tokenizer files there, or pass --tokenizer (a Hugging Face tokenizer "
+            "directory, a tokenizer.json, gpt2 or bpe)"
+        )
     try:
         from transformers import AutoTokenizer
 
