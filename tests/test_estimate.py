@@ -218,8 +218,9 @@ def test_parse_bytes():
     assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9
     with pytest.raises(EstimateError, match="80GB"):
         parse_bytes("lots")
-    with pytest.raises(EstimateError, match="must be positive"):
-        parse_bytes("0GB")
+    for bad in ("0GB", "-5GB", " -80 GiB"):
+        with pytest.raises(EstimateError, match=f"memory size '{bad}' must be positive"):
+            parse_bytes(bad)
     assert parse_bytes("1MiB") == 2**20
     for slip in ("80kB", "1023KiB", "80"):  # below 1 MiB: surely not a GPU
         with pytest.raises(EstimateError, match="80GB"):

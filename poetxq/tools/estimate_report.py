@@ -27,6 +27,8 @@ def parse_bytes(text: str) -> int:
         EstimateError: the text is not a size.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?b?)?\s*", text.lower())
+    if not m and text.strip().startswith("-"):
+        raise EstimateError(f"memory size '{text}' must be positive; write e.g. 80GB")
     if not m:
         raise EstimateError(f"cannot read memory size '{text}'; write e.g. 80GB, 141GiB or 500MB")
     if m.group(2) is None and float(m.group(1)) < 2**20:  # "80": surely not 80 bytes of GPU
