@@ -475,3 +475,15 @@ def test_report_shows_the_memory_plan_and_precision_where_runs_record_them(tmp_p
     only_old = table(old)["tiny-poetxq-old"]
     assert "memory plan" not in only_old and "precision" not in only_old
     assert only_old["memory options"] == "-"
+
+
+def test_a_resumed_run_says_where_it_resumed_in_the_table(tmp_path):
+    """Its tokens/s and wall time are the last session's: the row says it was resumed."""
+    from poetxq.tools.report import Run, results_rows
+    from poetxq.training.recipe_files import load_recipe
+
+    recipe = load_recipe(None)
+    fresh = Run(tmp_path / "fresh", recipe, {"tokens_per_s": 10.0, "resumed_from": []})
+    resumed = Run(tmp_path / "again", recipe, {"tokens_per_s": 9.0, "resumed_from": [10, 30]})
+    rows = {r["run"] for r in results_rows([fresh, resumed])}
+    assert rows == {"fresh", "again (resumed at step 10, 30)"}

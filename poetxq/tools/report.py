@@ -344,6 +344,8 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         mem, kind = run.peak_memory
         ppl = s.get("final_val_ppl")
         name = f"{run.name} — {run.stopped}" if run.stopped else run.name
+        if s.get("resumed_from"):  # its tokens/s and wall time cover the last session only
+            name += f" (resumed at step {', '.join(map(str, s['resumed_from']))})"
         rows.append({
             "model": run.model, "run": name, "method": run.method, "bits": run.bits,
             "final val ppl": _fmt_number(ppl),
