@@ -262,7 +262,7 @@ def test_estimate_memory_cli(tmp_path, capsys):
     # a negative size after a space: the size's own message, not argparse's "expected one argument"
     assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--gpu-mem", "-5GB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot read memory size '-5GB'" in err[0]
+    assert len(err) == 1 and "memory size '-5GB' must be positive" in err[0]
 
 
 def test_memory_sizes_need_a_unit():
