@@ -13,6 +13,7 @@ from poetxq.training.memory import (
     HEADROOM,
     MemoryPlanError,
     apply_plan,
+    fit_verdict,
     plan_overrides,
     resolve_memory_plan,
 )
@@ -69,6 +70,21 @@ def test_auto_takes_the_fastest_plan_that_fits_by_the_stated_rule():
     _, tight = resolve_memory_plan(recipe, "cpu", gpu_mem=4 * GiB)
     assert "does not leave 10% free: expect out-of-memory" in tight.line()
     assert tight.allocator == "expandable_segments:True"
+
+
+def test_fit_verdict_keeps_headroom_free_by_default_and_none_with_headroom_0():
+    # 80 GiB with 10% kept free: up to 72 GiB (77_309_411_328 bytes) fits
+    gpu = 80 * GiB  # 85_899_345_920 bytes
+    assert fit_verdict(72 * GiB - 1, gpu) == "fits"
+    assert fit_verdict(72 * GiB, gpu) == "fits"
+    assert fit_verdict(72 * GiB + 1, gpu) == "does not leave 10% free"
+    assert fit_verdict(80 * GiB, gpu) == "does not leave 10% free"
+    assert fit_verdict(80 * GiB + 1, gpu) == "does not fit"
+    # headroom 0: only whether the peak fits at all
+    assert fit_verdict(80 * GiB, gpu, headroom=0) == "fits"
+    assert fit_verdict(80 * GiB + 1, gpu, headroom=0) == "does not fit"
+    assert fit_verdict(3000, 4000, headroom=0.25) == "fits"  # 4000 * 0.75 = 3000
+    assert fit_verdict(3001, 4000, headroom=0.25) == "does not leave 25% free"
 
 
 def test_auto_on_a_cpu_is_the_recipe_as_written():

@@ -11,7 +11,6 @@ exits with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -198,7 +197,8 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.processes is not None and args.processes < 1:
             raise EstimateError(f"--processes must be at least 1, got {args.processes}")
         ref = recipe.model.pretrained
-        shaped = estimation_recipe(recipe) if ref is not None else None
+        # check_positions: a --seq-len above the checkpoint's max_position_embeddings is refused
+        shaped = estimation_recipe(recipe, check_positions=True) if ref is not None else None
         if ref is not None and shaped is None:  # before any other line
             where = Path(ref) / "config.json"
             why = (
@@ -209,16 +209,6 @@ def run_tool(args: argparse.Namespace) -> int:
                 "num_attention_heads, num_hidden_layers, vocab_size, max_position_embeddings)"
             )  # fmt: skip
             raise EstimateError(f"model.pretrained: {why}; pass a checkpoint directory")
-        max_pos = None  # the checkpoint's own (the recipe's model section follows seq_len)
-        if shaped is not None:
-            config = json.loads((Path(ref) / "config.json").read_text(encoding="utf-8"))
-            max_pos = config["max_position_embeddings"]
-        if max_pos is not None and recipe.train.seq_len > max_pos:  # as poetxq train refuses it
-            raise EstimateError(
-                f"--seq-len (train.seq_len) {recipe.train.seq_len} exceeds the "
-                f"max_position_embeddings {max_pos} of '{ref}'; poetxq does not extend a "
-                f"checkpoint's RoPE: use --seq-len {max_pos} or less"
-            )
         written = recipe  # the plans' table starts from the recipe as written
         recipe, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=gpu, vocab_size=args.vocab_size)
         if choice.name != "fastest" or gpu is not None:

@@ -76,7 +76,9 @@ def format_other_variant(other: str, peak: int, gpu_mem: int | None = None) -> s
     )
     fits = ""
     if gpu_mem is not None:
-        fits = ("fits" if peak <= gpu_mem else "does not fit") + f" in {_size(gpu_mem)}; "
+        from poetxq.training.memory import fit_verdict
+
+        fits = f"{fit_verdict(peak, gpu_mem, headroom=0)} in {_size(gpu_mem)}; "
     return f"  {f'peak with poet.variant={other}':<31s}{_gib(peak)}  {fits}{why}"
 
 
@@ -145,12 +147,14 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
     # the rows above are each term's largest size over the step: say what the peak adds up
     terms = " + ".join(f"{name} {b / 2**30:.3f}" for name, b in est.peak_terms)
     lines.append(f"  {'':<31s}= {terms} GiB")
-    if gpu_mem is not None:
-        verdict = "fits" if est.peak <= gpu_mem else "does not fit"
+    if gpu_mem is not None:  # fits at all (the plans' table below applies auto's headroom)
+        from poetxq.training.memory import fit_verdict
+
+        verdict = fit_verdict(est.peak, gpu_mem, headroom=0)
         lines.append(f"  {verdict} in {_size(gpu_mem)} ({est.peak / gpu_mem:.0%} used)")
         if est.cuda_graph:
             high = int(est.peak * (1 + GRAPH_POOL_OVERHEAD))
-            verdict = "fits" if high <= gpu_mem else "does not fit"
+            verdict = fit_verdict(high, gpu_mem, headroom=0)
             lines.append(
                 f"  with the graph pool's measured overhead (reserved up to "
                 f"+{GRAPH_POOL_OVERHEAD:.0%}): {high / 2**30:.3f} GiB, {verdict}"
@@ -206,12 +210,9 @@ def format_per_process(shared: dict[str, Any], gpu_mem: int | None = None) -> st
         f"them (not implemented): {shared['w0_sharded'] / 2**30:.2f} GiB"
     )
     if gpu_mem:  # the same rule as train.memory: auto, per GPU
-        from poetxq.training.memory import HEADROOM
+        from poetxq.training.memory import fit_verdict
 
+        verdict = fit_verdict(shared["data_parallel"], gpu_mem)
         used = shared["data_parallel"] / gpu_mem
-        verdict = (
-            "fits" if used <= 1 - HEADROOM
-            else f"does not leave {HEADROOM:.0%} free" if used <= 1 else "does not fit"
-        )  # fmt: skip
         lines.append(f"  per GPU: {verdict} in {_size(gpu_mem)} ({used:.0%} used)")
     return "\n".join(lines)

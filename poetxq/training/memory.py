@@ -46,7 +46,12 @@ import torch
 from pydantic import ValidationError
 
 from poetxq.training.cudagraph import grad_sync_mode, graph_wanted
-from poetxq.training.estimate import GRAPH_POOL_OVERHEAD, MemoryEstimate, estimate_memory
+from poetxq.training.estimate import (
+    GRAPH_POOL_OVERHEAD,
+    EstimateError,
+    MemoryEstimate,
+    estimate_memory,
+)
 from poetxq.training.precision import run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe
 
@@ -56,6 +61,29 @@ PLANS: tuple[str, ...] = ("fastest", "balanced", "lowest")
 HEADROOM = 0.10
 #: the allocator setting of the balanced and lowest plans
 EXPANDABLE = "expandable_segments:True"
+
+
+def fit_verdict(peak_bytes: int, gpu_mem_bytes: int, headroom: float = HEADROOM) -> str:
+    """Whether a predicted peak fits a GPU's memory, in the words the reports print.
+
+    Args:
+        peak_bytes: the predicted peak, in bytes.
+        gpu_mem_bytes: the GPU memory planned for, in bytes (``--gpu-mem`` or what is free).
+        headroom: share of ``gpu_mem_bytes`` to keep free (default :data:`HEADROOM`, what
+            ``train.memory: auto`` keeps free); 0 asks only whether the peak fits at all.
+
+    Returns:
+        ``"fits"`` where ``peak_bytes <= gpu_mem_bytes * (1 - headroom)``;
+        ``"does not leave 10% free"`` (``headroom`` as a percentage) where the peak fits in
+        ``gpu_mem_bytes`` but eats into the headroom; ``"does not fit"`` above
+        ``gpu_mem_bytes``.
+    """
+    if peak_bytes <= gpu_mem_bytes * (1 - headroom):
+        return "fits"
+    if peak_bytes <= gpu_mem_bytes:
+        return f"does not leave {headroom:.0%} free"
+    return "does not fit"
+
 
 _PLAN_KEYS: dict[str, dict[str, Any]] = {
     "fastest": {},
@@ -136,7 +164,7 @@ class PlanChoice:
                 f"{self.device_memory / 2**30:.1f} GiB"
                 + (f" ({self.memory_source})" if self.memory_source else "")
             )
-            if self.predicted_peak > self.device_memory * (1 - HEADROOM):
+            if fit_verdict(self.predicted_peak, self.device_memory) != "fits":
                 lower = "" if self.name == "lowest" else "--memory lowest, "
                 text += (
                     f" - does not leave {HEADROOM:.0%} free: expect out-of-memory; try {lower}a "
@@ -259,13 +287,23 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_h
                "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
 
 
-def estimation_recipe(recipe: Recipe) -> Recipe | None:
+def estimation_recipe(recipe: Recipe, *, check_positions: bool = False) -> Recipe | None:
     """The recipe the estimator reads for ``recipe``: itself, or for a ``--model`` checkpoint
     (``model.pretrained``) a copy whose model section and vocabulary are the checkpoint's, read
     from its ``config.json`` (JSON, no code), named after that file (``DIR/config.json``: the
     estimate's title names the shape it estimates, not the recipe). None where that file is not
     a local one or lacks a field the recipe's model section needs (a hub id, a named base not
-    converted yet)."""
+    converted yet).
+
+    With ``check_positions`` (``poetxq estimate-memory``), a ``train.seq_len`` above the
+    checkpoint's own ``max_position_embeddings`` is refused as ``poetxq train`` refuses it
+    (:func:`poetxq.model.pretrained.check_seq_len`). Only here is that value known: the copy's
+    model section has it raised to ``train.seq_len`` by the recipe's validator.
+
+    Raises:
+        EstimateError: with ``check_positions``, ``train.seq_len`` exceeds the checkpoint's
+            ``max_position_embeddings``.
+    """
     ref = recipe.model.pretrained
     if ref is None:
         return recipe
@@ -279,9 +317,20 @@ def estimation_recipe(recipe: Recipe) -> Recipe | None:
         model["max_position_embeddings"] = cfg["max_position_embeddings"]
         tree.setdefault("data", {})["vocab_size"] = cfg["vocab_size"]
         tree["name"] = str(path)
-        return Recipe.model_validate(tree)
+        shaped = Recipe.model_validate(tree)
     except (OSError, ValueError, KeyError, TypeError):  # ValidationError is a ValueError
         return None
+    if check_positions:
+        from types import SimpleNamespace
+
+        from poetxq.model.pretrained import PretrainedError, check_seq_len
+
+        own = SimpleNamespace(max_position_embeddings=cfg["max_position_embeddings"])
+        try:
+            check_seq_len(own, recipe.train.seq_len, ref)
+        except PretrainedError as exc:
+            raise EstimateError(str(exc)) from None
+    return shaped
 
 
 def _estimate(recipe: Recipe, vocab_size: int | None) -> MemoryEstimate:
