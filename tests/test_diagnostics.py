@@ -100,6 +100,22 @@ def test_measure_matches_the_dense_reference_after_training_moves_q():
     assert out["cos"][0] < 1.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measure_on_cuda_matches_the_cpu_measure():
+    """Every tensor the diagnostics make follows the layer's device (the quantile ``q``
+    tensor once did not: a CUDA run failed at its first diagnostics step)."""
+    cpu = _layer(8)
+    with torch.no_grad():
+        cpu.R.Q.copy_(0.05 * torch.randn(cpu.R.Q.shape, generator=torch.Generator().manual_seed(6)))
+    gpu = _layer(8).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    want = LayerDiagnostics(cpu, sample=16, generator=torch.Generator().manual_seed(1)).measure()
+    got = LayerDiagnostics(gpu, sample=16, generator=torch.Generator().manual_seed(1)).measure()
+    assert got["cos"] == pytest.approx(want["cos"], abs=1e-5)
+    assert got["orth_error"] == pytest.approx(want["orth_error"], rel=1e-3, abs=1e-7)
+    assert got["energy"] == pytest.approx(want["energy"], rel=1e-5)
+
+
 def test_a_merge_resets_the_period_drift_and_int8_keeps_its_quantization_drift():
     layer = _layer(8)
     d = LayerDiagnostics(layer, sample=8, generator=torch.Generator().manual_seed(3))

@@ -144,8 +144,12 @@ def direction_cosines(w: torch.Tensor, w_init: torch.Tensor) -> torch.Tensor:
 
 
 def quantiles(values: torch.Tensor, qs: tuple[float, ...] = QUANTILES) -> list[float]:
-    """``torch.quantile`` of ``values`` at ``qs`` (linear interpolation), as Python floats."""
-    v = values.detach().to(torch.float64).flatten()
+    """``torch.quantile`` of ``values`` at ``qs`` (linear interpolation), as Python floats.
+
+    ``values`` may live on any device; it is copied to the CPU (``torch.quantile`` needs the
+    ``q`` tensor on the input's device, and the result is a handful of floats anyway).
+    """
+    v = values.detach().to("cpu", torch.float64).flatten()
     return [float(x) for x in torch.quantile(v, torch.tensor(qs, dtype=torch.float64))]
 
 
