@@ -668,7 +668,9 @@ def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
             for s in study.final_seeds
             if run_id(name, best, s) in runs
         }
-        ppl = {s: r["test_ppl"] for s, r in seeds.items()}
+        # a diverged seed has no perplexity: listed apart, never averaged in as a number
+        ppl = {s: r["test_ppl"] for s, r in seeds.items() if r.get("test_ppl") is not None}
+        diverged = sorted(s for s, r in seeds.items() if r.get("diverged"))
         vals = list(ppl.values())
         mean = sum(vals) / len(vals) if vals else math.nan
         sd = (
@@ -676,7 +678,10 @@ def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
             if len(vals) > 1
             else math.nan
         )
-        out[name] = {"tuned": True, "best": best, "test_ppl": ppl, "mean": mean, "sd": sd}
+        out[name] = {
+            "tuned": True, "best": best, "test_ppl": ppl, "mean": mean, "sd": sd,
+            "diverged": diverged,
+        }  # fmt: skip
     ref = out.get(study.reference, {})
     for name, row in out.items():
         if name != study.reference and row.get("test_ppl") and ref.get("test_ppl"):

@@ -176,7 +176,10 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             vals = [r[key] for r in recs if r.get(key) is not None]
             return sum(vals) / len(vals) if vals else None
 
-        ppl = f"{_f(row['mean'])} ± {_f(row['sd'])}" if recs else "not run yet"
+        ppl = f"{_f(row['mean'])} ± {_f(row['sd'])}" if row["test_ppl"] else ""
+        if row.get("diverged"):
+            ppl = "; ".join(x for x in (ppl, f"diverged ({len(row['diverged'])} seed(s))") if x)
+        ppl = ppl or "not run yet"
         out.append(
             f"| {name} | {ppl} | {len(recs)} | {row.get('vs_reference', '—')} | {eff} | {trials} "
             f"| {first.get('steps', '')} | {_f(first.get('epochs'))} "
@@ -199,6 +202,7 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
                 continue
             recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
                     if run_id(name, row["best"], s) in runs]  # fmt: skip
+            recs = [r for r in recs if r.get("test_ppl_by_source")]  # diverged: none
             if not recs:
                 continue
             cells = [_f(sum(r["test_ppl_by_source"].get(s, math.nan) for r in recs) / len(recs))

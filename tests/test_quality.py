@@ -630,3 +630,33 @@ def test_a_control_with_its_own_seeds_runs_only_those(tmp_path, corpus):
     bad = {**lowest, "seeds": [7]}
     with pytest.raises(SystemExit, match=r"control lowest's seeds \[7\] must be among final_seeds"):
         load_study(_study(tmp_path, corpus.folder, controls={"lowest": bad}))
+
+
+def test_a_diverged_seed_is_reported_as_diverged_not_averaged(tmp_path, corpus):
+    from evals.quality_report import render
+
+    wide = {"recipe": "poetxq", "like": "poetxq", "set": {"poet.block_size": 64}}
+    study = load_study(_study(tmp_path, corpus.folder, controls={"wide": wide}))
+    results: dict = {"runs": {}}
+    for seed in (0, 1):
+        for method, key, values in (("poetxq", "optim.poet_lr", (4e-3, 8e-3)),
+                                    ("adamw", "optim.lr", (1e-3, 2e-3))):  # fmt: skip
+            for v, ppl in zip(values, (30.0, 29.0), strict=True):
+                rid = run_id(method, {key: v}, seed)
+                results["runs"][rid] = {"id": rid, "method": method, "seed": seed,
+                                        "params": {key: v}, "tune_ppl": ppl,
+                                        "test_ppl": ppl + seed}  # fmt: skip
+    point = {"optim.poet_lr": 8e-3}
+    for seed, ppl in ((0, 31.0), (1, None)):  # seed 1 of the control went to nan
+        rid = run_id("wide", point, seed)
+        results["runs"][rid] = {"id": rid, "method": "wide", "seed": seed, "params": point,
+                                "tune_ppl": ppl, "test_ppl": ppl,
+                                "diverged": None if ppl else "loss is nan"}  # fmt: skip
+    summary = summarize(study, results)
+    assert summary["wide"]["test_ppl"] == {0: 31.0}
+    assert summary["wide"]["diverged"] == [1]
+    assert summary["wide"]["mean"] == 31.0
+    render([(study, results)], tmp_path / "QUALITY.md")
+    row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
+               if ln.startswith("| wide |"))  # fmt: skip
+    assert "| 31.00 ± –; diverged (1 seed(s)) | 2 |" in row
