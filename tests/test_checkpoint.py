@@ -252,10 +252,36 @@ def _snapshot(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_resume_finished_run_is_refused(saved_run, capsys):
+def _finished_line(run: Path, step: int) -> str:
+    ppl = json.loads((run / "summary.json").read_text())["final_val_ppl"]
+    return (
+        f"run '{run}' already finished at step {step} of {step} (train.max_steps): nothing to "
+        f"do, nothing written; its summary: {run / 'summary.json'} (final val ppl {ppl:.2f}). "
+        "To train further, start a new run"
+    )
+
+
+def test_resume_of_a_finished_run_says_so_and_exits_0(saved_run, capsys, monkeypatch, tmp_path):
+    """A finished run is nothing to do, not an error: a requeued job repeating the command line
+    that started it (--resume auto) or naming the run (--resume RUN_DIR) gets one line on stdout
+    (the run, its last step, its summary), nothing on stderr, exit status 0, and the run
+    directory is left byte for byte as it was."""
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))  # nothing is prepared
     before = _snapshot(saved_run)
-    assert main(["train", "--resume", str(saved_run), "--no-progress"]) == 2
-    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    line = _finished_line(saved_run, 4)
+    auto = ["train", *TINY, "--output-dir", str(saved_run.parent), "--run-name", "r",
+            "--max-steps", "4", "--save-every", "2", "--resume", "auto"]  # fmt: skip
+    for argv in (auto, ["train", "--resume", str(saved_run), "--no-progress"]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        assert out.splitlines() == [line] and err == ""
+        assert _snapshot(saved_run) == before
+    assert not (tmp_path / "data-cache").exists()  # answered before any data work
+    # training further is a recipe change, still refused (start a new run)
+    assert main(["train", "--resume", str(saved_run), "--max-steps", "6"]) == 2
+    assert "differs from the checkpoint's (step-00000004) in train.max_steps: 4 -> 6" in (
+        _one_error_line(capsys)
+    )
     assert _snapshot(saved_run) == before
 
 
@@ -279,9 +305,9 @@ def test_resume_writes_the_final_model_of_a_run_stopped_after_its_last_checkpoin
     assert again["steps"] == 4 and again["resumed_from"] == [4]
     assert again["final_val_ppl"] == pytest.approx(summary["final_val_ppl"], rel=1e-6)
     assert _snapshot(run / "checkpoints") == ckpt
-    # now it is finished: a second --resume is refused as before
-    assert main(["train", "--resume", str(run), "--no-progress"]) == 2
-    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    # now it is finished: a second --resume has nothing to do
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines() == [_finished_line(run, 4)]
 
 
 def test_resume_missing_dir(tmp_path, capsys):
@@ -428,8 +454,8 @@ def test_resume_auto_finds_the_run_or_starts_it(saved_run, capsys, monkeypatch, 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
     args = ["train", *TINY, "--output-dir", str(saved_run.parent), "--max-steps", "4",
             "--save-every", "2", "--resume", "auto"]  # fmt: skip
-    assert main([*args, "--run-name", "r"]) == 2  # the saved run, already at its last step
-    assert "already finished (step 4 of 4)" in _one_error_line(capsys)
+    assert main([*args, "--run-name", "r"]) == 0  # the saved run, already at its last step
+    assert capsys.readouterr().out.splitlines() == [_finished_line(saved_run, 4)]
     assert main([*args, "--run-name", "fresh"]) == 0  # no checkpoint yet: a new run
     assert [s for s, _ in list_checkpoints(saved_run.parent / "fresh")] == [2, 4]
 

@@ -50,7 +50,8 @@ def test_resume_help_says_what_it_continues_and_that_the_memory_plan_is_kept(cap
     for claim in (
         "RUN_DIR: that run, with RUN_DIR/recipe.yaml (or --recipe) and the flags given applied",
         "auto: the run <output-dir>/<run- name> of the recipe and flags given (repeat the "
-        "command line that started it), continued if it holds a checkpoint, else started",
+        "command line that started it), continued if it holds a checkpoint, else started. A "
+        "run already finished is left as it is: one line, exit status 0",
         "The run keeps the memory plan it started with: leave --memory out (or give auto) or "
         "give that same plan; another plan is refused, and the plan is not fitted to the GPU "
         "again",

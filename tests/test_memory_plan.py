@@ -245,10 +245,10 @@ def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
     # --resume auto with the recipe as first given (memory auto) takes the run's own plan: the
     # finished run is found as such, not refused for its plan's keys
     auto = [a for a in args if a not in ("--memory", "lowest")]
-    assert main([*auto, "--resume", "auto"]) == 2
-    assert "already finished (step 2 of 2)" in capsys.readouterr().err
-    assert main([*args, "--resume", "auto"]) == 2  # the same line, --memory lowest included
-    assert "already finished (step 2 of 2)" in capsys.readouterr().err
+    assert main([*auto, "--resume", "auto"]) == 0
+    assert "already finished at step 2 of 2" in capsys.readouterr().out
+    assert main([*args, "--resume", "auto"]) == 0  # the same line, --memory lowest included
+    assert "already finished at step 2 of 2" in capsys.readouterr().out
     assert main(["train", "--gpu-mem", "lots", "--max-steps", "1"]) != 0
     assert "lots" in capsys.readouterr().err
     # what train --help says of --resume: without --memory, with auto or with the run's own

@@ -263,7 +263,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "run). RUN_DIR: that run, with RUN_DIR/recipe.yaml (or --recipe) and the flags given "
         "applied to it. auto: the run <output-dir>/<run-name> of the recipe and flags given "
         "(repeat the command line that started it), continued if it holds a checkpoint, else "
-        "started. The recipe must match the checkpoint's except in settings that change no "
+        "started. A run already finished is left as it is: one line, exit status 0. The recipe must match the checkpoint's except in settings that change no "
         "training state (save/log/eval, single memory options such as --set "
         "train.gradient_checkpointing=..., cuda_graph, grad_sync; a mismatch is one error naming "
         "the keys). The run keeps the memory plan it started with: leave "
@@ -449,14 +449,19 @@ def run_train(args: argparse.Namespace) -> int:
     ckpt = run_dir = None
     claim = False  # whether this process created an automatically named run directory
     if args.resume:
-        from poetxq.training.resume import plan_resume
+        from poetxq.training.resume import RunFinished, plan_resume
 
         if args.resume != "auto" and Path(args.resume).is_dir():  # a live run, not a mismatch
             check_not_in_use(Path(args.resume))
-        recipe, run_dir, ckpt = plan_resume(
-            args.resume, recipe_path=args.recipe, overrides=_overrides(args),
-            run_name=args.run_name,
-        )  # fmt: skip
+        try:
+            recipe, run_dir, ckpt = plan_resume(
+                args.resume, recipe_path=args.recipe, overrides=_overrides(args),
+                run_name=args.run_name,
+            )  # fmt: skip
+        except RunFinished as done:  # a requeued job repeating its command line: not an error
+            if launcher_rank()[0] == 0:  # once, not once per process
+                print(done.line())
+            return 0
         if run_dir is not None:  # a resumed run writes metrics and checkpoints into its folder
             check_writable(run_dir, "copy the run to a writable place and resume it there")
     else:

@@ -4,6 +4,7 @@ from the checkpoint's only in :data:`RESUMABLE_KEYS` (settings that change no tr
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,33 @@ from poetxq.training.checkpoint import (
 from poetxq.training.memory import apply_plan, plan_overrides
 from poetxq.training.recipe import Recipe, RecipeError
 from poetxq.training.recipe_files import load_recipe
+
+
+class RunFinished(Exception):
+    """``--resume`` found its run already finished: its last checkpoint at ``train.max_steps``
+    and its final ``model.safetensors`` written. Not an error (a requeued job repeats the command
+    line that started it): the caller says so in one line (:meth:`line`) and exits 0."""
+
+    def __init__(self, run_dir: Path, step: int, max_steps: int) -> None:
+        super().__init__(f"run '{run_dir}' already finished at step {step} of {max_steps}")
+        self.run_dir, self.step, self.max_steps = run_dir, step, max_steps
+
+    def line(self) -> str:
+        """The one line for the user: the run, its last step and where its results are."""
+        summary = self.run_dir / "summary.json"
+        try:
+            ppl = json.loads(summary.read_text(encoding="utf-8")).get("final_val_ppl")
+            results = f"its summary: {summary}" + (
+                f" (final val ppl {ppl:.2f})" if isinstance(ppl, (int, float)) else ""
+            )
+        except (OSError, ValueError):  # stopped between model.safetensors and summary.json
+            results = f"its final model: {self.run_dir / 'model.safetensors'} (no summary.json)"
+        return (
+            f"run '{self.run_dir}' already finished at step {self.step} of {self.max_steps} "
+            f"(train.max_steps): nothing to do, nothing written; {results}. To train further, "
+            "start a new run"
+        )
+
 
 #: recipe keys that may differ between a run and its resumption (they change no training state)
 RESUMABLE_KEYS = frozenset(
@@ -92,9 +120,12 @@ def plan_resume(
         fresh start under ``auto``.
 
     Raises:
+        RunFinished: the run is finished (its last checkpoint at ``max_steps`` and its
+            ``model.safetensors`` written), under ``auto`` and ``RUN_DIR`` alike: nothing to do
+            (not an error; the recipe was checked against the checkpoint's first, so a changed
+            ``train.max_steps`` is a mismatch, not "finished").
         CheckpointError: missing run directory or checkpoint, ``auto`` without ``run_name``, a
-            corrupted checkpoint, a finished run (its last checkpoint at ``max_steps`` and its
-            ``model.safetensors`` written), or a recipe that differs from the
+            corrupted checkpoint, or a recipe that differs from the
             checkpoint's in a key outside :data:`RESUMABLE_KEYS` (one line, naming the keys).
         poetxq.training.recipe.RecipeError: a bad recipe file or override.
     """
@@ -178,10 +209,7 @@ def plan_resume(
         )
     if meta["step"] >= recipe.train.max_steps:
         if (run_dir / "model.safetensors").is_file():
-            raise CheckpointError(
-                f"--resume: run '{run_dir}' already finished (step {meta['step']} of "
-                f"{recipe.train.max_steps}); start a new run to train further"
-            )
+            raise RunFinished(run_dir, meta["step"], recipe.train.max_steps)
         # stopped after its last checkpoint, before the final model was written (killed, or a
         # full disk): the session evaluates and writes the final model and summary, no step
         recipe.add_note(
