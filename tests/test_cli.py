@@ -131,6 +131,38 @@ def test_missing_data_leaves_existing_run_dir_untouched(tmp_path, capsys):
     assert (run / "model.safetensors").read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize(
+    "name,content,error",
+    [
+        ("nope.txt", None, "data path '{path}' does not exist; pass an existing file/dir/glob or "
+         "--data embedded"),
+        ("empty.txt", b"", "data file '{path}' is empty (0 bytes); pass a file with text in it, "
+         "or --data embedded"),
+        ("table.csv", b"text\nhello\n", "data file '{path}' has an unsupported type; use one "
+         "of .jsonl.gz, .json.gz, .jsonl, .json, .txt, .parquet"),
+    ],
+)  # fmt: skip
+def test_bad_data_input_is_one_error_line_and_nothing_before_it(
+    tmp_path, capsys, name, content, error
+):
+    """A data path that is missing, empty or of an unsupported type is the run's one line: on
+    stderr, naming the path and the fix, exit 2; nothing on stdout before it (not the recipe's
+    note, which the same flags print for good data) and no run directory."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    out_dir = tmp_path / "runs"
+    # --max-steps 2 below TINY's optim.warmup_steps 5: a recipe note for this run
+    argv = ["quantize-and-train", *TINY, "--output-dir", str(out_dir), "--max-steps", "2"]
+    assert main([*argv, "--data", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"poetxq: error: {error.format(path=path)}\n"
+    assert not out_dir.exists()
+    if name == "nope.txt":  # the note those flags print when the data is good
+        assert main([*argv, "--max-steps", "1", "--eval-every", "0"]) == 0
+        assert "note: optim.warmup_steps 5 >= train.max_steps 1" in capsys.readouterr().out
+
+
 def test_overwrite_refuses_a_folder_that_holds_no_run(tmp_path, capsys):
     """--overwrite replaces an earlier run; a folder of other files (a user's Hugging Face
     model, notes) is refused and left as it was."""

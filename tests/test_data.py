@@ -375,6 +375,49 @@ def test_missing_path(tmp_path: Path) -> None:
         prepare_data(DataConfig(source=str(tmp_path / "*.jsonl")), 64, progress=False)
 
 
+def test_check_data_refuses_bad_paths_from_names_and_sizes_alone(tmp_path: Path) -> None:
+    """check_data: a missing path, an unsupported file, an empty file or a directory of empty
+    files is one DataError naming it and the fix, found from names and sizes (what the trainer
+    checks before it prints anything); a file with text passes, whatever is in it."""
+    from poetxq.data import check_data
+
+    def refused(source: str) -> str:
+        with pytest.raises(DataError) as exc:
+            check_data(DataConfig(source=source), 32)
+        return str(exc.value)
+
+    assert refused(str(tmp_path / "nope.txt")) == (
+        f"data path '{tmp_path / 'nope.txt'}' does not exist; pass an existing file/dir/glob "
+        "or --data embedded"
+    )
+    (tmp_path / "table.csv").write_text("text\nhello\n")
+    assert refused(str(tmp_path / "table.csv")).startswith(
+        f"data file '{tmp_path / 'table.csv'}' has an unsupported type; use one of .jsonl.gz"
+    )
+    (tmp_path / "empty.txt").write_bytes(b"")
+    assert refused(str(tmp_path / "empty.txt")) == (
+        f"data file '{tmp_path / 'empty.txt'}' is empty (0 bytes); pass a file with text in "
+        "it, or --data embedded"
+    )
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_bytes(b"")
+    (tmp_path / "d" / "b.jsonl").write_bytes(b"")
+    assert refused(str(tmp_path / "d")) == (
+        f"the 2 data file(s) in directory {tmp_path / 'd'} are all empty (0 bytes); pass a file "
+        "with text in it, or --data embedded"
+    )
+    with pytest.raises(DataError, match="seq_len must be at least 1"):
+        check_data(DataConfig(source="pydoc"), 0)
+    # one empty file beside one with text is data; what the text holds is read later
+    _write_jsonl(tmp_path / "d" / "c.jsonl", DOCS[:3], field="body")
+    check_data(DataConfig(source=str(tmp_path / "d")), 32)
+    with pytest.raises(DataError, match="no text field 'text'; fields present: body"):
+        prepare_data(DataConfig(source=str(tmp_path / "d"), cache_dir=str(tmp_path / "c")), 32)
+    # prepare_data says the same for an empty file (it used to be "no training documents")
+    with pytest.raises(DataError, match=r"empty.txt' is empty \(0 bytes\)"):
+        prepare_data(DataConfig(source=str(tmp_path / "empty.txt")), 32, progress=False)
+
+
 def test_wrong_text_field(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

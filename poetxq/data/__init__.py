@@ -14,13 +14,14 @@ token windows (:class:`TokenData`). The steps, one module each:
   streams cut into windows of ``seq_len + 1`` tokens;
 * :mod:`~poetxq.data.cache` — the flat token streams cached as ``.npy`` files (before packing,
   so ``seq_len`` is not part of the key);
-* :mod:`~poetxq.data.prepare` — the entry points.
+* :mod:`~poetxq.data.prepare` — the entry points (and :func:`check_data`, the checks that
+  read no text).
 
 Nothing here imports :mod:`poetxq.model`, :mod:`poetxq.training` or :mod:`poetxq.tools`.
 """
 
 from poetxq.data.config import EOS_TOKEN, DataConfig, DataError, TokenData
-from poetxq.data.prepare import prepare_data, unigram_perplexity
+from poetxq.data.prepare import check_data, prepare_data, unigram_perplexity
 from poetxq.data.split import iter_documents
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "DataConfig",
     "DataError",
     "TokenData",
+    "check_data",
     "iter_documents",
     "prepare_data",
     "unigram_perplexity",

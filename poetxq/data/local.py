@@ -51,8 +51,8 @@ def local_files(source: str) -> tuple[list[Path], str]:
                 f"data file '{source}' has an unsupported type; use one of "
                 f"{', '.join(SUPPORTED_SUFFIXES)}"
             )
-        return [path.resolve()], f"file {source}"
-    if path.is_dir():
+        files, what = [path.resolve()], f"file {source}"
+    elif path.is_dir():
         files = sorted(
             p.resolve()
             for p in path.rglob("*")
@@ -78,6 +78,13 @@ def local_files(source: str) -> tuple[list[Path], str]:
         raise DataError(
             f"no supported data files in {what}; supported types: {', '.join(SUPPORTED_SUFFIXES)}"
         )
+    if all(p.stat().st_size == 0 for p in files):  # found before anything is read or printed
+        which = (
+            f"data file '{source}' is empty (0 bytes)"
+            if path.is_file()
+            else f"the {len(files)} data file(s) in {what} are all empty (0 bytes)"
+        )
+        raise DataError(f"{which}; pass a file with text in it, or --data embedded")
     return files, what
 
 

@@ -22,17 +22,22 @@ def is_token_corpus(source: str) -> bool:
     return (Path(source.strip()).expanduser() / MANIFEST).is_file()
 
 
+def _check_corpus_tokenizer(cfg: DataConfig) -> None:
+    """A pre-tokenized corpus brings its tokenizer: ``data.tokenizer`` must be left at bpe."""
+    if cfg.tokenizer != "bpe":
+        raise DataError(
+            f"{Path(cfg.source.strip()).expanduser()} is a pre-tokenized corpus with its own "
+            f"tokenizer; drop --tokenizer {cfg.tokenizer} (data.tokenizer)"
+        )
+
+
 def _token_corpus_data(cfg: DataConfig, seq_len: int) -> TokenData | None:
     """A pre-tokenized corpus folder (:mod:`poetxq.data.corpus`, ``corpus.json`` inside): its
     ``train`` split trains, its ``tune`` split validates; its own tokenizer is used."""
     if not is_token_corpus(cfg.source):
         return None
     path = Path(cfg.source.strip()).expanduser()
-    if cfg.tokenizer != "bpe":
-        raise DataError(
-            f"{path} is a pre-tokenized corpus with its own tokenizer; drop --tokenizer "
-            f"{cfg.tokenizer} (data.tokenizer)"
-        )
+    _check_corpus_tokenizer(cfg)
     try:
         return token_data(
             TokenCorpus.open(path), seq_len, heldout="tune",
@@ -40,6 +45,24 @@ def _token_corpus_data(cfg: DataConfig, seq_len: int) -> TokenData | None:
         )  # fmt: skip
     except CorpusError as exc:
         raise DataError(str(exc)) from None
+
+
+def check_data(cfg: DataConfig, seq_len: int) -> None:
+    """The checks of :func:`prepare_data` that read no text: ``seq_len``, the source (a local
+    path that exists, files of a supported type, not all of them empty; an ``hf:`` name) and
+    the tokenizer named. Cheap (file names and sizes only), so a run can refuse bad input in one
+    line before it prints anything else.
+
+    Raises:
+        DataError: one line naming the problem and what to pass instead.
+    """
+    if seq_len < 1:
+        raise DataError(f"seq_len must be at least 1, got {seq_len}")
+    if is_token_corpus(cfg.source):
+        _check_corpus_tokenizer(cfg)
+        return
+    resolve_source(cfg)
+    resolve_tokenizer(cfg)
 
 
 def prepare_data(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenData:

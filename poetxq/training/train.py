@@ -34,7 +34,7 @@ from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 
 from poetxq.baselines import build_baseline_optimizer
-from poetxq.data import TokenData, prepare_data, unigram_perplexity
+from poetxq.data import TokenData, check_data, prepare_data, unigram_perplexity
 from poetxq.model.diagnostics import (
     DRIFT_WARNING,
     REQUANT_KEY,
@@ -227,11 +227,15 @@ def train(
         :class:`TrainResult` (``interrupted`` is True when a signal stopped the run early).
 
     Raises:
+        poetxq.data.DataError: bad data input; the checks that read no text
+            (:func:`poetxq.data.check_data`) come before anything is printed.
         poetxq.training.checkpoint.CheckpointError: ``resume_from`` is corrupted or does not fit.
         RunDirError: ``train.cuda_graph`` without CUDA or under DDP, or another process is
             training into ``run_dir`` (:func:`lock_run_dir`).
         DataPrepInterrupted: Ctrl-C while the data was prepared (nothing written).
     """
+    if data is None:  # a missing, unsupported or empty data path: its one error line before
+        check_data(recipe.data, recipe.train.seq_len)  # the plan's and the recipe's notes
     run = _Run(run_dir, log_with=log_with, progress=progress, echo=echo, resume_from=resume_from)
     vocab = data.vocab_size if data is not None else None
     run.start_accelerator(recipe, gpu_mem, vocab)  # memory plan, precision, refusals
