@@ -263,12 +263,13 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "run). RUN_DIR: that run, with RUN_DIR/recipe.yaml (or --recipe) and the flags given "
         "applied to it. auto: the run <output-dir>/<run-name> of the recipe and flags given "
         "(repeat the command line that started it), continued if it holds a checkpoint, else "
-        "started. A run already finished is left as it is: one line, exit status 0. The recipe must match the checkpoint's except in settings that change no "
-        "training state (save/log/eval, single memory options such as --set "
-        "train.gradient_checkpointing=..., cuda_graph, grad_sync; a mismatch is one error naming "
-        "the keys). The run keeps the memory plan it started with: leave "
-        "--memory out (or give auto) or give that same plan; another plan is refused, and the "
-        "plan is not fitted to the GPU again (--gpu-mem does not change it)",
+        "started. A run already finished is left as it is: one line, exit status 0. The "
+        "recipe must match the checkpoint's except in settings that change no training state "
+        "(save/log/eval, single memory options such as --set train.gradient_checkpointing=..., "
+        "cuda_graph, grad_sync; a mismatch is one error naming the keys). The run keeps the "
+        "memory plan it started with: leave --memory out (or give auto) or give that same plan; "
+        "another plan is refused, and the plan is not fitted to the GPU again (--gpu-mem does not "
+        "change it)",
     )
 
 
