@@ -17,6 +17,7 @@ from poetxq.baselines import (
     optimizer_state_bytes,
     prepare_baseline,
     quant_modules,
+    summarize_baseline,
 )
 from poetxq.baselines.qlinear import dequantize_groupwise, pack_int4, quantize_groupwise
 from poetxq.model.config import ModelConfig
@@ -262,6 +263,30 @@ def test_every_weight_changes_in_three_steps(method):
         assert q.weight.dtype == torch.uint8 and q.float_grad is None
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_summary_counts_what_the_optimizer_updates(method):
+    """The summary's trainable count is every weight the optimizer updates each step, as for
+    POET: Q-GaLore / Q-APOLLO's int8 weights (requires_grad=False codes) count beside the float
+    parameters and are named as such, so a quantized baseline counts what its float twin does."""
+    model, _report, cfg, opt = _tiny(method)
+    h, i, layers, vocab = 32, 48, 1, 64  # TINY_MODEL, untied lm_head, one kv head per head
+    linear = layers * (4 * h * h + 3 * i * h)  # q, k, v, o + gate, up, down, no biases
+    rest = 2 * vocab * h + (2 * layers + 1) * h  # embeddings + lm_head, RMSNorm weights
+    assert (linear, rest) == (8704, 4192)
+    line = summarize_baseline(model, _report, cfg).splitlines()[-1]
+    if method.startswith("q"):
+        assert line == (
+            f"  trainable: 12,896 parameters = 8,704 int8 weights (updated in place by {method} "
+            "every step: dequantized, updated, re-quantized; no autograd gradient) + 4,192 float "
+            "(the unquantized rest: embeddings, lm_head, norms)"
+        )
+        assert sum(q.weight.numel() for q in quant_modules(model)) == linear
+    else:
+        assert line == "  trainable: 12,896 float parameters"
+    # the same number the optimizer holds, int8 codes included
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == linear + rest
+
+
 def _expected_state_bytes(model, report, cfg, method):
     targets = {id(model.get_submodule(n).weight): model.get_submodule(n).weight.shape
                for n in report.targets}  # fmt: skip
@@ -325,10 +350,20 @@ def _cache(tmp_path_factory, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["poetx", *METHODS])
-def test_cli_run_learns(tmp_path, _cache, method):
+def test_cli_run_learns(tmp_path, _cache, method, capsys):
     assert main(["train", *TINY, "--method", method, "--output-dir", str(tmp_path),
                  "--run-name", method]) == 0  # fmt: skip
     run = tmp_path / method
+    # the printed trainable count: TINY's 2 layers of d 64, ffn 136, vocab 512, untied lm_head
+    linear, rest = 2 * (4 * 64 * 64 + 3 * 136 * 64), 2 * 512 * 64 + 5 * 64
+    out = capsys.readouterr().out
+    if method.startswith("q"):
+        assert (
+            f"  trainable: {linear + rest:,} parameters = {linear:,} int8 weights (updated in "
+            f"place by {method} every step" in out
+        )
+    elif method != "poetx":
+        assert f"  trainable: {linear + rest:,} float parameters\n" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and "val_ppl" not in r]
     evals = [r["val_ppl"] for r in records if "val_ppl" in r]

@@ -168,7 +168,14 @@ def build_baseline_optimizer(
 
 
 def summarize_baseline(model: nn.Module, report: BaselineReport, cfg: BaselineConfig) -> str:
-    """Multi-line summary: method, target layers, weight format, trainable parameters."""
+    """Multi-line summary: method, target layers, weight format, trainable parameters.
+
+    Trainable means updated by the optimizer every step, as for the POET methods
+    (:func:`poetxq.model.surgery.summarize`): for Q-GaLore / Q-APOLLO the int8 weights count, as
+    the float weights of GaLore / APOLLO do, although they are ``requires_grad=False`` codes
+    (:class:`~poetxq.baselines.qlinear.QuantLinear`: the optimizer dequantizes, updates and
+    re-quantizes them in place); the line names the two kinds.
+    """
     qs = quant_modules(model)
     lines = [f"baseline {report.method}: {len(report.targets)} target linear layers"]
     if report.method != "adamw":
@@ -189,6 +196,14 @@ def summarize_baseline(model: nn.Module, report: BaselineReport, cfg: BaselineCo
             f"  int8 weights (group {report.weight_group_size}, asymmetric, {rnd} rounding): "
             f"{n:,} weights in {b / 2**20:.2f} MiB ({b / max(n, 1):.3f} bytes/weight)"
         )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lines.append(f"  trainable float parameters: {trainable:,}")
+    floats = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if qs:
+        n = sum(q.weight.numel() for q in qs)
+        lines.append(
+            f"  trainable: {n + floats:,} parameters = {n:,} int8 weights (updated in place by "
+            f"{report.method} every step: dequantized, updated, re-quantized; no autograd "
+            f"gradient) + {floats:,} float (the unquantized rest: embeddings, lm_head, norms)"
+        )
+    else:
+        lines.append(f"  trainable: {floats:,} float parameters")
     return "\n".join(lines)
