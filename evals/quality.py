@@ -552,10 +552,20 @@ def execute(
     deadline: float | None,
     max_runs: int | None,
     echo: Any = print,
+    methods: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run pending runs until the study is done, ``max_runs`` finished or ``deadline`` seconds
-    passed (running workers then get SIGTERM, which saves their checkpoint). Returns the results.
+    passed (running workers then get SIGTERM, which saves their checkpoint). ``methods``: start
+    only these methods' and controls' runs (the others stay pending). Returns the results.
+
+    Raises:
+        SystemExit: ``methods`` names a method or control the study does not have.
     """
+    known = list(study.methods) + list(study.controls)
+    unknown = [m for m in methods or [] if m not in known]
+    if unknown:
+        raise SystemExit(f"--methods: {', '.join(unknown)} not in the study; it has "
+                         f"{', '.join(known)}")  # fmt: skip
     t0 = time.monotonic()
     results = _read_results(results_path, study)
     _check_corpus(study, results)
@@ -616,6 +626,8 @@ def execute(
         pending, _ = plan_runs(study, results)
         skip = {w.spec["id"] for w in running} | failed
         pending = [p for p in pending if p["id"] not in skip]
+        if methods:
+            pending = [p for p in pending if p["method"] in methods]
         spec = None
         if len(running) < jobs and (max_runs is None or started < max_runs):
             left = None if deadline is None else deadline - elapsed
@@ -740,6 +752,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             p.add_argument("--gpus", help="comma-separated GPU ids to spread runs over")
             p.add_argument(
+                "--methods", metavar="NAME[,NAME]",
+                help="start only these methods' or controls' runs (e.g. the short ones when a "
+                "long run cannot finish before the machine goes); the others stay pending",
+            )  # fmt: skip
+            p.add_argument(
                 "--deadline", type=float, metavar="SECONDS",
                 help="stop cleanly after this many seconds: a new run starts only while its "
                 "method's typical time (from finished runs) fits, a run with a checkpoint "
@@ -777,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     execute(
         study, Path(args.study).resolve(), results_path, jobs=args.jobs,
         gpus=args.gpus.split(",") if args.gpus else None, deadline=args.deadline,
-        max_runs=args.max_runs,
+        max_runs=args.max_runs, methods=args.methods.split(",") if args.methods else None,
     )  # fmt: skip
     return 0
 

@@ -9,10 +9,11 @@
 #
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 520 4      (4 jobs fit one H200 at 60M)
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml:2,evals/studies/llama60m_150m.yaml:2 520
+#   evals/quality_gpu.sh evals/studies/llama60m_150m.yaml:2:poetxq 520   (only these methods)
 set -uo pipefail
 # the commit the results record: .commit (written beside a snapshot) when the tree has no .git
 if [ -z "${POETXQ_COMMIT:-}" ] && [ -f .commit ]; then export POETXQ_COMMIT=$(cat .commit); fi
-studies=${1:?usage: evals/quality_gpu.sh STUDY.yaml[:JOBS][,STUDY.yaml[:JOBS]...] [DEADLINE_S] [JOBS]}
+studies=${1:?usage: evals/quality_gpu.sh STUDY.yaml[:JOBS[:METHOD+METHOD]][,...] [DEADLINE_S] [JOBS]}
 deadline=${2:-520}
 default_jobs=${3:-3}
 out=${OUT:?OUT must name the folder to bring back}
@@ -23,8 +24,8 @@ fi
 mkdir -p runs/quality
 marker=$(mktemp) && touch "$marker"  # runs finished from here on are this call's
 
-run_study() {  # STUDY JOBS: one study's call, its results and log into $OUT
-  local study=$1 jobs=$2 results name log
+run_study() {  # STUDY JOBS [METHODS]: one study's call, its results and log into $OUT
+  local study=$1 jobs=$2 methods=${3:-} results name log
   results=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['results'])" "$study")
   name=$(basename "$results")
   log="$out/${name%.json}_log.txt"
@@ -32,17 +33,15 @@ run_study() {  # STUDY JOBS: one study's call, its results and log into $OUT
   if [ -f "runs/quality/$name" ]; then cp "runs/quality/$name" "$out/$name"
   elif [ -f "$results" ]; then cp "$results" "$out/$name"; fi
   PYTHONUNBUFFERED=1 python3 evals/quality.py run "$study" --jobs "$jobs" --deadline "$deadline" \
-    --results "$out/$name" >"$log" 2>&1
+    --results "$out/$name" ${methods:+--methods "${methods//+/,}"} >"$log" 2>&1
   cp "$out/$name" "runs/quality/$name"
 }
 
 pids=()
 IFS=',' read -ra specs <<<"$studies"
 for spec in "${specs[@]}"; do
-  study=${spec%%:*}
-  jobs=$default_jobs
-  [ "$spec" != "$study" ] && jobs=${spec##*:}
-  run_study "$study" "$jobs" &
+  IFS=':' read -r study jobs methods <<<"$spec"
+  run_study "$study" "${jobs:-$default_jobs}" "$methods" &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid"; done

@@ -498,6 +498,38 @@ def test_a_run_out_of_gpu_memory_is_requeued_with_fewer_runs_at_a_time(
     assert [r["tune_ppl"] for r in adamw] == [22.0, 22.0]  # each finished on its second try
 
 
+def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, monkeypatch):
+    import subprocess
+    import sys
+
+    import evals.quality as q
+
+    class FakeWorker(q._Worker):
+        def __init__(self, spec, study_file, run_dir, gpu):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "spec.json").write_text(json.dumps(spec))
+            self.spec, self.run_dir, self.gpu = spec, run_dir, gpu
+            self.log = (run_dir / "worker.log").open("a")
+            self.proc = subprocess.Popen([sys.executable, "-c", _FAKE_WORKER, str(run_dir)],
+                                         stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+            self.start = q.time.monotonic()
+
+    monkeypatch.setattr(q, "_Worker", FakeWorker)
+    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
+    study = load_study(study_file)
+    results = q.execute(study, study_file, Path(study.results), jobs=1, gpus=None,
+                        deadline=None, max_runs=None, echo=lambda _: None,
+                        methods=["poetxq"])  # fmt: skip
+    assert sorted(results["runs"]) == sorted(
+        run_id("poetxq", {"optim.poet_lr": v}, 0) for v in (4e-3, 8e-3)
+    )
+    pending, _ = plan_runs(study, results)
+    assert {p["method"] for p in pending} == {"adamw"}  # left for a later call
+    with pytest.raises(SystemExit, match="--methods: qgalore not in the study; it has poetxq"):
+        q.execute(study, study_file, Path(study.results), jobs=1, gpus=None, deadline=None,
+                  max_runs=None, methods=["qgalore"])  # fmt: skip
+
+
 @pytest.mark.slow
 def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     from evals.quality import execute
