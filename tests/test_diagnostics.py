@@ -181,6 +181,37 @@ def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkey
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
+def test_a_resumed_run_measures_against_the_same_reference_as_an_uninterrupted_one(
+    tmp_path, monkeypatch
+):
+    """The diagnostics' reference is the model as built (step 0), not the model at the resume:
+    a run stopped after step 2 and resumed logs the records of the run that never stopped."""
+    import shutil
+
+    from poetxq.tools.cli import main
+    from poetxq.training.checkpoint import list_checkpoints
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    argv = [*_TINY_RUN, "--set", "train.save_checkpoint=true", "--save-every", "2", "--keep-last", "4",
+            "--output-dir", str(tmp_path)]  # fmt: skip
+    assert main([*argv, "--run-name", "whole"]) == 0
+    whole = _diag_records(tmp_path / "whole")
+    # the same run as if stopped at step 2: its later checkpoints and results never written
+    run = tmp_path / "stopped"
+    shutil.copytree(tmp_path / "whole", run)
+    for step, path in list_checkpoints(run):
+        if step > 2:
+            shutil.rmtree(path)
+    for name in ("summary.json", "model.safetensors"):
+        (run / name).unlink(missing_ok=True)
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    resumed = _diag_records(run)
+    assert sorted(resumed) == [0, 2, 4, 6]
+    for step in (4, 6):  # the merge at step 4 and the drift since step 0, as if never stopped
+        assert resumed[step]["diag_sigma_drift_init"] > 0
+        assert resumed[step] == whole[step]
+
+
 def test_merge_measures_the_requantization_error_against_an_int8_reference():
     layer = _layer(8)
     with torch.no_grad():

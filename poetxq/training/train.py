@@ -459,9 +459,16 @@ class _Run:
         )  # fmt: skip
 
     def restore(self) -> None:
-        """Load ``resume_from`` (``resumed``: its loop state, empty for a fresh run), start host
-        offload and the peak-memory count."""
+        """Take the diagnostics' reference, load ``resume_from`` (``resumed``: its loop state,
+        empty for a fresh run), start host offload and the peak-memory count."""
         self.resumed: dict = {}
+        # the diagnostics' reference (spectrum, neuron sample and directions) is the model as
+        # built, before any step: a fresh run's step 0, and what a resumed run rebuilds from
+        # the same seed before its checkpoint loads, so the records go on as if never stopped
+        tc = self.tc
+        self.diagnose = _diagnostics(
+            self.raw_model, tc.diagnostics_every if self.is_poet else 0, tc.seed
+        )
         if self.resume_from is not None:
             meta = load_training_checkpoint(
                 self.resume_from, model=self.raw_model, optimizer=self.raw_optimizer,
@@ -559,9 +566,6 @@ class _Run:
         """Step 0's evaluation (a fresh run) or the resume's record, then the loop's state, the
         progress bar and the signal handler (``stop``)."""
         tc, resumed = self.tc, self.resumed
-        self.diagnose = _diagnostics(
-            self.raw_model, tc.diagnostics_every if self.is_poet else 0, tc.seed
-        )
         if resumed:
             self.val_loss0, self.val_ppl0 = resumed["initial_val_loss"], resumed["initial_val_ppl"]
             self.log({"step": resumed["step"], "event": "resumed",
