@@ -70,6 +70,8 @@ def read_run(run_dir: Path, command: str) -> dict[str, Any]:
         "requant_error": [
             {"step": m["step"], REQUANT_KEY: m[REQUANT_KEY]} for m in metrics if REQUANT_KEY in m
         ],
+        # a resume: runs before 3fb6bc5 re-based sigma_drift_init and the cosines there
+        "resumed_at": [m["step"] for m in metrics if m.get("event") == "resumed"],
         "merges": summary.get("merges"),
         "merge_interval": resolved["poet"]["merge_interval"],
         "final_val_ppl": summary.get("final_val_ppl"),
@@ -108,6 +110,11 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for x in doc.get("merge_steps", []):
         for ax in axes.flat:
             ax.axvline(x, color="grey", lw=0.6, ls=":")
+    for x in sorted({s for r in doc["runs"].values() for s in r.get("resumed_at", [])}):
+        for ax in axes.flat:
+            ax.axvline(x, color="red", lw=0.8, ls="--")
+        axes.flat[0].annotate("resumed", (x, 0), xytext=(3, 3), textcoords="offset points",
+                              color="red", fontsize=7)  # fmt: skip
     fig.suptitle(doc.get("title") or "POET-XQ and POET-X against exact POET")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument("--title", default="Embedded default recipe: POET-XQ (int8) and POET-X "
                     "(bf16/fp32 W0) against exact POET", help="the plot's title")  # fmt: skip
+    ap.add_argument("--note", help="free text kept in the JSON (with --from: where the runs "
+                    "ran, at which commit)")  # fmt: skip
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="extra recipe override for both runs (e.g. train.max_steps=40)",
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "diag_* records of train.diagnostics_every (poetxq.model.diagnostics) on "
         f"{what}; measured before the merge on merge steps",
         "title": args.title,
+        **({"note": args.note} if args.note else {}),
         "every": every,
         "merge_steps": list(range(interval, steps, interval)),
         "runs": runs,
