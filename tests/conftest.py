@@ -51,3 +51,22 @@ def tiny_train(tmp_path, monkeypatch):
     """:func:`_tiny_train` bound to this test's ``tmp_path``, with the data cache inside it."""
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "data-cache"))
     return lambda name, *extra: _tiny_train(tmp_path, name, *extra)
+
+
+_TEST_LOG = os.environ.get("POETXQ_TEST_LOG")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``POETXQ_TEST_LOG=FILE``: one JSON line per test (outcome, seconds, the error of a
+    failure) and per failed setup or teardown, written as it happens, so a run cut off by a device call's time limit still says which
+    tests failed and why (pytest's own summary comes only at the end)."""
+    if not _TEST_LOG or (report.when != "call" and report.passed):
+        return
+    import json
+
+    rec = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
+           "seconds": round(report.duration, 2)}  # fmt: skip
+    if report.failed:
+        rec["error"] = str(report.longrepr)[-4000:]
+    with open(_TEST_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(rec) + "\n")
