@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from evals.quality import Study, _shown, plan_runs, run_id, summarize
+from evals.quality_plan import Study, plan_runs, run_id, shown, summarize
 
 __all__ = ["parity_section", "render"]
 
@@ -239,7 +239,7 @@ def parity_section(path: Path, img_dir: Path, rel: str) -> list[str]:
     seeds = [r["seed"] for r in d["runs"] if r.get("ours") and r.get("official")]
     out = [
         f"## Parity with the official POET-XQ code ({st['model']}, {st['steps']} steps)", "",
-        f"`{_shown(path)}` ({d['gpu']}, commit "
+        f"`{shown(path)}` ({d['gpu']}, commit "
         f"{d['commit'][:7]}, official code {code['repo']}@{code['commit'][:7]}): "
         f"{d['what']}. Settings: batch {st['batch_size']} x seq {st['seq_len']}, block size "
         f"{st['block_size']}, merge interval {st['merge_interval']}, poet_lr {st['poet_lr']:g}, "

@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evals.quality import load_study, run_recipe  # noqa: E402
+from evals.quality_plan import load_study, run_recipe  # noqa: E402
 from poetxq.data.corpus import CorpusError, TokenCorpus, pack_windows, token_data  # noqa: E402
 from poetxq.training.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
 from poetxq.training.evaluate import evaluate_perplexity  # noqa: E402

@@ -58,8 +58,9 @@ _TEST_LOG = os.environ.get("POETXQ_TEST_LOG")
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With ``POETXQ_TEST_LOG=FILE``: one JSON line per test (outcome, seconds, the error of a
-    failure) and per failed setup or teardown, written as it happens, so a run cut off by a device call's time limit still says which
-    tests failed and why (pytest's own summary comes only at the end)."""
+    failure) and per failed setup or teardown, written as it happens, so a run cut off by a
+    device call's time limit still says which tests failed and why (pytest's own summary comes
+    only at the end)."""
     if not _TEST_LOG or (report.when != "call" and report.passed):
         return
     import json

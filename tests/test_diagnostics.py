@@ -192,8 +192,8 @@ def test_a_resumed_run_measures_against_the_same_reference_as_an_uninterrupted_o
     from poetxq.training.checkpoint import list_checkpoints
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
-    argv = [*_TINY_RUN, "--set", "train.save_checkpoint=true", "--save-every", "2", "--keep-last", "4",
-            "--output-dir", str(tmp_path)]  # fmt: skip
+    argv = [*_TINY_RUN, "--set", "train.save_checkpoint=true", "--save-every", "2",
+            "--keep-last", "4", "--output-dir", str(tmp_path)]  # fmt: skip
     assert main([*argv, "--run-name", "whole"]) == 0
     whole = _diag_records(tmp_path / "whole")
     # the same run as if stopped at step 2: its later checkpoints and results never written

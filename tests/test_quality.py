@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from evals.quality import load_study, plan_runs, run_id, summarize
+from evals.quality_plan import load_study, plan_runs, run_id, summarize
 from evals.quality_stats import best_point, decide, extension_points, paired_stats
 from poetxq.data.corpus import (
     CorpusError,
@@ -406,7 +406,7 @@ def test_help_explains_stopping_and_resuming(capsys):
 def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where, bad):
     """A typo in a grid key, a method's knobs or a control (which has no pending run while its
     method tunes) is found when planning, before any worker starts."""
-    from evals import quality, quality_worker
+    from evals import quality, quality_plan, quality_worker
 
     poet = {"recipe": "poetxq", "set": {"poet.block_size": 32}, "grid": {"optim.poet_lr": [4e-3]}}
     controls = {}
@@ -428,11 +428,11 @@ def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where
         assert f"unknown key '{bad}'" in msg
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results.json").exists()
     # the worker composes a run's config with the very function the planner checks
-    assert quality_worker.run_recipe is quality.run_recipe
+    assert quality_worker.run_recipe is quality_plan.run_recipe
 
 
 def test_run_recipe_sets_the_run_length_seed_and_schedule(tmp_path, corpus):
-    from evals.quality import check_runs
+    from evals.quality_plan import check_runs
 
     study = load_study(_study(tmp_path, corpus.folder))
     pending, _ = plan_runs(study, {"runs": {}})
@@ -615,7 +615,7 @@ def test_parity_section_renders_each_step_and_the_agreement(tmp_path):
     ids=lambda p: p.stem,
 )
 def test_every_committed_study_file_loads_and_its_recipes_compose(path):
-    from evals.quality import check_runs
+    from evals.quality_plan import check_runs
 
     study = load_study(path)
     pending, _ = plan_runs(study, {"runs": {}})
