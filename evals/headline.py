@@ -228,8 +228,31 @@ def with_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
-def pytest_record(res: dict, argv: list[str], commit: str, gpu: str) -> dict:
-    """The GPU test record: pytest's summary line, its counts, duration, the FAILED lines."""
+def _test_log(path: Path | None) -> dict:
+    """What ``POETXQ_TEST_LOG`` (tests/conftest.py) recorded as the tests ran: how many tests
+    finished, each failure with its error, the slowest tests. Read even when pytest was cut
+    off before its own summary; under pytest-xdist a report may come twice (kept once)."""
+    if path is None or not path.is_file():
+        return {}
+    seen: dict[tuple[str, str], dict] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            rec = json.loads(line)
+            seen[(rec["test"], rec["when"])] = rec
+    calls = [r for r in seen.values() if r["when"] == "call"]
+    slow = sorted(calls, key=lambda r: -r["seconds"])[:15]
+    return {
+        "tests_run": len(calls),
+        "failed_tests": [r for r in seen.values() if r["outcome"] == "failed"],
+        "slowest": [{"test": r["test"], "seconds": r["seconds"]} for r in slow],
+    }
+
+
+def pytest_record(
+    res: dict, argv: list[str], commit: str, gpu: str, test_log: Path | None = None
+) -> dict:
+    """The GPU test record: pytest's summary line, its counts, duration, the FAILED lines, and
+    from ``test_log`` (:func:`_test_log`) the failures' errors and the slowest tests."""
     lines = [ln for ln in res["output_tail"].splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if re.search(r" in [\d.]+s", ln)), "")
     counts = {k.rstrip("s") if k.startswith("error") else k: int(n)
@@ -249,6 +272,7 @@ def pytest_record(res: dict, argv: list[str], commit: str, gpu: str) -> dict:
         "duration_s": float(dur[1]) if dur else None,
         "wall_s": res["wall_s"],
         "failures": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+        **_test_log(test_log),
         "output_tail": res["output_tail"][-4000:],
     }
 
@@ -308,10 +332,17 @@ def run_part(
             log["steps"].append(entry)
             continue
         print(f"[part {part}] {entry['command']}  (timeout {timeout:.0f} s)", flush=True)
-        res = _run(argv, {**step.env, "POETXQ_COMMIT": commit}, timeout)
+        env = {**step.env, "POETXQ_COMMIT": commit}
+        test_log = out_dir / f".{step.stem}_{commit}.jsonl" if step.stem == "gpu_tests" else None
+        if test_log is not None:
+            test_log.unlink(missing_ok=True)
+            env["POETXQ_TEST_LOG"] = str(test_log.absolute())
+        res = _run(argv, env, timeout)
         entry.update({k: res[k] for k in ("returncode", "wall_s", "timed_out")})
         if step.stem == "gpu_tests":
-            rec = pytest_record(res, argv, commit, gpu or "?")
+            rec = pytest_record(res, argv, commit, gpu or "?", test_log)
+            assert test_log is not None
+            test_log.unlink(missing_ok=True)
             (out_dir / writes).write_text(json.dumps(rec, indent=1) + "\n")
             entry["summary"] = rec["summary"]
         if res["returncode"] != 0 or not (out_dir / writes).is_file():

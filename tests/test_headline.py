@@ -114,6 +114,33 @@ def test_pytest_record_keeps_summary_counts_and_failures(headline):
     assert rec["failures"] == ["FAILED tests/test_a.py::test_b - assert 0"]
 
 
+def test_a_cut_off_test_run_still_records_its_failures_from_the_test_log(headline, tmp_path):
+    """pytest killed at the call's limit prints no summary; the conftest's POETXQ_TEST_LOG
+    lines (a report twice, as pytest-xdist relays them) still give the failures and timings."""
+    log = tmp_path / "tests.jsonl"
+    recs = [
+        {"test": "t.py::a", "when": "call", "outcome": "passed", "seconds": 1.5},
+        {"test": "t.py::b", "when": "call", "outcome": "failed", "seconds": 0.2,
+         "error": "E   assert 1 == 2"},
+        {"test": "t.py::b", "when": "call", "outcome": "failed", "seconds": 0.2,
+         "error": "E   assert 1 == 2"},
+        {"test": "t.py::c", "when": "setup", "outcome": "failed", "seconds": 0.0,
+         "error": "fixture 'x' not found"},
+        {"test": "t.py::d", "when": "call", "outcome": "passed", "seconds": 9.0},
+    ]  # fmt: skip
+    log.write_text("\n".join(json.dumps(r) for r in recs) + "\n{truncated")
+    res = {"returncode": -15, "timed_out": True, "wall_s": 480.0, "output_tail": "....F..F"}
+    rec = headline.pytest_record(res, ["python", "-m", "pytest"], "abc1234", "H200", log)
+    assert rec["summary"] == "" and rec["timed_out"]
+    assert rec["tests_run"] == 3  # a, b, d; c failed in its setup
+    assert [(r["test"], r["when"]) for r in rec["failed_tests"]] == [
+        ("t.py::b", "call"),
+        ("t.py::c", "setup"),
+    ]
+    assert rec["failed_tests"][0]["error"] == "E   assert 1 == 2"
+    assert [r["test"] for r in rec["slowest"]] == ["t.py::d", "t.py::a", "t.py::b"]
+
+
 def _current_files(headline) -> list[str]:
     names = [headline.current(s.stem, RESULTS, s.machine) for s in headline.STEPS]
     return [n for n in names if n]
