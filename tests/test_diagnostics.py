@@ -60,6 +60,27 @@ def test_direction_cosines_and_quantiles():
     assert quantiles(torch.arange(5.0), (0.0, 0.5, 1.0)) == [0.0, 2.0, 4.0]
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_orthogonality_error_of_cnp_blocks_follows_the_eigen_angles(k):
+    """A skew Q with planes rotated by angles θ: the CNP polynomial is normal, and scales each
+    plane by |1 − (iθ)^(k+1)| (the Neumann sum of (I − Q)^-1 times I + Q), so the error is
+    max |(1 − (iθ)^(k+1))|² − 1|; for k = 3 the plane at θ = 1 collapses (G = 0 there)."""
+    from quant_kernels.reference import cnp_from_skew
+
+    thetas = [0.3, 1.0, 1.4]
+    q = torch.zeros(1, 6, 6, dtype=torch.float64)
+    for j, t in enumerate(thetas):
+        q[0, 2 * j, 2 * j + 1], q[0, 2 * j + 1, 2 * j] = t, -t
+    g = cnp_from_skew(q, k)
+    scale = [abs(1 - (1j * t) ** (k + 1)) for t in thetas]
+    want = max(abs(s**2 - 1) for s in scale)
+    assert orthogonality_error(g) == pytest.approx(want, rel=1e-9)
+    sv = torch.linalg.svdvals(g[0]).sort().values.tolist()
+    assert sv == pytest.approx(sorted(s for s in scale for _ in range(2)), abs=1e-12)
+    if k == 3:
+        assert torch.linalg.matrix_norm(g[0, 2:4, 2:4]) < 1e-12  # θ = 1: the plane is gone
+
+
 def _layer(bits: int, seed: int = 0) -> POETXLinear:
     g = torch.Generator().manual_seed(seed)
     return POETXLinear(24, 40, block_size=8, bits=bits, generator=g)
