@@ -418,6 +418,35 @@ def test_check_data_refuses_bad_paths_from_names_and_sizes_alone(tmp_path: Path)
         prepare_data(DataConfig(source=str(tmp_path / "empty.txt")), 32, progress=False)
 
 
+def test_a_one_document_file_says_what_a_document_is_and_which_key_to_change(tmp_path):
+    """A .txt file without blank lines is one document: the split cannot give both sides one;
+    the error names the full key (data.val_fraction) and what separates documents."""
+    text = "\n".join(f"line {i} of one long paragraph about nothing much" for i in range(200))
+    (tmp_path / "one.txt").write_text(text)
+    desc = f"local: file {tmp_path / 'one.txt'} (1 file(s))"
+    docs = ("a .txt file is one document, or documents of about 8,000 characters cut at its "
+            "blank lines when longer; a .jsonl file has one per line")  # fmt: skip
+    with pytest.raises(DataError) as exc:
+        prepare_data(DataConfig(source=str(tmp_path / "one.txt"), cache_dir=str(tmp_path / "c")),
+                     32, progress=False)  # fmt: skip
+    assert str(exc.value) == (
+        f"validation split of {desc} is empty (1 document(s) in all, split by document; "
+        f"{docs}); raise data.val_fraction (--set data.val_fraction=0.1) or add documents"
+    )
+    with pytest.raises(DataError) as exc:
+        prepare_data(DataConfig(source=str(tmp_path / "one.txt"), val_fraction=0.49,
+                                cache_dir=str(tmp_path / "c")), 32, progress=False)  # fmt: skip
+    assert str(exc.value) == (
+        f"no training documents in {desc}: its 1 document(s) all went to the validation split "
+        f"({docs}); lower data.val_fraction or add documents"
+    )
+    # 100 kB of paragraphs: cut at blank lines into documents for both sides, it trains
+    (tmp_path / "many.txt").write_text("\n\n".join([text] * 10).replace("\n", "\n\n"))
+    data = prepare_data(DataConfig(source=str(tmp_path / "many.txt"), val_fraction=0.3,
+                                   cache_dir=str(tmp_path / "c")), 32, progress=False)  # fmt: skip
+    assert data.train_tokens > 0 and data.val_tokens > 0
+
+
 def test_wrong_text_field(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -126,6 +126,24 @@ class Streams:
     description: str
 
 
+#: what the train / validation split divides, for the errors of a split left empty
+_DOCUMENTS = (
+    "a .txt file is one document, or documents of about 8,000 characters cut at its blank lines "
+    "when longer; a .jsonl file has one per line"
+)
+
+
+def _no_training_documents(description: str, n_val: int) -> None:
+    """Raise the DataError of a source with no training document (``n_val`` went to val)."""
+    if n_val == 0:
+        raise DataError(f"no training documents in {description}; check the source and "
+                        "--text-field")  # fmt: skip
+    raise DataError(
+        f"no training documents in {description}: its {n_val} document(s) all went to the "
+        f"validation split ({_DOCUMENTS}); lower data.val_fraction or add documents"
+    )
+
+
 def tokenize_source(
     cfg: DataConfig, source: Source, spec: TokenizerSpec, progress: bool
 ) -> Streams:
@@ -147,10 +165,8 @@ def tokenize_source(
         if cfg.max_train_tokens is not None:
             budget = min(budget, 8 * cfg.max_train_tokens)
         buffer, texts = _bpe_sample(items, budget)
-        if not texts:
-            raise DataError(
-                f"no training documents in {source.description}; check the source and text_field"
-            )
+        if not texts:  # the BPE trains on training documents: none, though maybe val ones
+            _no_training_documents(source.description, sum(1 for v, _ in buffer if v))
         encoder = train_bpe(texts, cfg.vocab_size, progress)
         del texts
         items = itertools.chain(buffer, items)
@@ -172,15 +188,15 @@ def tokenize_source(
         pbar.close()
 
     train, val = col.stream(False), col.stream(True)
+    n_train, n_val = col.docs[False], col.docs[True]
     if train.size == 0:
-        raise DataError(
-            f"no training documents in {source.description}; check the source and text_field"
-        )
+        _no_training_documents(source.description, n_val)
     if val.size == 0:
         raise DataError(
-            f"validation split of {source.description} is empty; raise val_fraction or add data"
+            f"validation split of {source.description} is empty ({n_train} document(s) in all, "
+            f"split by document; {_DOCUMENTS}); raise data.val_fraction "
+            "(--set data.val_fraction=0.1) or add documents"
         )
-    n_train, n_val = col.docs[False], col.docs[True]
     description = (
         f"{source.description}, {n_train + n_val:,} documents "
         f"({n_train:,} train / {n_val:,} val); tokenizer: {encoder.description}"
