@@ -266,7 +266,7 @@ def execute(
     known = list(study.methods) + list(study.controls)
     unknown = [m for m in methods or [] if m not in known]
     if unknown:
-        raise SystemExit(f"--methods: {', '.join(unknown)} not in the study; it has "
+        raise SystemExit(f"error: --methods: {', '.join(unknown)} not in the study; it has "
                          f"{', '.join(known)}")  # fmt: skip
     t0 = time.monotonic()
     results = _read_results(results_path, study)
@@ -432,19 +432,40 @@ def main(argv: list[str] | None = None) -> int:
                 "later `run` goes on with the next ones",
             )  # fmt: skip
         if cmd == "report":
-            p.add_argument("--out", default="docs/QUALITY.md", help="Markdown report")
+            p.add_argument(
+                "--out",
+                help="Markdown report; its plots go to img/ beside it (default, and only for "
+                "the study files under evals/studies/: docs/QUALITY.md, with the parity "
+                "section of evals/results/parity_official_*.json)",
+            )  # fmt: skip
     args = ap.parse_args(argv)
     if args.cmd == "report":
         from evals.quality_report import render
 
-        studies = [(load_study(f), f) for f in args.study]
+        committed = REPO / "evals" / "studies"
+        ours = all(Path(f).resolve().parent == committed for f in args.study)
+        if args.out is None and not ours:
+            raise SystemExit(
+                "error: report: --out is needed for a study outside evals/studies/ (the default, "
+                "docs/QUALITY.md, is the committed studies' report)"
+            )
+        out = REPO / "docs" / "QUALITY.md" if args.out is None else Path(args.out).absolute()
         loaded = []
-        for study, _ in studies:
+        for f in args.study:
+            study = load_study(f)
             path = REPO / (args.results or study.results)
             loaded.append((study, _read_results(path, study)))
-        parity = sorted((REPO / "evals" / "results").glob("parity_official_*.json"))
-        render(loaded, REPO / args.out, parity)
-        print(f"wrote {args.out}")
+        # the parity runs belong to the committed report only
+        parity = (
+            sorted((REPO / "evals" / "results").glob("parity_official_*.json"))
+            if args.out is None
+            else []
+        )
+        command = "python evals/quality.py report " + " ".join(
+            str(shown(Path(f).absolute())) for f in args.study
+        )
+        render(loaded, out, parity, command=command)
+        print(f"wrote {shown(out)}")
         return 0
     study = load_study(args.study)
     results_path = Path(args.results) if args.results else REPO / study.results

@@ -278,21 +278,33 @@ def parity_section(path: Path, img_dir: Path, rel: str) -> list[str]:
     return [*out, "", f"![parity curves]({rel}/{name})", ""]
 
 
-def render(loaded: list[tuple[Study, dict[str, Any]]], out: Path, parity: list[Path] = ()) -> None:
+def render(
+    loaded: list[tuple[Study, dict[str, Any]]],
+    out: Path,
+    parity: list[Path] = (),
+    *,
+    command: str | None = None,
+) -> None:
     """Write the Markdown report ``out`` and its plots (``out.parent / "img"``): one section per
-    study, then one per ``evals/parity_official.py`` results file in ``parity``."""
+    study, then one per ``evals/parity_official.py`` results file in ``parity``. ``command``:
+    the command the header says rendered it (default: the studies' files under evals/studies/).
+    """
+    if command is None:
+        command = "python evals/quality.py report " + " ".join(
+            f"evals/studies/{s.name}.yaml" for s, _ in loaded
+        )
     img = out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
     lines = [
         "# Quality: POET-XQ against tuned baselines",
         "",
-        "Rendered by `python evals/quality.py report " + " ".join(
-            f"evals/studies/{s.name}.yaml" for s, _ in loaded) + "` from the results files named "
+        f"Rendered by `{command}` from the results files named "
         "below; do not edit by hand. The protocol (issue 32): every generic setting is the same "
         "for all methods (the study file's `shared`), each method keeps its authors' own knobs, "
-        "every method gets a learning-rate grid of at least four points, extended past any "
-        "winning edge, chosen on the `tune` split; the final numbers are `test`-split "
-        "perplexities at the chosen setting over three seeds.",
+        "every method gets the study's learning-rate grid (at least four points in the "
+        "committed studies), extended past any winning edge, chosen on the `tune` split; the "
+        "final numbers are `test`-split perplexities at the chosen setting over the study's "
+        "final seeds.",
         "",
     ]  # fmt: skip
     for study, results in loaded:

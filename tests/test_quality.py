@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from evals.quality_plan import load_study, plan_runs, run_id, summarize
+from evals.quality_plan import REPO, load_study, plan_runs, run_id, summarize
 from evals.quality_stats import best_point, decide, extension_points, paired_stats
 from poetxq.data.corpus import (
     CorpusError,
@@ -528,6 +528,24 @@ def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, monkeypatc
     with pytest.raises(SystemExit, match="--methods: qgalore not in the study; it has poetxq"):
         q.execute(study, study_file, Path(study.results), jobs=1, gpus=None, deadline=None,
                   max_runs=None, methods=["qgalore"])  # fmt: skip
+
+
+def test_report_of_an_own_study_needs_out_and_says_its_own_command(tmp_path, corpus):
+    """docs/QUALITY.md is the committed studies' report: another study's report needs --out,
+    names the command that made it and leaves the repository's parity runs out."""
+    from evals.quality import main
+
+    study_file = _study(tmp_path, corpus.folder)
+    before = (REPO / "docs" / "QUALITY.md").read_bytes()
+    with pytest.raises(SystemExit, match="error: report: --out is needed for a study outside"):
+        main(["report", str(study_file)])
+    assert (REPO / "docs" / "QUALITY.md").read_bytes() == before
+    out = tmp_path / "rep" / "report.md"
+    assert main(["report", str(study_file), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert f"Rendered by `python evals/quality.py report {study_file}`" in text
+    assert "## tiny:" in text and "Parity" not in text
+    assert not (out.parent / "img" / "parity_official_60m_h200.png").exists()
 
 
 @pytest.mark.slow
