@@ -960,3 +960,24 @@ def test_the_cli_modules_import_no_cycle():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert "poetxq.tools.cli" not in imported, name
+
+
+def test_a_mistyped_flag_gets_the_command_s_usage_and_the_closest_option(capsys):
+    """argparse alone reports an unknown flag of `poetxq train` against the top-level usage;
+    ours names the command, the closest option and the command's --help."""
+    from poetxq.tools.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--maxsteps", "3", "stray"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: poetxq train ")
+    assert err.strip().splitlines()[-1] == (
+        "poetxq train: error: unrecognized arguments: --maxsteps 3 stray "
+        "(did you mean --max-steps for --maxsteps?); see poetxq train --help"
+    )
+    with pytest.raises(SystemExit):
+        main(["estimate-memory", "--gpumem", "16GB"])
+    assert "(did you mean --gpu-mem for --gpumem?); see poetxq estimate-memory --help" in (
+        capsys.readouterr().err
+    )

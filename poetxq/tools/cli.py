@@ -235,13 +235,35 @@ def _negative_sizes_joined(argv: list[str]) -> list[str]:
     return out
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> None:
+    """Exit 2 with the command's own usage and one error line naming the unknown arguments,
+    the closest option of that command for each mistyped flag, and ``poetxq COMMAND --help``
+    (argparse alone reports them against the top-level usage)."""
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cmd_parser = sub.choices[command]
+    options = [o for a in cmd_parser._actions for o in a.option_strings]
+    hints = []
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and (close := difflib.get_close_matches(flag, options, n=1)):
+            hints.append(f"{close[0]} for {flag}")
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    cmd_parser.error(
+        f"unrecognized arguments: {' '.join(extra)}{hint}; see poetxq {command} --help"
+    )
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = _negative_sizes_joined(list(sys.argv[1:] if argv is None else argv))
     if (bad := _set_without_equals(argv)) is not None:
         print(f"poetxq: error: {bad}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args.command, extra)
     from safetensors import SafetensorError
 
     from poetxq.adapt.fpo import FPOError
