@@ -106,7 +106,7 @@ def add_adapt_parsers(sub: Any) -> None:
     p.add_argument(
         "--layers",
         default="auto",
-        help="auto (the diagnosis' targets) or a comma list, e.g. 20,21,-1",
+        help="auto (the diagnosis' targets; the default) or a comma list, e.g. 20,21,-1",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--steps", type=int, default=100, help="update steps (default 100)")
@@ -131,12 +131,18 @@ def add_adapt_parsers(sub: Any) -> None:
         default="update",
         help="clip the update (default) or the gradient",
     )
-    p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations")
+    p.add_argument(
+        "--eval-every", type=int, default=50, help="steps between evaluations (default 50)"
+    )
     p.add_argument(
         "--eval-batches", type=int, default=8, help="validation batches per evaluation (default 8)"
     )
-    p.add_argument("--save-every", type=int, default=50, help="steps between saved states")
-    p.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
+    p.add_argument(
+        "--save-every", type=int, default=50, help="steps between saved states (default 50)"
+    )
+    p.add_argument(
+        "--log-every", type=int, default=10, help="steps between progress lines (default 10)"
+    )
     p.add_argument(
         "--ood-data",
         metavar="D",
@@ -147,16 +153,16 @@ def add_adapt_parsers(sub: Any) -> None:
         type=int,
         choices=(16, 8, 4),
         default=16,
-        help="precision of every non-target decoder linear: 16 (as loaded), 8 (int8 row-wise) "
-        "or 4 (--quant-type), bitsandbytes layouts, fused dequant-matmul on a GPU; the "
-        "diagnosis runs before, on the dense model",
+        help="precision of every non-target decoder linear: 16 (as loaded; the default), 8 "
+        "(int8 row-wise) or 4 (--quant-type), bitsandbytes layouts, fused dequant-matmul on a "
+        "GPU; the diagnosis runs before, on the dense model",
     )
     p.add_argument(
         "--method",
         choices=("fpo", "sft-partial", "full"),
         default="fpo",
-        help="fpo (forward-only); the autograd references with the same optimizer, clip, data "
-        "and budget: sft-partial (the target MLPs only) or full (every parameter)",
+        help="fpo (forward-only; the default); the autograd references with the same optimizer, "
+        "clip, data and budget: sft-partial (the target MLPs only) or full (every parameter)",
     )
     p.add_argument(
         "--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit code (default nf4)"

@@ -36,8 +36,14 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe key (repeatable)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, help="sequences per micro-batch [train.batch_size]")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence [train.seq_len]")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="sequences per micro-batch [train.batch_size; default: the recipe's]",
+    )
+    p.add_argument(
+        "--seq-len", type=int, help="tokens per sequence [train.seq_len; default: the recipe's]"
+    )
     p.add_argument(
         "--gradient-checkpointing", action="store_true",
         help="whole-layer activation checkpointing [train.gradient_checkpointing]",
