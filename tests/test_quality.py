@@ -461,44 +461,10 @@ rec = {"id": spec["id"], "method": spec["method"], "diverged": None, "tune_ppl":
 """
 
 
-def test_a_run_out_of_gpu_memory_is_requeued_with_fewer_runs_at_a_time(
-    tmp_path, corpus, monkeypatch
-):
-    import subprocess
-    import sys
-
-    import evals.quality as q
-
-    class FakeWorker(q._Worker):
-        def __init__(self, spec, study_file, run_dir, gpu):
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "spec.json").write_text(json.dumps(spec))
-            self.spec, self.run_dir, self.gpu = spec, run_dir, gpu
-            self.log = (run_dir / "worker.log").open("a")
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _FAKE_WORKER, str(run_dir)],
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-            )
-            self.start = q.time.monotonic()
-
-    monkeypatch.setattr(q, "_Worker", FakeWorker)
-    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
-    study = load_study(study_file)
-    lines: list[str] = []
-    results = q.execute(study, study_file, Path(study.results), jobs=4, gpus=None,
-                        deadline=None, max_runs=None, echo=lines.append)  # fmt: skip
-    oom = [ln for ln in lines if ln.startswith("out of GPU memory")]
-    # both adamw runs ran out of memory beside the others, were re-queued, then finished
-    assert len(oom) == 2 and not any(ln.startswith("FAILED") for ln in lines), lines
-    assert "with 4 runs sharing the GPU" in oom[0] and "at most 3 run at a time" in oom[0]
-    assert "at most 2 run at a time" in oom[1]  # 3 sharing after the first: jobs 3 -> 2
-    assert len(results["runs"]) == 4
-    adamw = [r for r in results["runs"].values() if r["method"] == "adamw"]
-    assert [r["tune_ppl"] for r in adamw] == [22.0, 22.0]  # each finished on its second try
-
-
-def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, monkeypatch):
+@pytest.fixture
+def fake_workers(monkeypatch):
+    """``evals.quality`` with its workers replaced by :data:`_FAKE_WORKER` processes (no
+    training: each writes a result.json, or prints an out-of-memory line once)."""
     import subprocess
     import sys
 
@@ -515,6 +481,30 @@ def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, monkeypatc
             self.start = q.time.monotonic()
 
     monkeypatch.setattr(q, "_Worker", FakeWorker)
+    return q
+
+
+def test_a_run_out_of_gpu_memory_is_requeued_with_fewer_runs_at_a_time(
+    tmp_path, corpus, fake_workers
+):
+    q = fake_workers
+    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
+    study = load_study(study_file)
+    lines: list[str] = []
+    results = q.execute(study, study_file, Path(study.results), jobs=4, gpus=None,
+                        deadline=None, max_runs=None, echo=lines.append)  # fmt: skip
+    oom = [ln for ln in lines if ln.startswith("out of GPU memory")]
+    # both adamw runs ran out of memory beside the others, were re-queued, then finished
+    assert len(oom) == 2 and not any(ln.startswith("FAILED") for ln in lines), lines
+    assert "with 4 runs sharing the GPU" in oom[0] and "at most 3 run at a time" in oom[0]
+    assert "at most 2 run at a time" in oom[1]  # 3 sharing after the first: jobs 3 -> 2
+    assert len(results["runs"]) == 4
+    adamw = [r for r in results["runs"].values() if r["method"] == "adamw"]
+    assert [r["tune_ppl"] for r in adamw] == [22.0, 22.0]  # each finished on its second try
+
+
+def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, fake_workers):
+    q = fake_workers
     study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
     study = load_study(study_file)
     results = q.execute(study, study_file, Path(study.results), jobs=1, gpus=None,
