@@ -38,6 +38,9 @@ def test_round_trip_and_overrides(tmp_path):
         parse_override("optim.lr")
     with pytest.raises(RecipeError, match=r"override '=3' has no key before '='"):
         parse_override("=3")
+    with pytest.raises(RecipeError, match=r"'train.max_steps=' has no value after '='"):
+        parse_override("train.max_steps=")
+    assert parse_override("train.max_steps=null") == ("train.max_steps", None)
 
 
 def test_typo_key_names_file_key_and_allowed(tmp_path):

@@ -98,6 +98,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     if not key.strip():
         raise RecipeError(f"override '{text}' has no key before '='; write section.key=value")
+    if not raw.strip():
+        raise RecipeError(
+            f"override '{text}' has no value after '='; write section.key=value "
+            f"(section.key=null for an empty value)"
+        )
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
