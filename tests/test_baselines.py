@@ -19,6 +19,7 @@ from poetxq.baselines import (
     quant_modules,
     summarize_baseline,
 )
+from poetxq.baselines.lowrank import _Blockwise8bit
 from poetxq.baselines.qlinear import dequantize_groupwise, pack_int4, quantize_groupwise
 from poetxq.model.config import ModelConfig
 from poetxq.model.surgery import build_llama
@@ -217,6 +218,33 @@ def test_quantized_one_step_matches_reference(gen, method):
         assert state["exp_avg"].dtype == torch.uint8
         m1 = opt._m8.dequantize(state["exp_avg"], state["exp_avg_absmax"])
         torch.testing.assert_close(m1, (1 - B1) * r, rtol=0, atol=0.02 * (1 - B1) * r.abs().max())
+
+
+def test_8bit_state_map_is_copied_to_each_device_once(gen, monkeypatch):
+    """The 8-bit moments' quantization maps are copied to a device once and kept: a host copy
+    per call blocks the host until the GPU's queue drains (four per matrix per step before)."""
+    store = _Blockwise8bit(signed=True)
+    copies, real_to = [], torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        if self is store.code:
+            copies.append(args)
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    meta = torch.device("meta")  # a device other than the host's, with no kernels needed
+    first, again = store.code_on(meta), store.code_on(meta)
+    assert first is again and first.device == meta and first.shape == store.code.shape
+    assert len(copies) == 1
+    # the optimizer's steps go through code_on: one cached map per device it has seen
+    q = QuantLinear(torch.randn(16, 24, generator=gen) * 0.05, group_size=256)
+    opt = LowRankAdamW([{"params": [q.weight], "method": "galore", "rank": 3, "state_bits": 8}],
+                       lr=LR, quant_modules=[q])  # fmt: skip
+    for _ in range(3):
+        q.float_grad = torch.randn(16, 24, generator=gen)
+        opt.step()
+    assert list(opt._m8._codes) == [torch.device("cpu")] == list(opt._v8._codes)
+    assert torch.equal(opt._m8._codes[torch.device("cpu")], opt._m8.code)
 
 
 TINY_MODEL = ModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=2,

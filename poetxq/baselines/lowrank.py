@@ -81,23 +81,35 @@ def apollo_projection_seed(seed: int, index: int, refresh: int) -> int:
 
 
 class _Blockwise8bit:
-    """bitsandbytes blockwise 8-bit storage of one moment tensor (codes uint8 + absmax fp32)."""
+    """bitsandbytes blockwise 8-bit storage of one moment tensor (codes uint8 + absmax fp32).
+
+    The quantization map (fp32 [256]) is copied to each device once and kept there: a copy from
+    host memory per call is a blocking transfer (the host waits for the GPU's queue to drain), and
+    the optimizer makes four such calls per matrix per step."""
 
     def __init__(self, signed: bool) -> None:
         import bitsandbytes.functional as bnbf
 
         self._f = bnbf
         self.code = bnbf.create_dynamic_map(signed=signed)
+        self._codes: dict[torch.device, torch.Tensor] = {}
+
+    def code_on(self, device: torch.device) -> torch.Tensor:
+        """The quantization map on ``device`` (copied there at the first call only)."""
+        code = self._codes.get(device)
+        if code is None:
+            code = self._codes[device] = self.code.to(device)
+        return code
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q, st = self._f.quantize_blockwise(
-            x.contiguous(), code=self.code.to(x.device), blocksize=STATE_BLOCK
+            x.contiguous(), code=self.code_on(x.device), blocksize=STATE_BLOCK
         )
         return q, st.absmax
 
     def dequantize(self, q: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         return self._f.dequantize_blockwise(
-            q, absmax=absmax, code=self.code.to(q.device), blocksize=STATE_BLOCK
+            q, absmax=absmax, code=self.code_on(q.device), blocksize=STATE_BLOCK
         )
 
 
