@@ -13,17 +13,19 @@ from poetxq.baselines import (
     LowRankAdamW,
     QuantLinear,
     apollo_projection_seed,
-    build_baseline_optimizer,
     optimizer_state_bytes,
-    prepare_baseline,
     quant_modules,
-    summarize_baseline,
 )
 from poetxq.baselines.lowrank import _Blockwise8bit
 from poetxq.baselines.qlinear import dequantize_groupwise, pack_int4, quantize_groupwise
 from poetxq.model.config import ModelConfig
 from poetxq.model.surgery import build_llama
 from poetxq.tools.cli import main
+from poetxq.training.baseline_methods import (
+    build_baseline_optimizer,
+    prepare_baseline,
+    summarize_baseline,
+)
 from poetxq.training.recipe import BaselineConfig, OptimConfig
 
 B1, B2, EPS, LR = 0.9, 0.999, 1e-8, 0.01

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from poetxq.baselines import build_baseline_optimizer, prepare_baseline
 from poetxq.model.layer import POETXLinear
 from poetxq.tools.cli import main
+from poetxq.training.baseline_methods import build_baseline_optimizer, prepare_baseline
 from poetxq.training.checkpoint import (
     CheckpointError,
     decode_state,

@@ -7,15 +7,11 @@ import math
 import pytest
 import torch
 
-from poetxq.baselines import (
-    build_baseline_optimizer,
-    optimizer_state_bytes,
-    prepare_baseline,
-    quant_modules,
-)
+from poetxq.baselines import optimizer_state_bytes, quant_modules
 from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
 from poetxq.tools.estimate_report import format_estimate, parse_bytes
 from poetxq.training import estimate as estimate_mod
+from poetxq.training.baseline_methods import build_baseline_optimizer, prepare_baseline
 from poetxq.training.estimate import EstimateError, estimate_memory
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.optim import build_optimizer

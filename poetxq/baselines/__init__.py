@@ -1,4 +1,5 @@
-"""Baselines trained in the same loop as POET-XQ: AdamW, GaLore, APOLLO, Q-GaLore, Q-APOLLO.
+"""The baselines' update rules, trained in the same loop as POET-XQ: GaLore, APOLLO, Q-GaLore,
+Q-APOLLO (and AdamW, which is torch's).
 
 Our own implementations of the papers' update rules (GaLore arXiv 2403.03507, Q-GaLore
 arXiv 2407.08296, APOLLO arXiv 2412.05270), in two modules:
@@ -8,17 +9,12 @@ arXiv 2407.08296, APOLLO arXiv 2412.05270), in two modules:
   projectors, lazy refresh and 8-bit states, APOLLO's scaling and norm-growth limiter, and the
   in-place re-quantization of int8 weights.
 
-Here: the model preparation (:func:`prepare_baseline`) and the optimizer
-(:func:`build_baseline_optimizer`) for a recipe's ``method``. Embeddings, ``lm_head`` and norms
-always train with plain AdamW, as in the authors' scripts; the ``baseline.target_modules``
-projections are the low-rank (and, for ``qgalore``/``qapollo``, int8) weights.
+They know nothing of recipes: a recipe's ``method`` becomes a prepared model and an optimizer in
+:mod:`poetxq.training.baseline_methods`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
 from torch import nn
 
 from poetxq.baselines.lowrank import (
@@ -33,177 +29,20 @@ from poetxq.baselines.qlinear import (
     quantize_groupwise,
     quantize_linears,
 )
-from poetxq.training.optim import adamw
-from poetxq.training.recipe import BaselineConfig, OptimConfig
 
 __all__ = [
-    "BASELINE_METHODS",
-    "BaselineReport",
     "LowRankAdamW",
     "QuantLinear",
     "apollo_projection_seed",
-    "build_baseline_optimizer",
     "clip_grad_norm_all",
     "dequantize_groupwise",
     "optimizer_state_bytes",
-    "prepare_baseline",
     "quant_modules",
     "quantize_groupwise",
-    "resolved_settings",
-    "summarize_baseline",
+    "quantize_linears",
 ]
-
-BASELINE_METHODS = ("adamw", "galore", "apollo", "qgalore", "qapollo")
-_QUANTIZED = ("qgalore", "qapollo")
-
-
-@dataclass
-class BaselineReport:
-    """What :func:`prepare_baseline` did: the method, its target layers and weight format."""
-
-    method: str
-    targets: list[str] = field(default_factory=list)
-    weight_group_size: int | None = None  # None: float weights
-
-
-def resolved_settings(method: str, cfg: BaselineConfig) -> dict:
-    """The low-rank group keys of ``method`` with the method defaults filled in.
-
-    galore/apollo are the unquantized references: fp32 projector and moments, no lazy refresh.
-
-    Raises:
-        ValueError: ``method`` is not a low-rank method.
-    """
-    if method not in ("galore", "apollo", "qgalore", "qapollo"):
-        raise ValueError(f"{method!r} is not a low-rank method")
-    galore = method in ("galore", "qgalore")
-    scale = cfg.scale if cfg.scale is not None else (0.25 if galore else 1.0)
-    return {
-        "method": "galore" if galore else "apollo",
-        "rank": cfg.rank,
-        "update_proj_gap": cfg.update_proj_gap,
-        "scale": scale,
-        "scale_type": cfg.scale_type,
-        "norm_growth_limit": cfg.norm_growth_limit,
-        "proj_bits": cfg.proj_bits if method == "qgalore" else 32,
-        "proj_group_size": cfg.proj_group_size,
-        "state_bits": cfg.state_bits if method == "qgalore" else 32,
-        "lazy": cfg.lazy_update if method == "qgalore" else False,
-        "cos_threshold": cfg.cos_threshold,
-        "gamma_proj": cfg.gamma_proj,
-        "queue_size": cfg.queue_size,
-        "seed": cfg.seed,
-    }
-
-
-def prepare_baseline(model: nn.Module, method: str, cfg: BaselineConfig) -> BaselineReport:
-    """Get ``model`` ready for ``method``: swap the targets for ``QuantLinear`` if quantized.
-
-    The model keeps its transformers initialisation (normal, std ``initializer_range``), as in
-    the authors' scripts; int8 weights are its round-to-nearest quantization.
-
-    Raises:
-        ValueError: unknown method or no target module.
-    """
-    if method not in BASELINE_METHODS:
-        raise ValueError(f"unknown baseline method {method!r}; choose one of {BASELINE_METHODS}")
-    report = BaselineReport(method)
-    if method in _QUANTIZED:
-        g = cfg.weight_group_size or (256 if method == "qgalore" else 128)
-        report.targets = quantize_linears(
-            model, cfg.target_modules, group_size=g, stochastic_round=cfg.stochastic_round
-        )
-        report.weight_group_size = g
-    else:
-        report.targets = [
-            name
-            for name, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and name.rsplit(".", 1)[-1] in cfg.target_modules
-        ]
-        if not report.targets:
-            raise ValueError(f"no nn.Linear named one of {cfg.target_modules} found in the model")
-    return report
 
 
 def quant_modules(model: nn.Module) -> list[QuantLinear]:
     """All :class:`QuantLinear` layers of ``model`` in module order."""
     return [m for m in model.modules() if isinstance(m, QuantLinear)]
-
-
-def build_baseline_optimizer(
-    model: nn.Module, report: BaselineReport, cfg: BaselineConfig, optim: OptimConfig
-) -> torch.optim.Optimizer:
-    """The optimizer of ``report.method`` over ``model`` (prepared by :func:`prepare_baseline`).
-
-    ``adamw``: ``torch.optim.AdamW`` with groups ``decay`` (≥ 2-D) and ``no_decay`` (1-D).
-    Others: :class:`LowRankAdamW` with a ``lowrank`` group (the targets' weights) plus ``decay``
-    and ``no_decay`` AdamW groups. All groups use ``optim.lr`` (one lr, as in the authors'
-    scripts); each group's ``initial_lr`` is set for the scheduler.
-    """
-    targets = {id(model.get_submodule(n).weight) for n in report.targets}
-    lowrank, decay, no_decay = [], [], []
-    for p in model.parameters():
-        if id(p) in targets and report.method != "adamw":
-            lowrank.append(p)
-        elif not p.requires_grad:
-            continue
-        elif p.dim() >= 2:
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    wd = optim.weight_decay
-    groups = []
-    if lowrank:
-        groups.append({"name": "lowrank", "params": lowrank, "lr": optim.lr, "weight_decay": wd,
-                       **resolved_settings(report.method, cfg)})  # fmt: skip
-    groups.append({"name": "decay", "params": decay, "lr": optim.lr, "weight_decay": wd})
-    groups.append({"name": "no_decay", "params": no_decay, "lr": optim.lr, "weight_decay": 0.0})
-    groups = [g for g in groups if g["params"]]
-    for g in groups:
-        g["initial_lr"] = g["lr"]
-    if report.method == "adamw":
-        return adamw(groups, betas=optim.betas, eps=optim.eps)
-    return LowRankAdamW(groups, betas=optim.betas, eps=optim.eps,
-                        quant_modules=quant_modules(model), rounding_seed=cfg.seed)  # fmt: skip
-
-
-def summarize_baseline(model: nn.Module, report: BaselineReport, cfg: BaselineConfig) -> str:
-    """Multi-line summary: method, target layers, weight format, trainable parameters.
-
-    Trainable means updated by the optimizer every step, as for the POET methods
-    (:func:`poetxq.model.surgery.summarize`): for Q-GaLore / Q-APOLLO the int8 weights count, as
-    the float weights of GaLore / APOLLO do, although they are ``requires_grad=False`` codes
-    (:class:`~poetxq.baselines.qlinear.QuantLinear`: the optimizer dequantizes, updates and
-    re-quantizes them in place); the line names the two kinds.
-    """
-    qs = quant_modules(model)
-    lines = [f"baseline {report.method}: {len(report.targets)} target linear layers"]
-    if report.method != "adamw":
-        s = resolved_settings(report.method, cfg)
-        lines.append(
-            f"  {s['method']} rank {s['rank']}, update_proj_gap {s['update_proj_gap']}, "
-            f"scale {s['scale']}"
-            + (f", scale_type {s['scale_type']}" if s["method"] == "apollo" else "")
-            + (", INT4 projector" if s["proj_bits"] == 4 else "")
-            + (", 8-bit Adam states" if s["state_bits"] == 8 else "")
-            + (", lazy subspace refresh" if s["lazy"] else "")
-        )
-    if qs:
-        n = sum(q.weight.numel() for q in qs)
-        b = sum(q.nbytes() for q in qs)
-        rnd = "stochastic" if cfg.stochastic_round else "nearest"
-        lines.append(
-            f"  int8 weights (group {report.weight_group_size}, asymmetric, {rnd} rounding): "
-            f"{n:,} weights in {b / 2**20:.2f} MiB ({b / max(n, 1):.3f} bytes/weight)"
-        )
-    floats = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if qs:
-        n = sum(q.weight.numel() for q in qs)
-        lines.append(
-            f"  trainable: {n + floats:,} parameters = {n:,} int8 weights (updated in place by "
-            f"{report.method} every step: dequantized, updated, re-quantized; no autograd "
-            f"gradient) + {floats:,} float (the unquantized rest: embeddings, lm_head, norms)"
-        )
-    else:
-        lines.append(f"  trainable: {floats:,} float parameters")
-    return "\n".join(lines)

@@ -170,8 +170,8 @@ def build_model_and_optimizer(
     (:func:`poetxq.training.build.build_for_training`: on CUDA with meta init, no CPU copy;
     ``meta_init`` overrides that choice). ``kernels``: the POET layers' kernel policy (default
     :func:`quant_kernels.policy.default_policy`)."""
-    from poetxq.baselines import build_baseline_optimizer
     from poetxq.model.relayout import relayout_if_wanted
+    from poetxq.training.baseline_methods import build_baseline_optimizer
     from poetxq.training.build import build_for_training
     from poetxq.training.optim import build_optimizer
 

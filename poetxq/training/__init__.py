@@ -3,7 +3,8 @@
 * option resolution — :mod:`~poetxq.training.recipe` (the recipe schema and every check of how
   its options combine), :mod:`~poetxq.training.recipe_files` (YAML files, composition,
   overrides), :mod:`~poetxq.training.precision` (fp32 / autocast / bf16-true);
-* building — :mod:`~poetxq.training.build` (the model a recipe asks for, on its device);
+* building — :mod:`~poetxq.training.build` (the model a recipe asks for, on its device),
+  :mod:`~poetxq.training.baseline_methods` (a baseline method's model, optimizer and summary);
 * the step engine — :mod:`~poetxq.training.optim` (POET AdamW, merges, schedule),
   :mod:`~poetxq.training.loss` (plain or chunked cross-entropy), :mod:`~poetxq.training.lowmem`
   (activation checkpointing and offload, optimizer in backward),

@@ -5,11 +5,11 @@
 * **classic** (CPU runs, and runs from a ``--model`` checkpoint): transformers builds the Llama
   in fp32 on the CPU with its random init of every weight, or loads the checkpoint there
   (:func:`poetxq.training.build.build_model`); then :func:`~poetxq.model.surgery.convert_to_poetx`
-  draws ``W0`` (or keeps the checkpoint's weights), or :func:`~poetxq.baselines.prepare_baseline`
-  prepares the dense linears. On the CPU these are exactly the calls CPU runs always made: same
-  RNG streams, same numbers. On CUDA each layer's ``W0`` is quantized on the device and the rest
-  of the model moved there (a checkpoint is not loaded onto the GPU in fp32: a 24 GB GPU could
-  not hold an 8B model that way).
+  draws ``W0`` (or keeps the checkpoint's weights), or
+  :func:`~poetxq.training.baseline_methods.prepare_baseline` prepares the dense linears. On the
+  CPU these are exactly the calls CPU runs always made: same RNG streams, same numbers. On CUDA
+  each layer's ``W0`` is quantized on the device and the rest of the model moved there (a
+  checkpoint is not loaded onto the GPU in fp32: a 24 GB GPU could not hold an 8B model that way).
 * **meta init** (CUDA runs from scratch): the Llama is built with its parameters on the meta
   device (:func:`~poetxq.model.surgery.build_empty_llama`: no memory, no init; buffers such as the
   rotary ``inv_freq`` real, computed on the CPU as in the classic way). POET methods replace the
@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from poetxq.baselines import BaselineReport, prepare_baseline, summarize_baseline
 from poetxq.model.fuse import fuse_elementwise, fuse_wanted
 from poetxq.model.pretrained import (
     PretrainedError,
@@ -61,6 +60,7 @@ from poetxq.model.surgery import (
     materialize_meta_parameters,
     summarize,
 )
+from poetxq.training.baseline_methods import BaselineReport, prepare_baseline, summarize_baseline
 from poetxq.training.cudagraph import graph_wanted
 from poetxq.training.precision import cast_parameters, run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe
@@ -166,12 +166,13 @@ def _sync(device: torch.device) -> None:
 def _prepare_baseline_layerwise(
     model: nn.Module, recipe: Recipe, device: torch.device
 ) -> BaselineReport:
-    """Materialize and prepare (:func:`~poetxq.baselines.prepare_baseline`) one decoder layer of
-    a meta-built Llama at a time, so a quantized baseline (qgalore, qapollo) never holds the dense
-    fp32 decoder on the device: only the layer being quantized.
+    """Materialize and prepare (:func:`~poetxq.training.baseline_methods.prepare_baseline`) one
+    decoder layer of a meta-built Llama at a time, so a quantized baseline (qgalore, qapollo)
+    never holds the dense fp32 decoder on the device: only the layer being quantized.
 
     Returns:
-        The report :func:`~poetxq.baselines.prepare_baseline` gives for the whole model.
+        The report :func:`~poetxq.training.baseline_methods.prepare_baseline` gives for the whole
+        model.
     """
     targets: list[str] = []
     group_size = None

@@ -118,7 +118,7 @@ def side_blocks(dim: int, b: int) -> tuple[int, int, bool]:
 
 def lowrank_state_bytes(m: int, n: int, recipe: Recipe) -> int:
     """Bytes LowRankAdamW keeps for one ``[m, n]`` low-rank weight after its first step."""
-    from poetxq.baselines import resolved_settings
+    from poetxq.training.baseline_methods import resolved_settings
 
     s = resolved_settings(recipe.method, recipe.baseline)
     r = min(s["rank"], m, n)

@@ -58,7 +58,8 @@ Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qap
 
 
 class BaselineConfig(Section):
-    """Settings of the non-POET methods (GaLore, Q-GaLore, APOLLO; :mod:`poetxq.baselines`).
+    """Settings of the non-POET methods (GaLore, Q-GaLore, APOLLO;
+    :mod:`poetxq.training.baseline_methods`).
 
     ``None`` means the method's default: ``scale`` 0.25 for galore/qgalore and 1.0 for
     apollo/qapollo; ``weight_group_size`` 256 for qgalore and 128 for qapollo.

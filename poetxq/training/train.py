@@ -33,7 +33,6 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, set_seed
 from tqdm.auto import tqdm
 
-from poetxq.baselines import build_baseline_optimizer
 from poetxq.data import TokenData, check_data, prepare_data, unigram_perplexity
 from poetxq.model.diagnostics import (
     DRIFT_WARNING,
@@ -45,6 +44,7 @@ from poetxq.model.relayout import relayout_if_wanted
 from poetxq.model.surgery import poet_layers
 from poetxq.paths import RUN_LOCK
 from poetxq.text import count
+from poetxq.training.baseline_methods import build_baseline_optimizer
 from poetxq.training.build import build_for_training
 from poetxq.training.checkpoint import (
     CHECKPOINT_DIR,
