@@ -170,7 +170,7 @@ def test_adopt_replaces_a_stem_s_file_and_the_readme_table_follows(headline, tmp
     assert not (results / old).exists()
     assert headline.current("throughput_1b", results) == "throughput_1b_h200_bbbbbbb.json"
     assert not (results / "unrelated_h200_bbbbbbb.json").exists()
-    assert headline.current("throughput_3b", results) == "throughput_3b_h200_90a76c3.json"
+    assert headline.current("throughput_3b", results) == "throughput_3b_h200_685c4b3.json"
     assert (results / "kernel_targets_h200_bbbbbbb.md").is_file()
     assert not (results / "kernel_targets_h200_7857f3d.md").exists()
     assert (
@@ -183,7 +183,7 @@ def test_adopt_replaces_a_stem_s_file_and_the_readme_table_follows(headline, tmp
     readme = render.render_readme((REPO / "README.md").read_text())
     assert "1B [0.99 / 0.91](evals/results/throughput_1b_h200_bbbbbbb.json)" in readme
     assert old not in readme and "kernel_targets_h200_7857f3d" not in readme
-    assert "3B [0.84 / 0.85](evals/results/throughput_3b_h200_90a76c3.json)" in readme
+    assert "3B [0.85 / 0.86](evals/results/throughput_3b_h200_685c4b3.json)" in readme
 
 
 def test_readme_table_rendered_from_today_s_files_is_the_committed_one():
