@@ -234,6 +234,36 @@ def test_bf16_model_keeps_fp32_masters_and_rounds_the_weights_from_them():
     assert torch.equal(adapter.params[key], adapter.masters[key].to(torch.bfloat16))
 
 
+def test_bf16_pseudo_grads_take_bf16_matmuls_and_match_float64():
+    """In a bf16 model the four MLP matmuls run on bf16 operands (their results are bf16 numbers,
+    returned as fp32), and the pseudo-gradients match a float64 computation on the same inputs
+    to bf16 precision."""
+    gen = torch.Generator().manual_seed(5)
+    n, d, f = 40, 32, 48
+    x, a, b = (torch.randn(2, n // 2, k, generator=gen).to(torch.bfloat16) for k in (d, f, f))
+    g_tilde = torch.randn(2, n // 2, d, generator=gen) / n
+    w3 = torch.randn(d, f, generator=gen) * 0.1
+    got = mlp_pseudo_grads(x, a, b, g_tilde, w3)
+    ref = mlp_pseudo_grads(x.double(), a.double(), b.double(), g_tilde.double(), w3.double())
+    for name in MLP_PROJS:
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], got[name].to(torch.bfloat16).float()), name
+        _close(got[name].double(), ref[name], rtol=2e-2)
+
+
+def test_bf16_model_signal_and_grads_match_its_float64_copy():
+    """The whole FPO gradient of a bf16 model (bf16 head matmuls, fp32 softmax and norm VJP)
+    agrees with the same weights in float64 to bf16 precision."""
+    model = _tiny(n_layers=2, dtype=torch.bfloat16)
+    ref_model = _tiny(n_layers=2, dtype=torch.bfloat16).double()
+    ids, labels = _batch()
+    got, stats = FPOAdapter(model, [1], lr=1e-3).pseudo_grads(ids, labels)
+    ref, ref_stats = FPOAdapter(ref_model, [1], lr=1e-3).pseudo_grads(ids, labels)
+    assert abs(stats.loss - ref_stats.loss) < 1e-2 * ref_stats.loss
+    for name in MLP_PROJS:
+        _close(got[1, name].double(), ref[1, name], rtol=5e-2)
+
+
 def test_fpo_steps_lower_the_loss_on_a_fixed_batch():
     model = _tiny(n_layers=3, dtype=torch.float32)
     ids, labels = _batch(b=4, length=16)

@@ -19,6 +19,13 @@ the hidden-space error. For the last block they are the exact loss gradient at s
 them anyway); ``h_mid`` is recomputed from them in fp32 or wider. Nothing here builds an autograd
 graph: the step runs under ``torch.no_grad`` and every parameter has ``requires_grad=False``.
 
+Precision: the matmuls (the LM head's two in :func:`poetxq.adapt.signal.residual_signal`, the
+four here) take their operands in the model's own dtype and return fp32, as autograd's matmuls
+in a bf16 model do (tensor cores, fp32 accumulation); the element-wise parts (softmax, the RMSNorm
+VJP, the SwiGLU derivatives) run in fp32 or wider. An fp32 or float64 model computes everything
+in its own dtype. (In fp32 throughout, a 1B model's FPO step on an H200 spent two thirds of its
+time in fp32 GEMMs without tensor cores and ran no faster than full fine-tuning.)
+
 Choices where the paper is not explicit (documented and tested):
 
 * relative clipping at ``clip`` (1 %) is per tensor, on the *update* by default: after the
@@ -173,17 +180,22 @@ def mlp_pseudo_grads(
             f"g_tilde {tuple(g_tilde.shape)}, w3_init {tuple(w3_init.shape)}"
         )
     dtype = torch.promote_types(g_tilde.dtype, torch.float32)
+    gemm = x.dtype  # the matmuls' operands: the model's own precision (module docstring)
+
+    def mm(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return (p.to(gemm) @ q.to(gemm)).to(dtype)
+
     g = g_tilde.reshape(-1, d).to(dtype)
-    x2 = x.reshape(-1, d).to(dtype)
+    x2 = x.reshape(-1, d)
     a2, b2 = a.reshape(-1, f).to(dtype), b.reshape(-1, f).to(dtype)
     sig = torch.sigmoid(a2)
     silu = a2 * sig
-    error_h = g @ w3_init.to(dtype)  # [N, F]: the error at h_mid through W3_init
+    error_h = mm(g, w3_init)  # [N, F]: the error at h_mid through W3_init
     d_silu = sig * (1 + a2 * (1 - sig))
     return {
-        "gate_proj": (error_h * b2 * d_silu).T @ x2,
-        "up_proj": (error_h * silu).T @ x2,
-        "down_proj": g.T @ (silu * b2),
+        "gate_proj": mm((error_h * b2 * d_silu).T, x2),
+        "up_proj": mm((error_h * silu).T, x2),
+        "down_proj": mm(g.T, silu * b2),
     }
 
 

@@ -150,22 +150,24 @@ def residual_signal(
     if labels.shape != (b, l):
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     dtype = torch.promote_types(hidden.dtype, torch.float32)
+    gemm = hidden.dtype  # the head's two matmuls run in the model's precision, as autograd's do
     eps = norm_eps(norm)
     flat_h, flat_y = hidden.reshape(-1, d), labels.reshape(-1)
     g_tilde = torch.empty(b * l, d, dtype=dtype, device=hidden.device)
     loss_sum, n_total = 0.0, 0
-    w = lm_weight.to(dtype)
+    w = lm_weight.to(gemm)
     with torch.no_grad():
         for start in range(0, b * l, chunk_tokens):
             h = flat_h[start : start + chunk_tokens]
             y = flat_y[start : start + chunk_tokens]
-            z = norm.forward(h).to(dtype) @ w.T  # forward: no module hooks
+            z = (norm.forward(h).to(gemm) @ w.T).to(dtype)  # forward: no module hooks
             e, n = output_error(z.unsqueeze(0), y.unsqueeze(0), ignore_index)
             valid = y != ignore_index
             zy = z.gather(-1, torch.where(valid, y, 0).unsqueeze(-1)).squeeze(-1)
             loss_sum += float(((torch.logsumexp(z, -1) - zy) * valid).sum())
             n_total += n
-            g_tilde[start : start + len(h)] = rmsnorm_vjp(h, norm.weight, eps, e[0] @ w)
+            g = (e[0].to(gemm) @ w).to(dtype)
+            g_tilde[start : start + len(h)] = rmsnorm_vjp(h, norm.weight, eps, g)
     if n_total == 0:
         raise ValueError("no labelled position: every label is the ignore index")
     g_tilde /= n_total
