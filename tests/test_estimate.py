@@ -108,6 +108,7 @@ METHOD_CASES = [
     ("adamw", {}), ("galore", {}), ("apollo", {}), ("qgalore", {}), ("qapollo", {}),
     ("qgalore", {"baseline.proj_bits": 32, "baseline.state_bits": 32}),
     ("poetxq", {"optim.state_bits": 8, "poet.block_size": 64}),  # Q of 2016 and 6048 entries
+    ("poetxq", {"poet.structure": "full"}),  # POET-FS: every block but one masked
 ]  # fmt: skip
 
 
@@ -127,6 +128,12 @@ def test_parameter_and_state_bytes_equal_a_built_model_after_one_step(method, ov
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert est.frozen_weights == frozen
     assert est.buffers == buffers
+    sides = [side for layer in layers for side in (layer.P, layer.R)]
+    q_ids = {id(side.Q) for side in sides}
+    counted = sum(side.num_trainable() for side in sides)  # masked entries do not train
+    counted += sum(p.numel() for p in trainable if id(p) not in q_ids)
+    counted += sum(q.weight.numel() for q in qmods)  # int8 weights, updated in place
+    assert est.num_trainable == counted
     assert est.trainable_params == sum(p.nbytes for p in trainable)
     loss = causal_lm_loss(model, torch.randint(0, V, (2, 17)))
     loss.backward()

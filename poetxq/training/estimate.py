@@ -89,6 +89,7 @@ from poetxq.training.estimate_terms import (
     lowrank_state_bytes,
     projections,
     side_blocks,
+    trained_entries,
 )
 from poetxq.training.loss import SLICE_BYTES
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label
@@ -131,7 +132,7 @@ class MemoryEstimate:
     workspace: int
     optimizer_transient: int
     lm_head_grad: int
-    num_trainable: int
+    num_trainable: int  # numbers that train (masked entries of Q excluded; int8 weights count)
     num_frozen: int
     layer_activations: int = 0  # saved by one decoder layer (no checkpointing)
     head_activations: int = 0  # embeddings, rotary tables, final norm, lm_head input
@@ -327,9 +328,12 @@ def estimate_memory(
                 q_bytes += q_numel * p
                 grads += q_numel * p
                 states += adam_states(q_numel)
-                n_train += q_numel
+                n_train += trained_entries(dim, b, pc.structure)
                 n_tensors += 1
-                buffers += 2 * 8 * dim + (q_numel * p if ragged else 0)
+                # perm + inv_perm (int64); a mask of Q where entries are held at zero (a ragged
+                # last block's padding, or every block but one for POET-FS)
+                masked = ragged or pc.structure == "full"
+                buffers += 2 * 8 * dim + (q_numel * p if masked else 0)
                 # the blocks G in the compute dtype, saved by the layer; the CNP saves only its
                 # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks

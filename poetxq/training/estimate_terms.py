@@ -116,6 +116,17 @@ def side_blocks(dim: int, b: int) -> tuple[int, int, bool]:
     return nb, b * (b - 1) // 2, dim % b != 0
 
 
+def trained_entries(dim: int, b: int, structure: str = "block") -> int:
+    """Entries of ``Q`` that train on one side (:meth:`OrthogonalSide.num_trainable`): every block's
+    ``b(b−1)/2``, a ragged last block's ``r(r−1)/2`` (``r`` real coordinates), or with
+    ``structure="full"`` (POET-FS) one block's."""
+    nb, per, ragged = side_blocks(dim, b)
+    if structure == "full":
+        return per
+    r = dim - (nb - 1) * b
+    return (nb - 1) * per + r * (r - 1) // 2 if ragged else nb * per
+
+
 def lowrank_state_bytes(m: int, n: int, recipe: Recipe) -> int:
     """Bytes LowRankAdamW keeps for one ``[m, n]`` low-rank weight after its first step."""
     from poetxq.training.baseline_methods import resolved_settings
