@@ -272,6 +272,18 @@ def test_validate_says_when_a_file_names_no_model(capsys):
     assert len(lines) == 4 and "note" not in lines[2] + lines[3]
 
 
+def test_the_no_model_note_suggests_a_method_that_exists(tmp_path, capsys):
+    """A file that is not one of recipes/methods/ gets its recipe's method in the example, not
+    its own file name (``llama-60m:b63`` names no method file)."""
+    from poetxq.tools.cli import main
+
+    f = tmp_path / "b63.yaml"
+    f.write_text("poet: {block_size: 63}\n")
+    assert main(["validate", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "(e.g. llama-60m:poetxq)" in out and "b63)" not in out
+
+
 def test_a_shipped_recipe_path_from_another_folder_names_the_shipped_file(tmp_path, monkeypatch):
     """``recipes/tiny/qgalore.yaml`` run outside the checkout: the error points at the shipped
     file; a path that names no shipped recipe keeps the plain fix."""

@@ -29,7 +29,7 @@ from poetxq.tools.cli_common import (
 )
 from poetxq.tools.cli_train import add_train_parsers, run_train
 from poetxq.training.recipe import POET_METHODS, RecipeError
-from poetxq.training.recipe_files import load_recipe, parse_override
+from poetxq.training.recipe_files import load_recipe, parse_override, recipes_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,10 +122,13 @@ def _run_validate(args: argparse.Namespace) -> int:
             print(f"{path}: note: {note}")
         # the keys the files and overrides gave (pydantic's record), not the defaults
         if {"model", "name"}.isdisjoint(recipe.model_fields_set):  # e.g. a method file alone
+            # the example names a method file of recipes/methods/: this file's, else its method's
+            stem = Path(path).stem
+            method = stem if (recipes_dir() / "methods" / f"{stem}.yaml").is_file() else None
             print(
                 f"{path}: note: it names no model, so the embedded tiny model's defaults fill in; "
-                f"give one with MODEL:METHOD (e.g. llama-60m:{Path(path).stem}) or a file whose "
-                "base lists a model file"
+                f"give one with MODEL:METHOD (e.g. llama-60m:{method or recipe.method}) or a "
+                "file whose base lists a model file"
             )
     return 2 if bad else 0
 
