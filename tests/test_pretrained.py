@@ -142,7 +142,9 @@ def test_unreachable_hub_id_is_one_error(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("case", ["missing", "no-config", "adamw", "gpt2", "run-dir"])
+@pytest.mark.parametrize(
+    "case", ["missing", "no-config", "adamw", "gpt2", "run-dir", "baseline-run-dir"]
+)
 def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     from transformers import GPT2Config
 
@@ -151,9 +153,14 @@ def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     run.mkdir()
     for name in ("recipe.yaml", "metrics.jsonl", "config.json"):
         (run / name).write_text("{}")
+    base_run = tmp_path / "qgalore-run"  # a baseline's run: export does not take it
+    base_run.mkdir()
+    for name in ("metrics.jsonl", "config.json"):
+        (base_run / name).write_text("{}")
+    (base_run / "recipe.yaml").write_text("method: qgalore\n")
     model = {"missing": str(tmp_path / "nope"), "no-config": str(tmp_path),
              "adamw": str(checkpoint), "gpt2": str(tmp_path / "gpt2"),
-             "run-dir": str(run)}[case]  # fmt: skip
+             "run-dir": str(run), "baseline-run-dir": str(base_run)}[case]  # fmt: skip
     extra = ["--method", "adamw"] if case == "adamw" else []
     code = main(["quantize-and-train", *RUN, "--model", model, *extra,
                  "--output-dir", str(tmp_path / "o")])  # fmt: skip
@@ -161,7 +168,9 @@ def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     msg = _one_error(capsys)
     assert {"missing": "not an existing directory", "no-config": "config.json",
             "adamw": "poetxq and poetx", "gpt2": "Llama-family",
-            "run-dir": "is a poetxq run directory, not a Hugging Face checkpoint; export it"}[
+            "run-dir": "is a poetxq run directory, not a Hugging Face checkpoint; export it",
+            "baseline-run-dir": "of method 'qgalore', not a Hugging Face checkpoint, and only "
+            "poetxq / poetx runs export to one"}[
         case] in msg  # fmt: skip
     assert not (tmp_path / "o").exists()
 
