@@ -91,11 +91,16 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
         (_adapt_argv(checkpoint, tmp_path / "b", "--layers", "9", "--lr", "1e-3"), "layer 9"),
         (_adapt_argv(checkpoint, tmp_path / "c", "--layers", "1", "--lr", "1e-3", "--resume"),
          "nothing to resume"),
+        (_adapt_argv(checkpoint, tmp_path / "d", "--resume"), "nothing to resume"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--lr", "-1"), "--lr must be positive"),
     ]  # fmt: skip
     for argv, expected in cases:
         assert main(argv) == 2
-        err = capsys.readouterr().err.strip().splitlines()
+        out, err = capsys.readouterr()
+        err = err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("poetxq: error: ") and expected in err[0], err
+        assert out.strip() == "", out  # refused before loading, diagnosing or writing anything
+    assert not any((tmp_path / name).exists() for name in "abcde")
 
 
 def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(

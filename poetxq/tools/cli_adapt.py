@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from poetxq.adapt.fpo import FPOError, check_layers
+from poetxq.adapt.loop import STATE_DIR
 from poetxq.tools.cli_common import check_output_file
 
 ADAPT_COMMANDS: tuple[str, ...] = ("fpo-diagnose", "fpo-adapt")
@@ -286,6 +287,14 @@ def run_adapt(args: argparse.Namespace) -> int:
             raise FPOError(
                 f"--out '{out_dir}' is not empty; pass --resume to continue it or another DIR"
             )
+        # before the minutes of loading and diagnosis (and before any folder is made)
+        if args.resume and not (out_dir / STATE_DIR / "state.json").is_file():
+            raise FPOError(
+                f"nothing to resume in '{out_dir}' (no {STATE_DIR}/state.json); drop --resume "
+                "to start a new adaptation there"
+            )
+        if args.lr is not None and not args.lr > 0:
+            raise FPOError(f"--lr must be positive, got {args.lr}")
     else:
         for flag, value in (("--out", args.out), ("--plot", args.plot)):
             if value:
