@@ -91,6 +91,22 @@ def test_bf16_true_is_refused_for_the_int8_baselines():
     load_recipe("llama-60m:adamw", {"train.precision": "bf16-true"})  # accepted
 
 
+def test_estimate_memory_refuses_a_precision_train_refuses(capsys):
+    """--precision bf16-true for a method train refuses it for is the same one-line error, not an
+    estimate of a run that cannot start; a precision set by the memory plan is named as such."""
+    assert (
+        main(["estimate-memory", "--recipe", "llama-8b:qgalore", "--precision", "bf16-true"]) == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("poetxq: error: --precision bf16-true: ")
+    assert "applies to poetxq, poetx and adamw, not qgalore" in err[0]
+    argv = ["estimate-memory", "--recipe", "llama-8b:poetxq", "--memory", "lowest"]
+    assert main([*argv, "--precision", "fp32"]) == 0
+    assert "train.precision bf16-true (the lowest memory plan's) runs on a GPU (bf16-true)" in (
+        capsys.readouterr().out
+    )
+
+
 def test_estimate_memory_reads_the_precision_from_the_recipe(capsys):
     base = ["estimate-memory", "--recipe", "llama-60m:poetxq"]
     assert main([*base, "--set", "train.precision=bf16-true"]) == 0

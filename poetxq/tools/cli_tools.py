@@ -55,6 +55,25 @@ def _recipe_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _check_precision_applies(recipe: Any, precision: str) -> None:
+    """Refuse ``--precision`` where ``train`` would refuse ``train.precision`` for the recipe's
+    method (the recipe's own validation, so the rule has one home).
+
+    Raises:
+        EstimateError: the message ``train`` gives.
+    """
+    from pydantic import ValidationError
+
+    tree = recipe.model_dump()
+    tree["train"]["precision"] = precision
+    try:
+        type(recipe).model_validate(tree)
+    except (ValidationError, ValueError) as exc:
+        errors = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
+        msg = str(errors[0]["msg"]).removeprefix("Value error, ")
+        raise EstimateError(f"--precision {precision}: {msg}") from None
+
+
 def _estimate_precision(text: str) -> str:
     """``estimate-memory --precision``: a run precision
     (:data:`poetxq.training.estimate_terms.PRECISIONS`). ``bf16`` is refused by name: as
@@ -221,10 +240,15 @@ def run_tool(args: argparse.Namespace) -> int:
             print(choice.line())
         runs = run_precision(recipe.train, "cuda")
         precision = args.precision or runs
+        if precision == "bf16-true" and runs != "bf16-true":  # train's own check of the method
+            _check_precision_applies(recipe, precision)
         if precision != runs:
+            planned = written.train.precision != recipe.train.precision  # set by the memory plan
             print(
                 f"note: --precision {precision} estimates another setting than the recipe's "
-                f"train.precision {recipe.train.precision} runs on a GPU ({runs})"
+                f"train.precision {recipe.train.precision}"
+                + (f" (the {choice.name} memory plan's)" if planned else "")
+                + f" runs on a GPU ({runs})"
             )
         vocab = args.vocab_size
         if recipe.model.pretrained is not None:  # a --model checkpoint: its own shape
