@@ -202,7 +202,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--data",
         metavar="SOURCE",
-        help="'embedded' (default: Shakespeare + KJV Bible), a local file/dir/glob "
+        help="'embedded' (default: Shakespeare + KJV Bible), 'pydoc' (Python's own "
+        "documentation, 78 topics), a local file/dir/glob "
         "(.txt .jsonl .json .json.gz .parquet) or hf:<dataset> [data.source]; a non-hf "
         "source clears data.hf_config and data.hf_val_split",
     )
