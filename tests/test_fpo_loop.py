@@ -50,3 +50,23 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     for (layer, proj), master in whole.masters.items():
         weight = getattr(loaded.model.layers[layer].mlp, proj).weight
         assert torch.equal(weight, master)
+
+
+def test_a_resume_without_the_ood_data_says_it_measures_none(tmp_path):
+    """A run that tracked out-of-domain perplexity, resumed without --ood-data: one note says
+    the comparison stops (summary.json's last evaluation has no ood_ppl)."""
+    train, val, ood = _windows(7, 1), _windows(3, 2), _windows(3, 3)
+    cfg = dict(batch_size=2, eval_every=0, eval_batches=1, save_every=1, log_every=1)
+    quiet = lambda _s: None  # noqa: E731
+    adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=1, **cfg),
+          tmp_path, ood_val=ood, echo=quiet)  # fmt: skip
+    said: list[str] = []
+    summary = adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=2, **cfg),
+                    tmp_path, resume=True, echo=said.append)  # fmt: skip
+    notes = [line for line in said if line.startswith("note:")]
+    assert len(notes) == 1 and "without it this session measures none" in notes[0]
+    assert "ood_ppl" in summary["first"] and "ood_ppl" not in summary["last"]
+    said.clear()  # with the same --ood-data again: no note
+    adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=3, **cfg),
+          tmp_path, ood_val=ood, resume=True, echo=said.append)  # fmt: skip
+    assert not [line for line in said if line.startswith("note:")]

@@ -198,6 +198,12 @@ def adapt(
         meta = load_state(out, adapter)
         start, first = adapter.steps, meta.get("first_eval")
         keep_metrics_until(metrics, start)
+        if ood_val is None and first is not None and "ood_ppl" in first:
+            echo(
+                f"note: the run resumed in '{out}' measured --ood-data (ood ppl "
+                f"{first['ood_ppl']:.2f} at step 0); without it this session measures none: "
+                "pass the same --ood-data to keep the comparison"
+            )
     elif metrics.exists():
         metrics.unlink()
 
