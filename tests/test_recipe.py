@@ -264,7 +264,7 @@ def test_validate_says_when_a_file_names_no_model(capsys):
         == 0
     )
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == f"{method}: ok (tiny-poetxq: method=poetxq, bits=4, b=256)"
+    assert lines[0] == f"{method}: ok (tiny-poetxq4: method=poetxq, bits=4, b=256)"
     assert lines[1] == (
         f"{method}: note: it names no model, so the embedded tiny model's defaults fill in; give "
         "one with MODEL:METHOD (e.g. llama-60m:poetxq4) or a file whose base lists a model file"

@@ -28,7 +28,7 @@ from poetxq.tools.cli_common import (
     raise_terminated,
 )
 from poetxq.tools.cli_train import add_train_parsers, run_train
-from poetxq.training.recipe import POET_METHODS, RecipeError
+from poetxq.training.recipe import POET_METHODS, RecipeError, run_label
 from poetxq.training.recipe_files import load_recipe, parse_override, recipes_dir
 
 
@@ -117,7 +117,7 @@ def _run_validate(args: argparse.Namespace) -> int:
             detail = f"lr={recipe.optim.lr:g}"
         else:
             detail = f"rank={recipe.baseline.rank}"
-        print(f"{path}: ok ({recipe.name}: method={recipe.method}, {detail})")
+        print(f"{path}: ok ({run_label(recipe)}: method={recipe.method}, {detail})")
         for note in recipe.notes:
             print(f"{path}: note: {note}")
         # the keys the files and overrides gave (pydantic's record), not the defaults
