@@ -68,9 +68,8 @@ def _check_precision_applies(recipe: Any, precision: str) -> None:
     tree["train"]["precision"] = precision
     try:
         type(recipe).model_validate(tree)
-    except (ValidationError, ValueError) as exc:
-        errors = exc.errors() if isinstance(exc, ValidationError) else [{"msg": str(exc)}]
-        msg = str(errors[0]["msg"]).removeprefix("Value error, ")
+    except ValidationError as exc:  # pydantic wraps the validators' ValueErrors
+        msg = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
         raise EstimateError(f"--precision {precision}: {msg}") from None
 
 
