@@ -62,8 +62,8 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     ``offload_optimizer``):
     there the step issues thousands of small launches, and replaying them took a Llama-1B step
     from 0.32 to 0.21 s and a Llama-8B one from 0.30 to 0.27 s on an H200
-    (measured at commit 54e0272: ``evals/results/throughput_1b_h200_54e0272.json`` in git history,
-    and ``gpu_memory_8b_*_hybrid_h200.json``).
+    (``evals/results/throughput_1b_h200_54e0272.json`` and ``gpu_memory_8b_*_hybrid_h200.json``,
+    both in git history: superseded results files are removed from the tree).
     A run that asks for activation checkpointing is saving memory first, and the graph's private
     pool held 13.5 GiB reserved at 8B with checkpointing against 11.2 GiB allocated eagerly, so
     ``auto`` leaves it eager (``true`` still takes the graph: 0.34 against 0.50–0.70 s there).
