@@ -91,7 +91,10 @@ def test_rmsnorm_vjp_equals_autograd_in_float64():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_residual_signal_equals_autograd_at_the_final_norm_input(exact_norm, tied):
+@pytest.mark.parametrize("chunk_tokens", [3, 5, 2048])
+def test_residual_signal_equals_autograd_at_the_final_norm_input(exact_norm, tied, chunk_tokens):
+    """Loss, count and g̃ against autograd of norm + LM head + cross-entropy in float64; chunks
+    of 3 make the first chunk all ignored, 5 splits the batch unevenly, 2048 is one chunk."""
     model = _tiny(tied=tied)
     ids, labels = _batch()
     seen = {}
@@ -101,11 +104,30 @@ def test_residual_signal_equals_autograd_at_the_final_norm_input(exact_norm, tie
     loss.backward()
     hidden = seen["h"]
     sig = residual_signal(hidden.detach(), model.model.norm, model.lm_head.weight, labels,
-                          chunk_tokens=5)  # fmt: skip
-    assert sig.n_tokens == int((labels != -100).sum())
+                          chunk_tokens=chunk_tokens)  # fmt: skip
+    assert sig.n_tokens == int((labels != -100).sum()) and isinstance(sig.n_tokens, int)
+    assert isinstance(sig.loss, float)
     assert sig.loss == pytest.approx(loss.item(), rel=1e-12)
     assert sig.g_tilde.dtype == torch.float64 and sig.g_tilde.grad_fn is None
     _close(sig.g_tilde, hidden.grad)
+
+
+def test_residual_signal_checks_the_labels_before_any_chunk():
+    model = _tiny(n_layers=1)
+    hidden = torch.randn(3, 11, 32, dtype=torch.float64)
+    _, labels = _batch()
+    args = (model.model.norm, model.lm_head.weight)
+    bad = labels.clone()
+    bad[2, 4] = 97  # V = 97: one past the vocabulary, in the third chunk of 5
+    with pytest.raises(ValueError, match=r"outside \[0, 97\) and is not -100"):
+        residual_signal(hidden, *args, bad, chunk_tokens=5)
+    bad[2, 4] = -3
+    with pytest.raises(ValueError, match="outside"):
+        residual_signal(hidden, *args, bad, chunk_tokens=5)
+    with pytest.raises(ValueError, match="no labelled position"):
+        residual_signal(hidden, *args, torch.full_like(labels, -100), chunk_tokens=5)
+    with pytest.raises(ValueError, match="do not match"):
+        residual_signal(hidden, *args, labels[:, :-1])
 
 
 def test_last_layer_pseudo_grads_equal_autograd_with_later_blocks_removed(exact_norm):
@@ -223,6 +245,35 @@ def test_relative_clip_bounds_each_tensor_at_one_percent(clip_on):
     assert small.step(ids, labels).clipped == 0
 
 
+def test_relative_clip_scales_only_the_updates_over_the_bound():
+    """Hand check of the update clip: with ``c`` between the tensors' relative AdamW step sizes,
+    each tensor over ``c`` moves by exactly ``c·‖W‖`` along the unclipped step, and each tensor
+    under it takes exactly the unclipped step (bit for bit)."""
+    ids, labels = _batch()
+
+    def first_step(clip):
+        adapter = FPOAdapter(_tiny(n_layers=4, dtype=torch.float32), [0, 1, 2, 3], lr=1e-3,
+                             clip=clip, chunk_tokens=5)  # fmt: skip
+        old = {k: m.clone() for k, m in adapter.masters.items()}
+        return adapter, old, adapter.step(ids, labels)
+
+    free, old, free_stats = first_step(None)
+    assert free_stats.clipped == 0
+    step = {k: (free.masters[k] - old[k]).double() for k in old}
+    rel = {k: (step[k].norm() / old[k].double().norm()).item() for k in old}
+    ranked = sorted(rel.values())
+    c = (ranked[5] + ranked[6]) / 2  # 6 of the 12 tensors over the bound
+    clipped, _, stats = first_step(c)
+    assert isinstance(stats.clipped, int) and stats.clipped == 6
+    for k, r in rel.items():
+        if r > c:
+            moved = (clipped.masters[k] - old[k]).double()
+            assert (moved.norm() / old[k].double().norm()).item() == pytest.approx(c, rel=1e-6)
+            _close(moved, step[k] * (c / r), 1e-5)
+        else:
+            assert torch.equal(clipped.masters[k], free.masters[k]), k
+
+
 def test_bf16_model_keeps_fp32_masters_and_rounds_the_weights_from_them():
     model = _tiny(n_layers=2, dtype=torch.bfloat16)
     ids, labels = _batch()
@@ -282,3 +333,33 @@ def test_bad_settings_are_one_line_errors():
         FPOAdapter(model, [0], lr=0.0)
     with pytest.raises(FPOError, match="unknown optimizer"):
         FPOAdapter(model, [0], lr=1e-3, optimizer="lion")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_step_synchronizes_with_the_host_at_most_three_times_beyond_its_forward():
+    """Labels check + count, loss, clipped count: the step's own host synchronizations (counted
+    by ``torch.cuda.set_sync_debug_mode("warn")``), whatever the chunks and target tensors."""
+    import warnings
+
+    model = _tiny(n_layers=4, dtype=torch.float32).cuda()
+    ids, labels = (t.cuda() for t in _batch())
+    adapter = FPOAdapter(model, [0, 1, 2, 3], lr=1e-2, chunk_tokens=5)
+    adapter.step(ids, labels)  # lazy initialisations outside the count
+
+    def syncs(fn):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    with torch.no_grad():
+        forward = syncs(lambda: adapter.parts.base(input_ids=ids, use_cache=False))
+    stats = []
+    total = syncs(lambda: stats.append(adapter.step(ids, labels)))
+    assert stats[0].clipped > 0  # the clip's count is read, not skipped
+    assert total - forward <= 3, (total, forward)

@@ -312,28 +312,50 @@ class FPOAdapter:
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> StepStats:
         """One FPO step: pseudo-gradients (:meth:`pseudo_grads`), optimizer, clip, weights.
 
+        Host synchronizations (on a GPU): those of :meth:`pseudo_grads` (FPO: two, see
+        :func:`residual_signal`) and one at the end that reads the number of clipped tensors
+        (none when the clip is off): the clip itself is decided on the device.
+
         Returns:
             :class:`StepStats` (loss before the update, tokens, tensors clipped).
         """
         grads, stats = self.pseudo_grads(input_ids, labels)
         self.steps += 1
+        clipped: list[torch.Tensor] = []
         for key, grad in grads.items():
-            stats.clipped += self._update(key, grad.to(torch.float32))
+            flag = self._update(key, grad.to(torch.float32))
+            if flag is not None:
+                clipped.append(flag)
+        if clipped:
+            stats.clipped += int(torch.stack(clipped).sum())
         return stats
 
-    def _relative_scale(self, norm: torch.Tensor, ref: torch.Tensor) -> float:
-        """Factor ``≤ 1`` that brings ``norm`` to at most ``clip · ref`` (1 when off)."""
-        limit = self.clip * float(ref)
-        value = float(norm)
-        return limit / value if self.clip > 0 and value > limit else 1.0
+    def _relative_scale(self, norm: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """Factor ``≤ 1`` that brings ``norm`` to at most ``clip · ref``, as a float64 0-d tensor
+        on their device (no host synchronization).
 
-    def _update(self, key: tuple[int, str], grad: torch.Tensor) -> int:
+        Computed in float64 from the two fp32 norms: ``limit = clip · ref``, and ``limit / norm``
+        where ``norm > limit``, else exactly 1 — the same double arithmetic as Python floats.
+        Only called with the clip on.
+        """
+        limit = ref.to(torch.float64) * self.clip
+        norm = norm.to(torch.float64)
+        return torch.where(norm > limit, limit / norm, 1.0)
+
+    def _clip(self, value: torch.Tensor, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``value`` scaled so ``‖value‖_F ≤ clip·‖master‖_F`` (a new tensor; multiplied by
+        exactly 1 when within the bound, which leaves it unchanged), and a 0-d bool tensor that
+        is True when it was scaled down."""
+        scale = self._relative_scale(value.norm(), master.norm())
+        return value * scale.to(value.dtype), scale < 1.0
+
+    def _update(self, key: tuple[int, str], grad: torch.Tensor) -> torch.Tensor | None:
+        """Optimizer step, clip and weight copy of one target; returns the 0-d bool "clipped"
+        tensor (None when the clip is off)."""
         master, state = self.masters[key], self.state[key]
-        clipped = 0
-        if self.clip_on == "grad":
-            scale = self._relative_scale(grad.norm(), master.norm())
-            if scale < 1.0:
-                grad, clipped = grad * scale, 1
+        clipped = None
+        if self.clip > 0 and self.clip_on == "grad":
+            grad, clipped = self._clip(grad, master)
         if self.optimizer == "adamw":
             b1, b2 = self.betas
             m = state.setdefault("exp_avg", torch.zeros_like(master))
@@ -352,10 +374,8 @@ class FPOAdapter:
             else:
                 buf.mul_(self.momentum).add_(grad)
             delta = buf * -self.lr
-        if self.clip_on == "update":
-            scale = self._relative_scale(delta.norm(), master.norm())
-            if scale < 1.0:
-                delta, clipped = delta * scale, 1
+        if self.clip > 0 and self.clip_on == "update":
+            delta, clipped = self._clip(delta, master)
         master.add_(delta)
         param = self.params[key]
         if param.data.data_ptr() != master.data_ptr():

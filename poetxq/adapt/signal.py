@@ -28,6 +28,9 @@ def output_error(
 ) -> tuple[torch.Tensor, int]:
     """The unnormalised output error ``e = softmax(z) − onehot(y)`` (paper §method, eq. for e).
 
+    Checks the labels and counts the labelled positions (two host synchronizations on a GPU);
+    :func:`residual_signal` checks its labels once and uses the unchecked arithmetic per chunk.
+
     Args:
         logits: ``z`` ``[B, L, V]`` (any float dtype; computed in at least fp32).
         labels: ``y`` ``[B, L]`` int64, the next token of each position (already shifted);
@@ -47,16 +50,40 @@ def output_error(
             f"logits [B, L, V] and labels [B, L] expected, got {tuple(logits.shape)} and "
             f"{tuple(labels.shape)}"
         )
-    dtype = torch.promote_types(logits.dtype, torch.float32)
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0)
     vocab = logits.shape[-1]
     if bool(((target < 0) | (target >= vocab)).any()):
-        raise ValueError(f"a label lies outside [0, {vocab}) and is not {ignore_index}")
+        raise ValueError(_outside_message(vocab, ignore_index))
+    return _output_error_unchecked(logits, labels, ignore_index), int(valid.sum())
+
+
+def _outside_message(vocab: int, ignore_index: int) -> str:
+    return f"a label lies outside [0, {vocab}) and is not {ignore_index}"
+
+
+def _output_error_unchecked(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """:func:`output_error`'s ``e`` without the checks: no host synchronization.
+
+    Args:
+        logits: ``[..., V]`` (any float dtype; computed in at least fp32).
+        labels: ``[...]`` int64, each in ``[0, V)`` or ``ignore_index`` (not checked: the
+            caller's; an index outside ``[0, V)`` fails in ``scatter_add_``, or on a GPU
+            asserts in the kernel).
+        ignore_index: label of an ignored position; its row of ``e`` is zero.
+
+    Returns:
+        ``e`` ``[..., V]`` in ``promote(logits.dtype, fp32)``.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    valid = labels != ignore_index
+    target = torch.where(valid, labels, 0)
     e = torch.softmax(logits.to(dtype), dim=-1)
     e.scatter_add_(-1, target.unsqueeze(-1), torch.full_like(e[..., :1], -1.0))
     e.mul_(valid.unsqueeze(-1).to(dtype))
-    return e, int(valid.sum())
+    return e
 
 
 def rmsnorm_vjp(
@@ -128,8 +155,12 @@ def residual_signal(
     Per chunk of ``chunk_tokens`` positions (so the ``[B, L, V]`` error is never whole): the
     norm's output ``n = norm.forward(hidden)`` (the module's own arithmetic, so its rounding is
     the model's; its hooks are not run),
-    ``z = n · W_lmᵀ``, ``e`` (:func:`output_error`), ``g = e · W_lm`` and
+    ``z = n · W_lmᵀ``, ``e`` (:func:`output_error`'s arithmetic), ``g = e · W_lm`` and
     ``g̃ = rmsnorm_vjp(hidden, γ, ε, g) / n_tokens``. Runs under ``torch.no_grad``.
+
+    Host synchronizations (on a GPU): two, whatever the number of chunks — the labels are
+    checked and counted once before the chunks (one transfer), and the loss, summed per chunk
+    into a float64 device scalar, is read once at the end.
 
     Args:
         hidden: the final norm's input ``[B, L, D]`` (the residual stream after the last block).
@@ -144,7 +175,8 @@ def residual_signal(
         :class:`OutputSignal` with ``g̃`` ``[B, L, D]`` in ``promote(hidden.dtype, fp32)``.
 
     Raises:
-        ValueError: no labelled position, or what :func:`output_error` raises.
+        ValueError: labels not ``[B, L]``, a label outside ``[0, V)`` other than
+            ``ignore_index``, or no labelled position.
     """
     b, l, d = hidden.shape
     if labels.shape != (b, l):
@@ -153,22 +185,30 @@ def residual_signal(
     gemm = hidden.dtype  # the head's two matmuls run in the model's precision, as autograd's do
     eps = norm_eps(norm)
     flat_h, flat_y = hidden.reshape(-1, d), labels.reshape(-1)
-    g_tilde = torch.empty(b * l, d, dtype=dtype, device=hidden.device)
-    loss_sum, n_total = 0.0, 0
-    w = lm_weight.to(gemm)
+    vocab = lm_weight.shape[0]
     with torch.no_grad():
+        # the labels' check and count for every chunk at once: one host transfer
+        valid = flat_y != ignore_index
+        target = torch.where(valid, flat_y, 0)
+        outside = ((target < 0) | (target >= vocab)).any()
+        n_outside, n_total = torch.stack([outside.to(torch.int64), valid.sum()]).tolist()
+        if n_outside:
+            raise ValueError(_outside_message(vocab, ignore_index))
+        if n_total == 0:
+            raise ValueError("no labelled position: every label is the ignore index")
+        g_tilde = torch.empty(b * l, d, dtype=dtype, device=hidden.device)
+        # the chunk sums (in dtype) accumulate in float64, one addition per chunk
+        loss_sum = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        w = lm_weight.to(gemm)
         for start in range(0, b * l, chunk_tokens):
             h = flat_h[start : start + chunk_tokens]
             y = flat_y[start : start + chunk_tokens]
             z = (norm.forward(h).to(gemm) @ w.T).to(dtype)  # forward: no module hooks
-            e, n = output_error(z.unsqueeze(0), y.unsqueeze(0), ignore_index)
-            valid = y != ignore_index
-            zy = z.gather(-1, torch.where(valid, y, 0).unsqueeze(-1)).squeeze(-1)
-            loss_sum += float(((torch.logsumexp(z, -1) - zy) * valid).sum())
-            n_total += n
-            g = (e[0].to(gemm) @ w).to(dtype)
+            e = _output_error_unchecked(z, y, ignore_index)
+            ok = y != ignore_index
+            zy = z.gather(-1, torch.where(ok, y, 0).unsqueeze(-1)).squeeze(-1)
+            loss_sum += ((torch.logsumexp(z, -1) - zy) * ok).sum().to(torch.float64)
+            g = (e.to(gemm) @ w).to(dtype)
             g_tilde[start : start + len(h)] = rmsnorm_vjp(h, norm.weight, eps, g)
-    if n_total == 0:
-        raise ValueError("no labelled position: every label is the ignore index")
     g_tilde /= n_total
-    return OutputSignal(loss_sum / n_total, g_tilde.reshape(b, l, d), n_total)
+    return OutputSignal(float(loss_sum) / n_total, g_tilde.reshape(b, l, d), n_total)
