@@ -727,8 +727,9 @@ def test_tokens_per_s_leaves_out_evaluations(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_method_switch_names_the_kept_settings(tmp_path, capsys):
-    """--method on a recipe written for another method keeps that recipe's optimizer settings;
-    the run says so and names the method's own tiny recipe. The same method: no note."""
+    """--method (or --set method=) on a recipe written for another method keeps that recipe's
+    optimizer settings; the run says so and names the method's own tiny recipe. The same method:
+    no note."""
     i = TINY.index("--block-size")
     baseline = [*TINY[:i], *TINY[i + 2 :], "--set", "baseline.rank=8"]
     assert main(["quantize-and-train", *baseline, "--output-dir", str(tmp_path), "--run-name",
@@ -744,6 +745,12 @@ def test_method_switch_names_the_kept_settings(tmp_path, capsys):
     assert _run(tmp_path, "--run-name", "p", "--max-steps", "1", "--method", "poetxq") == 0
     out = capsys.readouterr().out
     assert "replaces the method" not in out and "s), 0 merges; val ppl" in out
+    # the method set through the recipe key gets the same note, naming how it was set
+    assert main(["quantize-and-train", *baseline, "--output-dir", str(tmp_path), "--run-name",
+                 "s", "--max-steps", "1", "--set", "method=qgalore"]) == 0  # fmt: skip
+    assert "note: --set method=qgalore replaces the method of a poetxq recipe" in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.slow

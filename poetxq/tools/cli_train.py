@@ -342,18 +342,19 @@ def _flag(dest: str) -> str:
 
 
 def _note_method_switch(args: argparse.Namespace, recipe: Any) -> None:
-    """``--method M`` on a recipe written for another method keeps that recipe's optimizer and
-    baseline settings: say so in a note (printed by the trainer) naming the recipe with M's own
-    settings, as the baselines' authors tuned them."""
-    if args.method is None:
-        return
+    """A method set on the command line (``--method M`` or ``--set method=M``) for a recipe
+    written for another method keeps that recipe's optimizer and baseline settings: say so in a
+    note (printed by the trainer) naming the recipe with M's own settings, as the baselines'
+    authors tuned them."""
     own = load_recipe(args.recipe).method
-    if own == args.method:
+    method = recipe.method
+    if own == method:
         return
-    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / f"{args.method}.yaml"
-    where = f"; recipes/tiny/{args.method}.yaml has {args.method}'s own" if tiny.is_file() else ""
+    how = f"--method {method}" if args.method is not None else f"--set method={method}"
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny" / f"{method}.yaml"
+    where = f"; recipes/tiny/{method}.yaml has {method}'s own" if tiny.is_file() else ""
     recipe.add_note(
-        f"--method {args.method} replaces the method of a {own} recipe and keeps its optimizer "
+        f"{how} replaces the method of a {own} recipe and keeps its optimizer "
         f"and baseline settings (optim.lr {recipe.optim.lr:g}, optim.grad_clip "
         f"{recipe.optim.grad_clip:g}){where}"
     )
