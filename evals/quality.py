@@ -188,17 +188,19 @@ def _last_line(path: Path) -> str:
 
 
 def expected_seconds(study: Study, results: dict[str, Any], method: str) -> float | None:
-    """A typical wall time (s) of one of ``method``'s runs in this study: the median ``wall_s``
-    of its finished runs that ran start to end in one call (``train_seconds`` + 30 s of scoring
-    for records from before ``wall_s`` was kept); else the median over all methods; None when
-    no run has finished yet. Runs of one call share the GPU, so these times include that."""
+    """A typical wall time (s) of one of ``method``'s runs in this study: the median over its
+    finished runs of ``wall_s`` for a run that ran start to end in one call, else
+    ``train_seconds`` + 30 s of scoring (a resumed run's ``wall_s`` is its last call's part only;
+    its ``train_seconds`` spans every call); else the median over all methods; None when no run
+    has finished yet. Runs of one call share the GPU, so these times include that."""
 
     def typical(recs: list[dict]) -> float | None:
         secs = sorted(
-            r["wall_s"] if r.get("wall_s") else r["train_seconds"] + 30.0
+            r["train_seconds"] + 30.0 if r.get("resumed_from") or not r.get("wall_s")
+            else r["wall_s"]
             for r in recs
-            if r.get("train_seconds") and not r.get("resumed_from")
-        )
+            if r.get("train_seconds")
+        )  # fmt: skip
         return secs[len(secs) // 2] if secs else None
 
     recs = [r for r in results.get("runs", {}).values() if isinstance(r, dict)]

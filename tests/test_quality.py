@@ -318,11 +318,14 @@ def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpu
         "b": {"method": "adamw", "train_seconds": 100.0, "resumed_from": []},  # 100 + 30 scoring
         "c": {"method": "adamw", "train_seconds": 900.0, "wall_s": 50.0, "resumed_from": [40]},
     }}  # fmt: skip
-    # median of 130 and 230 (the resumed run's partial time does not count); poetxq has no
-    # finished run yet and borrows every method's median
+    # median of 130, 230 and 930 (a resumed run counts its whole training time, 900 + 30, not
+    # its last call's 50 s); poetxq has no finished run yet and borrows every method's median
     assert expected_seconds(study, results, "adamw") == 230.0
     assert expected_seconds(study, results, "poetxq") == 230.0
     assert expected_seconds(study, {"runs": {}}, "adamw") is None
+    # only resumed runs finished (each call stopped them at its deadline): still an estimate
+    resumed = {"runs": {"c": results["runs"]["c"]}}
+    assert expected_seconds(study, resumed, "poetxq") == 930.0
     pending, _ = plan_runs(study, {"runs": {}})
     pending = [p for p in pending if p["method"] == "adamw"] + [
         p for p in pending if p["method"] == "poetxq"]  # fmt: skip
