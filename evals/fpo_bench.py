@@ -8,7 +8,7 @@ only (full fine-tuning of a frozen low-bit base is not defined). The paper's bar
 2608.14563): FPO ≥ 2.7× the tokens/s of full fine-tuning, ~40 % less peak memory at a fixed
 batch, 2.2× SFT-partial.
 
-    python evals/fpo_bench.py --out $OUT/fpo_bench_h200.json
+    python evals/fpo_bench.py --out $OUT/fpo_bench_h100.json
     python evals/fpo_bench.py --tiny --device cpu --out /tmp/fpo_bench_cpu.json   # smoke test
 """
 
