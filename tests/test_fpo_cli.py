@@ -136,3 +136,39 @@ def test_fpo_adapt_runs_the_autograd_references(method, checkpoint, tmp_path, mo
     if method == "full":
         expected = {n for n, _ in original.named_parameters()}
     assert moved == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3"])
+def test_fpo_adapt_takes_post_mlp_norm_models(arch, tmp_path, monkeypatch, capsys):
+    """OLMo-2 and Gemma 3 (a norm after the MLP) go through fpo-adapt --layers auto: the
+    diagnosis finds the exact last layer (cosine 1), only its MLP changes, at --bits 8 too;
+    POET's --model still takes the Llama family only."""
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    checkpoint = save_tiny_checkpoint(tmp_path / arch, hidden_size=32, intermediate_size=64,
+                                      layers=3, text_stride=4, arch=arch)  # fmt: skip
+    out = tmp_path / "run"
+    argv = _adapt_argv(checkpoint, out, "--layers", "auto", "--steps", "2", "--bits", "8")
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "targets: 2" in text
+    last = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["2"])
+    assert float(last[1]) == pytest.approx(1.0, abs=1e-3)  # cos_w3 of the last layer: exact
+    assert float(last[2]) == pytest.approx(1.0, abs=1e-3)  # cos_mlp
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layers"] == [2] and summary["steps"] == 2
+    original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
+    adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
+    assert type(adapted) is type(original)
+    params = dict(adapted.named_parameters())
+    for name, p in original.named_parameters():
+        if ".layers.2.mlp." in name:
+            assert not torch.equal(params[name], p), name
+        elif ".layers." in name and ("_proj" in name) and "norm" not in name:
+            assert torch.allclose(params[name], p, atol=0.05), name  # int8 round trip only
+        else:
+            assert torch.equal(params[name], p), name
+    argv = ["train", "--model", str(checkpoint), "--data", "pydoc", "--max-steps", "1",
+            "--output-dir", str(tmp_path / "t")]  # fmt: skip
+    assert main(argv) == 2
+    assert "takes Llama-family checkpoints" in capsys.readouterr().err

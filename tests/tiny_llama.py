@@ -24,10 +24,17 @@ def tiny_llama(
 
 
 def save_tiny_checkpoint(
-    path: Path, *, hidden_size: int, intermediate_size: int, layers: int, text_stride: int
+    path: Path,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    layers: int,
+    text_stride: int,
+    arch: str = "llama",
 ) -> Path:
-    """A random Llama and a 384-token byte-level BPE (trained on every ``text_stride``-th pydoc
-    topic, ``</s>`` as EOS) saved side by side in ``path``, as ``save_pretrained`` writes them."""
+    """A random Llama (or ``arch`` ``olmo2`` / ``gemma3``: the post-MLP-norm models FPO takes)
+    and a 384-token byte-level BPE (trained on every ``text_stride``-th pydoc topic, ``</s>`` as
+    EOS) saved side by side in ``path``, as ``save_pretrained`` writes them."""
     import pydoc_data.topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -44,12 +51,22 @@ def save_tiny_checkpoint(
     tok.train_from_iterator(topics, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
     torch.manual_seed(0)
-    config = LlamaConfig(
+    sizes = dict(
         vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, eos_token_id=hf_tok.eos_token_id, bos_token_id=None,
         pad_token_id=None,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(str(path))
+    if arch == "olmo2":
+        from transformers import Olmo2Config, Olmo2ForCausalLM
+
+        model = Olmo2ForCausalLM(Olmo2Config(**sizes))
+    elif arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(head_dim=hidden_size // 4, **sizes))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes))
+    model.save_pretrained(str(path))
     hf_tok.save_pretrained(str(path))
     return path

@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from poetxq.adapt.fpo import MLP_PROJS, ActivationCache, FPOError, llama_parts, mlp_pseudo_grads
+from poetxq.adapt.fpo import (
+    MLP_PROJS,
+    ActivationCache,
+    FPOError,
+    layer_pseudo_grads,
+    llama_parts,
+)
 from poetxq.adapt.signal import residual_signal
 
 
@@ -197,7 +203,7 @@ def diagnose(
                 loss_sum += signal.loss * labels.numel()
                 for i in everything:
                     w3 = parts.layers[i].mlp.down_proj.weight
-                    per = mlp_pseudo_grads(cache.x[i], cache.a[i], cache.b[i], signal.g_tilde, w3)
+                    per = layer_pseudo_grads(parts, cache, i, signal.g_tilde, w3)
                     for name, g in per.items():
                         acc = fpo.setdefault((i, name), torch.zeros_like(g))
                         acc.add_(g, alpha=weight)

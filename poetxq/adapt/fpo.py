@@ -15,6 +15,12 @@ These are the gradients of the surrogate ``⟨g̃, MLP_ℓ(x)⟩`` with ``g̃`` 
 if every later block were the identity on the residual stream), with W3 frozen at ``W3_init`` in
 the hidden-space error. For the last block they are the exact loss gradient at step 0.
 
+Post-MLP norms (OLMo-2, Gemma 3: ``r ← r + norm_post(MLP(x))``): the signal at the MLP's output
+is ``g̃ℓ = rmsnorm_vjp(o_ℓ, γ_post, ε, g̃)`` with ``o_ℓ`` the MLP output entering that norm
+(cached by a hook), and ``g̃ℓ`` replaces ``g̃`` above — per layer, since ``o_ℓ`` differs. The
+activation is SiLU (SwiGLU: Llama, Qwen, Mistral, OLMo-2) or tanh-approximated GELU (GeGLU:
+Gemma 3), each with its exact derivative.
+
 ``a`` and ``b`` are cached by forward hooks on ``gate_proj`` / ``up_proj`` (the forward computes
 them anyway); ``h_mid`` is recomputed from them in fp32 or wider. Nothing here builds an autograd
 graph: the step runs under ``torch.no_grad`` and every parameter has ``requires_grad=False``.
@@ -40,6 +46,7 @@ Choices where the paper is not explicit (documented and tested):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -47,11 +54,35 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from poetxq.adapt.signal import residual_signal
+from poetxq.adapt.signal import norm_eps, norm_gain, residual_signal, rmsnorm_vjp
 from poetxq.model.pretrained import LLAMA_FAMILY
 
 #: the MLP projections FPO adapts, in the order W1 (gate), W2 (up), W3 (down)
 MLP_PROJS: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+
+#: model types with a norm after the MLP (``post_feedforward_layernorm``), whose VJP FPO applies
+POST_MLP_NORM: tuple[str, ...] = ("olmo2", "gemma3_text")
+
+#: the transformers ``model_type`` values FPO supports: the Llama family and the post-norm ones
+FPO_FAMILY: tuple[str, ...] = LLAMA_FAMILY + POST_MLP_NORM
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+def _silu(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sig = torch.sigmoid(a)
+    return a * sig, sig * (1 + a * (1 - sig))
+
+
+def _gelu_tanh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # gelu(a) = a/2 · (1 + tanh(u)), u = √(2/π)(a + 0.044715 a³)
+    t = torch.tanh(_GELU_C * (a + 0.044715 * a.pow(3)))
+    d_u = _GELU_C * (1 + 3 * 0.044715 * a.pow(2))
+    return 0.5 * a * (1 + t), 0.5 * (1 + t) + 0.5 * a * (1 - t * t) * d_u
+
+
+#: the MLP activations FPO knows (transformers' names): ``act(a) -> (value, derivative)``
+ACTIVATIONS: dict[str, Any] = {"silu": _silu, "gelu_pytorch_tanh": _gelu_tanh}
 
 
 class FPOError(ValueError):
@@ -66,29 +97,42 @@ class LlamaParts:
     layers: nn.ModuleList  # the decoder blocks
     norm: nn.Module  # final RMSNorm
     lm_weight: torch.Tensor  # [V, D], the LM head's weight (the embedding when tied)
+    act: str = "silu"  # the MLP activation (a key of ACTIVATIONS)
+    post_norms: list[nn.Module] | None = None  # per layer, the norm after the MLP (OLMo-2, Gemma 3)
 
 
 def llama_parts(model: nn.Module) -> LlamaParts:
-    """Check ``model`` is a Llama-family causal LM FPO supports and return its parts.
+    """Check ``model`` is a causal LM FPO supports and return its parts.
+
+    Supported: transformers ``model_type`` in :data:`FPO_FAMILY` — the Llama family (no norm
+    after the MLP) and OLMo-2 / Gemma 3 text models (``post_feedforward_layernorm``, whose VJP
+    is applied per layer), with a gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, no
+    biases) whose activation is in :data:`ACTIVATIONS`.
 
     Raises:
-        FPOError: a model type outside :data:`poetxq.model.pretrained.LLAMA_FAMILY` (those with a
-            post-MLP norm, OLMo-2 / Gemma 3, need that norm's VJP too: not implemented), an MLP
-            activation other than SiLU, MLP biases, or an LM head with a bias.
+        FPOError: another model type, an unknown MLP activation, MLP biases, an LM head with a
+            bias, or final-logit soft-capping (Gemma 2 style; its Jacobian is not implemented).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in LLAMA_FAMILY:
+    if model_type not in FPO_FAMILY:
+        raise FPOError(f"FPO supports {', '.join(FPO_FAMILY)} models, not {model_type!r}")
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    if act not in ACTIVATIONS or getattr(config, "mlp_bias", False):
         raise FPOError(
-            f"FPO supports Llama-family models ({', '.join(LLAMA_FAMILY)}), not {model_type!r}"
+            f"FPO needs a bias-free gated MLP with activation {' or '.join(ACTIVATIONS)}; this "
+            f"model has {act!r}{' with biases' if getattr(config, 'mlp_bias', False) else ''}"
         )
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
-        raise FPOError("FPO needs a bias-free SwiGLU MLP (hidden_act silu, mlp_bias false)")
+    if getattr(config, "final_logit_softcapping", None):
+        raise FPOError("FPO does not support final-logit soft-capping (final_logit_softcapping)")
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise FPOError("FPO needs an LM head without a bias")
     base = model.model
-    return LlamaParts(base, base.layers, base.norm, head.weight)
+    post = None
+    if model_type in POST_MLP_NORM:
+        post = [layer.post_feedforward_layernorm for layer in base.layers]
+    return LlamaParts(base, base.layers, base.norm, head.weight, act, post)
 
 
 def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
@@ -112,7 +156,8 @@ class ActivationCache:
 
     Stored (detached, as produced): ``hidden`` — the final norm's input ``[B, L, D]``; per target
     layer ``i``: ``x[i]`` — the MLP input ``[B, L, D]``, ``a[i]`` / ``b[i]`` — the ``gate_proj`` /
-    ``up_proj`` outputs ``[B, L, F]``. Each forward overwrites them; leaving the context removes
+    ``up_proj`` outputs ``[B, L, F]``, and with post-MLP norms ``o[i]`` — the MLP output
+    ``[B, L, D]`` entering that norm. Each forward overwrites them; leaving the context removes
     the hooks.
     """
 
@@ -122,6 +167,7 @@ class ActivationCache:
         self.x: dict[int, torch.Tensor] = {}
         self.a: dict[int, torch.Tensor] = {}
         self.b: dict[int, torch.Tensor] = {}
+        self.o: dict[int, torch.Tensor] = {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> ActivationCache:
@@ -142,6 +188,9 @@ class ActivationCache:
                 mlp.gate_proj.register_forward_hook(keep(self.a, i, False)),
                 mlp.up_proj.register_forward_hook(keep(self.b, i, False)),
             ]
+            if self.parts.post_norms is not None:
+                post = self.parts.post_norms[i]
+                self._handles.append(post.register_forward_pre_hook(keep(self.o, i, True)))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -156,8 +205,9 @@ def mlp_pseudo_grads(
     b: torch.Tensor,
     g_tilde: torch.Tensor,
     w3_init: torch.Tensor,
+    act: str = "silu",
 ) -> dict[str, torch.Tensor]:
-    """FPO pseudo-gradients of one SwiGLU MLP (see the module docstring for the formulas).
+    """FPO pseudo-gradients of one gated MLP (see the module docstring for the formulas).
 
     Args:
         x: the MLP input ``[B, L, D]``.
@@ -165,14 +215,18 @@ def mlp_pseudo_grads(
         b: ``up_proj`` output ``W2·x`` ``[B, L, F]``.
         g_tilde: the residual signal ``g̃`` ``[B, L, D]`` (already divided by the token count).
         w3_init: ``down_proj`` weight at the start of adaptation ``[D, F]``.
+        act: the activation, a key of :data:`ACTIVATIONS` (``silu``: SwiGLU, ``gelu_pytorch_tanh``:
+            GeGLU), applied to ``a`` in ``act(a) ⊙ b``.
 
     Returns:
         ``{"gate_proj": ∇W1 [F, D], "up_proj": ∇W2 [F, D], "down_proj": ∇W3 [D, F]}`` in
         ``promote(g_tilde.dtype, fp32)``; the gradient of ``⟨g̃, MLP(x)⟩`` (descent: ``−∇``).
 
     Raises:
-        ValueError: shapes that do not fit together.
+        ValueError: shapes that do not fit together, or an unknown ``act``.
     """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {act!r}; known: {', '.join(ACTIVATIONS)}")
     d, f = x.shape[-1], a.shape[-1]
     if g_tilde.shape != x.shape or a.shape != b.shape or w3_init.shape != (d, f):
         raise ValueError(
@@ -188,15 +242,42 @@ def mlp_pseudo_grads(
     g = g_tilde.reshape(-1, d).to(dtype)
     x2 = x.reshape(-1, d)
     a2, b2 = a.reshape(-1, f).to(dtype), b.reshape(-1, f).to(dtype)
-    sig = torch.sigmoid(a2)
-    silu = a2 * sig
+    value, slope = ACTIVATIONS[act](a2)
     error_h = mm(g, w3_init)  # [N, F]: the error at h_mid through W3_init
-    d_silu = sig * (1 + a2 * (1 - sig))
     return {
-        "gate_proj": mm((error_h * b2 * d_silu).T, x2),
-        "up_proj": mm((error_h * silu).T, x2),
-        "down_proj": mm(g.T, silu * b2),
+        "gate_proj": mm((error_h * b2 * slope).T, x2),
+        "up_proj": mm((error_h * value).T, x2),
+        "down_proj": mm(g.T, value * b2),
     }
+
+
+def layer_pseudo_grads(
+    parts: LlamaParts,
+    cache: ActivationCache,
+    i: int,
+    g_tilde: torch.Tensor,
+    w3_init: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The pseudo-gradients of layer ``i``'s MLP from one cached forward pass.
+
+    ``g̃`` is taken through the layer's post-MLP norm first when the model has one
+    (``rmsnorm_vjp(o_i, γ_post, ε, g̃)``, module docstring), then :func:`mlp_pseudo_grads` with
+    the model's activation.
+
+    Args:
+        parts: the model's parts (:func:`llama_parts`).
+        cache: an :class:`ActivationCache` that recorded layer ``i``.
+        i: the layer index (``0 ≤ i < n_layers``).
+        g_tilde: the residual signal ``[B, L, D]`` (:func:`residual_signal`).
+        w3_init: ``down_proj``'s weight at the start of adaptation ``[D, F]``.
+
+    Returns:
+        As :func:`mlp_pseudo_grads`.
+    """
+    if parts.post_norms is not None:
+        post = parts.post_norms[i]
+        g_tilde = rmsnorm_vjp(cache.o[i], norm_gain(post), norm_eps(post), g_tilde)
+    return mlp_pseudo_grads(cache.x[i], cache.a[i], cache.b[i], g_tilde, w3_init, parts.act)
 
 
 @dataclass
@@ -303,8 +384,7 @@ class FPOAdapter:
         )  # fmt: skip
         grads = {}
         for i in self.layers:
-            per = mlp_pseudo_grads(cache.x[i], cache.a[i], cache.b[i], signal.g_tilde,
-                                   self.w3_init[i])  # fmt: skip
+            per = layer_pseudo_grads(self.parts, cache, i, signal.g_tilde, self.w3_init[i])
             grads.update({(i, name): g for name, g in per.items()})
         return grads, StepStats(signal.loss, signal.n_tokens, 0)
 

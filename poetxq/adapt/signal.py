@@ -132,6 +132,24 @@ def norm_eps(norm: nn.Module) -> float:
     raise ValueError(f"{type(norm).__name__} is not an RMSNorm with variance_epsilon or eps")
 
 
+def norm_gain(norm: nn.Module) -> torch.Tensor:
+    """``γ`` of a transformers RMSNorm ``y = γ ⊙ x / sqrt(mean(x²) + ε)``, ``[D]``.
+
+    Llama, Qwen, Mistral and OLMo-2 store ``γ`` as ``weight``; Gemma's RMSNorm stores the offset
+    from one and computes ``x̂ · (1 + weight)`` (transformers ``Gemma3RMSNorm``), so its ``γ`` is
+    ``1 + weight``. Recognised by the class name (``Gemma…RMSNorm``); returned in the weight's
+    dtype, on its device.
+
+    Raises:
+        ValueError: the module has no ``weight`` of one dimension.
+    """
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        raise ValueError(f"{type(norm).__name__} has no [D] weight: not an RMSNorm this code knows")
+    name = type(norm).__name__
+    return weight + 1 if name.startswith("Gemma") and name.endswith("RMSNorm") else weight
+
+
 @dataclass
 class OutputSignal:
     """What :func:`residual_signal` returns."""
@@ -156,7 +174,8 @@ def residual_signal(
     norm's output ``n = norm.forward(hidden)`` (the module's own arithmetic, so its rounding is
     the model's; its hooks are not run),
     ``z = n · W_lmᵀ``, ``e`` (:func:`output_error`'s arithmetic), ``g = e · W_lm`` and
-    ``g̃ = rmsnorm_vjp(hidden, γ, ε, g) / n_tokens``. Runs under ``torch.no_grad``.
+    ``g̃ = rmsnorm_vjp(hidden, γ, ε, g) / n_tokens`` (``γ``: :func:`norm_gain`). Runs under
+    ``torch.no_grad``.
 
     Host synchronizations (on a GPU): two, whatever the number of chunks — the labels are
     checked and counted once before the chunks (one transfer), and the loss, summed per chunk
@@ -183,7 +202,7 @@ def residual_signal(
         raise ValueError(f"labels {tuple(labels.shape)} do not match hidden {tuple(hidden.shape)}")
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     gemm = hidden.dtype  # the head's two matmuls run in the model's precision, as autograd's do
-    eps = norm_eps(norm)
+    eps, gain = norm_eps(norm), norm_gain(norm)
     flat_h, flat_y = hidden.reshape(-1, d), labels.reshape(-1)
     vocab = lm_weight.shape[0]
     with torch.no_grad():
@@ -209,6 +228,6 @@ def residual_signal(
             zy = z.gather(-1, torch.where(ok, y, 0).unsqueeze(-1)).squeeze(-1)
             loss_sum += ((torch.logsumexp(z, -1) - zy) * ok).sum().to(torch.float64)
             g = (e.to(gemm) @ w).to(dtype)
-            g_tilde[start : start + len(h)] = rmsnorm_vjp(h, norm.weight, eps, g)
+            g_tilde[start : start + len(h)] = rmsnorm_vjp(h, gain, eps, g)
     g_tilde /= n_total
     return OutputSignal(float(loss_sum) / n_total, g_tilde.reshape(b, l, d), n_total)

@@ -16,6 +16,7 @@ line.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,10 @@ def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
 
 
 def check_pretrained_config(
-    path: str, seq_len: int | None = None, block_size: int | None = None
+    path: str,
+    seq_len: int | None = None,
+    block_size: int | None = None,
+    families: Sequence[str] = LLAMA_FAMILY,
 ) -> Any:
     """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
 
@@ -135,12 +139,13 @@ def check_pretrained_config(
             ``max_position_embeddings`` (:func:`check_seq_len`); None skips that check.
         block_size: the run's ``poet.block_size`` ``b``, which must not exceed the model's
             smallest layer dimension; None skips that check.
+        families: the accepted ``model_type`` values (FPO takes more than POET surgery).
 
     Returns:
         The ``PretrainedConfig``.
 
     Raises:
-        PretrainedError: unreadable config, a model type outside :data:`LLAMA_FAMILY`, an
+        PretrainedError: unreadable config, a model type outside ``families``, an
             already quantized checkpoint, ``seq_len`` beyond its positions, or ``block_size``
             above its smallest layer dimension.
     """
@@ -152,10 +157,11 @@ def check_pretrained_config(
         raise PretrainedError(
             f"cannot read the config of '{path}': {exc}".splitlines()[0]
         ) from None
-    if config.model_type not in LLAMA_FAMILY:
+    if config.model_type not in families:
+        what = "Llama-family checkpoints" if tuple(families) == LLAMA_FAMILY else "checkpoints"
         raise PretrainedError(
-            f"'{path}' is a {config.model_type!r} model; --model takes Llama-family checkpoints "
-            f"({', '.join(LLAMA_FAMILY)})"
+            f"'{path}' is a {config.model_type!r} model; --model takes {what} "
+            f"({', '.join(families)})"
         )
     if getattr(config, "quantization_config", None):
         raise PretrainedError(
@@ -174,15 +180,19 @@ def check_pretrained_config(
     return config
 
 
-def load_pretrained(path: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for Llama shape.
+def load_pretrained(path: str, families: Sequence[str] = LLAMA_FAMILY) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for its family.
+
+    Args:
+        path: a local checkpoint directory.
+        families: the accepted ``model_type`` values (default :data:`LLAMA_FAMILY`).
 
     Raises:
-        PretrainedError: unreadable checkpoint or a model type outside :data:`LLAMA_FAMILY`.
+        PretrainedError: unreadable checkpoint or a model type outside ``families``.
     """
     from transformers import AutoModelForCausalLM
 
-    check_pretrained_config(path)
+    check_pretrained_config(path, families=families)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:

@@ -1,15 +1,15 @@
 """The ``fpo-diagnose`` and ``fpo-adapt`` sub-commands of ``poetxq`` (forward-only MLP
 adaptation, FPO).
 
-``poetxq fpo-diagnose MODEL --data D`` loads a transformers Llama-family directory, tokenizes
-``D`` with the model's own tokenizer, takes a calibration batch of training windows and runs
-:func:`poetxq.adapt.diagnose.diagnose`: the per-layer cosine between FPO's pseudo-gradient and the
-autograd gradient (``down_proj`` and the whole MLP), the suggested target layers and starting
-learning rates. ``poetxq fpo-adapt MODEL --data D --layers auto|LIST --out DIR`` adapts the
-target MLPs (:func:`poetxq.adapt.loop.adapt`); ``--layers auto`` and an unset ``--lr`` take the
-diagnosis' targets and AdamW / SGD learning rate. Errors are
-:class:`poetxq.adapt.fpo.FPOError` (a ``ValueError``); ``poetxq.tools.cli.main`` prints them as
-one ``poetxq: error: ...`` line with status 2.
+``poetxq fpo-diagnose MODEL --data D`` loads a transformers directory (Llama family, OLMo-2, Gemma
+3), tokenizes ``D`` with the model's own tokenizer, takes a calibration batch of training windows
+and runs :func:`poetxq.adapt.diagnose.diagnose`: the per-layer cosine between FPO's pseudo-gradient
+and the autograd gradient (``down_proj`` and the whole MLP), the suggested target layers and
+starting learning rates. ``poetxq fpo-adapt MODEL --data D --layers auto|LIST --out DIR`` adapts
+the target MLPs (:func:`poetxq.adapt.loop.adapt`); ``--layers auto`` and an unset ``--lr`` take the
+diagnosis' targets and AdamW / SGD learning rate. Errors are :class:`poetxq.adapt.fpo.FPOError` (a
+``ValueError``); ``poetxq.tools.cli.main`` prints them as one ``poetxq: error: ...`` line with
+status 2.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from poetxq.adapt.fpo import FPOError, check_layers
+from poetxq.adapt.fpo import FPO_FAMILY, FPOError, check_layers
 from poetxq.adapt.loop import STATE_DIR
 from poetxq.tools.cli_common import check_output_file
 
@@ -33,7 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model",
         metavar="MODEL",
-        help="a transformers Llama-family directory (save_pretrained / poetxq export)",
+        help="a transformers Llama-family, OLMo-2 or Gemma 3 text directory (save_pretrained / "
+        "poetxq export)",
     )
     p.add_argument(
         "--data",
@@ -300,13 +301,13 @@ def run_adapt(args: argparse.Namespace) -> int:
             if value:
                 check_output_file(Path(value), flag, FPOError)
     model_dir = resolve_pretrained(args.model)
-    config = check_pretrained_config(model_dir)
+    config = check_pretrained_config(model_dir, families=FPO_FAMILY)
     if layers is not None:
         check_layers(layers, config.num_hidden_layers)  # before minutes of data and loading
     data = _data(model_dir, args.data, args, config)
     ood = _data(model_dir, args.ood_data, args, config) if adapting and args.ood_data else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = _quiet_load(load_pretrained, model_dir).to(device)
+    model = _quiet_load(lambda d: load_pretrained(d, FPO_FAMILY), model_dir).to(device)
     diag = None
     if not adapting or layers is None or args.lr is None:
         diag = diagnose(model, _calibration(data.train, args), micro_batch=args.micro_batch,
