@@ -1,14 +1,16 @@
 """FPO vs SFT-partial vs full fine-tuning: tokens/s and peak memory at a fixed batch (issue 29).
 
-A random Llama (1B-class by default: d 2048, 16 layers, MLP 5632, vocabulary 32,000; random
-weights are fine for speed and memory) in bf16 with fp32 masters of what is trained. The last
-``--targets`` layers' MLPs are adapted; at ``--bits 8|4`` every other decoder linear is frozen
-in our int8 / NF4 stores (:func:`poetxq.adapt.lowbit.freeze_low_bit`). ``full`` runs at 16 bits
-only (full fine-tuning of a frozen low-bit base is not defined). The paper's bar (arXiv
-2608.14563): FPO ≥ 2.7× the tokens/s of full fine-tuning, ~40 % less peak memory at a fixed
-batch, 2.2× SFT-partial.
+A random Llama (1B-class by default: d 2048, 16 layers, MLP 5632, vocabulary 32,000; random weights
+are fine for speed and memory) in bf16 with fp32 masters of what is trained. The MLPs of
+``--targets`` adjacent layers are adapted, the last ones unless ``--below-top N`` leaves N layers
+above them (which SFT-partial back-propagates through and FPO does not); at ``--bits 8|4`` every
+other decoder linear is frozen in our int8 / NF4 stores
+(:func:`poetxq.adapt.lowbit.freeze_low_bit`). ``full`` runs at 16 bits only (full fine-tuning of a
+frozen low-bit base is not defined). The paper's bar (arXiv 2608.14563): FPO ≥ 2.7× the tokens/s of
+full fine-tuning, ~40 % less peak memory at a fixed batch, 2.2× SFT-partial.
 
     python evals/fpo_bench.py --out $OUT/fpo_bench_h100.json
+    python evals/fpo_bench.py --below-top 8 --methods fpo,sft-partial --bits 16 --out $OUT/x.json
     python evals/fpo_bench.py --tiny --device cpu --out /tmp/fpo_bench_cpu.json   # smoke test
 """
 
@@ -39,9 +41,23 @@ def _model(args: argparse.Namespace, device: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
+def target_layers(n_layers: int, targets: int, below_top: int = 0) -> list[int]:
+    """The ``targets`` adjacent layers that end ``below_top`` layers under the top of a stack of
+    ``n_layers`` (``below_top`` 0: the last ones).
+
+    Raises:
+        SystemExit: the range does not fit in the stack.
+    """
+    first = n_layers - below_top - targets
+    if targets < 1 or below_top < 0 or first < 0:
+        raise SystemExit(f"error: --targets {targets} --below-top {below_top} do not fit in "
+                         f"{n_layers} layers")  # fmt: skip
+    return list(range(first, first + targets))
+
+
 def _one(args: argparse.Namespace, method: str, bits: int, device: str) -> dict:
     model = _model(args, device)
-    targets = list(range(args.layers - args.targets, args.layers))
+    targets = target_layers(args.layers, args.targets, args.below_top)
     if bits < 16:
         freeze_low_bit(model, targets, bits)
     settings = dict(lr=1e-5, optimizer="adamw")
@@ -86,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--targets", type=int, default=4, help="adapted layers (the last ones)")
+    p.add_argument("--targets", type=int, default=4, help="adapted layers (adjacent; the last ones "
+                   "unless --below-top)")  # fmt: skip
+    p.add_argument("--below-top", type=int, default=0, help="layers left above the targets: "
+                   "SFT-partial back-propagates through them, FPO does not")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bits", default="16,8,4")
@@ -99,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.hidden, args.layers, args.inter, args.heads, args.vocab = 64, 4, 128, 4, 256
         args.batch, args.seq, args.targets, args.steps, args.warmup = 2, 32, 1, 2, 1
+        args.below_top = min(args.below_top, 3)
+    target_layers(args.layers, args.targets, args.below_top)  # a clear error before any work
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
         for method in args.methods.split(","):

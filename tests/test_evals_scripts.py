@@ -485,3 +485,19 @@ def test_memory_plans_script_records_what_bench_took_and_predicted(tmp_path):
     assert case["ok"] and case["plan"] == "lowest" and case["bench"]["offload_optimizer"]
     assert case["plan_line"].startswith("memory plan: lowest (train.memory)")
     assert case["predicted_peak_gib"] == case["bench"]["estimated_peak_bytes"] / 2**30 > 0
+
+
+def test_fpo_bench_places_the_targets_below_the_top_and_smoke_runs(tmp_path, capsys):
+    bench = _load("fpo_bench")
+    assert bench.target_layers(16, 4) == [12, 13, 14, 15]
+    assert bench.target_layers(16, 4, below_top=8) == [4, 5, 6, 7]
+    with pytest.raises(SystemExit, match="--targets 4 --below-top 13 do not fit in 16 layers"):
+        bench.target_layers(16, 4, below_top=13)
+    out = tmp_path / "b.json"
+    argv = ["--tiny", "--device", "cpu", "--below-top", "2", "--bits", "16",
+            "--methods", "fpo,sft-partial", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["below_top"] == 2 and [r["method"] for r in doc["rows"]] == [
+        "fpo", "sft-partial"]  # fmt: skip
+    assert all(r["tokens_per_s"] > 0 and r["adapted_params"] == 3 * 64 * 128 for r in doc["rows"])
