@@ -519,7 +519,7 @@ def test_estimate_model_dir_errors_are_one_line_naming_the_problem(tmp_path, cap
     ckpt.mkdir()
     cfg = {"hidden_size": 512, "intermediate_size": 1280, "num_attention_heads": 8,
            "num_hidden_layers": 8, "vocab_size": 32000,
-           "max_position_embeddings": 1024}  # fmt: skip
+           "max_position_embeddings": 1024, "model_type": "llama"}  # fmt: skip
     (ckpt / "config.json").write_text(json.dumps(cfg))
     cases = [
         (["--model", str(ckpt), "--seq-len", "2048"],
@@ -534,3 +534,44 @@ def test_estimate_model_dir_errors_are_one_line_naming_the_problem(tmp_path, cap
         assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
         assert needle in captured.err
     assert main(["estimate-memory", "--model", str(ckpt), "--seq-len", "1024"]) == 0
+
+
+def test_estimate_model_refuses_the_checkpoints_train_refuses(tmp_path, monkeypatch, capsys):
+    """estimate-memory --model checks the model type as train --model does: an OLMo-2 or a GPT-2
+    directory gets train's one-line error (exit 2) naming its type and the Llama family, before
+    any estimate; a Llama directory is still estimated."""
+    from tiny_llama import save_tiny_checkpoint
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from poetxq.model.pretrained import LLAMA_FAMILY
+    from poetxq.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)  # train writes nothing, but if it did: here
+    sizes = dict(hidden_size=64, intermediate_size=128, layers=2, text_stride=8)
+    olmo = save_tiny_checkpoint(tmp_path / "olmo", arch="olmo2", **sizes)
+    gpt2 = tmp_path / "gpt2"
+    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+    flags = ["--seq-len", "64"]  # within the tiny checkpoints' 64 positions
+    for ckpt, model_type in ((olmo, "olmo2"), (gpt2, "gpt2")):
+        capsys.readouterr()
+        assert main(["estimate-memory", "--model", str(ckpt), *flags]) == 2
+        est = capsys.readouterr()
+        assert est.out == "" and len(est.err.strip().splitlines()) == 1
+        assert est.err.startswith("poetxq: error: ")
+        assert repr(model_type) in est.err and "Llama-family" in est.err
+        assert ", ".join(LLAMA_FAMILY) in est.err  # the families it takes
+        assert main(["train", "--model", str(ckpt), *flags, "--max-steps", "1"]) == 2
+        assert capsys.readouterr().err == est.err  # train's very line
+    llama = save_tiny_checkpoint(tmp_path / "llama", **sizes)
+    capsys.readouterr()
+    assert main(["estimate-memory", "--model", str(llama), *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"memory estimate: {llama}/config.json (poetxq), batch" in out
+    # a poetxq run directory (it holds a config.json too): export it first, as train says
+    for name in ("recipe.yaml", "metrics.jsonl"):
+        (llama / name).write_text("method: poetxq\n" if name == "recipe.yaml" else "")
+    assert main(["estimate-memory", "--model", str(llama), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "is a poetxq run directory" in err and len(err.strip().splitlines()) == 1

@@ -73,6 +73,28 @@ def _check_precision_applies(recipe: Any, precision: str) -> None:
         raise EstimateError(f"--precision {precision}: {msg}") from None
 
 
+def _check_model_dir(recipe: Any) -> None:
+    """``estimate-memory --model DIR`` (``model.pretrained``): the checks ``poetxq train`` makes
+    before any work (:func:`poetxq.model.pretrained.resolve_pretrained`, then
+    :func:`~poetxq.model.pretrained.check_pretrained_config` with the run's ``train.seq_len`` and
+    ``poet.block_size``), so a checkpoint train refuses (a ``model_type`` outside the Llama
+    family, a quantized one, a poetxq run directory) is refused here with train's message. Only
+    a local directory holding ``config.json`` is checked: anything else is left to the
+    estimator's own messages (the estimate reads a local ``config.json``; a named base or hub
+    id would be converted or downloaded first).
+
+    Raises:
+        PretrainedError: train's one-line message.
+    """
+    from poetxq.model.pretrained import check_pretrained_config, resolve_pretrained
+
+    ref = recipe.model.pretrained
+    if not (Path(ref) / "config.json").is_file():
+        return
+    local = resolve_pretrained(ref)
+    check_pretrained_config(local, recipe.train.seq_len, recipe.poet.block_size)
+
+
 def _estimate_precision(text: str) -> str:
     """``estimate-memory --precision``: a run precision
     (:data:`poetxq.training.estimate_terms.PRECISIONS`). ``bf16`` is refused by name: as
@@ -221,6 +243,8 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.processes is not None and args.processes < 1:
             raise EstimateError(f"--processes must be at least 1, got {args.processes}")
         ref = recipe.model.pretrained
+        if ref is not None:  # train's checks first: what train --model refuses is refused here
+            _check_model_dir(recipe)
         # check_positions: a --seq-len above the checkpoint's max_position_embeddings is refused
         shaped = estimation_recipe(recipe, check_positions=True) if ref is not None else None
         if ref is not None and shaped is None:  # before any other line
