@@ -93,7 +93,12 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
          "nothing to resume"),
         (_adapt_argv(checkpoint, tmp_path / "d", "--resume"), "nothing to resume"),
         (_adapt_argv(checkpoint, tmp_path / "e", "--lr", "-1"), "--lr must be positive"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--log-every", "0"), "--log-every and"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--eval-batches", "0"), "--eval-batches must"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--clip", "-1"), "must not be negative"),
     ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append((_adapt_argv(checkpoint, tmp_path / "e", "--device", "cuda"), "no CUDA GPU"))
     for argv, expected in cases:
         assert main(argv) == 2
         out, err = capsys.readouterr()
@@ -111,7 +116,7 @@ def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
     argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "1",
                        "--bits", "8")  # fmt: skip
     assert main(argv) == 0
-    assert "25 frozen linears held in 8-bit"  # 4 layers × 7 − 3 in capsys.readouterr().out
+    assert "25 frozen linears held in 8-bit" in capsys.readouterr().out  # 4 layers × 7 − 3
     adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
     original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     q = adapted.model.layers[0].self_attn.q_proj.weight  # the int8 grid, dequantized
@@ -172,3 +177,35 @@ def test_fpo_adapt_takes_post_mlp_norm_models(arch, tmp_path, monkeypatch, capsy
             "--output-dir", str(tmp_path / "t")]  # fmt: skip
     assert main(argv) == 2
     assert "takes Llama-family checkpoints" in capsys.readouterr().err
+
+
+def test_fpo_adapt_resume_keeps_the_run_settings_and_skips_the_diagnosis(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    """A resume with other data, method or bits is refused before any work; one with --layers
+    auto and no --lr takes the saved run's (no second diagnosis); a finished run is left alone;
+    a folder a stopped run left with only metrics.jsonl starts afresh."""
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(_adapt_argv(checkpoint, out, "--steps", "1", "--save-every", "1")) == 0
+    assert "targets: 3" in capsys.readouterr().out  # the first run diagnoses
+    for flag, value in (("--data", "embedded"), ("--method", "full"), ("--bits", "8"),
+                        ("--lr", "0.5")):  # fmt: skip
+        argv = _adapt_argv(checkpoint, out, "--steps", "2", "--resume", flag, value)
+        if flag == "--data":
+            argv[argv.index("pydoc")] = value
+        assert main(argv) == 2
+        stdout, err = capsys.readouterr()
+        assert f"was adapted with {flag} " in err and stdout == "", (flag, err)
+    assert main(_adapt_argv(checkpoint, out, "--steps", "2", "--resume")) == 0
+    text = capsys.readouterr().out
+    assert "targets:" not in text and f"resumed '{out}' at step 1 of 2" in text
+    assert "layers 3, adamw lr" in text
+    assert main(_adapt_argv(checkpoint, out, "--steps", "2", "--resume")) == 0
+    assert "already finished at step 2; nothing to do" in capsys.readouterr().out
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "metrics.jsonl").write_text('{"step": 0, "val_ppl": 1.0}\n')
+    argv = _adapt_argv(checkpoint, stale, "--layers", "-1", "--lr", "1e-3", "--steps", "1")
+    assert main(argv) == 0
+    assert (stale / "model").is_dir()

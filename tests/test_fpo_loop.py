@@ -70,3 +70,59 @@ def test_a_resume_without_the_ood_data_says_it_measures_none(tmp_path):
     adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=3, **cfg),
           tmp_path, ood_val=ood, resume=True, echo=said.append)  # fmt: skip
     assert not [line for line in said if line.startswith("note:")]
+
+
+def test_a_signal_finishes_the_step_saves_the_state_and_the_resume_continues(tmp_path):
+    """SIGINT during a step: the step completes, the state is saved at it (no periodic save
+    due), no model is written, and --resume goes on to equal the uninterrupted run."""
+    import signal
+
+    train, val = _windows(7, 1), _windows(3, 2)
+    cfg = dict(batch_size=2, eval_every=0, eval_batches=1, save_every=0, log_every=1)
+    whole = FPOAdapter(_tiny(), [2], lr=1e-2)
+    adapt(whole, train, val, LoopConfig(steps=4, **cfg), tmp_path / "a", echo=lambda _s: None)
+    said: list[str] = []
+
+    def echo(line: str) -> None:
+        said.append(line)
+        if line.startswith("step 2/"):
+            signal.raise_signal(signal.SIGINT)  # as a Ctrl-C in the middle of the run
+
+    stopped = adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=4, **cfg),
+                    tmp_path / "b", echo=echo)  # fmt: skip
+    assert stopped == {"stopped_by": "SIGINT", "step": 2}
+    assert "stopped at step 2 of 4 by SIGINT" in said[-1] and "--resume" in said[-1]
+    assert not (tmp_path / "b" / "model").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    resumed = FPOAdapter(_tiny(), [2], lr=1e-2)
+    adapt(resumed, train, val, LoopConfig(steps=4, **cfg), tmp_path / "b", resume=True,
+          echo=lambda _s: None)  # fmt: skip
+    for key, master in whole.masters.items():
+        assert torch.equal(resumed.masters[key], master), key
+
+
+def test_a_resume_checks_the_settings_and_steps_and_a_finished_run_is_left_alone(tmp_path):
+    import pytest
+
+    from poetxq.adapt.fpo import FPOError
+
+    train, val = _windows(7, 1), _windows(3, 2)
+    cfg = dict(batch_size=2, eval_every=0, eval_batches=1, save_every=0, log_every=1)
+    settings = {"data": "pydoc", "method": "fpo", "bits": 16, "lr": 1e-2}
+    quiet = lambda _s: None  # noqa: E731
+    first = adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=2, **cfg),
+                  tmp_path, settings=settings, echo=quiet)  # fmt: skip
+    for key, value, flag in (("data", "embedded", "--data"), ("bits", 8, "--bits"),
+                             ("method", "full", "--method")):  # fmt: skip
+        with pytest.raises(FPOError, match=f"was adapted with {flag} .*resume with the same"):
+            adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=3, **cfg),
+                  tmp_path, resume=True, settings={**settings, key: value}, echo=quiet)  # fmt: skip
+    with pytest.raises(FPOError, match="is at step 2; --steps 1 is below it"):
+        adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=1, **cfg),
+              tmp_path, resume=True, settings=settings, echo=quiet)  # fmt: skip
+    rows = (tmp_path / "metrics.jsonl").read_text()
+    said: list[str] = []
+    again = adapt(FPOAdapter(_tiny(), [2], lr=1e-2), train, val, LoopConfig(steps=2, **cfg),
+                  tmp_path, resume=True, settings=settings, echo=said.append)  # fmt: skip
+    assert again == first and said == [f"'{tmp_path}' already finished at step 2; nothing to do"]
+    assert (tmp_path / "metrics.jsonl").read_text() == rows  # nothing appended

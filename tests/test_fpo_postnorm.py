@@ -156,3 +156,20 @@ def test_unsupported_heads_and_activations_are_refused():
         FPOError, match="activation silu or gelu_pytorch_tanh; this model has 'relu'"
     ):
         llama_parts(model)
+
+
+def test_the_family_check_names_the_command_that_refuses(tmp_path):
+    from transformers import GPT2Config
+
+    from poetxq.adapt.fpo import FPO_FAMILY
+    from poetxq.model.pretrained import PretrainedError, check_pretrained_config
+
+    olmo, gpt2 = tmp_path / "olmo2", tmp_path / "gpt2"
+    Olmo2Config(num_hidden_layers=1, **SIZES).save_pretrained(str(olmo))
+    GPT2Config(n_layer=1, n_embd=32, n_head=4).save_pretrained(str(gpt2))
+    with pytest.raises(PretrainedError, match="has model_type 'olmo2'; --model takes Llama-family"):
+        check_pretrained_config(str(olmo))
+    assert check_pretrained_config(str(olmo), families=FPO_FAMILY).model_type == "olmo2"
+    with pytest.raises(PretrainedError, match=r"'gpt2'; fpo-adapt takes checkpoints \(model_type "
+                       r"llama, mistral, qwen2, qwen3, olmo2, gemma3_text\)"):  # fmt: skip
+        check_pretrained_config(str(gpt2), families=FPO_FAMILY, command="fpo-adapt")

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from poetxq.adapt.fpo import FPOAdapter, FPOError
 from poetxq.adapt.lowbit import densify
 from poetxq.training.checkpoint import decode_state, encode_state, save_safetensors
+from poetxq.training.distributed import StopSignals
 from poetxq.training.evaluate import evaluate_perplexity
 from poetxq.training.rundir import keep_metrics_until
 
@@ -91,6 +92,55 @@ def save_state(out: Path, adapter: FPOAdapter, extra: dict[str, Any]) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+#: the command-line flag of each setting a resumed adaptation must keep (:func:`check_resume`)
+RESUME_FLAGS: dict[str, str] = {
+    "model": "MODEL", "data": "--data", "method": "--method", "bits": "--bits",
+    "quant_type": "--quant-type", "optimizer": "--optimizer", "lr": "--lr", "layers": "--layers",
+    "seq_len": "--seq-len", "batch_size": "--batch-size", "seed": "--seed", "clip": "--clip",
+    "clip_on": "--clip-on",
+}  # fmt: skip
+
+
+def check_resume(out: Path, settings: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Check that ``out/fpo_state`` can be continued with ``settings`` for ``steps`` steps.
+
+    Args:
+        out: the adaptation's output folder.
+        settings: the settings of this command (keys of :data:`RESUME_FLAGS`; a key left out,
+            e.g. ``lr`` when the diagnosis is to choose it, is not compared). States written
+            before settings were saved are not compared.
+        steps: this command's ``--steps``.
+
+    Returns:
+        The saved metadata (``steps``, ``layers``, ``settings``, ...).
+
+    Raises:
+        FPOError: nothing saved in ``out``, a setting that differs from the saved one (named
+            with its flag), or ``steps`` below the saved step.
+    """
+    path = out / STATE_DIR / "state.json"
+    if not path.is_file():
+        raise FPOError(
+            f"nothing to resume in '{out}' (no {STATE_DIR}/state.json); drop --resume to start a "
+            "new adaptation there"
+        )
+    meta = json.loads(path.read_text(encoding="utf-8"))
+    saved = meta.get("settings") or {}
+    for key, value in settings.items():
+        if key in saved and saved[key] != value:
+            flag = RESUME_FLAGS.get(key, key)
+            raise FPOError(
+                f"'{out}' was adapted with {flag} {saved[key]}, not {value}; resume with the same "
+                f"{flag}, or pass another --out for a new adaptation"
+            )
+    if meta["steps"] > steps:
+        raise FPOError(
+            f"'{out}' is at step {meta['steps']}; --steps {steps} is below it: pass --steps "
+            f"{meta['steps']} or more to resume it"
+        )
+    return meta
 
 
 def load_state(out: Path, adapter: FPOAdapter) -> dict[str, Any]:
@@ -164,6 +214,7 @@ def adapt(
     ood_val: torch.Tensor | None = None,
     tokenizer: Any = None,
     resume: bool = False,
+    settings: dict[str, Any] | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run FPO for ``cfg.steps`` steps; evaluate, log, save state and the adapted model.
@@ -176,16 +227,21 @@ def adapt(
         out: output folder (created).
         ood_val: optional out-of-domain validation windows, evaluated beside ``val``.
         tokenizer: saved with the model (a transformers tokenizer), or None.
-        resume: continue from ``out/fpo_state`` (:func:`load_state`).
+        resume: continue from ``out/fpo_state`` (:func:`check_resume`, :func:`load_state`); a
+            state already at ``cfg.steps`` returns its summary without further work.
+        settings: what the saved state records for :func:`check_resume` (keys of
+            :data:`RESUME_FLAGS`), compared on resume.
         echo: where progress lines go.
 
     Returns:
         The summary written to ``out/summary.json``: method, first and last in-domain (and
         out-of-domain) loss / perplexity, steps, tokens, tokens/s, peak GPU memory of the steps
-        (None on the CPU), path of the saved model.
+        (None on the CPU), path of the saved model. When SIGINT / SIGTERM stopped the loop (it
+        finishes the step, saves the state and returns): ``{"stopped_by": "SIGINT"|"SIGTERM",
+        "step": N}`` and no model is written.
 
     Raises:
-        FPOError: no training window, nothing to resume, a state for other layers.
+        FPOError: no training window, nothing to resume, a state for other settings or layers.
     """
     if train.shape[0] == 0:
         raise FPOError("the training split holds no window; lower --seq-len or add data")
@@ -194,9 +250,15 @@ def adapt(
     device = adapter.parts.lm_weight.device
     metrics = out / "metrics.jsonl"
     start, first = 0, None
+    settings = dict(settings or {})
     if resume:
+        check_resume(out, settings, cfg.steps)
         meta = load_state(out, adapter)
         start, first = adapter.steps, meta.get("first_eval")
+        if start == cfg.steps and (out / "summary.json").is_file():
+            echo(f"'{out}' already finished at step {start}; nothing to do")
+            return json.loads((out / "summary.json").read_text(encoding="utf-8"))
+        echo(f"resumed '{out}' at step {start} of {cfg.steps}")
         keep_metrics_until(metrics, start)
         if ood_val is None and first is not None and "ood_ppl" in first:
             echo(
@@ -230,7 +292,9 @@ def adapt(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     tokens, t0, last = 0, time.perf_counter(), first
-    for step in range(start, cfg.steps):
+    extra = {"first_eval": first, "settings": settings}
+    stop = StopSignals(announce=True)  # SIGINT / SIGTERM: finish the step, save the state
+    for step in stop.guard(range(start, cfg.steps)):
         idx = batch_indices(step, cfg.batch_size, train.shape[0], cfg.seed)
         batch = train[idx].to(device)
         stats = adapter.step(batch[:, :-1], batch[:, 1:])
@@ -243,11 +307,18 @@ def adapt(
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             last = evaluate(done)
         if cfg.save_every and done % cfg.save_every == 0 and done != cfg.steps:
-            save_state(out, adapter, {"first_eval": first})
+            save_state(out, adapter, extra)
+        if stop.received is not None and done != cfg.steps:
+            save_state(out, adapter, extra)
+            echo(
+                f"stopped at step {done} of {cfg.steps} by {stop.received.name}; state saved in "
+                f"'{out / STATE_DIR}': the same command with --resume continues it"
+            )
+            return {"stopped_by": stop.received.name, "step": done}
     elapsed = time.perf_counter() - t0
     if start < cfg.steps or last is first:
         last = evaluate(cfg.steps)
-    save_state(out, adapter, {"first_eval": first})
+    save_state(out, adapter, extra)
     path = save_model(out, model, tokenizer)
     method = {"partial": "sft-partial", "full": "full"}.get(getattr(adapter, "mode", ""), "fpo")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

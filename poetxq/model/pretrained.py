@@ -130,6 +130,7 @@ def check_pretrained_config(
     seq_len: int | None = None,
     block_size: int | None = None,
     families: Sequence[str] = LLAMA_FAMILY,
+    command: str | None = None,
 ) -> Any:
     """Read ``path``'s transformers config and check it is an unquantized Llama-family model.
 
@@ -140,6 +141,8 @@ def check_pretrained_config(
         block_size: the run's ``poet.block_size`` ``b``, which must not exceed the model's
             smallest layer dimension; None skips that check.
         families: the accepted ``model_type`` values (FPO takes more than POET surgery).
+        command: the command the error names (``fpo-adapt``; default: ``--model``, the flag of
+            train and bench).
 
     Returns:
         The ``PretrainedConfig``.
@@ -160,8 +163,8 @@ def check_pretrained_config(
     if config.model_type not in families:
         what = "Llama-family checkpoints" if tuple(families) == LLAMA_FAMILY else "checkpoints"
         raise PretrainedError(
-            f"'{path}' is a {config.model_type!r} model; --model takes {what} "
-            f"({', '.join(families)})"
+            f"'{path}' has model_type {config.model_type!r}; {command or '--model'} takes {what} "
+            f"(model_type {', '.join(families)})"
         )
     if getattr(config, "quantization_config", None):
         raise PretrainedError(

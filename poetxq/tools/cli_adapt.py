@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from poetxq.adapt.fpo import FPO_FAMILY, FPOError, check_layers
-from poetxq.adapt.loop import STATE_DIR
+from poetxq.adapt.loop import STATE_DIR, check_resume
 from poetxq.tools.cli_common import check_output_file
 
 ADAPT_COMMANDS: tuple[str, ...] = ("fpo-diagnose", "fpo-adapt")
@@ -172,7 +172,10 @@ def add_adapt_parsers(sub: Any) -> None:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue from OUT/fpo_state (same MODEL, --data and --layers)",
+        help="continue from OUT/fpo_state: MODEL, --data, --method, --bits, --optimizer, --lr, "
+        "--layers, --seq-len, --batch-size, --seed and the clip must match the run's (checked); "
+        "--layers auto and no --lr take the run's own (no second diagnosis); Ctrl-C or SIGTERM "
+        "saves the state after the current step",
     )
 
 
@@ -216,6 +219,18 @@ def _quiet_load(load: Any, model_dir: str) -> Any:
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
+
+
+def _holds_other_files(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds anything but what an adaptation stopped before its first saved
+    state leaves (``metrics.jsonl``, temporary folders): such a folder may start afresh."""
+    if not out_dir.is_dir():
+        return False
+    ours = ("metrics.jsonl",)
+    return any(
+        p.name not in ours and not p.name.startswith((f".{STATE_DIR}.", ".model.", ".summary."))
+        for p in out_dir.iterdir()
+    )
 
 
 def _parse_layers(text: str) -> list[int] | None:
@@ -284,24 +299,42 @@ def run_adapt(args: argparse.Namespace) -> int:
         out_dir = Path(args.out)
         if out_dir.is_file():
             raise FPOError(f"--out '{out_dir}' is a file; pass a directory")
-        if not args.resume and out_dir.is_dir() and any(out_dir.iterdir()):
+        if not args.resume and _holds_other_files(out_dir):
             raise FPOError(
                 f"--out '{out_dir}' is not empty; pass --resume to continue it or another DIR"
             )
-        # before the minutes of loading and diagnosis (and before any folder is made)
-        if args.resume and not (out_dir / STATE_DIR / "state.json").is_file():
-            raise FPOError(
-                f"nothing to resume in '{out_dir}' (no {STATE_DIR}/state.json); drop --resume "
-                "to start a new adaptation there"
-            )
         if args.lr is not None and not args.lr > 0:
             raise FPOError(f"--lr must be positive, got {args.lr}")
+        if min(args.log_every, args.eval_batches) < 1:
+            raise FPOError("--log-every and --eval-batches must be at least 1")
+        if min(args.eval_every, args.save_every, args.clip) < 0:
+            raise FPOError("--eval-every, --save-every and --clip must not be negative (0: off)")
     else:
         for flag, value in (("--out", args.out), ("--plot", args.plot)):
             if value:
                 check_output_file(Path(value), flag, FPOError)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise FPOError("--device cuda: this torch sees no CUDA GPU; drop --device or pass cpu")
     model_dir = resolve_pretrained(args.model)
-    config = check_pretrained_config(model_dir, families=FPO_FAMILY)
+    config = check_pretrained_config(model_dir, families=FPO_FAMILY, command=args.command)
+    kept: dict[str, Any] = {}  # what a --resume must match (poetxq.adapt.loop.RESUME_FLAGS)
+    if adapting:
+        kept = {"model": str(Path(model_dir).resolve()), "data": args.data,
+                    "method": args.method, "bits": args.bits, "optimizer": args.optimizer,
+                    "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed,
+                    "clip": args.clip, "clip_on": args.clip_on}  # fmt: skip
+        if args.bits == 4:
+            kept["quant_type"] = args.quant_type
+        if args.lr is not None:
+            kept["lr"] = args.lr
+        if layers is not None:
+            kept["layers"] = check_layers(layers, config.num_hidden_layers)
+    if adapting and args.resume:  # before the minutes of loading and diagnosis
+        saved = check_resume(out_dir, kept, args.steps)
+        # --layers auto / no --lr: the saved run's, not a new diagnosis
+        layers = layers if layers is not None else saved["layers"]
+        if args.lr is None and "lr" in (saved.get("settings") or {}):
+            args.lr = saved["settings"]["lr"]
     if layers is not None:
         check_layers(layers, config.num_hidden_layers)  # before minutes of data and loading
     data = _data(model_dir, args.data, args, config)
@@ -347,10 +380,13 @@ def run_adapt(args: argparse.Namespace) -> int:
     cfg = LoopConfig(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, save_every=args.save_every,
                      log_every=args.log_every, seed=args.seed)  # fmt: skip
+    kept.update(lr=lr, layers=adapter.layers)
     summary = adapt(adapter, data.train, data.val, cfg, out_dir,
                     ood_val=ood.val if ood is not None else None,
                     tokenizer=as_hf_tokenizer(data.tokenizer, data.eos_id),
-                    resume=args.resume)  # fmt: skip
+                    resume=args.resume, settings=kept)  # fmt: skip
+    if "stopped_by" in summary:
+        return 143 if summary["stopped_by"] == "SIGTERM" else 130
     first, last = summary["first"], summary["last"]
     print(f"val ppl {first['val_ppl']:.2f} -> {last['val_ppl']:.2f}; model: {summary['model_dir']}")
     return 0
