@@ -209,3 +209,27 @@ def test_fpo_adapt_resume_keeps_the_run_settings_and_skips_the_diagnosis(
     argv = _adapt_argv(checkpoint, stale, "--layers", "-1", "--lr", "1e-3", "--steps", "1")
     assert main(argv) == 0
     assert (stale / "model").is_dir()
+
+
+def test_fpo_commands_take_data_settings(checkpoint, tmp_path, monkeypatch, capsys):
+    """--set data.KEY=VALUE reaches the data section (a JSONL whose text is under another field);
+    other sections, data.source and values the section refuses get one line."""
+    import pydoc_data.topics
+
+    monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
+    jsonl = tmp_path / "c.jsonl"
+    texts = list(pydoc_data.topics.topics.values())[:40]
+    jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
+    base = ["fpo-diagnose", str(checkpoint), "--data", str(jsonl), "--windows", "2", "--seq-len",
+            "16", "--micro-batch", "2"]  # fmt: skip
+    assert main(base) == 2
+    assert "text field 'text'" in capsys.readouterr().err
+    assert main([*base, "--set", "data.text_field=content"]) == 0
+    assert "targets: 3" in capsys.readouterr().out
+    for bad, expected in (("train.max_steps=3", "data.* settings only"),
+                          ("data.source=pydoc", "not data.source"),
+                          ("data.val_fraction=0.9", "--set data.val_fraction: "),
+                          ("data.text_field", "write KEY=VALUE")):  # fmt: skip
+        assert main([*base, "--set", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], (bad, err)

@@ -99,7 +99,7 @@ RESUME_FLAGS: dict[str, str] = {
     "model": "MODEL", "data": "--data", "method": "--method", "bits": "--bits",
     "quant_type": "--quant-type", "optimizer": "--optimizer", "lr": "--lr", "layers": "--layers",
     "seq_len": "--seq-len", "batch_size": "--batch-size", "seed": "--seed", "clip": "--clip",
-    "clip_on": "--clip-on",
+    "clip_on": "--clip-on", "data_settings": "--set data.*",
 }  # fmt: skip
 
 

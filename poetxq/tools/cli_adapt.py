@@ -80,6 +80,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=("cuda", "cpu"),
                    help="default: cuda when available")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="data.KEY=VALUE",
+        help="a data setting as in a recipe's data section, e.g. data.text_field=content, "
+        "data.max_train_tokens=5000000 (an hf: source needs a cap), data.val_fraction=0.1; "
+        "repeatable",
+    )
 
 
 def add_adapt_parsers(sub: Any) -> None:
@@ -187,8 +197,8 @@ def _data(model_dir: str, source: str, args: argparse.Namespace, config: Any) ->
     if args.windows < 1 or args.seq_len < 1 or args.micro_batch < 1:
         raise FPOError("--windows, --seq-len and --micro-batch must be at least 1")
     check_seq_len(config, args.seq_len, model_dir)
-    data = prepare_data(DataConfig(source=source, tokenizer=model_dir), args.seq_len,
-                        progress=False)  # fmt: skip
+    data = prepare_data(DataConfig(source=source, tokenizer=model_dir, **data_settings(args)),
+                        args.seq_len, progress=False)  # fmt: skip
     if data.vocab_size > config.vocab_size:
         raise FPOError(
             f"the tokenizer of '{model_dir}' has {data.vocab_size} ids but the model embeds "
@@ -197,6 +207,41 @@ def _data(model_dir: str, source: str, args: argparse.Namespace, config: Any) ->
     if data.train.shape[0] == 0:
         raise FPOError(f"--data {source} holds no training window of {args.seq_len + 1} tokens")
     return data
+
+
+def data_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--set data.KEY=VALUE`` settings as ``DataConfig`` keyword arguments.
+
+    Raises:
+        FPOError: a key outside the data section, ``data.source`` / ``data.tokenizer`` (given by
+            --data and MODEL), a malformed text, or a value the data section refuses.
+    """
+    from pydantic import ValidationError
+
+    from poetxq.data import DataConfig
+    from poetxq.training.recipe import RecipeError
+    from poetxq.training.recipe_files import parse_override
+
+    out: dict[str, Any] = {}
+    for text in args.overrides:
+        try:
+            key, value = parse_override(text)
+        except RecipeError as exc:
+            raise FPOError(f"--set: {exc}") from None
+        name = key.removeprefix("data.")
+        if not key.startswith("data.") or name in ("source", "tokenizer"):
+            raise FPOError(
+                f"--set {text}: fpo commands take data.* settings only, and not data.source or "
+                "data.tokenizer (given by --data and MODEL)"
+            )
+        out[name] = value
+    try:
+        DataConfig(**out)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"]))
+        raise FPOError(f"--set data.{where}: {err['msg']}") from None
+    return out
 
 
 def _calibration(train: torch.Tensor, args: argparse.Namespace) -> torch.Tensor:
@@ -325,6 +370,7 @@ def run_adapt(args: argparse.Namespace) -> int:
                     "clip": args.clip, "clip_on": args.clip_on}  # fmt: skip
         if args.bits == 4:
             kept["quant_type"] = args.quant_type
+        kept["data_settings"] = data_settings(args)
         if args.lr is not None:
             kept["lr"] = args.lr
         if layers is not None:
