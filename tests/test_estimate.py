@@ -566,6 +566,10 @@ def test_estimate_model_refuses_the_checkpoints_train_refuses(tmp_path, monkeypa
         assert capsys.readouterr().err == est.err  # train's very line
     llama = save_tiny_checkpoint(tmp_path / "llama", **sizes)
     capsys.readouterr()
+    # the tiny recipe's b = 64 exceeds its k_proj's 32 rows (2 KV heads x 16): refused as train does
+    assert main(["estimate-memory", "--model", str(llama), *flags]) == 2
+    assert "smallest layer dimension 32" in capsys.readouterr().err
+    flags += ["--set", "poet.block_size=32"]
     assert main(["estimate-memory", "--model", str(llama), *flags]) == 0
     out = capsys.readouterr().out
     assert f"memory estimate: {llama}/config.json (poetxq), batch" in out

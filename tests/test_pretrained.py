@@ -187,11 +187,13 @@ def test_seq_len_beyond_the_checkpoints_positions_is_one_error(checkpoint, tmp_p
 
 
 def test_block_size_beyond_the_checkpoints_layers_is_one_error(checkpoint, tmp_path, capsys):
-    """A block larger than the checkpoint's smallest layer (hidden 64 here) is refused before
-    the data and the model are loaded, as it is for a recipe's own model."""
-    code = main(["quantize-and-train", *RUN, "--model", str(checkpoint), "--block-size", "128",
-                 "--output-dir", str(tmp_path / "o")])  # fmt: skip
-    assert code == 2
-    msg = _one_error(capsys)
-    assert "poet.block_size 128 exceeds the smallest layer dimension 64" in msg
-    assert "--block-size 64" in msg and not (tmp_path / "o").exists()
+    """A block larger than the checkpoint's smallest layer is refused before the data and the
+    model are loaded, as it is for a recipe's own model: here k_proj / v_proj (2 KV heads × 16 =
+    32 rows under grouped-query attention), below the hidden size 64."""
+    for block in ("128", "64"):
+        code = main(["quantize-and-train", *RUN, "--model", str(checkpoint), "--block-size",
+                     block, "--output-dir", str(tmp_path / "o")])  # fmt: skip
+        assert code == 2
+        msg = _one_error(capsys)
+        assert f"poet.block_size {block} exceeds the smallest layer dimension 32" in msg
+        assert "--block-size 32" in msg and not (tmp_path / "o").exists()

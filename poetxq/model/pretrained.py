@@ -174,6 +174,13 @@ def check_pretrained_config(
     if seq_len is not None:
         check_seq_len(config, seq_len, path)
     dims = [getattr(config, k, None) for k in ("hidden_size", "intermediate_size")]
+    heads, kv_heads = (getattr(config, k, None) for k in ("num_attention_heads",
+                                                           "num_key_value_heads"))  # fmt: skip
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(dims[0], int) and isinstance(heads, int) and not isinstance(head_dim, int):
+        head_dim = dims[0] // heads
+    if isinstance(kv_heads, int) and isinstance(head_dim, int):
+        dims.append(kv_heads * head_dim)  # k_proj / v_proj rows under grouped-query attention
     smallest = min((d for d in dims if isinstance(d, int)), default=None)
     if block_size is not None and smallest is not None and block_size > smallest:
         raise PretrainedError(
