@@ -96,6 +96,7 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
         (_adapt_argv(checkpoint, tmp_path / "e", "--log-every", "0"), "--log-every and"),
         (_adapt_argv(checkpoint, tmp_path / "e", "--eval-batches", "0"), "--eval-batches must"),
         (_adapt_argv(checkpoint, tmp_path / "e", "--clip", "-1"), "must not be negative"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--quarter", "4"), "--quarter must lie in"),
     ]  # fmt: skip
     if not torch.cuda.is_available():
         cases.append((_adapt_argv(checkpoint, tmp_path / "e", "--device", "cuda"), "no CUDA GPU"))

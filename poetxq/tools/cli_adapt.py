@@ -174,7 +174,8 @@ def add_adapt_parsers(sub: Any) -> None:
         choices=("fpo", "sft-partial", "full"),
         default="fpo",
         help="fpo (forward-only; the default); the autograd references with the same optimizer, "
-        "clip, data and budget: sft-partial (the target MLPs only) or full (every parameter)",
+        "clip, data and budget: sft-partial (the target MLPs only) or full (every parameter; at "
+        "--bits 8|4 every parameter not held in low bits)",
     )
     p.add_argument(
         "--quant-type", choices=("nf4", "fp4"), default="nf4", help="4-bit code (default nf4)"
@@ -358,6 +359,11 @@ def run_adapt(args: argparse.Namespace) -> int:
         for flag, value in (("--out", args.out), ("--plot", args.plot)):
             if value:
                 check_output_file(Path(value), flag, FPOError)
+    if not 0 < args.quarter <= 1:
+        raise FPOError(
+            f"--quarter must lie in (0, 1] (the fraction of the last layers targets come from), "
+            f"got {args.quarter}"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise FPOError("--device cuda: this torch sees no CUDA GPU; drop --device or pass cpu")
     model_dir = resolve_pretrained(args.model)
