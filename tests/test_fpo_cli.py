@@ -46,6 +46,9 @@ def test_fpo_diagnose_errors_are_one_line(tmp_path, capsys):
     assert main(["fpo-diagnose", str(tmp_path), "--data", "pydoc", "--out", str(tmp_path / "d")])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0]
+    assert main(["fpo-diagnose", str(tmp_path), "--data", "pydoc", "--plot", "p.svg"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "give a .png path, not 'p.svg'" in err[0]
 
 
 def _adapt_argv(checkpoint, out, *extra):

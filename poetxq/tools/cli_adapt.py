@@ -359,6 +359,8 @@ def run_adapt(args: argparse.Namespace) -> int:
         for flag, value in (("--out", args.out), ("--plot", args.plot)):
             if value:
                 check_output_file(Path(value), flag, FPOError)
+        if args.plot and Path(args.plot).suffix.lower() != ".png":
+            raise FPOError(f"--plot writes a PNG image; give a .png path, not '{args.plot}'")
     if not 0 < args.quarter <= 1:
         raise FPOError(
             f"--quarter must lie in (0, 1] (the fraction of the last layers targets come from), "
