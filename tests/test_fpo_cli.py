@@ -117,10 +117,12 @@ def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
 ):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run8"
-    argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "1",
+    argv = _adapt_argv(checkpoint, out, "--layers", "3,-1", "--lr", "1e-3", "--steps", "1",
                        "--bits", "8")  # fmt: skip
     assert main(argv) == 0
-    assert "25 frozen linears held in 8-bit" in capsys.readouterr().out  # 4 layers × 7 − 3
+    text = capsys.readouterr().out
+    assert "25 frozen linears held in 8-bit" in text  # 4 layers × 7 − 3
+    assert "note: --layers 3,-1 names a layer twice" in text and "adapting 3\n" in text
     adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
     original = AutoModelForCausalLM.from_pretrained(str(checkpoint))
     q = adapted.model.layers[0].self_attn.q_proj.weight  # the int8 grid, dequantized

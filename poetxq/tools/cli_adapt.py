@@ -389,8 +389,11 @@ def run_adapt(args: argparse.Namespace) -> int:
         layers = layers if layers is not None else saved["layers"]
         if args.lr is None and "lr" in (saved.get("settings") or {}):
             args.lr = saved["settings"]["lr"]
-    if layers is not None:
-        check_layers(layers, config.num_hidden_layers)  # before minutes of data and loading
+    if layers is not None:  # before minutes of data and loading
+        unique = check_layers(layers, config.num_hidden_layers)
+        if len(unique) < len(layers):
+            print(f"note: --layers {args.layers} names a layer twice (negatives count from the "
+                  f"end); adapting {','.join(map(str, unique))}")  # fmt: skip
     data = _data(model_dir, args.data, args, config)
     ood = _data(model_dir, args.ood_data, args, config) if adapting and args.ood_data else None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
