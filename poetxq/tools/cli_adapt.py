@@ -361,6 +361,8 @@ def run_adapt(args: argparse.Namespace) -> int:
                 check_output_file(Path(value), flag, FPOError)
         if args.plot and Path(args.plot).suffix.lower() != ".png":
             raise FPOError(f"--plot writes a PNG image; give a .png path, not '{args.plot}'")
+    if args.tolerance < 0:
+        raise FPOError(f"--tolerance must not be negative (a cosine margin), got {args.tolerance}")
     if not 0 < args.quarter <= 1:
         raise FPOError(
             f"--quarter must lie in (0, 1] (the fraction of the last layers targets come from), "
