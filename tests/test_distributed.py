@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from poetxq.data.config import DataError
 from poetxq.training.distributed import (
     ShardedBatches,
     all_reduce_float_grads,
@@ -58,7 +59,7 @@ def test_iteration_resumes_at_any_position():
 
 
 def test_too_few_windows_for_one_global_batch():
-    with pytest.raises(ValueError, match="fewer than one global batch"):
+    with pytest.raises(DataError, match="fewer than one global batch"):
         ShardedBatches(torch.zeros(7, 4, dtype=torch.long), 4, rank=0, world_size=2, seed=0)
 
 

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from poetxq.data.config import DataError
+
 #: elements per all-reduce bucket of float gradients (fp32: 100 MiB)
 BUCKET_ELEMENTS = 25 * 2**20
 
@@ -55,7 +57,8 @@ class ShardedBatches:
         seed: seed of the epoch permutations.
 
     Raises:
-        ValueError: ``N < B·W`` (not one full global batch) or a bad rank.
+        DataError: ``N < B·W`` (not one full global batch; a ``ValueError``); ValueError: a bad
+            rank.
     """
 
     def __init__(
@@ -68,7 +71,7 @@ class ShardedBatches:
         self.global_batch = batch_size * world_size
         self.batches_per_epoch = windows.shape[0] // self.global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(
+            raise DataError(
                 f"training split has {windows.shape[0]} windows, fewer than one global batch "
                 f"(train.batch_size {batch_size} x {world_size} processes); lower "
                 "train.batch_size or train.seq_len"
