@@ -79,6 +79,8 @@ def named_base_dir(name: str) -> Path:
         raise NamedBaseError(f"{base.package} holds no {base.filename}; reinstall: {base.pip}")
     tmp = final.with_name(f".{name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{name}: converting {base.filename} once to an fp32 checkpoint in {final} ...",
+          flush=True)  # fmt: skip
     try:
         _convert(folder, base.filename, tmp)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -97,14 +99,21 @@ def named_base_dir(name: str) -> Path:
 def _convert(folder: Path, filename: str, out: Path) -> None:
     """GGUF in ``folder`` → plain fp32 transformers checkpoint + tokenizer in ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
-    loaded = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename,
-                                                  dtype=torch.float32)  # fmt: skip
-    config = loaded.config.to_dict()
-    config.pop("quantization_config", None)
-    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.tie_weights()
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one line says what happens, not three progress bars
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
+        loaded = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename,
+                                                      dtype=torch.float32)  # fmt: skip
+        config = loaded.config.to_dict()
+        config.pop("quantization_config", None)
+        model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+        model.load_state_dict(loaded.state_dict(), strict=True)
+        model.tie_weights()
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
