@@ -28,7 +28,7 @@ def output_error(
 ) -> tuple[torch.Tensor, int]:
     """The unnormalised output error ``e = softmax(z) − onehot(y)`` (paper §method, eq. for e).
 
-    Checks the labels and counts the labelled positions (two host synchronizations on a GPU);
+    Checks the labels and counts the labelled positions (one host synchronization on a GPU);
     :func:`residual_signal` checks its labels once and uses the unchecked arithmetic per chunk.
 
     Args:
@@ -50,36 +50,44 @@ def output_error(
             f"logits [B, L, V] and labels [B, L] expected, got {tuple(logits.shape)} and "
             f"{tuple(labels.shape)}"
         )
+    target, valid, n = _checked_labels(labels, logits.shape[-1], ignore_index)
+    return _output_error_unchecked(logits, target, valid), n
+
+
+def _checked_labels(
+    labels: torch.Tensor, vocab: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(target, valid, n)``: the labels with ignored positions at 0, the labelled-position
+    mask and their count; checked and counted in one host transfer.
+
+    Raises:
+        ValueError: a label outside ``[0, vocab)`` other than ``ignore_index``.
+    """
     valid = labels != ignore_index
     target = torch.where(valid, labels, 0)
-    vocab = logits.shape[-1]
-    if bool(((target < 0) | (target >= vocab)).any()):
-        raise ValueError(_outside_message(vocab, ignore_index))
-    return _output_error_unchecked(logits, labels, ignore_index), int(valid.sum())
-
-
-def _outside_message(vocab: int, ignore_index: int) -> str:
-    return f"a label lies outside [0, {vocab}) and is not {ignore_index}"
+    outside = ((target < 0) | (target >= vocab)).any()
+    n_outside, n = torch.stack([outside.to(torch.int64), valid.sum()]).tolist()
+    if n_outside:
+        raise ValueError(f"a label lies outside [0, {vocab}) and is not {ignore_index}")
+    return target, valid, n
 
 
 def _output_error_unchecked(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor
 ) -> torch.Tensor:
     """:func:`output_error`'s ``e`` without the checks: no host synchronization.
 
     Args:
         logits: ``[..., V]`` (any float dtype; computed in at least fp32).
-        labels: ``[...]`` int64, each in ``[0, V)`` or ``ignore_index`` (not checked: the
-            caller's; an index outside ``[0, V)`` fails in ``scatter_add_``, or on a GPU
-            asserts in the kernel).
-        ignore_index: label of an ignored position; its row of ``e`` is zero.
+        target: ``[...]`` int64, the label where ``valid``, else 0 (not checked: the caller's;
+            an index outside ``[0, V)`` fails in ``scatter_add_``, or on a GPU asserts in the
+            kernel).
+        valid: ``[...]`` bool, the labelled positions; the other rows of ``e`` are zero.
 
     Returns:
         ``e`` ``[..., V]`` in ``promote(logits.dtype, fp32)``.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    valid = labels != ignore_index
-    target = torch.where(valid, labels, 0)
     e = torch.softmax(logits.to(dtype), dim=-1)
     e.scatter_add_(-1, target.unsqueeze(-1), torch.full_like(e[..., :1], -1.0))
     e.mul_(valid.unsqueeze(-1).to(dtype))
@@ -207,12 +215,7 @@ def residual_signal(
     vocab = lm_weight.shape[0]
     with torch.no_grad():
         # the labels' check and count for every chunk at once: one host transfer
-        valid = flat_y != ignore_index
-        target = torch.where(valid, flat_y, 0)
-        outside = ((target < 0) | (target >= vocab)).any()
-        n_outside, n_total = torch.stack([outside.to(torch.int64), valid.sum()]).tolist()
-        if n_outside:
-            raise ValueError(_outside_message(vocab, ignore_index))
+        target, valid, n_total = _checked_labels(flat_y, vocab, ignore_index)
         if n_total == 0:
             raise ValueError("no labelled position: every label is the ignore index")
         g_tilde = torch.empty(b * l, d, dtype=dtype, device=hidden.device)
@@ -221,11 +224,11 @@ def residual_signal(
         w = lm_weight.to(gemm)
         for start in range(0, b * l, chunk_tokens):
             h = flat_h[start : start + chunk_tokens]
-            y = flat_y[start : start + chunk_tokens]
+            t = target[start : start + chunk_tokens]
+            ok = valid[start : start + chunk_tokens]
             z = (norm.forward(h).to(gemm) @ w.T).to(dtype)  # forward: no module hooks
-            e = _output_error_unchecked(z, y, ignore_index)
-            ok = y != ignore_index
-            zy = z.gather(-1, torch.where(ok, y, 0).unsqueeze(-1)).squeeze(-1)
+            e = _output_error_unchecked(z, t, ok)
+            zy = z.gather(-1, t.unsqueeze(-1)).squeeze(-1)
             loss_sum += ((torch.logsumexp(z, -1) - zy) * ok).sum().to(torch.float64)
             g = (e.to(gemm) @ w).to(dtype)
             g_tilde[start : start + len(h)] = rmsnorm_vjp(h, gain, eps, g)

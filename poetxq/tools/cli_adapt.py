@@ -190,7 +190,9 @@ def add_adapt_parsers(sub: Any) -> None:
     )
 
 
-def _data(model_dir: str, source: str, args: argparse.Namespace, config: Any) -> Any:
+def _data(
+    model_dir: str, source: str, args: argparse.Namespace, config: Any, settings: dict[str, Any]
+) -> Any:
     """``source`` tokenized by the model's tokenizer, packed into ``args.seq_len + 1`` windows."""
     from poetxq.data import DataConfig, prepare_data
     from poetxq.model.pretrained import check_seq_len
@@ -198,8 +200,8 @@ def _data(model_dir: str, source: str, args: argparse.Namespace, config: Any) ->
     if args.windows < 1 or args.seq_len < 1 or args.micro_batch < 1:
         raise FPOError("--windows, --seq-len and --micro-batch must be at least 1")
     check_seq_len(config, args.seq_len, model_dir)
-    data = prepare_data(DataConfig(source=source, tokenizer=model_dir, **data_settings(args)),
-                        args.seq_len, progress=False)  # fmt: skip
+    data = prepare_data(DataConfig(source=source, tokenizer=model_dir, **settings), args.seq_len,
+                        progress=False)  # fmt: skip
     if data.vocab_size > config.vocab_size:
         raise FPOError(
             f"the tokenizer of '{model_dir}' has {data.vocab_size} ids but the model embeds "
@@ -372,32 +374,35 @@ def run_adapt(args: argparse.Namespace) -> int:
         raise FPOError("--device cuda: this torch sees no CUDA GPU; drop --device or pass cpu")
     model_dir = resolve_pretrained(args.model)
     config = check_pretrained_config(model_dir, families=FPO_FAMILY, command=args.command)
+    extra_data = data_settings(args)
+    if layers is not None:  # before minutes of data and loading
+        unique = check_layers(layers, config.num_hidden_layers)
+        if len(unique) < len(layers):
+            print(f"note: --layers {args.layers} names a layer twice (negatives count from the "
+                  f"end); adapting {','.join(map(str, unique))}")  # fmt: skip
+        layers = unique
     kept: dict[str, Any] = {}  # what a --resume must match (poetxq.adapt.loop.RESUME_FLAGS)
     if adapting:
         kept = {"model": str(Path(model_dir).resolve()), "data": args.data,
-                    "method": args.method, "bits": args.bits, "optimizer": args.optimizer,
-                    "seq_len": args.seq_len, "batch_size": args.batch_size, "seed": args.seed,
-                    "clip": args.clip, "clip_on": args.clip_on}  # fmt: skip
+                "data_settings": extra_data, "method": args.method, "bits": args.bits,
+                "optimizer": args.optimizer, "seq_len": args.seq_len,
+                "batch_size": args.batch_size, "seed": args.seed, "clip": args.clip,
+                "clip_on": args.clip_on}  # fmt: skip
         if args.bits == 4:
             kept["quant_type"] = args.quant_type
-        kept["data_settings"] = data_settings(args)
         if args.lr is not None:
             kept["lr"] = args.lr
         if layers is not None:
-            kept["layers"] = check_layers(layers, config.num_hidden_layers)
+            kept["layers"] = layers
     if adapting and args.resume:  # before the minutes of loading and diagnosis
         saved = check_resume(out_dir, kept, args.steps)
         # --layers auto / no --lr: the saved run's, not a new diagnosis
         layers = layers if layers is not None else saved["layers"]
         if args.lr is None and "lr" in (saved.get("settings") or {}):
             args.lr = saved["settings"]["lr"]
-    if layers is not None:  # before minutes of data and loading
-        unique = check_layers(layers, config.num_hidden_layers)
-        if len(unique) < len(layers):
-            print(f"note: --layers {args.layers} names a layer twice (negatives count from the "
-                  f"end); adapting {','.join(map(str, unique))}")  # fmt: skip
-    data = _data(model_dir, args.data, args, config)
-    ood = _data(model_dir, args.ood_data, args, config) if adapting and args.ood_data else None
+    data = _data(model_dir, args.data, args, config, extra_data)
+    ood = (_data(model_dir, args.ood_data, args, config, extra_data)
+           if adapting and args.ood_data else None)  # fmt: skip
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = _quiet_load(lambda d: load_pretrained(d, FPO_FAMILY), model_dir).to(device)
     diag = None
@@ -422,8 +427,7 @@ def run_adapt(args: argparse.Namespace) -> int:
     if args.bits < 16:
         from poetxq.adapt.lowbit import freeze_low_bit
 
-        n = freeze_low_bit(model, check_layers(targets, config.num_hidden_layers), args.bits,
-                           quant_type=args.quant_type)  # fmt: skip
+        n = freeze_low_bit(model, targets, args.bits, quant_type=args.quant_type)
         print(f"fpo-adapt: {n} frozen linears held in {args.bits}-bit")
     settings = dict(lr=lr, optimizer=args.optimizer, clip=args.clip, clip_on=args.clip_on)
     if args.method == "fpo":
