@@ -213,17 +213,20 @@ def _startable(
     pending: list[dict],
     runs_root: Path,
     left: float | None,
+    resume_later: bool = False,
 ) -> dict | None:
     """The first pending run that may start with ``left`` seconds to the deadline: one with a
     checkpoint on disk while a minute is left (it resumes, and stops with a checkpoint again),
     a new one only when its method's typical time (:func:`expected_seconds`) fits, so a call on
-    a machine that will not stay warm spends no time on runs it must throw away."""
+    a machine that will not stay warm spends no time on runs it must throw away. With
+    ``resume_later`` (the caller will call again on the same machine) a new run starts while a
+    minute is left even when it cannot finish in this call: runs longer than one call need it."""
     for spec in pending:
         if left is None:
             return spec
         if left < 60.0:
             return None
-        if (runs_root / spec["id"] / "checkpoints").is_dir():
+        if resume_later or (runs_root / spec["id"] / "checkpoints").is_dir():
             return spec
         est = expected_seconds(study, results, spec["method"])
         if est is None or est <= left:
@@ -257,10 +260,13 @@ def execute(
     max_runs: int | None,
     echo: Any = print,
     methods: list[str] | None = None,
+    resume_later: bool = False,
 ) -> dict[str, Any]:
     """Run pending runs until the study is done, ``max_runs`` finished or ``deadline`` seconds
     passed (running workers then get SIGTERM, which saves their checkpoint). ``methods``: start
-    only these methods' and controls' runs (the others stay pending). Returns the results.
+    only these methods' and controls' runs (the others stay pending). ``resume_later``: start
+    new runs even when they cannot finish before the deadline (see :func:`_startable`).
+    Returns the results.
 
     Raises:
         SystemExit: ``methods`` names a method or control the study does not have.
@@ -335,7 +341,7 @@ def execute(
         spec = None
         if len(running) < jobs and (max_runs is None or started < max_runs):
             left = None if deadline is None else deadline - elapsed
-            spec = _startable(study, results, pending, runs_root, left)
+            spec = _startable(study, results, pending, runs_root, left, resume_later)
         if spec is not None:
             gpu = gpus[slot % len(gpus)] if gpus else None
             slot += 1
@@ -429,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
                 "and save a checkpoint; a later `run` resumes them",
             )  # fmt: skip
             p.add_argument(
+                "--resume-later", action="store_true",
+                help="with --deadline: start new runs even when their typical time does not "
+                "fit (another `run` on the same machine will resume them); for runs longer "
+                "than one call",
+            )  # fmt: skip
+            p.add_argument(
                 "--max-runs", type=int, metavar="N",
                 help="start at most N runs in this call and stop when they have finished; a "
                 "later `run` goes on with the next ones",
@@ -481,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         study, Path(args.study).resolve(), results_path, jobs=args.jobs,
         gpus=args.gpus.split(",") if args.gpus else None, deadline=args.deadline,
         max_runs=args.max_runs, methods=args.methods.split(",") if args.methods else None,
+        resume_later=args.resume_later,
     )  # fmt: skip
     return 0
 

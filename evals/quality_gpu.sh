@@ -5,7 +5,8 @@
 # DEADLINE seconds, and leaves each study's updated results JSON and log in $OUT. Several studies
 # run side by side on the one GPU (their JOBS add up: at most 4 runs of Llama-60M on one H200).
 # Runs stopped by the deadline keep a checkpoint under runs/quality/ and resume in the next call
-# on the same machine.
+# on the same machine; QUALITY_RESUME_LATER=1 starts new runs that cannot finish in this call
+# (the next call on the warm machine resumes them: runs longer than one call need it).
 #
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 520 4      (4 jobs fit one H200 at 60M)
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml:2,evals/studies/llama60m_150m.yaml:2 520
@@ -33,7 +34,8 @@ run_study() {  # STUDY JOBS [METHODS]: one study's call, its results and log int
   if [ -f "runs/quality/$name" ]; then cp "runs/quality/$name" "$out/$name"
   elif [ -f "$results" ]; then cp "$results" "$out/$name"; fi
   PYTHONUNBUFFERED=1 python3 evals/quality.py run "$study" --jobs "$jobs" --deadline "$deadline" \
-    --results "$out/$name" ${methods:+--methods "${methods//+/,}"} >"$log" 2>&1
+    --results "$out/$name" ${methods:+--methods "${methods//+/,}"} \
+    ${QUALITY_RESUME_LATER:+--resume-later} >"$log" 2>&1
   cp "$out/$name" "runs/quality/$name"
 }
 

@@ -333,6 +333,9 @@ def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpu
     assert _startable(study, results, pending, root, None) is pending[0]  # no deadline
     assert _startable(study, results, pending, root, 231.0) is pending[0]
     assert _startable(study, results, pending, root, 229.0) is None  # none fits
+    # a caller that will call again on the same machine starts it anyway, while a minute is left
+    assert _startable(study, results, pending, root, 229.0, resume_later=True) is pending[0]
+    assert _startable(study, results, pending, root, 59.0, resume_later=True) is None
     # a run with a checkpoint on disk resumes while a minute is left, past the ones that do not fit
     (root / pending[2]["id"] / "checkpoints").mkdir(parents=True)
     assert _startable(study, results, pending, root, 61.0) is pending[2]
