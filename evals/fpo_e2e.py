@@ -109,7 +109,8 @@ class Ran:
 
 def run(args: list[str], log: Path) -> Ran:
     """Run ``python -m poetxq ARGS`` with stdout and stderr to ``log``; wait for it with
-    ``os.wait4`` so the peak RSS is that process's own (``ru_maxrss``, KiB on Linux).
+    ``os.wait4`` so the peak RSS is that process's own (``ru_maxrss``, KiB on Linux). The study
+    is a CPU study: the command sees no GPU, also on a GPU host (``poetxq train`` would take it).
 
     Raises:
         RuntimeError: the command failed (the message ends with its log's last lines).
@@ -119,7 +120,8 @@ def run(args: list[str], log: Path) -> Ran:
     t0 = time.perf_counter()
     with log.open("w", encoding="utf-8") as f:
         proc = subprocess.Popen([sys.executable, "-m", "poetxq", *args], stdout=f,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     ran = Ran(line, proc.returncode, time.perf_counter() - t0, usage.ru_maxrss * 1024)

@@ -20,6 +20,25 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def _plain_elementwise_maps() -> None:
+    """Every test starts with transformers' plain rotary function and poetxq's plain SwiGLU maps:
+    a training run on a GPU compiles them for the whole process (poetxq.model.fuse), and a later
+    test in the same process would otherwise run (and count) the compiled ones."""
+    from poetxq.model.fuse import unfuse_elementwise
+
+    unfuse_elementwise(torch.nn.Module())
+
+
+@pytest.fixture
+def cpu_only():
+    """The test sees a host without a GPU (tests/hosts.py: cpu_host)."""
+    from hosts import cpu_host
+
+    with cpu_host():
+        yield
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
@@ -68,6 +87,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     rec = {"test": report.nodeid, "when": report.when, "outcome": report.outcome,
            "seconds": round(report.duration, 2)}  # fmt: skip
     if report.failed:
-        rec["error"] = str(report.longrepr)[-4000:]
+        text = str(report.longrepr)  # where it failed (the head) and why (the tail)
+        rec["error"] = text if len(text) <= 6000 else f"{text[:1500]}\n[...]\n{text[-4500:]}"
     with open(_TEST_LOG, "a", encoding="utf-8") as f:
         f.write(json.dumps(rec) + "\n")

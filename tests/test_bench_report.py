@@ -142,7 +142,7 @@ TINY = [
 
 
 @pytest.mark.slow
-def test_report_from_two_tiny_cpu_runs(tmp_path, capsys):
+def test_report_from_two_tiny_cpu_runs(tmp_path, capsys, cpu_only):
     runs = tmp_path / "runs"
     for method in ("poetxq", "adamw"):
         assert main(["train", *TINY, "--method", method, "--output-dir", str(runs)]) == 0

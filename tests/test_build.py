@@ -217,7 +217,7 @@ def test_meta_init_choice(monkeypatch):
 
 
 @pytest.mark.slow
-def test_trainer_builds_with_meta_init(tmp_path, tmp_path_factory, monkeypatch, capsys):
+def test_trainer_builds_with_meta_init(tmp_path, tmp_path_factory, monkeypatch, capsys, cpu_only):
     """The trainer's CUDA way, taken on the CPU (``POETXQ_META_INIT=1``): it trains, says how the
     model was built, and the run is a normal run (the classic way, the same run otherwise)."""
     from poetxq.tools.cli import main

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hosts import child_env
 from torch import nn
 
 from poetxq.model.layer import POETXLinear
@@ -193,7 +194,7 @@ _KILL_MID_WRITE = textwrap.dedent(
 def test_write_killed_half_way_leaves_previous_checkpoint_loadable(tmp_path):
     run = tmp_path / "run"
     code = _KILL_MID_WRITE.format(tests=str(ROOT / "tests"), run=str(run))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     leftovers = sorted(p.name for p in (run / "checkpoints").iterdir())
@@ -482,7 +483,6 @@ def test_gradient_accumulation_averages_like_one_big_batch(tmp_path, monkeypatch
 
 def test_saved_tensor_files_follow_the_umask(tmp_path):
     """safetensors creates files 0600; ours get what open() would give under the umask."""
-    import os
     import stat
 
     from poetxq.training.checkpoint import write_tensors

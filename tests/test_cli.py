@@ -652,7 +652,9 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, caps
 
 
 @pytest.mark.slow
-def test_sigint_during_training_prints_the_interrupt_message_once(tmp_path, capsys, monkeypatch):
+def test_sigint_during_training_prints_the_interrupt_message_once(
+    tmp_path, capsys, monkeypatch, cpu_only
+):
     import os
     import signal
 

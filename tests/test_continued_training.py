@@ -136,7 +136,9 @@ def _pretrain(path: Path, steps: int = 300) -> Path:
 
 
 @pytest.mark.slow
-def test_default_keeps_a_pretrained_model_the_pretraining_rates_do_not(tmp_path, monkeypatch):
+def test_default_keeps_a_pretrained_model_the_pretraining_rates_do_not(
+    tmp_path, monkeypatch, cpu_only
+):
     """Continuing a (tiny) pretrained model 10 steps: at the continued-training default the
     validation loss never rises and ends lower (2.508 -> 2.505 -> 2.504 here); at the recipe's
     pretraining rates it rises at once and stays up (2.508 -> 2.555 -> 2.556). SmolLM2-135M:

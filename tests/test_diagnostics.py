@@ -170,7 +170,9 @@ def _diag_records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in recs if "diag_orth_error" in r}
 
 
-def test_training_logs_the_diagnostics_and_notes_a_drifting_run(tmp_path, monkeypatch, capsys):
+def test_training_logs_the_diagnostics_and_notes_a_drifting_run(
+    tmp_path, monkeypatch, capsys, cpu_only
+):
     from poetxq.tools.cli import main
 
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))

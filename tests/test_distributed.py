@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from hosts import child_env
 
 from poetxq.data.config import DataError
 from poetxq.training.distributed import (
@@ -146,8 +147,8 @@ RTOL = 1e-5
 
 
 def _run(args: list[str], nproc: int, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "POETXQ_CACHE": str(cache)}  # fmt: skip
+    # gloo on the CPU, also on a GPU host (two ranks would share its one GPU)
+    env = child_env(POETXQ_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc_per_node={nproc}", "-m", "poetxq"] if nproc > 1 else [
                 sys.executable, "-m", "poetxq"]  # fmt: skip
@@ -218,7 +219,6 @@ def test_two_processes_build_the_same_model_with_meta_init(tmp_path, tmp_path_fa
 def test_stop_signals_take_a_double_tap_as_one_and_a_later_ctrl_c_as_abort(monkeypatch, capsys):
     """The first SIGINT asks for a clean stop (and says so with ``announce``); a second within
     the grace period is a double tap and ignored; one after it raises KeyboardInterrupt."""
-    import os
     import signal
 
     import poetxq.training.distributed as dist_mod

@@ -134,8 +134,9 @@ def test_bench_gather_routes_agree_and_it_needs_a_gpu(capsys, tmp_path):
     import torch
 
     bench = _load("bench_gather")
-    x = torch.randn(6, 10, dtype=torch.bfloat16)
-    perm = torch.randperm(10)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton's routes: CPU only interpreted
+    x = torch.randn(6, 10, dtype=torch.bfloat16, device=dev)
+    perm = torch.randperm(10, device=dev)
     for name, fn in bench._routes(x, perm).items():
         got = fn()
         got = got.t() if got.shape != x.shape else got

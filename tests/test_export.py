@@ -11,6 +11,7 @@ import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
 import pytest
 import torch
+from hosts import cpu_host
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -211,8 +212,16 @@ def test_4bit_rows_not_multiple_of_64_match_bnb_reference_backend():
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cpu_host():
+    """Every export here is of a CPU run and loads on the CPU, also on a GPU host (there
+    transformers would put a bitsandbytes model on the GPU)."""
+    with cpu_host():
+        yield
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, _cpu_host):
     """Three tiny finished runs (int8, NF4 and FP4 W0), 6 steps with one merge at step 4, so R and
     P are not the identity at the end."""
     root = tmp_path_factory.mktemp("runs")

@@ -132,7 +132,9 @@ def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
 
 
 @pytest.mark.parametrize("method", ["sft-partial", "full"])
-def test_fpo_adapt_runs_the_autograd_references(method, checkpoint, tmp_path, monkeypatch):
+def test_fpo_adapt_runs_the_autograd_references(
+    method, checkpoint, tmp_path, monkeypatch, cpu_only
+):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / method
     argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "2",

@@ -19,7 +19,7 @@ CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 @pytest.fixture
 def restore_rope(monkeypatch):
     """fuse_elementwise swaps transformers' rotary function and the SwiGLU maps process-wide:
-    undo it afterwards."""
+    undo it afterwards (tests/conftest.py starts every test from the plain ones)."""
     from transformers.models.llama import modeling_llama
 
     from poetxq.model import swiglu as maps

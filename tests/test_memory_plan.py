@@ -214,7 +214,7 @@ def test_estimate_memory_lists_the_plans(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys):
+def test_train_with_a_named_plan_records_it(tmp_path, monkeypatch, capsys, cpu_only):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     args = ["train", "--data", "pydoc", "--vocab-size", "512", "--seq-len", "32",
             "--batch-size", "4", "--max-steps", "2", "--no-progress", "--output-dir",

@@ -101,7 +101,7 @@ def test_step0_logits_equal_original_within_quantization_error(checkpoint, bits)
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("bits", "fmt"), [(8, "hf-bnb8"), (4, "hf-bf16")])
-def test_model_trains_and_exports_back(checkpoint, tmp_path, bits, fmt):
+def test_model_trains_and_exports_back(checkpoint, tmp_path, bits, fmt, cpu_only):
     code = main(["quantize-and-train", *RUN, *RATES, "--model", str(checkpoint),
                  "--bits", str(bits), "--output-dir", str(tmp_path),
                  "--run-name", "run"])  # fmt: skip

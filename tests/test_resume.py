@@ -4,7 +4,6 @@ with byte-identical weights (fp32, deterministic algorithms, one thread)."""
 
 import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hosts import child_env
 
 from poetxq.training.checkpoint import list_checkpoints
 
@@ -44,8 +44,7 @@ METHODS = {
 
 
 def _env(cache: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-            "POETXQ_CACHE": str(cache)}  # fmt: skip
+    return child_env(POETXQ_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")  # the CPU's exactness
 
 
 def _cli(args: list[str], env: dict, **kw) -> subprocess.Popen:

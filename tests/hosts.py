@@ -1,0 +1,36 @@
+"""The host a test runs as: its child processes' environment, and a CPU-only view of a GPU host.
+
+Most tests state what a run does on a CPU (CI's machine: fp32, no peak GPU memory, bit-exact
+resume). On a GPU host `poetxq train` and the other commands take the GPU, so those tests pin
+themselves to the CPU with :func:`cpu_host` (in-process) or ``CUDA_VISIBLE_DEVICES=""`` (child
+processes); the GPU's own behaviour has its own tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH`` (the paths already
+    there kept after it: a GPU host's carried wheels live on it), ``OMP_NUM_THREADS=1`` and
+    ``extra`` on top."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+@contextlib.contextmanager
+def cpu_host() -> Iterator[None]:
+    """Within it ``torch.cuda.is_available()`` is False, so the trainer, export and FPO choose the
+    CPU as on a host without a GPU (a no-op on one)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "is_available", lambda: False)
+        yield
