@@ -1,7 +1,8 @@
 """Regenerate every GPU headline number of the README in three 10-minute H200 calls.
 
 Each part runs the eval scripts that made today's headline files, with the same arguments, as
-subprocesses, and writes canonically named files ``<stem>_h200_<commit7>.json`` into
+subprocesses, and writes canonically named files ``<stem>_h200_<commit7>.json`` (``_h100_`` when
+the card is an H100: such files never replace an H200's) into
 ``--out-dir`` (default ``$OUT``), plus ``headline_part<N>_h200_<commit7>.json``: every command,
 its exit status, wall seconds and output tail. A failing command is recorded and the part goes
 on; each command gets a timeout, and a part stops before its budget (default 570 s), skipping
@@ -75,8 +76,17 @@ class Step:
     machine: str = "h200"
     note: str = ""
 
-    def out_name(self, commit: str) -> str:
-        return f"{self.stem}_{self.machine}_{commit}.json"
+    def out_name(self, commit: str, gpu: str | None = None) -> str:
+        """The file's name; ``gpu``: the card's name (torch.cuda.get_device_name), which sets
+        the machine tag: ``h100`` for an H100, else this step's (``h200``, ``h200x2``)."""
+        return f"{self.stem}_{machine_tag(self.machine, gpu)}_{commit}.json"
+
+
+def machine_tag(machine: str, gpu: str | None) -> str:
+    """``machine`` (a Step's, ``h200`` or ``h200x2``) with ``h200`` replaced by ``h100`` when
+    ``gpu`` names an H100: a file says which card made it, and an H100's file never supersedes
+    an H200's (:func:`adopt` and :func:`current` match the tag)."""
+    return machine.replace("h200", "h100") if gpu and "H100" in gpu else machine
 
 
 _MEM8 = ("--set", "optim.state_bits=8")
@@ -124,8 +134,8 @@ STEPS: tuple[Step, ...] = (
 # fmt: on
 PARTS = ("1", "2", "3", "x2")
 #: ``<stem>_<machine>_<commit>.<ext>``: a file this script writes (or its kernel_targets .md)
-NAME_RE = re.compile(r"^(?P<stem>[a-z0-9_]+?)_(?P<machine>h200x2|h200)_(?P<commit>[0-9a-f]{7,40})"
-                     r"\.(?P<ext>json|md)$")  # fmt: skip
+NAME_RE = re.compile(r"^(?P<stem>[a-z0-9_]+?)_(?P<machine>h[12]00(?:x2)?)_"
+                     r"(?P<commit>[0-9a-f]{7,40})\.(?P<ext>json|md)$")  # fmt: skip
 
 
 def stems() -> set[str]:
@@ -161,9 +171,11 @@ def commit7() -> str:
     return res.stdout.strip()[:7] if res.returncode == 0 and res.stdout.strip() else "unknown"
 
 
-def command(step: Step, out_dir: Path, commit: str, official: str | None) -> list[str] | None:
+def command(
+    step: Step, out_dir: Path, commit: str, official: str | None, gpu: str | None = None
+) -> list[str] | None:
     """The argv of ``step`` (``python`` first), or None when it needs the official code and
-    none was given."""
+    none was given; ``gpu``: the card's name, for the output file's (:meth:`Step.out_name`)."""
     if step.official == "needs" and not official:
         return None
     argv = [sys.executable, *step.argv]
@@ -173,7 +185,7 @@ def command(step: Step, out_dir: Path, commit: str, official: str | None) -> lis
         if _has("pytest_timeout"):  # one stalled test does not take the whole part
             argv += ["--timeout", "240"]
         return argv
-    argv += ["--out", str(out_dir / step.out_name(commit))]
+    argv += ["--out", str(out_dir / step.out_name(commit, gpu))]
     if official and step.official:
         argv += ["--official", official]
     return argv
@@ -305,12 +317,13 @@ def run_part(
     log = {"what": f"evals/headline.py part {part}", "part": part, "commit": commit,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "budget_s": budget,
            "official": official, "steps": []}  # fmt: skip
-    machine = plan(part)[0].machine
+    gpu = None if dry else _gpu_name()  # the card names the files (machine_tag)
+    machine = machine_tag(plan(part)[0].machine, gpu)
     log_name = f"headline_part{part}_{machine}_{commit}.json"
-    gpu = None
+    log["gpu"] = gpu
     for step in plan(part, only):
-        argv = command(step, out_dir, commit, official)
-        writes = step.out_name(commit)
+        argv = command(step, out_dir, commit, official, gpu)
+        writes = step.out_name(commit, gpu)
         entry = {"stem": step.stem, "writes": writes, "est_s": step.est_s}
         if argv is None:
             entry["skipped"] = "needs the official code (--official DIR)"
@@ -318,8 +331,6 @@ def run_part(
             log["steps"].append(entry)
             continue
         entry["command"] = _shell(argv, step.env)
-        if step.stem == "gpu_tests" and not dry:  # before its timeout is reckoned
-            gpu = gpu or _gpu_name()
         left = deadline - time.monotonic()
         timeout = min(step.timeout_s, left)
         if dry:

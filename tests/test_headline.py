@@ -215,3 +215,18 @@ def test_only_picks_stems_and_a_run_needs_a_commit(headline, tmp_path, capsys, m
         headline.main(["--part", "1", "--out-dir", str(tmp_path)])
     assert "set POETXQ_COMMIT" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_an_h100_names_its_files_and_never_replaces_an_h200_file(headline, tmp_path):
+    step = next(s for s in headline.STEPS if s.stem == "gpu_tests")
+    assert step.out_name("abc1234", "NVIDIA H100 80GB HBM3") == "gpu_tests_h100_abc1234.json"
+    assert step.out_name("abc1234", "NVIDIA H200") == "gpu_tests_h200_abc1234.json"
+    assert step.out_name("abc1234", None) == "gpu_tests_h200_abc1234.json"  # a dry run
+    assert headline.machine_tag("h200x2", "NVIDIA H100 80GB HBM3") == "h100x2"
+    results, new = tmp_path / "results", tmp_path / "new"
+    results.mkdir(), new.mkdir()
+    (results / "gpu_tests_h200_aaaaaaa.json").write_text('{"date": "2026-12-01"}')
+    (new / "gpu_tests_h100_bbbbbbb.json").write_text('{"date": "2026-12-06"}')
+    assert headline.adopt(new, results, git=False) == ["added gpu_tests_h100_bbbbbbb.json"]
+    assert headline.current("gpu_tests", results, "h200") == "gpu_tests_h200_aaaaaaa.json"
+    assert headline.current("gpu_tests", results, "h100") == "gpu_tests_h100_bbbbbbb.json"
