@@ -109,6 +109,8 @@ METHOD_CASES = [
     ("qgalore", {"baseline.proj_bits": 32, "baseline.state_bits": 32}),
     ("poetxq", {"optim.state_bits": 8, "poet.block_size": 64}),  # Q of 2016 and 6048 entries
     ("poetxq", {"poet.structure": "full"}),  # POET-FS: every block but one masked
+    # heads x head_dim != hidden (Qwen3's shapes): q_proj and o_proj are not square
+    ("poetxq", {"model.head_dim": 32}), ("qgalore", {"model.head_dim": 32}),
 ]  # fmt: skip
 
 
@@ -579,3 +581,24 @@ def test_estimate_model_refuses_the_checkpoints_train_refuses(tmp_path, monkeypa
     assert main(["estimate-memory", "--model", str(llama), *flags]) == 2
     err = capsys.readouterr().err
     assert "is a poetxq run directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_checkpoint_with_its_own_head_dim_is_estimated_at_its_true_widths(tmp_path):
+    """Qwen3-0.6B's attention shape (16 heads x head_dim 128 = 2048 rows over hidden 1024, 8 KV
+    heads), scaled down: ``--model DIR`` reads head_dim from config.json."""
+    import json
+
+    from poetxq.training.estimate_terms import projections
+    from poetxq.training.memory import estimation_recipe
+
+    cfg = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 192,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8,
+           "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 64}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shaped = estimation_recipe(load_recipe(None, {"model.pretrained": str(tmp_path)}))
+    assert shaped is not None and shaped.model.head_dim == 8
+    rows = dict((name, (m, n)) for name, m, n in projections(shaped))
+    assert rows["q_proj"] == (128, 64) and rows["o_proj"] == (64, 128)
+    assert rows["k_proj"] == rows["v_proj"] == (64, 64)
+    notes = estimate_memory(shaped).notes
+    assert any("heads x head_dim = 128" in n for n in notes)

@@ -28,6 +28,9 @@ class ModelConfig(Section):
     num_attention_heads: int = Field(4, gt=0)
     num_hidden_layers: int = Field(4, gt=0)
     num_key_value_heads: int | None = None
+    #: per-head width; None: hidden_size / num_attention_heads (Llama). Qwen3 and some Mistral
+    #: checkpoints set it apart (then q_proj has num_attention_heads * head_dim rows, not hidden)
+    head_dim: int | None = Field(None, gt=0)
     max_position_embeddings: int = Field(1024, gt=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
     initializer_range: float = Field(0.02, gt=0)
@@ -35,10 +38,10 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}"
+                f"{self.num_attention_heads} (set model.head_dim for another per-head width)"
             )
         kv = self.num_key_value_heads
         if kv is not None and (kv <= 0 or self.num_attention_heads % kv):

@@ -32,6 +32,7 @@ import torch
 
 from poetxq.model.relayout import alloc_conf
 from poetxq.text import count
+from poetxq.training.estimate_terms import projections
 from poetxq.training.precision import cpu_note, run_precision
 from poetxq.training.recipe import Recipe, method_label, poet_variant, run_label
 from quant_kernels.policy import KernelPolicy
@@ -126,9 +127,8 @@ class BenchResult:
 def dense_param_count(recipe: Recipe, vocab_size: int) -> int:
     """Parameters of the recipe's Llama at full size (embeddings, lm_head, projections, norms)."""
     m = recipe.model
-    d, f, L = m.hidden_size, m.intermediate_size, m.num_hidden_layers
-    kv = (m.num_key_value_heads or m.num_attention_heads) * (d // m.num_attention_heads)
-    per_layer = 2 * d * d + 2 * kv * d + 3 * d * f + 2 * d
+    d, L = m.hidden_size, m.num_hidden_layers
+    per_layer = sum(rows * cols for _, rows, cols in projections(recipe)) + 2 * d
     heads = vocab_size * d * (1 if m.tie_word_embeddings else 2)
     return L * per_layer + heads + d
 

@@ -85,6 +85,7 @@ from poetxq.training.estimate_terms import (
     frozen_store_bytes,
     fused_cast_saving,
     fused_input_cast,
+    head_dim,
     lean_fast_swiglu,
     lowrank_state_bytes,
     projections,
@@ -266,7 +267,7 @@ def estimate_memory(
     S = seq_len or tc.seq_len
     T = B * S
     d, f, h, L = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_hidden_layers
-    hd = d // h
+    hd = head_dim(recipe)
     p = 2 if precision == "bf16-true" else 4  # parameter (and Q) bytes
     c = 4 if precision == "fp32" else 2  # compute (activation) bytes
     r = p  # residual stream follows the embedding output dtype
@@ -381,6 +382,11 @@ def estimate_memory(
     # --- activations (bytes saved by autograd) -------------------------------------------------
     slope = {"bf16-true": 24 * d + 8 * f, "autocast": 34 * d + 8 * f, "fp32": 40 * d + 16 * f}
     layer_tok = slope[precision] + 8 + 4 * h
+    if h * hd != d:  # the fitted slope's attention terms are in units of d
+        notes.append(
+            f"attention activations estimated at width d = {d}, not heads x head_dim = {h * hd} "
+            "(fitted on Llama shapes); weights and optimizer states use the true widths"
+        )
     if is_poet and pc.variant == "mem":
         # POETXSwiGLUMLP: SiLU(gate) and the product are recomputed, only gate and up are kept
         layer_tok -= (8 if precision == "fp32" else 4) * f

@@ -284,7 +284,7 @@ def apply_plan(recipe: Recipe, applied: dict[str, Any], plan: str) -> Recipe:
 
 #: the config.json fields of a Llama-family checkpoint the estimator reads
 _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers",
-               "num_key_value_heads", "tie_word_embeddings")  # fmt: skip
+               "num_key_value_heads", "head_dim", "tie_word_embeddings")  # fmt: skip
 
 
 def estimation_recipe(recipe: Recipe, *, check_positions: bool = False) -> Recipe | None:
