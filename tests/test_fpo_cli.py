@@ -101,6 +101,8 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
         (_adapt_argv(checkpoint, tmp_path / "e", "--clip", "-1"), "must not be negative"),
         (_adapt_argv(checkpoint, tmp_path / "e", "--quarter", "4"), "--quarter must lie in"),
         (_adapt_argv(checkpoint, tmp_path / "e", "--tolerance", "-1"), "--tolerance must not"),
+        (_adapt_argv(checkpoint, tmp_path / "e", "--seq-len", "100000"),
+         "--seq-len 100000 exceeds the max_position_embeddings"),  # no recipe: no train.seq_len
     ]  # fmt: skip
     if not torch.cuda.is_available():
         cases.append((_adapt_argv(checkpoint, tmp_path / "e", "--device", "cuda"), "no CUDA GPU"))

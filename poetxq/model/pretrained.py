@@ -107,8 +107,11 @@ def resolve_pretrained(ref: str) -> str:
         ) from None
 
 
-def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
-    """A pretrained model is trained at most at its own ``max_position_embeddings``.
+def check_seq_len(
+    config: Any, seq_len: int, ref: str, flag: str = "--seq-len (train.seq_len)"
+) -> None:
+    """A pretrained model is trained at most at its own ``max_position_embeddings``; ``flag``
+    names the setting in the error (``poetxq fpo-adapt`` has no recipe: ``--seq-len``).
 
     poetxq does not extend RoPE (no rope scaling is set up), so a longer ``seq_len`` would feed
     the checkpoint positions it never saw; that is an error, not a silent change.
@@ -119,7 +122,7 @@ def check_seq_len(config: Any, seq_len: int, ref: str) -> None:
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise PretrainedError(
-            f"--seq-len (train.seq_len) {seq_len} exceeds the max_position_embeddings {max_pos} "
+            f"{flag} {seq_len} exceeds the max_position_embeddings {max_pos} "
             f"of '{ref}'; poetxq does not extend a checkpoint's RoPE: use --seq-len {max_pos} "
             "or less"
         )

@@ -199,7 +199,7 @@ def _data(
 
     if args.windows < 1 or args.seq_len < 1 or args.micro_batch < 1:
         raise FPOError("--windows, --seq-len and --micro-batch must be at least 1")
-    check_seq_len(config, args.seq_len, model_dir)
+    check_seq_len(config, args.seq_len, model_dir, flag="--seq-len")
     data = prepare_data(DataConfig(source=source, tokenizer=model_dir, **settings), args.seq_len,
                         progress=False)  # fmt: skip
     if data.vocab_size > config.vocab_size:
