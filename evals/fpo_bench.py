@@ -55,6 +55,49 @@ def target_layers(n_layers: int, targets: int, below_top: int = 0) -> list[int]:
     return list(range(first, first + targets))
 
 
+def gemm_macs(
+    hidden: int,
+    inter: int,
+    layers: int,
+    vocab: int,
+    seq: int,
+    targets: int,
+    below_top: int = 0,
+    *,
+    causal_skip: bool = True,
+) -> dict[str, int]:
+    """Multiply-accumulates of matrix products per token of one step of each method, on a Llama
+    of these sizes (no GQA): the work a GPU cannot skip, and so a bound on tokens/s ratios.
+
+    A layer's forward: ``4·d²`` (q, k, v, o), ``3·d·f`` (the MLP), and the attention scores and
+    mix, ``2·d·S`` per token for the full ``S × S`` products (``causal_skip``: half, as flash
+    kernels skip the masked blocks). The head: ``d·V``. Full fine-tuning: three times the forward
+    (input and weight gradients of every product; the scores' backward is twice their forward).
+    FPO: the forward, the head twice (logits ``z`` and ``g = e·W_lm``) and ``4·d·f`` per target
+    (``ΔW3``, ``error_h = g̃·W3``, ``ΔW1``, ``ΔW2``). SFT-partial: the forward, the head's input
+    gradient, every layer above the lowest target back-propagated (attention's input gradient;
+    a target MLP's input and weight gradients, a frozen one's input gradient) and the lowest
+    target's MLP (its three weight gradients and the input gradient through ``W3``). Embeddings,
+    norms, softmax and the optimizer are not products and are left out.
+
+    Returns:
+        ``{"full", "fpo", "sft-partial"}``: MACs per token.
+    """
+    d, f, v = hidden, inter, vocab
+    proj, mlp = 4 * d * d, 3 * d * f
+    scores = d * seq if causal_skip else 2 * d * seq
+    forward = layers * (proj + mlp + scores) + d * v
+    first = target_layers(layers, targets, below_top)[0]
+    above = range(first + 1, layers)
+    sft = forward + d * v + (mlp + d * f)
+    sft += sum(proj + 2 * scores + (2 * mlp if i < first + targets else mlp) for i in above)
+    return {
+        "full": 3 * forward,
+        "fpo": forward + d * v + targets * 4 * d * f,
+        "sft-partial": sft,
+    }
+
+
 def _one(args: argparse.Namespace, method: str, bits: int, device: str) -> dict:
     model = _model(args, device)
     targets = target_layers(args.layers, args.targets, args.below_top)
@@ -134,8 +177,20 @@ def main(argv: list[str] | None = None) -> int:
             if r["peak_memory_bytes"] and full["peak_memory_bytes"]:
                 r["memory_vs_full"] = r["peak_memory_bytes"] / full["peak_memory_bytes"]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    macs = gemm_macs(args.hidden, args.inter, args.layers, args.vocab, args.seq, args.targets,
+                     args.below_top)  # fmt: skip
+    bound = {
+        "what": "matrix-product MACs per token of each method (gemm_macs: causal attention "
+        "at half its S x S work) and full fine-tuning's over each: the tokens/s ratio if every "
+        "method ran its products at one speed and did nothing else",
+        "macs_per_token": macs,
+        "full_over": {m: macs["full"] / n for m, n in macs.items()},
+    }
+    print(f"GEMM bound: FPO {bound['full_over']['fpo']:.2f}x full fine-tuning, SFT-partial "
+          f"{bound['full_over']['sft-partial']:.2f}x, FPO / SFT-partial "
+          f"{macs['sft-partial'] / macs['fpo']:.2f}x")  # fmt: skip
     doc = {**provenance(name, argv), "settings": {k: v for k, v in vars(args).items()},
-           "rows": rows}  # fmt: skip
+           "gemm_bound": bound, "rows": rows}  # fmt: skip
     write_json_atomic(args.out, doc)
     return 0
 
