@@ -256,7 +256,7 @@ TINY_MODEL = ModelConfig(hidden_size=32, intermediate_size=48, num_attention_hea
 def _tiny(method, **cfg):
     torch.manual_seed(0)
     model = build_llama(TINY_MODEL, 64)
-    bcfg = BaselineConfig(rank=4, update_proj_gap=2, **cfg)
+    bcfg = BaselineConfig(**{"rank": 4, "update_proj_gap": 2, **cfg})
     report = prepare_baseline(model, method, bcfg)
     opt = build_baseline_optimizer(model, report, bcfg, OptimConfig(lr=1e-2))
     return model, report, bcfg, opt
@@ -410,3 +410,16 @@ def test_cli_run_learns(tmp_path, _cache, method, capsys):
         assert f"{key}.frozen.weight" in state and state[f"{key}.frozen.weight"].is_floating_point()
     else:
         assert state[f"{key}.weight"].dtype == torch.float32
+
+
+def test_a_rank_at_least_a_layer_width_is_noted():
+    """LowRankAdamW projects at min(rank, m, n): a rank of a layer's smaller side or more
+    projects nothing away there, and the summary says so (TINY_MODEL: every side is 32 or 48)."""
+    model, report, cfg, _ = _tiny("qgalore", rank=32)
+    notes = [ln for ln in summarize_baseline(model, report, cfg).splitlines() if "note:" in ln]
+    assert notes == [
+        "  note: rank 32 is at least min(out, in) = 32 of 7 of 7 target layers: they train at "
+        "full rank (nothing projected away); set baseline.rank below 32 for a low-rank run"
+    ]
+    model, report, cfg, _ = _tiny("galore", rank=31)
+    assert "note:" not in summarize_baseline(model, report, cfg)

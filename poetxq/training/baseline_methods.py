@@ -148,6 +148,18 @@ def summarize_baseline(model: nn.Module, report: BaselineReport, cfg: BaselineCo
             + (", 8-bit Adam states" if s["state_bits"] == 8 else "")
             + (", lazy subspace refresh" if s["lazy"] else "")
         )
+        dims = [
+            min(m.out_features, m.in_features) for m in map(model.get_submodule, report.targets)
+        ]
+        full = [d for d in dims if s["rank"] >= d]
+        if full:  # LowRankAdamW projects at min(rank, m, n): those layers get no low rank
+            lines.append(
+                f"  note: rank {s['rank']} is at least min(out, in) = {min(full)}"
+                + (f"-{max(full)}" if max(full) != min(full) else "")
+                + f" of {len(full)} of {len(dims)} target layers: they train at full rank "
+                "(nothing projected away); set baseline.rank below "
+                f"{min(dims)} for a low-rank run"
+            )
     if qs:
         n = sum(q.weight.numel() for q in qs)
         b = sum(q.nbytes() for q in qs)
