@@ -992,3 +992,45 @@ def test_a_mistyped_flag_gets_the_command_s_usage_and_the_closest_option(capsys)
     assert "(did you mean --gpu-mem for --gpumem?); see poetxq estimate-memory --help" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_an_abort_before_the_first_checkpoint_takes_its_folder_back(
+    tmp_path, capsys, monkeypatch, named
+):
+    """Ctrl-C twice (an abort: KeyboardInterrupt) during the step-0 evaluation: one line that says
+    nothing is there to resume, and the run folder this start made is gone, so the same command
+    runs again as it is."""
+    import poetxq.training.train as train_mod
+
+    def abort(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod._Run, "evaluate", abort)
+    out = tmp_path / "runs"
+    name = ["--run-name", "early"] if named else []
+    with pytest.raises(KeyboardInterrupt):  # main passes the Ctrl-C on to its caller
+        _run(out, *name, "--max-steps", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "poetxq: interrupted before the first checkpoint; nothing to resume: run the same "
+        "command again"
+    ]
+    assert not out.exists()  # the folders this start made, runs/ included
+
+
+def test_an_abort_in_a_folder_that_was_there_keeps_it(tmp_path, capsys, monkeypatch):
+    import poetxq.training.train as train_mod
+
+    def abort(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_mod._Run, "evaluate", abort)
+    (tmp_path / "early").mkdir()  # made before: not this start's to remove
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "--run-name", "early", "--max-steps", "2")
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "poetxq: interrupted before the first checkpoint; nothing to resume: start it over "
+        "with --resume auto (or --overwrite)"
+    ]
+    assert (tmp_path / "early").is_dir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -481,6 +482,7 @@ def run_train(args: argparse.Namespace) -> int:
             recipe.name = os.path.basename(os.path.normpath(str(local)))
         if recipe.data.tokenizer == recipe.model.pretrained:
             recipe.data.tokenizer = local
+    created = False  # whether this start made the run directory (to take it back on an abort)
     if run_dir is None:
         # --resume auto with no checkpoint yet: a start stopped before its first checkpoint left
         # only what every run writes first; starting over loses nothing
@@ -491,6 +493,8 @@ def run_train(args: argparse.Namespace) -> int:
         # the same second get two directories; under a launcher process 0 alone writes there
         claim = args.run_name is None and launcher_rank()[1] == 1
         existed = nearest_existing(Path(recipe.train.output_dir))
+        named = Path(recipe.train.output_dir) / args.run_name if args.run_name else None
+        created = claim or (named is not None and not named.exists())
         run_dir = resolve_run_dir(
             recipe, args.run_name, overwrite=args.overwrite or restart, claim=claim
         )
@@ -502,10 +506,21 @@ def run_train(args: argparse.Namespace) -> int:
     except BaseException as exc:
         # a full disk: say whether a checkpoint is there to resume from (before the release)
         full = _disk_full_line(exc, run_dir) if disk_full(exc) else None
-        if claim:
+        # Ctrl-C (an abort: the graceful stop returns) before the first checkpoint
+        early = type(exc) is KeyboardInterrupt and _only_startup_files(run_dir)
+        if early and created and launcher_rank()[1] == 1:
+            shutil.rmtree(run_dir, ignore_errors=True)  # only what every start writes first
+            release_unused_run_dir(run_dir.parent, existed)
+        elif claim:
             release_unused_run_dir(run_dir, existed)  # the run failed before writing there
         if full is not None:
             raise RunDirError(full) from exc
+        if early:
+            again = "run the same command again" if created else (
+                "start it over with --resume auto (or --overwrite)")  # fmt: skip
+            raise KeyboardInterrupt(
+                f"interrupted before the first checkpoint; nothing to resume: {again}"
+            ) from exc
         raise
     if signal.getsignal(signal.SIGTERM) is raise_terminated:  # outputs written: the default
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # action again (main restores its own)
