@@ -424,3 +424,19 @@ def test_several_processes_say_in_one_line_that_the_optimizer_offload_is_left_ou
     ]
     per_gpu = next(ln for ln in out if ln.startswith("per GPU with 2"))
     assert f": {without / GiB:.2f} GiB (plan lowest, gradient sync step)" in per_gpu
+
+
+def test_the_plan_line_names_the_keys_another_method_does_not_take():
+    """Q-GaLore keeps its own 8-bit states and float32 parameters and takes no optimizer offload:
+    `lowest` says so after `left out:` instead of dropping the keys silently."""
+    qgalore = str(Path(__file__).parents[1] / "recipes/tiny/qgalore.yaml")
+    recipe = load_recipe(qgalore, {"train.memory": "lowest"})
+    _, choice = resolve_memory_plan(recipe, "cpu")
+    assert choice.left_out == {
+        "train.offload_optimizer": "poetxq, poetx, adamw only",
+        "optim.state_bits": "poetxq, poetx only",
+        "train.precision": "poetxq, poetx, adamw only",
+    }
+    assert "; left out: train.offload_optimizer (poetxq, poetx, adamw only), " in choice.line()
+    mine = load_recipe(qgalore, {"train.memory": "lowest", "train.precision": "fp32"})
+    assert "train.precision" not in resolve_memory_plan(mine, "cpu")[1].left_out  # set: no note

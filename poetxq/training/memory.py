@@ -235,9 +235,10 @@ def _offload_gives_way(recipe: Recipe, world: int) -> str | None:
 
 
 def plan_left_out(recipe: Recipe, plan: str, world: int = 1) -> dict[str, str]:
-    """The keys of ``plan`` that apply to ``recipe``'s method, are not set by the recipe itself,
-    and still are left out of its run of ``world`` processes (:func:`plan_overrides`): dotted
-    key -> why, e.g. ``{"train.offload_optimizer": "2 processes; it serves one"}``.
+    """The keys of ``plan`` not set by the recipe itself that its run of ``world`` processes
+    leaves out (:func:`plan_overrides`): those of other methods and those that give way: dotted
+    key -> why, e.g. ``{"train.offload_optimizer": "2 processes; it serves one"}``,
+    ``{"optim.state_bits": "poetxq, poetx only"}`` for a Q-GaLore run.
 
     Raises:
         MemoryPlanError: unknown ``plan``.
@@ -247,9 +248,11 @@ def plan_left_out(recipe: Recipe, plan: str, world: int = 1) -> dict[str, str]:
     for key in _PLAN_KEYS[plan]:
         if key in applied or key in kept:
             continue
-        if recipe.method not in _APPLIES.get(key, (recipe.method,)):
-            continue
         section, name = key.split(".")
+        if recipe.method not in _APPLIES.get(key, (recipe.method,)):
+            if name not in getattr(recipe, section).model_fields_set:
+                out[key] = f"{', '.join(_APPLIES[key])} only"
+            continue
         why = _offload_gives_way(recipe, world) if key == "train.offload_optimizer" else None
         if why and name not in getattr(recipe, section).model_fields_set:
             out[key] = why
