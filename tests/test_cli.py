@@ -1034,3 +1034,12 @@ def test_an_abort_in_a_folder_that_was_there_keeps_it(tmp_path, capsys, monkeypa
         "with --resume auto (or --overwrite)"
     ]
     assert (tmp_path / "early").is_dir()
+
+
+def test_version_is_the_installed_distribution(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"poetxq {version('poetxq')}"

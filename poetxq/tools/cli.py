@@ -32,6 +32,16 @@ from poetxq.training.recipe import POET_METHODS, RecipeError, run_label
 from poetxq.training.recipe_files import load_recipe, parse_override, recipes_dir
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), or "unknown" outside an install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("poetxq")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``poetxq`` parser: ``quantize-and-train``, ``train``, ``export``, ``validate``."""
     parser = argparse.ArgumentParser(
@@ -41,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(or NF4/FP4, or bf16); Q-GaLore, Q-APOLLO, GaLore, APOLLO and AdamW train in the same "
         "loop for comparison.",
     )
+    parser.add_argument("--version", action="version", version=f"poetxq {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_train_parsers(sub)  # quantize-and-train, train
     p = sub.add_parser(
