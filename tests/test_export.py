@@ -489,3 +489,45 @@ def test_unfinished_run_names_resume(tmp_path):
     (run / "checkpoints" / "step-00000010").mkdir(parents=True)
     with pytest.raises(ExportError, match=r"has not finished.*--resume"):
         export_run(run, "hf-bf16", tmp_path / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["qgalore", "adamw"])
+def test_a_baseline_run_exports_as_bf16_and_loads_with_its_logits(tmp_path, capsys, method):
+    """Q-GaLore's int8 groups are dequantized into plain linears (AdamW's weights are plain
+    already): the hf-bf16 export loads in transformers and gives the run's logits up to bf16."""
+    from poetxq.baselines.qlinear import QuantLinear, dequantize_groupwise
+
+    runs = tmp_path / "runs"
+    poet_only = {"--block-size", "--merge-interval"}
+    flags = [a for i, a in enumerate(TINY) if a not in poet_only and TINY[i - 1] not in poet_only]
+    assert main(["train", "--method", method, *flags, "--set", "baseline.rank=8",
+                 "--output-dir", str(runs), "--run-name", method]) == 0  # fmt: skip
+    run_dir = runs / method
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--format", "hf-bnb8", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"poetxq: error: a {method} run exports as hf-bf16 only (its weights are not "
+                   "stored in a bitsandbytes layout); pass --format hf-bf16"]  # fmt: skip
+    assert main(["export", str(run_dir), "--format", "hf-bf16", str(out)]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(loaded.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    # the reference: the run's own file, decoded independently of export's code
+    state = load_file(str(run_dir / "model.safetensors"))
+    key = "model.layers.1.mlp.down_proj"
+    if method == "qgalore":
+        assert state[f"{key}.weight"].dtype == torch.uint8
+        group = load_run(run_dir, echo=lambda _s: None).recipe.baseline.weight_group_size or 256
+        want = dequantize_groupwise(state[f"{key}.weight"], state[f"{key}.scales"],
+                                    state[f"{key}.zeros"], group)  # fmt: skip
+    else:
+        want = state[f"{key}.weight"]
+    got = loaded.model.layers[1].mlp.down_proj.weight.float()
+    torch.testing.assert_close(got, want.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert not any(isinstance(m, QuantLinear) for m in load_run(run_dir).model.modules())
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = tok(TEXT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        theirs = loaded(ids).logits.float()
+        ours = load_run(run_dir, echo=lambda _s: None).model(ids).logits
+    assert _rel(theirs, ours) < 0.01  # bf16 weights and activations against fp32

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "grid, so that merge moves logits by about 0.7 % (int8) or 10-12 % (NF4/FP4) from the "
         "unmerged run, as the run's next merge would. Other combinations, and hf-bf16, round "
         "R·W0·P once into the format. The merge happens in memory: RUN_DIR is only read, and "
-        "OUT_DIR may not lie inside it.",
+        "OUT_DIR may not lie inside it. A baseline run (adamw, galore, apollo, qgalore, qapollo) "
+        "exports as hf-bf16, its int8 groups dequantized.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (absent or empty)")

@@ -58,17 +58,20 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
 
     The model is rebuilt from ``config.json`` (written by :func:`save_run_artifacts`; runs from
     before it was written fall back to the recipe's ``model`` section), converted with the
-    recipe's ``poet`` section and loaded strictly from ``model.safetensors``.
+    recipe's ``poet`` section (a baseline run: its Q-GaLore / Q-APOLLO int8 layers) and loaded
+    strictly from ``model.safetensors``. A baseline run's int8 layers are then dequantized into
+    plain ``nn.Linear`` (fp32): its model is a transformers Llama again.
 
     Raises:
-        ExportError: not a run directory, a non-POET method, or a checkpoint that does not match
-            (missing/corrupt 4-bit quant_state, wrong shapes).
+        ExportError: not a run directory, an unknown method, or a checkpoint that does not
+            match (missing/corrupt 4-bit quant_state, wrong shapes).
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from poetxq.model.surgery import build_llama, convert_to_poetx
+    from poetxq.training.baseline_methods import BASELINE_METHODS, prepare_baseline
 
     run = Path(run_dir)
     ckpt = run / "model.safetensors"
@@ -86,10 +89,9 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
         recipe = load_recipe(run / "recipe.yaml")
     except RecipeError as exc:
         raise ExportError(f"{run}: {exc}") from None
-    if recipe.method not in POET_METHODS:
-        raise ExportError(
-            f"{run} was trained with method {recipe.method!r}; export takes poetxq and poetx runs"
-        )
+    if recipe.method not in POET_METHODS + BASELINE_METHODS:
+        raise ExportError(f"{run} was trained with method {recipe.method!r}, which export does "
+                          "not know; pass a run of poetxq, poetx or a baseline")  # fmt: skip
     try:
         state = load_file(str(ckpt))
     except (SafetensorError, OSError) as exc:
@@ -117,11 +119,16 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
         echo(f"note: {run} has no {CONFIG_FILE}; model rebuilt from the recipe's model section")
         model = build_llama(recipe.model, emb.shape[0])
         config = model.config
-    convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    if recipe.method in POET_METHODS:
+        convert_to_poetx(model, recipe.poet, generator=torch.Generator().manual_seed(0))
+    else:
+        prepare_baseline(model, recipe.method, recipe.baseline)  # its int8 layers, if any
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise ExportError(f"{ckpt} does not match its recipe: {_one_line(exc)}") from None
+    if recipe.method not in POET_METHODS:
+        _dequantize_baseline(model)
     model.eval()
     return LoadedRun(recipe, model, _load_run_tokenizer(run, recipe, echo), config)
 
@@ -163,6 +170,22 @@ def _check_out_dir(out: Path, overwrite: bool, run_dir: Path | None = None) -> N
             )
     if not out.parent.exists():
         raise ExportError(f"parent directory '{out.parent}' does not exist; create it first")
+
+
+def _dequantize_baseline(model: nn.Module) -> None:
+    """Replace every Q-GaLore / Q-APOLLO ``QuantLinear`` of ``model`` by an ``nn.Linear`` holding
+    its dequantized weight (fp32 ``[out, in]``; bias kept), in place."""
+    from poetxq.baselines.qlinear import QuantLinear
+
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantLinear):
+            dense = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            with torch.no_grad():
+                dense.weight.copy_(mod.dequantize(torch.float32))
+                if mod.bias is not None:
+                    dense.bias.copy_(mod.bias)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, dense)
 
 
 def export_run(
@@ -207,6 +230,12 @@ def export_run(
     _check_out_dir(out, overwrite, Path(run_dir))
     run = load_run(run_dir, echo=echo)
     model, config = run.model, run.config
+    baseline = run.recipe.method not in POET_METHODS
+    if baseline and fmt != "hf-bf16":
+        raise ExportError(
+            f"a {run.recipe.method} run exports as hf-bf16 only (its weights are not stored in a "
+            "bitsandbytes layout); pass --format hf-bf16"
+        )
     qt = quant_type or run.recipe.poet.quant_type
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, POETXLinear)]
     if fmt == "hf-bnb4":
@@ -271,7 +300,10 @@ def export_run(
         shutil.rmtree(old, ignore_errors=True)
     kind = {"hf-bf16": "bf16", "hf-bnb8": "int8 row-wise (Linear8bitLt)",
             "hf-bnb4": f"{qt.upper()} blocksize 64, double quant (Linear4bit)"}[fmt]  # fmt: skip
-    if as_stored:
+    if baseline:
+        how = f"{run.recipe.method} weights" + (
+            " (int8 groups dequantized)" if run.recipe.method.startswith("q") else "")  # fmt: skip
+    elif as_stored:
         how = (
             f"{len(as_stored)} POET layers merged as a training merge does ({needs_merge} had "
             "R, P != I) and their stored codes written un-permuted"
