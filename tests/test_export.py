@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbF
@@ -531,3 +532,18 @@ def test_a_baseline_run_exports_as_bf16_and_loads_with_its_logits(tmp_path, caps
         theirs = loaded(ids).logits.float()
         ours = load_run(run_dir, echo=lambda _s: None).model(ids).logits
     assert _rel(theirs, ours) < 0.01  # bf16 weights and activations against fp32
+
+
+def test_a_damaged_model_file_points_to_the_newest_checkpoint(runs, tmp_path, capsys):
+    run = tmp_path / "b8"
+    shutil.copytree(runs / "b8", run)
+    model_file = run / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])  # cut short
+    assert main(["export", str(run), "--format", "hf-bf16", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    newest = sorted((run / "checkpoints").iterdir())[-1]
+    assert len(err) == 1 and err[0].startswith(f"poetxq: error: cannot read {model_file}: ")
+    assert err[0].endswith(
+        f"export the run's newest checkpoint instead (poetxq export {newest} ...)"
+    )
+    assert main(["export", str(newest), "--format", "hf-bf16", str(tmp_path / "out")]) == 0

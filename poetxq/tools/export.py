@@ -95,7 +95,12 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
     try:
         state = load_file(str(ckpt))
     except (SafetensorError, OSError) as exc:
-        raise ExportError(f"cannot read {ckpt}: {_one_line(exc)}") from None
+        from poetxq.training.checkpoint import latest_checkpoint
+
+        newest = latest_checkpoint(run)
+        fix = (f"; the file is damaged: export the run's newest checkpoint instead "
+               f"(poetxq export {newest} ...)" if newest is not None else "")  # fmt: skip
+        raise ExportError(f"cannot read {ckpt}: {_one_line(exc)}{fix}") from None
     bad = [k for k, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:  # a damaged file, or a run saved after diverging: never export it silently
         raise ExportError(
