@@ -132,7 +132,8 @@ def add_tool_parsers(sub: Any) -> None:
         "--gpu-mem", metavar="SIZE",
         help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
-        "number is bytes",
+        "number is bytes (at least 1 MiB). Without it the plans are listed with no fit verdict "
+        "and train.memory auto is the recipe as written",
     )  # fmt: skip
     p.add_argument("--precision", type=_estimate_precision, default=None,
                    metavar="{autocast,bf16-true,fp32}",
