@@ -151,7 +151,7 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--freeze-orthogonal",
         action="store_true",
         help="control run: R = P = I frozen, only embeddings, norms and lm_head train "
-        "[poet.freeze_orthogonal]",
+        "(default: off) [poet.freeze_orthogonal]",
     )
     g = p.add_argument_group("optimization")
     g.add_argument("--max-steps", type=int, help="optimizer steps [train.max_steps, default 300]")
