@@ -36,6 +36,11 @@ class ModelConfig(Section):
     initializer_range: float = Field(0.02, gt=0)
     tie_word_embeddings: bool = False
 
+    @property
+    def head_width(self) -> int:
+        """The per-head width: ``head_dim``, else ``hidden_size // num_attention_heads``."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
     @model_validator(mode="after")
     def _heads_divide_hidden(self) -> ModelConfig:
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:

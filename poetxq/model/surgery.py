@@ -70,7 +70,7 @@ def build_llama(
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-        head_dim=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
+        head_dim=cfg.head_width,
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
         initializer_range=cfg.initializer_range,

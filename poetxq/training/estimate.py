@@ -85,7 +85,6 @@ from poetxq.training.estimate_terms import (
     frozen_store_bytes,
     fused_cast_saving,
     fused_input_cast,
-    head_dim,
     lean_fast_swiglu,
     lowrank_state_bytes,
     projections,
@@ -267,7 +266,7 @@ def estimate_memory(
     S = seq_len or tc.seq_len
     T = B * S
     d, f, h, L = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads, mc.num_hidden_layers
-    hd = head_dim(recipe)
+    hd = mc.head_width
     p = 2 if precision == "bf16-true" else 4  # parameter (and Q) bytes
     c = 4 if precision == "fp32" else 2  # compute (activation) bytes
     r = p  # residual stream follows the embedding output dtype

@@ -82,16 +82,10 @@ def projections(recipe: Recipe) -> list[tuple[str, int, int]]:
     head_dim``; ``head_dim`` is ``model.head_dim`` or ``hidden_size / num_attention_heads``)."""
     mc = recipe.model
     d, f, h = mc.hidden_size, mc.intermediate_size, mc.num_attention_heads
-    hd = head_dim(recipe)
+    hd = mc.head_width
     kv = (mc.num_key_value_heads or h) * hd
     return [("q_proj", h * hd, d), ("k_proj", kv, d), ("v_proj", kv, d), ("o_proj", d, h * hd),
             ("gate_proj", f, d), ("up_proj", f, d), ("down_proj", d, f)]  # fmt: skip
-
-
-def head_dim(recipe: Recipe) -> int:
-    """The per-head width: ``model.head_dim``, else ``hidden_size // num_attention_heads``."""
-    mc = recipe.model
-    return mc.head_dim or mc.hidden_size // mc.num_attention_heads
 
 
 def frozen_store_bytes(
