@@ -30,7 +30,18 @@ def child_env(**extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def cpu_host() -> Iterator[None]:
     """Within it ``torch.cuda.is_available()`` is False, so the trainer, export and FPO choose the
-    CPU as on a host without a GPU (a no-op on one)."""
+    CPU as on a host without a GPU (a no-op on one).
+
+    accelerate keeps one ``PartialState`` per process, and its device is the one the first run
+    found (the GPU, after a GPU test in the same worker); the trainer's ``Accelerator(cpu=True)``
+    would then still hand out ``cuda``. The state is dropped on the way in and out, so the runs
+    inside see the CPU and the GPU tests after them see the GPU again."""
+    from accelerate.state import AcceleratorState
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
-        yield
+        AcceleratorState._reset_state(reset_partial_state=True)
+        try:
+            yield
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)

@@ -533,4 +533,8 @@ def test_fpo_bench_gemm_model_counts_what_torch_counts(below_top):
             adapter = AutogradAdapter(model, where, mode=mode, lr=1e-5, optimizer="adamw")
         with FlopCounterMode(display=False) as counter:
             adapter.step(ids[:, :-1], ids[:, 1:])
-        assert counter.get_total_flops() == 2 * want[method] * batch * seq, method
+        # the rotary angles' outer product (positions x inverse frequencies) is a matmul in some
+        # transformers releases and a broadcast multiply in others; gemm_macs leaves it out
+        rotary = sum(sum(c.values()) for m, c in counter.get_flop_counts().items()
+                     if m.endswith("rotary_emb"))  # fmt: skip
+        assert counter.get_total_flops() - rotary == 2 * want[method] * batch * seq, method

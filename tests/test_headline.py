@@ -89,6 +89,7 @@ def test_a_failing_or_stalled_command_is_recorded_and_the_part_goes_on(
         headline.Step("too_long", "1", ("-c", ok), 10_000, 30),
     )
     monkeypatch.setattr(headline, "STEPS", steps)
+    monkeypatch.setattr(headline, "_gpu_name", lambda: "NVIDIA H200")  # on any host, GPU or not
     assert headline.main(["--part", "1", "--out-dir", str(tmp_path), "--budget-s", "60"]) == 1
     log = json.loads((tmp_path / "headline_part1_h200_abc1234.json").read_text())
     fails, stalls, works, too_long = log["steps"]
