@@ -1037,14 +1037,14 @@ def test_an_abort_in_a_folder_that_was_there_keeps_it(tmp_path, capsys, monkeypa
 
 
 def test_version_is_the_installed_distribution(capsys):
-    """The installed version; "unknown" where the package runs from a PYTHONPATH (a GPU host's
-    copy of the tree)."""
+    """The installed version; "unknown (not installed)" where the package runs from a PYTHONPATH
+    (a GPU host's copy of the tree)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         want = version("poetxq")
     except PackageNotFoundError:
-        want = "unknown"
+        want = "unknown (not installed)"
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0

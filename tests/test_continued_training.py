@@ -159,8 +159,8 @@ def test_default_keeps_a_pretrained_model_the_pretraining_rates_do_not(
     default, pretraining = curves["default"], curves["pretraining"]
     assert len(default) == len(pretraining) == 3 and default[0] == pretraining[0]
     start = default[0]
-    assert max(default[1:]) <= start + 1e-3 and default[-1] < start
-    assert pretraining[1] > start + 0.03 and pretraining[-1] > start + 0.03  # and stays so
+    assert max(default[1:]) <= start + 1e-3 and default[-1] < start, curves
+    assert pretraining[1] > start + 0.03 and pretraining[-1] > start + 0.03, curves  # stays up
 
 
 def test_the_sweep_judges_curves_and_its_results_back_the_default():

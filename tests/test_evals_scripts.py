@@ -446,7 +446,7 @@ def test_gpu_suite_runs_pytest_and_keeps_the_summary_and_failures(tmp_path):
     assert all((repo / p).is_file() for p in suite.TRAINING_TEST_FILES)  # no stale name
 
 
-def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeypatch):
+def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeypatch, cpu_only):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     diag = _load("diagnostics_run")
     out, png = tmp_path / "d.json", tmp_path / "d.png"
