@@ -6,7 +6,8 @@
 # run side by side on the one GPU (their JOBS add up: at most 4 runs of Llama-60M on one H200).
 # Runs stopped by the deadline keep a checkpoint under runs/quality/ and resume in the next call
 # on the same machine; QUALITY_RESUME_LATER=1 starts new runs that cannot finish in this call
-# (the next call on the warm machine resumes them: runs longer than one call need it).
+# (the next call on the warm machine resumes them: runs longer than one call need it; leave it
+# off in a session's last call, whose new runs would be lost with the machine).
 #
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml 520 4      (4 jobs fit one H200 at 60M)
 #   evals/quality_gpu.sh evals/studies/llama60m_50m.yaml:2,evals/studies/llama60m_150m.yaml:2 520
