@@ -4,7 +4,7 @@ The POET-X(Q) layer permutes its input and output along the feature axis (five g
 per step, ~20 % of a Llama-1B step's GPU time; ``evals/results/profiles/``). This compares torch's
 routes against the bandwidth floor (read + write of ``x``): ``index_select`` (what the layer uses),
 advanced indexing, ``torch.gather``, int32 indices, and — for the
-layout question in ``evals/notes/streamed_and_layer.md`` — a row gather of the transposed
+layout question (``docs/KERNELS.md``, Layer layout) — a row gather of the transposed
 activation, alone and with the transpose, and the permute-and-transpose kernels of
 :mod:`quant_kernels.transpose_perm` at three tile shapes. Each result is checked against
 ``index_select``.

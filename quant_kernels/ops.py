@@ -83,7 +83,7 @@ def int8_rowwise_matmul_fm(
 ) -> torch.Tensor:
     """``W @ zt`` = ``(z @ Wᵀ)ᵀ`` for a feature-major activation ``zt [K, T]`` → ``[N, T]``
     contiguous: the forward GEMM of a layer that keeps its activations feature-major
-    (``evals/notes/streamed_and_layer.md``). Streamed, or the row-major kernel and a transpose,
+    (``docs/KERNELS.md``, Layer layout). Streamed, or the row-major kernel and a transpose,
     or the reference."""
     path = kernels.weight_gemm_path(zt.t())
     if path == "streamed":

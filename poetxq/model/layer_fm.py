@@ -4,7 +4,7 @@ The activations stay ``[dim, T]`` between the layer's two permutations, each of 
 changes the layout in one coalesced pass (:mod:`quant_kernels.transpose_perm`); the block
 multiplies are ``bmm``s over ``[nb, b, T]`` views and the weight GEMMs multiply feature-major
 (``FrozenWeight.matmul_fm`` / ``matmul_t_fm`` / ``backward_fm`` under the layer's policy).
-Derivation and timings: ``evals/notes/streamed_and_layer.md``. :mod:`poetxq.model.layer` chooses
+Timings: ``docs/KERNELS.md`` (Layer layout). :mod:`poetxq.model.layer` chooses
 between this path and its row-major autograd one (``_feature_major``); the ``mem`` Function and
 the SwiGLU down projection's Function (both variants) live there, the ``fast`` one here. The
 torch path of :mod:`poetxq.model.layer` is the oracle of every function below.
@@ -32,7 +32,7 @@ def forward_fm(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`poetxq.model.layer._forward_autograd` without autograd, feature-major (``[dim, T]``)
     between its two permutations, each of which also changes the layout in one coalesced pass
-    (:mod:`quant_kernels.transpose_perm`; derivation in ``evals/notes/streamed_and_layer.md``).
+    (:mod:`quant_kernels.transpose_perm`; timings in ``docs/KERNELS.md``, Layer layout).
 
     ``x`` may come in another dtype than the blocks ``g_p`` (the compute dtype): the first
     permutation casts it (the policy's ``fused_input_cast``).
