@@ -6,11 +6,15 @@ are fine for speed and memory) in bf16 with fp32 masters of what is trained. The
 above them (which SFT-partial back-propagates through and FPO does not); at ``--bits 8|4`` every
 other decoder linear is frozen in our int8 / NF4 stores
 (:func:`poetxq.adapt.lowbit.freeze_low_bit`). ``full`` runs at 16 bits only (full fine-tuning of a
-frozen low-bit base is not defined). The paper's bar (arXiv 2608.14563): FPO ≥ 2.7× the tokens/s of
-full fine-tuning, ~40 % less peak memory at a fixed batch, 2.2× SFT-partial.
+frozen low-bit base is not defined); ``full-ckpt`` is full fine-tuning with every decoder layer's
+activations recomputed in backward (transformers' gradient checkpointing), the usual way to fit
+full fine-tuning of a large model, which trades a fourth forward for memory. The paper's bar
+(arXiv 2608.14563): FPO ≥ 2.7× the tokens/s of full fine-tuning, ~40 % less peak memory at a
+fixed batch, 2.2× SFT-partial.
 
     python evals/fpo_bench.py --out $OUT/fpo_bench_h100.json
     python evals/fpo_bench.py --below-top 8 --methods fpo,sft-partial --bits 16 --out $OUT/x.json
+    python evals/fpo_bench.py --methods fpo,full,full-ckpt --bits 16 --out $OUT/y.json
     python evals/fpo_bench.py --tiny --device cpu --out /tmp/fpo_bench_cpu.json   # smoke test
 """
 
@@ -77,25 +81,54 @@ def gemm_macs(
     (``ΔW3``, ``error_h = g̃·W3``, ``ΔW1``, ``ΔW2``). SFT-partial: the forward, the head's input
     gradient, every layer above the lowest target back-propagated (attention's input gradient;
     a target MLP's input and weight gradients, a frozen one's input gradient) and the lowest
-    target's MLP (its three weight gradients and the input gradient through ``W3``). Embeddings,
-    norms, softmax and the optimizer are not products and are left out.
+    target's MLP (its three weight gradients and the input gradient through ``W3``). Full
+    fine-tuning with gradient checkpointing: full fine-tuning plus every decoder layer's forward
+    once more but its last product, the down projection (torch's non-reentrant checkpoint stops
+    recomputing once the tensors backward needs are back; the head is not recomputed).
+    Embeddings, norms, softmax and the optimizer are not products and are left out.
 
     Returns:
-        ``{"full", "fpo", "sft-partial"}``: MACs per token.
+        ``{"full", "full-ckpt", "fpo", "sft-partial"}``: MACs per token.
     """
     d, f, v = hidden, inter, vocab
     proj, mlp = 4 * d * d, 3 * d * f
     scores = d * seq if causal_skip else 2 * d * seq
-    forward = layers * (proj + mlp + scores) + d * v
+    stack = layers * (proj + mlp + scores)
+    forward = stack + d * v
     first = target_layers(layers, targets, below_top)[0]
     above = range(first + 1, layers)
     sft = forward + d * v + (mlp + d * f)
     sft += sum(proj + 2 * scores + (2 * mlp if i < first + targets else mlp) for i in above)
     return {
         "full": 3 * forward,
+        "full-ckpt": 3 * forward + stack - layers * d * f,
         "fpo": forward + d * v + targets * 4 * d * f,
         "sft-partial": sft,
     }
+
+
+METHODS = ("fpo", "sft-partial", "full", "full-ckpt")
+REFERENCES = ("full", "full-ckpt")  # the rows others are compared with (16 bits only)
+
+
+def make_adapter(
+    model: LlamaForCausalLM, method: str, targets: list[int]
+) -> FPOAdapter | AutogradAdapter:
+    """The adapter of ``method`` (one of :data:`METHODS`) over ``targets``' MLPs, AdamW at lr
+    1e-5; ``full-ckpt`` also turns on the model's gradient checkpointing (non-reentrant) and
+    training mode, so each decoder layer's forward runs again in backward."""
+    settings = dict(lr=1e-5, optimizer="adamw")
+    if method == "fpo":
+        return FPOAdapter(model, targets, **settings)
+    if method == "full-ckpt":
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # the name from transformers 5.x on
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.train()
+    mode = "partial" if method == "sft-partial" else "full"
+    return AutogradAdapter(model, targets, mode=mode, **settings)
 
 
 def _one(args: argparse.Namespace, method: str, bits: int, device: str) -> dict:
@@ -103,12 +136,7 @@ def _one(args: argparse.Namespace, method: str, bits: int, device: str) -> dict:
     targets = target_layers(args.layers, args.targets, args.below_top)
     if bits < 16:
         freeze_low_bit(model, targets, bits)
-    settings = dict(lr=1e-5, optimizer="adamw")
-    if method == "fpo":
-        adapter = FPOAdapter(model, targets, **settings)
-    else:
-        mode = "full" if method == "full" else "partial"
-        adapter = AutogradAdapter(model, targets, mode=mode, **settings)
+    adapter = make_adapter(model, method, targets)
     gen = torch.Generator().manual_seed(1)
     batch = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen).to(device)
     ids, labels = batch[:, :-1], batch[:, 1:]
@@ -152,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--bits", default="16,8,4")
-    p.add_argument("--methods", default="fpo,sft-partial,full")
+    p.add_argument("--methods", default="fpo,sft-partial,full,full-ckpt",
+                   help=f"comma-separated, of {', '.join(METHODS)}")  # fmt: skip
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a 4-layer d=64 model (smoke test)")
@@ -163,19 +192,26 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.seq, args.targets, args.steps, args.warmup = 2, 32, 1, 2, 1
         args.below_top = min(args.below_top, 3)
     target_layers(args.layers, args.targets, args.below_top)  # a clear error before any work
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     rows = []
     for bits in [int(b) for b in args.bits.split(",")]:
-        for method in args.methods.split(","):
-            if method == "full" and bits < 16:
+        for method in methods:
+            if method in REFERENCES and bits < 16:
                 continue
             rows.append(_one(args, method, bits, args.device))
             print(rows[-1], flush=True)
-    full = next((r for r in rows if r["method"] == "full"), None)
-    for r in rows:
-        if full is not None:
-            r["speed_vs_full"] = r["tokens_per_s"] / full["tokens_per_s"]
-            if r["peak_memory_bytes"] and full["peak_memory_bytes"]:
-                r["memory_vs_full"] = r["peak_memory_bytes"] / full["peak_memory_bytes"]
+    for ref in REFERENCES:
+        base = next((r for r in rows if r["method"] == ref), None)
+        if base is None:
+            continue
+        key = ref.replace("-", "_")
+        for r in rows:
+            r[f"speed_vs_{key}"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r["peak_memory_bytes"] and base["peak_memory_bytes"]:
+                r[f"memory_vs_{key}"] = r["peak_memory_bytes"] / base["peak_memory_bytes"]
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     macs = gemm_macs(args.hidden, args.inter, args.layers, args.vocab, args.seq, args.targets,
                      args.below_top)  # fmt: skip
@@ -185,8 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         "method ran its products at one speed and did nothing else",
         "macs_per_token": macs,
         "full_over": {m: macs["full"] / n for m, n in macs.items()},
+        "full_ckpt_over": {m: macs["full-ckpt"] / n for m, n in macs.items()},
     }
-    print(f"GEMM bound: FPO {bound['full_over']['fpo']:.2f}x full fine-tuning, SFT-partial "
+    print(f"GEMM bound: FPO {bound['full_over']['fpo']:.2f}x full fine-tuning "
+          f"({bound['full_ckpt_over']['fpo']:.2f}x with checkpointing), SFT-partial "
           f"{bound['full_over']['sft-partial']:.2f}x, FPO / SFT-partial "
           f"{macs['sft-partial'] / macs['fpo']:.2f}x")  # fmt: skip
     doc = {**provenance(name, argv), "settings": {k: v for k, v in vars(args).items()},

@@ -234,6 +234,41 @@ def test_report_into_a_read_only_place_is_one_line(tmp_path, capsys, monkeypatch
     ]
 
 
+def test_report_without_o_writes_report_in_the_current_directory(tmp_path, capsys, monkeypatch):
+    """-o is optional: the default is report/ in the current directory (--help says so); there
+    the same refusals hold, in one line, with nothing written."""
+    from poetxq.training.recipe import dump_recipe
+
+    run = tmp_path / "tiny-poetxq-r"
+    run.mkdir()
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(None, SMALL)))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0, "lr": 0.001}\n')
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--help"])
+    assert exc.value.code == 0
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert "(default: report/ in the current directory)" in helptext
+    (here / "report").write_text("mine")  # a file where the default folder would go: refused
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: error: 'report' exists and is not a directory; choose another -o"]
+    assert (here / "report").read_text() == "mine"
+    (here / "report").unlink()
+    assert main(["report", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == "report: report/report.md (1 run)"
+    assert f"| {run.name} — interrupted" in (here / "report" / "report.md").read_text()
+    assert (here / "report" / "loss.png").is_file()
+    (here / "report" / "recipe.yaml").write_text("name: x\n")  # report/ is now a run directory
+    before = sorted(p.name for p in (here / "report").iterdir())
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'report' is a run directory; write the report elsewhere" in err[0]
+    assert sorted(p.name for p in (here / "report").iterdir()) == before
+
+
 @pytest.mark.parametrize(
     "text,why",
     [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON"),

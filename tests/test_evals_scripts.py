@@ -502,6 +502,17 @@ def test_fpo_bench_places_the_targets_below_the_top_and_smoke_runs(tmp_path, cap
     assert doc["settings"]["below_top"] == 2 and [r["method"] for r in doc["rows"]] == [
         "fpo", "sft-partial"]  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["adapted_params"] == 3 * 64 * 128 for r in doc["rows"])
+    # both full fine-tuning references, each row compared with each
+    argv = ["--tiny", "--device", "cpu", "--bits", "16", "--methods", "fpo,full,full-ckpt",
+            "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["fpo", "full", "full-ckpt"]
+    assert rows[1]["speed_vs_full"] == 1.0 and rows[2]["speed_vs_full_ckpt"] == 1.0
+    assert rows[0]["speed_vs_full"] == rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu", "--methods", "fpo,lora", "--out", str(out)])
+    assert "--methods: unknown lora" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("below_top", [0, 1])
@@ -512,25 +523,18 @@ def test_fpo_bench_gemm_model_counts_what_torch_counts(below_top):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from poetxq.adapt.fpo import FPOAdapter
-    from poetxq.adapt.reference import AutogradAdapter
-
     bench = _load("fpo_bench")
     d, f, layers, vocab, seq, batch, targets = 64, 96, 4, 256, 16, 2, 2
     want = bench.gemm_macs(d, f, layers, vocab, seq, targets, below_top, causal_skip=False)
+    assert set(want) == set(bench.METHODS)
     ids = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     where = bench.target_layers(layers, targets, below_top)
-    for method in ("full", "fpo", "sft-partial"):
+    for method in bench.METHODS:
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=f,
                              num_hidden_layers=layers, num_attention_heads=4,
                              num_key_value_heads=4, attn_implementation="eager")  # fmt: skip
-        model = LlamaForCausalLM(config)
-        if method == "fpo":
-            adapter = FPOAdapter(model, where, lr=1e-5, optimizer="adamw")
-        else:
-            mode = "full" if method == "full" else "partial"
-            adapter = AutogradAdapter(model, where, mode=mode, lr=1e-5, optimizer="adamw")
+        adapter = bench.make_adapter(LlamaForCausalLM(config), method, where)
         with FlopCounterMode(display=False) as counter:
             adapter.step(ids[:, :-1], ids[:, 1:])
         # the rotary angles' outer product (positions x inverse frequencies) is a matmul in some

@@ -19,7 +19,7 @@ from typing import Any
 from poetxq.text import count
 from poetxq.tools.bench import BenchError
 from poetxq.tools.cli_common import check_kernels_env, check_output_file
-from poetxq.tools.report import ReportError
+from poetxq.tools.report import DEFAULT_REPORT_DIR, ReportError
 from poetxq.training.estimate import EstimateError
 from poetxq.training.memory import MemoryPlanError
 
@@ -187,7 +187,11 @@ def add_tool_parsers(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="run directories of poetxq train (finished or interrupted)")  # fmt: skip
-    p.add_argument("-o", "--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument(
+        "-o", "--out", default=DEFAULT_REPORT_DIR, metavar="DIR",
+        help=f"output directory (default: {DEFAULT_REPORT_DIR}/ in the current directory); its "
+        "report.md and plots are replaced, a file or a run directory there is refused",
+    )  # fmt: skip
 
 
 def _load(args: argparse.Namespace):  # -> Recipe

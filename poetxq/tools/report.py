@@ -37,6 +37,8 @@ from poetxq.training.recipe import METHOD_LABELS, POET_METHODS, Recipe, method_l
 
 METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
 PLOTS = ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png")
+#: where ``poetxq report`` writes without ``-o`` (relative: under the current directory)
+DEFAULT_REPORT_DIR = "report"
 #: how a run without summary.json is marked in the table
 NO_SUMMARY = "interrupted (no summary.json)"
 
@@ -494,7 +496,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
     if (out / "recipe.yaml").is_file() or (out / "checkpoints").is_dir():
-        raise ReportError(f"'{out}' is a run directory; write the report elsewhere (-o report/)")
+        raise ReportError(f"'{out}' is a run directory; write the report elsewhere (-o DIR)")
     if (why := unwritable_reason(out)) is not None:
         raise ReportError(f"cannot write '{out}': {why}; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
@@ -542,5 +544,5 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     return path
 
 
-__all__ = ["METHOD_LABELS", "NO_SUMMARY", "PLOTS", "ReportError", "Run", "build_report",
-           "read_run", "results_rows", "summary_from_metrics"]  # fmt: skip
+__all__ = ["DEFAULT_REPORT_DIR", "METHOD_LABELS", "NO_SUMMARY", "PLOTS", "ReportError", "Run",
+           "build_report", "read_run", "results_rows", "summary_from_metrics"]  # fmt: skip
