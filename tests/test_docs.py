@@ -24,6 +24,30 @@ def test_every_local_link_resolves(page: Path):
     assert missing == [], f"{page.name} links to missing files: {missing}"
 
 
+#: a results file named in prose or code spans: ``evals/results/NAME``, or a bare
+#: ``NAME_h200_<commit>.json`` in backticks (a name that ends in ``*`` or ``<`` is a pattern)
+RESULT = re.compile(
+    r"(?:evals/results/([\w.\-/]+\w)|`([\w\-]+_(?:h[12]00(?:x2)?|cpu)(?:_[0-9a-f]{7})?\.(?:json|md)))"
+    r"(?![\w*<])"
+)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_results_file_a_page_names_exists(page: Path):
+    names = {a or b for a, b in RESULT.findall(page.read_text(encoding="utf-8"))}
+    missing = sorted(n for n in names if not (REPO / "evals" / "results" / n).exists())
+    assert missing == [], (
+        f"{page.name} names results files that are not in evals/results: {missing}"
+    )
+
+
+def test_the_results_pattern_skips_globs_and_placeholders():
+    text = ("`evals/results/a_h200.json`, `b_cpu.json`, evals/results/throughput_* and "
+            "`gpu_tests_h200_<commit>.json`; `c_h100_abc1234.json`.")  # fmt: skip
+    assert {a or b for a, b in RESULT.findall(text)} == {
+        "a_h200.json", "b_cpu.json", "c_h100_abc1234.json"}  # fmt: skip
+
+
 def test_the_link_pattern_finds_links_and_drops_anchors():
     text = "see [a](docs/A.md#part), [b](https://x.org/y) and [c](evals/results/c.json)"
     assert LINK.findall(text) == ["docs/A.md", "https://x.org/y", "evals/results/c.json"]
