@@ -116,9 +116,11 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
         out.append(
             f"Results file `{study.results}`; {len(runs)} runs finished, {len(pending)} pending;"
             f" last call {last['date']} on {last['device']} at {last['commit'][:7]}."
-            + (f" Note: {results['note']}" if results.get("note") else "")
         )
         out.append("")
+    if results.get("note"):  # how the calls went, session by session: folded away
+        out += ["<details><summary>How the runs were made (the results file's note)</summary>",
+                "", results["note"], "", "</details>", ""]  # fmt: skip
     corpus = results.get("corpus")
     if corpus:
         sp = corpus["splits"]

@@ -659,6 +659,21 @@ def test_a_method_still_tuning_reports_its_tuning_seeds_best_not_other_seeds(tmp
     assert "tuning: 1 point(s) run, best tune ppl so far 30.00 at optim.poet_lr 0.004" in row
 
 
+def test_the_results_note_is_folded_under_the_call_line(tmp_path, corpus):
+    from evals.quality_report import render
+
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0]))
+    call = {"date": "2026-12-06T00:00:00Z", "device": "1 x GPU", "commit": "abcdef0123"}
+    results = {"runs": {}, "calls": [call], "note": "Session 1: two calls, 3 jobs."}
+    render([(study, results)], tmp_path / "QUALITY.md")
+    lines = (tmp_path / "QUALITY.md").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("Results file"))
+    assert lines[at].endswith("last call 2026-12-06T00:00:00Z on 1 x GPU at abcdef0.")
+    fold = lines[at + 2 : at + 7]
+    assert fold[0].startswith("<details><summary>") and fold[-1] == "</details>"
+    assert "Session 1: two calls, 3 jobs." in fold
+
+
 def test_a_control_with_its_own_seeds_runs_only_those(tmp_path, corpus):
     lowest = {"recipe": "poetxq", "like": "poetxq", "set": {"train.memory": "lowest"},
               "seeds": [1]}  # fmt: skip
