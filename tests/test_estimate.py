@@ -270,6 +270,39 @@ def test_estimate_memory_cli(tmp_path, capsys):
     assert len(err) == 1 and "memory size '-5GB' must be positive" in err[0]
 
 
+def test_estimate_memory_exits_1_when_no_plan_fits_the_gpu_mem(tmp_path, capsys):
+    """With --gpu-mem and no plan under auto's limit, the last line says so and the exit status
+    is 1 (the breakdown and --json still written); one plan that fits, or no --gpu-mem: 0."""
+    import json
+
+    from poetxq.tools.cli import main
+    from poetxq.training.memory import plan_table
+
+    out = tmp_path / "est.json"
+    recipe = load_recipe(None)  # the embedded tiny recipe
+    lowest = min(row["peak"] for row in plan_table(recipe))
+    assert 2**20 < lowest < 2**30
+    assert main(["estimate-memory", "--gpu-mem", "1MiB", "--json", str(out)]) == 1
+    text = capsys.readouterr().out.strip().splitlines()
+    assert text[-1] == (
+        f"does not fit: no memory plan fits 1 MiB with 10% of it kept free (smallest predicted "
+        f"peak: lowest, {lowest / 2**30:.2f} GiB); try a smaller batch or sequence, a larger GPU "
+        "or several (docs/MEMORY.md)"
+    )
+    assert [row["fits"] for row in json.loads(out.read_text())["plans"]] == [False] * 3
+    # only the lowest plan fits (the one auto takes): 0, no such line
+    size = f"{int(lowest / 0.9) + 2**20}"
+    fits = [row["fits"] for row in plan_table(recipe, gpu_mem=int(size))]
+    assert fits[-1] and not any(fits[:-1])
+    assert main(["estimate-memory", "--gpu-mem", size]) == 0
+    assert "does not fit: no memory plan" not in capsys.readouterr().out
+    assert main(["estimate-memory"]) == 0  # no --gpu-mem: no verdict
+    assert "does not fit" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["estimate-memory", "--help"])
+    assert "Exit status 1 when no memory plan fits it" in " ".join(capsys.readouterr().out.split())
+
+
 def test_memory_sizes_need_a_unit():
     assert parse_bytes("80GB") == parse_bytes("80 GiB") == 80 * 2**30
     assert parse_bytes("500MB") == 500 * 2**20 and parse_bytes("1e9") == 10**9

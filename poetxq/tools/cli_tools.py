@@ -132,8 +132,8 @@ def add_tool_parsers(sub: Any) -> None:
         "--gpu-mem", metavar="SIZE",
         help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
-        "number is bytes (at least 1 MiB). Without it the plans are listed with no fit verdict "
-        "and train.memory auto is the recipe as written",
+        "number is bytes (at least 1 MiB). Exit status 1 when no memory plan fits it. Without it "
+        "the plans are listed with no fit verdict and train.memory auto is the recipe as written",
     )  # fmt: skip
     p.add_argument("--precision", type=_estimate_precision, default=None,
                    metavar="{autocast,bf16-true,fp32}",
@@ -226,6 +226,7 @@ def run_tool(args: argparse.Namespace) -> int:
     if args.command == "estimate-memory":
         from poetxq.tools.estimate_report import (
             format_estimate,
+            format_no_plan_fits,
             format_other_variant,
             format_per_process,
             format_plans,
@@ -303,6 +304,9 @@ def run_tool(args: argparse.Namespace) -> int:
         print(format_plans(plans, gpu))
         if shared:
             print(format_per_process(shared, gpu))
+        if gpu is not None and (none_fits := format_no_plan_fits(plans, gpu)) is not None:
+            print(none_fits)
+            return 1  # a verdict, not bad input (2)
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 

@@ -186,6 +186,22 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def format_no_plan_fits(rows: list[dict[str, Any]], gpu_mem: int) -> str | None:
+    """``estimate-memory --gpu-mem``'s last line where no plan of
+    :func:`poetxq.training.memory.plan_table` fits ``gpu_mem`` bytes by ``train.memory: auto``'s
+    rule (the command then exits 1); None where one fits."""
+    from poetxq.training.memory import HEADROOM
+
+    if any(row["fits"] for row in rows):
+        return None
+    low = min(rows, key=lambda row: row["peak"])
+    return (
+        f"does not fit: no memory plan fits {_size(gpu_mem)} with {HEADROOM:.0%} of it kept free "
+        f"(smallest predicted peak: {low['plan']}, {low['peak'] / 2**30:.2f} GiB); try a smaller "
+        "batch or sequence, a larger GPU or several (docs/MEMORY.md)"
+    )
+
+
 def format_per_process(shared: dict[str, Any], gpu_mem: int | None = None) -> str:
     """``estimate-memory --processes N``'s lines for
     :func:`poetxq.training.memory.per_process_peaks`: first, where several processes take
