@@ -141,7 +141,7 @@ def test_tiny_recipes_unchanged_and_labels():
 
 def test_data_flag_replaces_the_hub_source():
     from poetxq.tools.cli import build_parser
-    from poetxq.tools.cli_train import _overrides
+    from poetxq.tools.cli_train_flags import train_overrides as _overrides
 
     args = build_parser().parse_args(["train", "--recipe", "llama-60m:poetxq", "--data", "/c4"])
     r = load_recipe(args.recipe, _overrides(args))

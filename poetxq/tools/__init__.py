@@ -1,8 +1,9 @@
 """The tools around training: the ``poetxq`` command line and what it runs besides training.
 
 * :mod:`~poetxq.tools.cli` — the ``poetxq`` command (``python -m poetxq``): its sub-commands'
-  parsers and error handling; :mod:`~poetxq.tools.cli_train` adds training,
-  :mod:`~poetxq.tools.cli_tools` ``estimate-memory``, ``bench`` and ``report``;
+  parsers and error handling; :mod:`~poetxq.tools.cli_train_flags` adds training's flags,
+  :mod:`~poetxq.tools.cli_train` runs it, :mod:`~poetxq.tools.cli_tools` adds
+  ``estimate-memory``, ``bench`` and ``report``;
   :mod:`~poetxq.tools.cli_common` holds what they share;
 * :mod:`~poetxq.tools.estimate_report` — the text of the analytic GPU-memory estimate
   (:mod:`poetxq.training.estimate`, which the trainer's memory plans read too);

@@ -1,12 +1,13 @@
 """``poetxq`` command line: train with POET-XQ, validate recipes, export, measure.
 
 The entry point (:func:`main`, also ``python -m poetxq``) with its error and signal handling, and
-the ``export`` and ``validate`` sub-commands; training's flags and run are
-:mod:`poetxq.tools.cli_train`, ``estimate-memory`` / ``bench`` / ``report`` are
-:mod:`poetxq.tools.cli_tools`, ``fpo-diagnose`` / ``fpo-adapt`` are
-:mod:`poetxq.tools.cli_adapt`. Most flags set a recipe key (named in their help);
-``--set section.key=value`` reaches any other key. Bad input exits with status 2 and one
-``poetxq: error: ...`` line, before anything is written to the run directory.
+the ``export`` and ``validate`` sub-commands; training's flags are
+:mod:`poetxq.tools.cli_train_flags` and its run :mod:`poetxq.tools.cli_train`,
+``estimate-memory`` / ``bench`` / ``report`` are :mod:`poetxq.tools.cli_tools`,
+``fpo-diagnose`` / ``fpo-adapt`` are :mod:`poetxq.tools.cli_adapt`. Most flags set a recipe
+key (named in their help); ``--set section.key=value`` reaches any other key. Bad input exits
+with status 2 and one ``poetxq: error: ...`` line, before anything is written to the run
+directory.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from poetxq.tools.cli_common import (
     launcher_rank,
     raise_terminated,
 )
-from poetxq.tools.cli_train import add_train_parsers, run_train
+from poetxq.tools.cli_train import run_train
+from poetxq.tools.cli_train_flags import add_train_parsers
 from poetxq.training.recipe import POET_METHODS, RecipeError, run_label
 from poetxq.training.recipe_files import load_recipe, parse_override, recipes_dir
 
