@@ -534,6 +534,39 @@ def test_a_baseline_run_exports_as_bf16_and_loads_with_its_logits(tmp_path, caps
     assert _rel(theirs, ours) < 0.01  # bf16 weights and activations against fp32
 
 
+@pytest.mark.parametrize(
+    ("method", "fmt"),
+    [("qgalore", "hf-bnb8"), ("qapollo", "hf-bnb4"), ("adamw", "hf-bnb8"),
+     ("galore", "hf-bnb4"), ("apollo", "hf-bnb8")],
+)  # fmt: skip
+def test_a_baseline_run_is_refused_another_format_before_its_model_is_read(
+    tmp_path, capsys, monkeypatch, method, fmt
+):
+    """The format refusal comes from recipe.yaml alone: with a model.safetensors that cannot be
+    read (and safetensors' loader never called) the error is still that one line."""
+    import safetensors.torch
+
+    from poetxq.training.recipe import dump_recipe
+    from poetxq.training.recipe_files import load_recipe
+
+    run = tmp_path / method
+    run.mkdir()
+    tiny = os.path.join(os.path.dirname(__file__), "..", "recipes", "tiny", f"{method}.yaml")
+    (run / "recipe.yaml").write_text(dump_recipe(load_recipe(tiny)))
+    (run / "model.safetensors").write_bytes(b"not safetensors")  # load_run would fail on it
+
+    def never(*args, **kwargs):
+        raise AssertionError("model.safetensors was read")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", never)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", fmt, str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"poetxq: error: a {method} run exports as hf-bf16 only (its weights are not "
+                   "stored in a bitsandbytes layout); pass --format hf-bf16"]  # fmt: skip
+    assert not out.exists()
+
+
 def test_a_damaged_model_file_points_to_the_newest_checkpoint(runs, tmp_path, capsys):
     run = tmp_path / "b8"
     shutil.copytree(runs / "b8", run)

@@ -53,27 +53,16 @@ def _one_line(exc: BaseException) -> str:
     return text[:400]
 
 
-def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> LoadedRun:
-    """Rebuild a finished run's model from ``run_dir`` (recipe.yaml + model.safetensors).
-
-    The model is rebuilt from ``config.json`` (written by :func:`save_run_artifacts`; runs from
-    before it was written fall back to the recipe's ``model`` section), converted with the
-    recipe's ``poet`` section (a baseline run: its Q-GaLore / Q-APOLLO int8 layers) and loaded
-    strictly from ``model.safetensors``. A baseline run's int8 layers are then dequantized into
-    plain ``nn.Linear`` (fp32): its model is a transformers Llama again.
+def _read_run_recipe(run: Path) -> Recipe:
+    """The recipe of the finished run directory ``run`` (``recipe.yaml``), read before any
+    weights are.
 
     Raises:
-        ExportError: not a run directory, an unknown method, or a checkpoint that does not
-            match (missing/corrupt 4-bit quant_state, wrong shapes).
+        ExportError: not a finished run directory (an unfinished one names ``--resume``), an
+            unreadable recipe, or a method export does not know.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from poetxq.training.baseline_methods import BASELINE_METHODS
 
-    from poetxq.model.surgery import build_llama, convert_to_poetx
-    from poetxq.training.baseline_methods import BASELINE_METHODS, prepare_baseline
-
-    run = Path(run_dir)
     ckpt = run / "model.safetensors"
     if not run.is_dir() or not ckpt.is_file() or not (run / "recipe.yaml").is_file():
         if (run / "checkpoints").is_dir():  # an interrupted run: its checkpoints hold the model
@@ -92,6 +81,32 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
     if recipe.method not in POET_METHODS + BASELINE_METHODS:
         raise ExportError(f"{run} was trained with method {recipe.method!r}, which export does "
                           "not know; pass a run of poetxq, poetx or a baseline")  # fmt: skip
+    return recipe
+
+
+def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> LoadedRun:
+    """Rebuild a finished run's model from ``run_dir`` (recipe.yaml + model.safetensors).
+
+    The model is rebuilt from ``config.json`` (written by :func:`save_run_artifacts`; runs from
+    before it was written fall back to the recipe's ``model`` section), converted with the
+    recipe's ``poet`` section (a baseline run: its Q-GaLore / Q-APOLLO int8 layers) and loaded
+    strictly from ``model.safetensors``. A baseline run's int8 layers are then dequantized into
+    plain ``nn.Linear`` (fp32): its model is a transformers Llama again.
+
+    Raises:
+        ExportError: not a run directory, an unknown method, or a checkpoint that does not
+            match (missing/corrupt 4-bit quant_state, wrong shapes).
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from poetxq.model.surgery import build_llama, convert_to_poetx
+    from poetxq.training.baseline_methods import prepare_baseline
+
+    run = Path(run_dir)
+    ckpt = run / "model.safetensors"
+    recipe = _read_run_recipe(run)
     try:
         state = load_file(str(ckpt))
     except (SafetensorError, OSError) as exc:
@@ -233,14 +248,15 @@ def export_run(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = Path(out_dir).resolve()  # "." must name the directory, not build ".tmp" inside it
     _check_out_dir(out, overwrite, Path(run_dir))
-    run = load_run(run_dir, echo=echo)
-    model, config = run.model, run.config
-    baseline = run.recipe.method not in POET_METHODS
+    method = _read_run_recipe(Path(run_dir)).method  # refusals before the weights are read
+    baseline = method not in POET_METHODS
     if baseline and fmt != "hf-bf16":
         raise ExportError(
-            f"a {run.recipe.method} run exports as hf-bf16 only (its weights are not stored in a "
+            f"a {method} run exports as hf-bf16 only (its weights are not stored in a "
             "bitsandbytes layout); pass --format hf-bf16"
         )
+    run = load_run(run_dir, echo=echo)
+    model, config = run.model, run.config
     qt = quant_type or run.recipe.poet.quant_type
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, POETXLinear)]
     if fmt == "hf-bnb4":
