@@ -197,3 +197,34 @@ def test_block_size_beyond_the_checkpoints_layers_is_one_error(checkpoint, tmp_p
         msg = _one_error(capsys)
         assert f"poet.block_size {block} exceeds the smallest layer dimension 32" in msg
         assert "--block-size 32" in msg and not (tmp_path / "o").exists()
+
+
+def test_no_progress_hides_transformers_loading_bar(checkpoint, tmp_path, capsys, monkeypatch):
+    """--no-progress turns transformers' progress bars ("Loading weights") off for the --model
+    load, and back on after it; without it the bar shows as transformers draws it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from poetxq.model.pretrained import load_pretrained
+
+    assert hf_logging.is_progress_bar_enabled()
+    load_pretrained(str(checkpoint), progress=False)
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # restored
+    load_pretrained(str(checkpoint))
+    assert "Loading weights" in capsys.readouterr().err
+    # through the command line: the bar's setting while train loads the checkpoint
+    seen = []
+
+    def spy(*args, **kwargs):  # records the setting, then stops the run before any step
+        seen.append(hf_logging.is_progress_bar_enabled())
+        raise OSError("stopped by the test")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
+    shown = [a for a in RUN if a != "--no-progress"]
+    for flags in (shown, RUN):
+        code = main(["quantize-and-train", *flags, "--model", str(checkpoint),
+                     "--output-dir", str(tmp_path / "o")])  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()  # without the flag: data bars too
+        assert code == 2 and err[-1].endswith("': stopped by the test")
+    assert seen == [True, False] and hf_logging.is_progress_bar_enabled()

@@ -193,23 +193,34 @@ def check_pretrained_config(
     return config
 
 
-def load_pretrained(path: str, families: Sequence[str] = LLAMA_FAMILY) -> nn.Module:
+def load_pretrained(
+    path: str, families: Sequence[str] = LLAMA_FAMILY, *, progress: bool = True
+) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(path)`` in fp32 on the CPU, checked for its family.
 
     Args:
         path: a local checkpoint directory.
         families: the accepted ``model_type`` values (default :data:`LLAMA_FAMILY`).
+        progress: False turns transformers' progress bars (``Loading weights``) off for the
+            load (``--no-progress``); their previous setting is restored after it.
 
     Raises:
         PretrainedError: unreadable checkpoint or a model type outside ``families``.
     """
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     check_pretrained_config(path, families=families)
+    was_on = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:
         raise PretrainedError(f"cannot load '{path}': {exc}".splitlines()[0]) from None
+    finally:
+        if was_on and not progress:
+            hf_logging.enable_progress_bar()
     model.config._attn_implementation = "sdpa"
     return model
 

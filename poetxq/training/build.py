@@ -100,7 +100,11 @@ class BuiltModel:
 
 
 def build_model(
-    recipe: Recipe, vocab_size: int, *, echo: Callable[[str], None] = print
+    recipe: Recipe,
+    vocab_size: int,
+    *,
+    echo: Callable[[str], None] = print,
+    progress: bool = True,
 ) -> tuple[nn.Module, bool]:
     """The model a run starts from, and whether its linear weights are to be kept as ``W0``.
 
@@ -111,6 +115,7 @@ def build_model(
         recipe: the run's recipe.
         vocab_size: token ids the data uses (ids ``< vocab_size``).
         echo: where notes go.
+        progress: False loads the checkpoint without transformers' progress bars.
 
     Returns:
         ``(model, keep_weights)``.
@@ -123,7 +128,7 @@ def build_model(
     if ref is None:
         return build_llama(recipe.model, vocab_size), False
     path = resolve_pretrained(ref)
-    model = load_pretrained(path)
+    model = load_pretrained(path, progress=progress)
     cfg: Any = model.config
     n_vocab = model.get_input_embeddings().weight.shape[0]
     if vocab_size > n_vocab:
@@ -194,6 +199,7 @@ def build_for_training(
     meta_init: bool | None = None,
     cuda_graph: bool | None = None,
     kernels: KernelPolicy | None = None,
+    progress: bool = True,
 ) -> BuiltModel:
     """The recipe's model on ``device``, converted (POET methods) or prepared (baselines).
 
@@ -209,6 +215,7 @@ def build_for_training(
             auto``); default :func:`poetxq.training.cudagraph.graph_wanted` for one process.
         kernels: the kernel policy of the POET-X(Q) layers; default
             :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``).
+        progress: False loads a ``--model`` checkpoint without transformers' progress bars.
 
     Returns:
         :class:`BuiltModel` (the optimizer is built by the caller).
@@ -239,7 +246,7 @@ def build_for_training(
         if left:
             raise RuntimeError(f"meta init left tensors on the meta device: {left[:5]}")
     else:  # classic: built (or loaded) on the CPU; there, exactly the calls CPU runs always made
-        model, keep_weights = build_model(recipe, vocab_size, echo=echo)
+        model, keep_weights = build_model(recipe, vocab_size, echo=echo, progress=progress)
         on_gpu = dev.type == "cuda"  # a --model checkpoint, or meta init turned off
         if is_poet:  # on a GPU each layer's W0 is moved there and quantized there
             surgery = convert_to_poetx(

@@ -405,6 +405,7 @@ class _Run:
             generator=poet_gen,
             echo=say,
             cuda_graph=self.graph,
+            progress=self.progress and self.main,  # --no-progress: no "Loading weights" bar
         )  # --model: pretrained
         model = built.model
         say(built.summary(recipe))
