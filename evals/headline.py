@@ -124,7 +124,7 @@ STEPS: tuple[Step, ...] = (
          env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     Step("kernel_targets", "3", ("evals/kernel_targets.py",), 191, 300, official="optional",
          note="measured: 191 s at 7857f3d"),
-    Step("gpu_tests", "3", PYTEST, 290, 540,
+    Step("gpu_tests", "3", PYTEST, 290, 540, env={"OMP_NUM_THREADS": "4"},  # 4 workers, 16 cores
          note="the whole suite; its timeout is what is left of the part"),
     Step("multi_gpu_step", "x2", ("evals/multi_gpu.py", "--parts", "equivalence,throughput",
          "--equiv-methods", "poetxq@step,poetxq", "--tput-methods",
