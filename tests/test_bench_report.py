@@ -392,7 +392,8 @@ def test_report_names_memory_options_and_8bit_states():
 
 
 def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
-    from poetxq.tools.report import Run, bar_labels
+    from poetxq.tools.report import bar_labels
+    from poetxq.tools.run_dir import Run
     from poetxq.training.recipe_files import load_recipe
 
     def run(name: str, method: str = "poetxq") -> Run:
@@ -407,7 +408,8 @@ def test_bar_labels_tell_runs_of_one_recipe_and_method_apart(tmp_path):
 def test_runs_of_one_recipe_name_but_other_shapes_get_their_own_tables(tmp_path):
     """``--set model.*`` changes the model and keeps the recipe name: such runs are not put
     side by side as one model; runs of one shape keep the plain name."""
-    from poetxq.tools.report import Run, mark_shapes, results_rows
+    from poetxq.tools.report import results_rows
+    from poetxq.tools.run_dir import Run, mark_shapes
     from poetxq.training.recipe_files import load_recipe
 
     def run(name: str, **model: int) -> Run:
@@ -514,7 +516,8 @@ def test_report_shows_the_memory_plan_and_precision_where_runs_record_them(tmp_p
 
 def test_a_resumed_run_says_where_it_resumed_in_the_table(tmp_path):
     """Its tokens/s and wall time are the last session's: the row says it was resumed."""
-    from poetxq.tools.report import Run, results_rows
+    from poetxq.tools.report import results_rows
+    from poetxq.tools.run_dir import Run
     from poetxq.training.recipe_files import load_recipe
 
     recipe = load_recipe(None)

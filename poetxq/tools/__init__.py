@@ -8,7 +8,8 @@
 * :mod:`~poetxq.tools.estimate_report` — the text of the analytic GPU-memory estimate
   (:mod:`poetxq.training.estimate`, which the trainer's memory plans read too);
 * :mod:`~poetxq.tools.bench` and :mod:`~poetxq.tools.profiling` — timed training steps;
-* :mod:`~poetxq.tools.report` — tables and plots of finished runs;
+* :mod:`~poetxq.tools.report` — tables and plots of finished runs (a run directory read by
+  :mod:`~poetxq.tools.run_dir`);
 * :mod:`~poetxq.tools.export` — a run as a Hugging Face / bitsandbytes checkpoint (the
   per-layer weights in :mod:`~poetxq.tools.export_weights`).
 
