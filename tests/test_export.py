@@ -508,7 +508,7 @@ def test_a_baseline_run_exports_as_bf16_and_loads_with_its_logits(tmp_path, caps
     out = tmp_path / "export"
     assert main(["export", str(run_dir), "--format", "hf-bnb8", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"poetxq: error: a {method} run exports as hf-bf16 only (its weights are not "
+    assert err == [f"poetxq: error: {method} runs export as hf-bf16 only (their weights are not "
                    "stored in a bitsandbytes layout); pass --format hf-bf16"]  # fmt: skip
     assert main(["export", str(run_dir), "--format", "hf-bf16", str(out)]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
@@ -562,7 +562,7 @@ def test_a_baseline_run_is_refused_another_format_before_its_model_is_read(
     out = tmp_path / "export"
     assert main(["export", str(run), "--format", fmt, str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"poetxq: error: a {method} run exports as hf-bf16 only (its weights are not "
+    assert err == [f"poetxq: error: {method} runs export as hf-bf16 only (their weights are not "
                    "stored in a bitsandbytes layout); pass --format hf-bf16"]  # fmt: skip
     assert not out.exists()
 

@@ -153,7 +153,7 @@ def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     run.mkdir()
     for name in ("recipe.yaml", "metrics.jsonl", "config.json"):
         (run / name).write_text("{}")
-    base_run = tmp_path / "qgalore-run"  # a baseline's run: export does not take it
+    base_run = tmp_path / "qgalore-run"  # a baseline's run: exported as hf-bf16 like the others
     base_run.mkdir()
     for name in ("metrics.jsonl", "config.json"):
         (base_run / name).write_text("{}")
@@ -169,8 +169,8 @@ def test_bad_model_is_one_error(checkpoint, tmp_path, capsys, case):
     assert {"missing": "not an existing directory", "no-config": "config.json",
             "adamw": "poetxq and poetx", "gpt2": "Llama-family",
             "run-dir": "is a poetxq run directory, not a Hugging Face checkpoint; export it",
-            "baseline-run-dir": "of method 'qgalore', not a Hugging Face checkpoint, and only "
-            "poetxq / poetx runs export to one"}[
+            "baseline-run-dir": f"'{base_run}' is a poetxq run directory, not a Hugging Face "
+            f"checkpoint; export it first (poetxq export {base_run} --format hf-bf16 OUT_DIR)"}[
         case] in msg  # fmt: skip
     assert not (tmp_path / "o").exists()
 

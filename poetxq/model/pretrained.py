@@ -31,19 +31,6 @@ class PretrainedError(ValueError):
     """A ``--model`` checkpoint cannot be used; the message is one line naming the fix."""
 
 
-def _run_method(recipe_file: Path) -> str | None:
-    """The ``method`` a run directory's ``recipe.yaml`` names (read with ``yaml.safe_load``), or
-    None when the file cannot be read as a mapping with one."""
-    import yaml
-
-    try:
-        tree = yaml.safe_load(recipe_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    method = tree.get("method") if isinstance(tree, dict) else None
-    return method if isinstance(method, str) else None
-
-
 def resolve_pretrained(ref: str) -> str:
     """Where to load ``ref`` from: a local checkpoint directory, or a reachable hub id.
 
@@ -63,13 +50,7 @@ def resolve_pretrained(ref: str) -> str:
     path = Path(os.path.expanduser(ref))
     if path.is_dir():
         if (path / "recipe.yaml").is_file() and (path / "metrics.jsonl").is_file():
-            method = _run_method(path / "recipe.yaml")
-            if method not in (None, "poetxq", "poetx"):
-                raise PretrainedError(
-                    f"'{ref}' is a poetxq run directory of method {method!r}, not a Hugging Face "
-                    "checkpoint, and only poetxq / poetx runs export to one (poetxq export); "
-                    "pass a directory written by save_pretrained"
-                )
+            # every method's run exports as hf-bf16 (the baselines' int8 groups dequantized)
             raise PretrainedError(
                 f"'{ref}' is a poetxq run directory, not a Hugging Face checkpoint; export it "
                 f"first (poetxq export {ref} --format hf-bf16 OUT_DIR) and pass OUT_DIR"

@@ -252,7 +252,7 @@ def export_run(
     baseline = method not in POET_METHODS
     if baseline and fmt != "hf-bf16":
         raise ExportError(
-            f"a {method} run exports as hf-bf16 only (its weights are not stored in a "
+            f"{method} runs export as hf-bf16 only (their weights are not stored in a "
             "bitsandbytes layout); pass --format hf-bf16"
         )
     run = load_run(run_dir, echo=echo)
