@@ -165,7 +165,8 @@ def _one(args: argparse.Namespace, method: str, bits: int, device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--inter", type=int, default=5632)
@@ -179,11 +180,13 @@ def main(argv: list[str] | None = None) -> int:
                    "SFT-partial back-propagates through them, FPO does not")  # fmt: skip
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--bits", default="16,8,4")
+    p.add_argument("--bits", default="16,8,4", help="comma-separated, of 16, 8, 4 (the "
+                   "full fine-tuning references run at 16 only)")  # fmt: skip
     p.add_argument("--methods", default="fpo,sft-partial,full,full-ckpt",
                    help=f"comma-separated, of {', '.join(METHODS)}")  # fmt: skip
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--device", choices=("cuda", "cpu"),
+                   default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="a 4-layer d=64 model (smoke test)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -192,12 +195,25 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.seq, args.targets, args.steps, args.warmup = 2, 32, 1, 2, 1
         args.below_top = min(args.below_top, 3)
     target_layers(args.layers, args.targets, args.below_top)  # a clear error before any work
-    methods = args.methods.split(",")
+    methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if unknown or not methods:
+        p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                f"{', '.join(METHODS)}")  # fmt: skip
+    try:
+        bits_list = list(dict.fromkeys(int(b) for b in args.bits.split(",") if b.strip()))
+    except ValueError:
+        bits_list = []
+    if not bits_list or not set(bits_list) <= {16, 8, 4}:
+        p.error(f"--bits {args.bits!r}: give a comma-separated list of 16, 8, 4")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; pass --device cpu")
+    skipped = [m for m in methods if m in REFERENCES] if 16 not in bits_list else []
+    if skipped:
+        print(f"note: {', '.join(skipped)} run at --bits 16 only (full fine-tuning of a frozen "
+              "low-bit base is not defined): skipped", flush=True)  # fmt: skip
     rows = []
-    for bits in [int(b) for b in args.bits.split(",")]:
+    for bits in bits_list:
         for method in methods:
             if method in REFERENCES and bits < 16:
                 continue

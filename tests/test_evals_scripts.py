@@ -513,6 +513,14 @@ def test_fpo_bench_places_the_targets_below_the_top_and_smoke_runs(tmp_path, cap
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--device", "cpu", "--methods", "fpo,lora", "--out", str(out)])
     assert "--methods: unknown lora" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu", "--bits", "5", "--out", str(out)])
+    assert "--bits '5': give a comma-separated list of 16, 8, 4" in capsys.readouterr().err
+    # the references run at 16 bits only: said, not silently dropped
+    argv = ["--tiny", "--device", "cpu", "--bits", "8", "--methods", "fpo, full", "--out", str(out)]
+    assert bench.main(argv) == 0
+    assert "note: full run at --bits 16 only" in capsys.readouterr().out
+    assert [r["method"] for r in json.loads(out.read_text())["rows"]] == ["fpo"]
 
 
 @pytest.mark.parametrize("below_top", [0, 1])
