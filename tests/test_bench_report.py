@@ -185,8 +185,13 @@ def test_report_from_two_tiny_cpu_runs(tmp_path, capsys, cpu_only):
     assert main(["report", *map(str, dirs), "-o", str(out)]) == 0
     md = (out / "report.md").read_text()
     row = next(r for r in md.splitlines() if r.startswith(f"| {names[0]} — stopped by SIGTERM "))
-    assert [c.strip() for c in row.strip("|").split("|")][3] == "n/a"
-    assert "-> n/a (stopped by SIGTERM)" in md
+    # no final evaluation: n/a, and the last one metrics.jsonl holds (after step 0)
+    logged = [json.loads(ln) for ln in (dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    step, last = [(r["step"], r["val_ppl"]) for r in logged if r.get("step") and "val_ppl" in r][-1]
+    assert [c.strip() for c in row.strip("|").split("|")][
+        3
+    ] == f"n/a (last {last:.2f} at step {step})"
+    assert f"-> n/a (last {last:.2f} at step {step}) (stopped by SIGTERM)" in md
 
 
 def test_report_bad_run_dir_is_one_line_and_writes_nothing(tmp_path, capsys):

@@ -75,19 +75,28 @@ def _fmt_number(x: Any) -> str:
     return f"{x:.2f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
+def _final_ppl(run: Run) -> str:
+    """The final validation perplexity; for a run without one, ``n/a`` and the last one it
+    logged (``n/a (last 432.26 at step 40)``)."""
+    ppl = run.summary.get("final_val_ppl")
+    if ppl is None and run.last_val is not None:
+        step, last = run.last_val
+        return f"n/a (last {_fmt_number(last)} at step {step})"
+    return _fmt_number(ppl)
+
+
 def results_rows(runs: list[Run]) -> list[dict[str, str]]:
     """One table row (strings) per run, in report order."""
     rows = []
     for run in sorted(runs, key=_order):
         s = run.summary
         mem, kind = run.peak_memory
-        ppl = s.get("final_val_ppl")
         name = f"{run.name} — {run.stopped}" if run.stopped else run.name
         if s.get("resumed_from"):  # its tokens/s and wall time cover the last session only
             name += f" (resumed at step {', '.join(map(str, s['resumed_from']))})"
         rows.append({
             "model": run.model, "run": name, "method": run.method, "bits": run.bits,
-            "final val ppl": _fmt_number(ppl),
+            "final val ppl": _final_ppl(run),
             "tokens/s": f"{s['tokens_per_s']:,.0f}" if "tokens_per_s" in s else "n/a",
             "peak memory": _fmt_bytes(mem) + (f" ({kind})" if kind == "RSS" else ""),
             "train tokens": f"{s['tokens']:,}" if "tokens" in s else "n/a",
@@ -268,7 +277,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     lines += ["## Runs", ""]
     for run in sorted(runs, key=_order):
         s = run.summary
-        ppl0, ppl = (_fmt_number(s.get(k)) for k in ("initial_val_ppl", "final_val_ppl"))
+        ppl0, ppl = _fmt_number(s.get("initial_val_ppl")), _final_ppl(run)
         why = run.stopped + ("" if run.has_summary else "; read from metrics.jsonl")
         stopped = f" ({why})" if why else ""
         lines.append(

@@ -135,6 +135,15 @@ class Run:
         return dense
 
     @property
+    def last_val(self) -> tuple[int, float] | None:
+        """``(step, val_ppl)`` of the last evaluation after step 0 in ``metrics.jsonl``, or None:
+        what a run without a final evaluation (stopped, interrupted) reached."""
+        logged = [(m["step"], m["val_ppl"]) for m in self.metrics
+                  if isinstance(m.get("step"), int) and m["step"] > 0
+                  and isinstance(m.get("val_ppl"), (int, float))]  # fmt: skip
+        return logged[-1] if logged else None
+
+    @property
     def peak_memory(self) -> tuple[int | None, str]:
         """(bytes, kind): CUDA peak allocated, else the process's peak RSS, else (None, '')."""
         cuda = self.summary.get("peak_memory_bytes")
