@@ -298,9 +298,20 @@ def test_estimate_memory_exits_1_when_no_plan_fits_the_gpu_mem(tmp_path, capsys)
     assert "does not fit: no memory plan" not in capsys.readouterr().out
     assert main(["estimate-memory"]) == 0  # no --gpu-mem: no verdict
     assert "does not fit" not in capsys.readouterr().out
+    # a plan named with --memory that does not fit: 1, naming the plan auto would take
+    fastest = next(row["peak"] for row in plan_table(recipe) if row["plan"] == "fastest")
+    assert main(["estimate-memory", "--gpu-mem", size, "--memory", "fastest"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        f"does not fit: the fastest plan predicts {fastest / 2**30:.2f} GiB, over "
+        f"{int(size) / 2**20:.0f} MiB with 10% of it kept free; --memory lowest fits (auto takes "
+        "it)"
+    )
+    assert main(["estimate-memory", "--gpu-mem", size, "--memory", "lowest"]) == 0
     with pytest.raises(SystemExit):
         main(["estimate-memory", "--help"])
-    assert "Exit status 1 when no memory plan fits it" in " ".join(capsys.readouterr().out.split())
+    assert "Exit status 1 when no memory plan fits it (or the one --memory names does not)" in (
+        " ".join(capsys.readouterr().out.split())
+    )
 
 
 def test_memory_sizes_need_a_unit():

@@ -132,7 +132,8 @@ def add_tool_parsers(sub: Any) -> None:
         "--gpu-mem", metavar="SIZE",
         help="GPU memory to check against, e.g. 80GB or 141GiB. GB and GiB are both read as GiB "
         "(2^30 bytes), as nvidia-smi and torch report it (MB/MiB: 2^20, TB/TiB: 2^40); a bare "
-        "number is bytes (at least 1 MiB). Exit status 1 when no memory plan fits it. Without it "
+        "number is bytes (at least 1 MiB). Exit status 1 when no memory plan fits it (or the one "
+        "--memory names does not). Without it "
         "the plans are listed with no fit verdict and train.memory auto is the recipe as written",
     )  # fmt: skip
     p.add_argument("--precision", type=_estimate_precision, default=None,
@@ -226,6 +227,7 @@ def run_tool(args: argparse.Namespace) -> int:
     if args.command == "estimate-memory":
         from poetxq.tools.estimate_report import (
             format_estimate,
+            format_named_plan_misfit,
             format_no_plan_fits,
             format_other_variant,
             format_per_process,
@@ -307,6 +309,11 @@ def run_tool(args: argparse.Namespace) -> int:
         if gpu is not None and (none_fits := format_no_plan_fits(plans, gpu)) is not None:
             print(none_fits)
             return 1  # a verdict, not bad input (2)
+        if gpu is not None and choice.chosen_by == "train.memory":  # a plan named by the user
+            misfit = format_named_plan_misfit(plans, gpu, choice.name)
+            if misfit is not None:
+                print(misfit)
+                return 1
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 

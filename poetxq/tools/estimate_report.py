@@ -202,6 +202,24 @@ def format_no_plan_fits(rows: list[dict[str, Any]], gpu_mem: int) -> str | None:
     )
 
 
+def format_named_plan_misfit(rows: list[dict[str, Any]], gpu_mem: int, name: str) -> str | None:
+    """``estimate-memory --gpu-mem --memory NAME``'s last line where the named plan's row of
+    :func:`poetxq.training.memory.plan_table` does not fit ``gpu_mem`` bytes by ``auto``'s rule
+    (the command then exits 1, as a run of that plan would not fit), naming the plan ``auto``
+    would take; None where it fits."""
+    from poetxq.training.memory import HEADROOM
+
+    row = next((r for r in rows if r["plan"] == name), None)
+    if row is None or row["fits"]:
+        return None
+    auto = next((r["plan"] for r in rows if r["fits"]), None)
+    instead = f"--memory {auto} fits (auto takes it)" if auto else "no plan fits"
+    return (
+        f"does not fit: the {name} plan predicts {row['peak'] / 2**30:.2f} GiB, over "
+        f"{_size(gpu_mem)} with {HEADROOM:.0%} of it kept free; {instead}"
+    )
+
+
 def format_per_process(shared: dict[str, Any], gpu_mem: int | None = None) -> str:
     """``estimate-memory --processes N``'s lines for
     :func:`poetxq.training.memory.per_process_peaks`: first, where several processes take
