@@ -272,6 +272,15 @@ def test_report_without_o_writes_report_in_the_current_directory(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'report' is a run directory; write the report elsewhere" in err[0]
     assert sorted(p.name for p in (here / "report").iterdir()) == before
+    # inside a run directory (cd into the run, default -o), or an empty -o: refused
+    monkeypatch.chdir(run)
+    assert main(["report", "."]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"poetxq: error: 'report' lies inside the run directory '{run}'; write the "
+                   "report elsewhere (-o DIR)"]  # fmt: skip
+    assert not (run / "report").exists()
+    assert main(["report", ".", "-o", ""]) == 2
+    assert "-o is empty; name a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

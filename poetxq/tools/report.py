@@ -224,7 +224,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         The path of ``report.md``.
 
     Raises:
-        ReportError: no run given, or a run directory is missing/unreadable (nothing is written).
+        ReportError: no run given, a run directory is missing/unreadable, or ``out_dir`` is
+            empty, a file, a run directory or inside one (nothing is written).
     """
     if not run_dirs:
         raise ReportError("no run directories given; pass one or more runs/<name> directories")
@@ -238,11 +239,21 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         given.setdefault(Path(p).resolve(), p)
     runs = [read_run(p) for p in given.values()]  # all read before anything is written
     mark_shapes(runs)
+    if not str(out_dir).strip():
+        raise ReportError(
+            f"-o is empty; name a folder for the report (default {DEFAULT_REPORT_DIR}/)"
+        )
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ReportError(f"'{out}' exists and is not a directory; choose another -o")
     if (out / "recipe.yaml").is_file() or (out / "checkpoints").is_dir():
         raise ReportError(f"'{out}' is a run directory; write the report elsewhere (-o DIR)")
+    for parent in out.resolve().parents:  # a report inside a run would mix with its files
+        if (parent / "recipe.yaml").is_file() and (parent / "metrics.jsonl").is_file():
+            raise ReportError(
+                f"'{out}' lies inside the run directory '{parent}'; write the report elsewhere "
+                "(-o DIR)"
+            )
     if (why := unwritable_reason(out)) is not None:
         raise ReportError(f"cannot write '{out}': {why}; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
