@@ -283,6 +283,20 @@ def test_report_without_o_writes_report_in_the_current_directory(tmp_path, capsy
     assert "-o is empty; name a folder" in capsys.readouterr().err
 
 
+def test_report_of_a_folder_of_runs_points_to_the_runs_inside(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "recipe.yaml").write_text("name: x\n")
+    assert main(["report", str(runs), "-o", str(tmp_path / "rep")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"poetxq: error: run directory '{runs}' has no recipe.yaml (not a poetxq run (it holds "
+        f"runs: pass {runs}/*)); pass run directories made by poetxq train"]  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty"), "-o", str(tmp_path / "rep")]) == 2
+    assert "(not a poetxq run); pass" in capsys.readouterr().err  # no run inside: no hint
+    assert not (tmp_path / "rep").exists()
+
+
 @pytest.mark.parametrize(
     "text,why",
     [("[1, 2]", "holds a JSON list"), ("{oops", "bad JSON"),

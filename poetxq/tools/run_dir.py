@@ -239,9 +239,11 @@ def read_run(path: str | Path) -> Run:
         raise ReportError(f"run directory '{p}' {what}; pass directories made by poetxq train")
     files = {name: p / name for name in ("recipe.yaml", "summary.json", "metrics.jsonl")}
     if not files["recipe.yaml"].is_file():
+        inside = sorted(c.name for c in p.iterdir() if (c / "recipe.yaml").is_file())
+        hint = f" (it holds runs: pass {p / '*'})" if inside else ""
         raise ReportError(
-            f"run directory '{p}' has no recipe.yaml (not a poetxq run); pass run directories "
-            "made by poetxq train"
+            f"run directory '{p}' has no recipe.yaml (not a poetxq run{hint}); pass run "
+            "directories made by poetxq train"
         )
     has_summary = files["summary.json"].is_file()
     if not has_summary and not files["metrics.jsonl"].is_file():
