@@ -440,3 +440,13 @@ def test_the_plan_line_names_the_keys_another_method_does_not_take():
     assert "; left out: train.offload_optimizer (poetxq, poetx, adamw only), " in choice.line()
     mine = load_recipe(qgalore, {"train.memory": "lowest", "train.precision": "fp32"})
     assert "train.precision" not in resolve_memory_plan(mine, "cpu")[1].left_out  # set: no note
+
+
+def test_a_small_gpu_memory_reads_in_mib_not_zero_gib(capsys):
+    from poetxq.training.memory import size_text
+
+    assert (size_text(80 * 2**30), size_text(2**30), size_text(10 * 2**20)) == (
+        "80.0 GiB", "1.0 GiB", "10 MiB")  # fmt: skip
+    assert main(["estimate-memory", "--gpu-mem", "10MiB"]) == 1
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("memory plan: lowest (auto;") and " GiB of 10 MiB (--gpu-mem)" in first

@@ -47,8 +47,10 @@ def parse_bytes(text: str) -> int:
 
 
 def _size(x: int) -> str:
-    """A GPU's memory for a verdict line: GiB to 0.1, MiB below 1 GiB."""
-    return f"{x / 2**30:.1f} GiB" if x >= 2**30 else f"{x / 2**20:.0f} MiB"
+    """A GPU's memory in the verdict lines (:func:`poetxq.training.memory.size_text`)."""
+    from poetxq.training.memory import size_text
+
+    return size_text(x)
 
 
 def _gib(x: int) -> str:

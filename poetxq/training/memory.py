@@ -63,6 +63,12 @@ HEADROOM = 0.10
 EXPANDABLE = "expandable_segments:True"
 
 
+def size_text(n_bytes: int) -> str:
+    """A GPU's memory as the verdict lines print it: GiB to 0.1 (``80.0 GiB``), MiB below 1 GiB
+    (``10 MiB``), so a small ``--gpu-mem`` never reads ``0.0 GiB``."""
+    return f"{n_bytes / 2**30:.1f} GiB" if n_bytes >= 2**30 else f"{n_bytes / 2**20:.0f} MiB"
+
+
 def fit_verdict(peak_bytes: int, gpu_mem_bytes: int, headroom: float = HEADROOM) -> str:
     """Whether a predicted peak fits a GPU's memory, in the words the reports print.
 
@@ -161,7 +167,7 @@ class PlanChoice:
         if self.predicted_peak is not None and self.device_memory is not None:
             text += (
                 f", predicted peak {self.predicted_peak / 2**30:.2f} GiB of "
-                f"{self.device_memory / 2**30:.1f} GiB"
+                f"{size_text(self.device_memory)}"
                 + (f" ({self.memory_source})" if self.memory_source else "")
             )
             if fit_verdict(self.predicted_peak, self.device_memory) != "fits":
