@@ -227,8 +227,7 @@ def run_tool(args: argparse.Namespace) -> int:
     if args.command == "estimate-memory":
         from poetxq.tools.estimate_report import (
             format_estimate,
-            format_named_plan_misfit,
-            format_no_plan_fits,
+            format_misfit,
             format_other_variant,
             format_per_process,
             format_plans,
@@ -306,14 +305,10 @@ def run_tool(args: argparse.Namespace) -> int:
         print(format_plans(plans, gpu))
         if shared:
             print(format_per_process(shared, gpu))
-        if gpu is not None and (none_fits := format_no_plan_fits(plans, gpu)) is not None:
-            print(none_fits)
+        named = choice.name if choice.chosen_by == "train.memory" else None  # --memory NAME
+        if gpu is not None and (misfit := format_misfit(plans, gpu, named)) is not None:
+            print(misfit)
             return 1  # a verdict, not bad input (2)
-        if gpu is not None and choice.chosen_by == "train.memory":  # a plan named by the user
-            misfit = format_named_plan_misfit(plans, gpu, choice.name)
-            if misfit is not None:
-                print(misfit)
-                return 1
         return 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 

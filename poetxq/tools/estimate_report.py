@@ -188,37 +188,28 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_no_plan_fits(rows: list[dict[str, Any]], gpu_mem: int) -> str | None:
-    """``estimate-memory --gpu-mem``'s last line where no plan of
-    :func:`poetxq.training.memory.plan_table` fits ``gpu_mem`` bytes by ``train.memory: auto``'s
-    rule (the command then exits 1); None where one fits."""
+def format_misfit(rows: list[dict[str, Any]], gpu_mem: int, named: str | None = None) -> str | None:
+    """``estimate-memory --gpu-mem``'s last line where the run would not fit (the command then
+    exits 1), judged on :func:`poetxq.training.memory.plan_table`'s rows by ``train.memory:
+    auto``'s rule: no plan fits ``gpu_mem`` bytes, or the plan ``named`` by ``--memory`` does
+    not (the line names the plan ``auto`` would take). None where the run fits."""
     from poetxq.training.memory import HEADROOM
 
-    if any(row["fits"] for row in rows):
-        return None
-    low = min(rows, key=lambda row: row["peak"])
-    return (
-        f"does not fit: no memory plan fits {_size(gpu_mem)} with {HEADROOM:.0%} of it kept free "
-        f"(smallest predicted peak: {low['plan']}, {low['peak'] / 2**30:.2f} GiB); try a smaller "
-        "batch or sequence, a larger GPU or several (docs/MEMORY.md)"
-    )
-
-
-def format_named_plan_misfit(rows: list[dict[str, Any]], gpu_mem: int, name: str) -> str | None:
-    """``estimate-memory --gpu-mem --memory NAME``'s last line where the named plan's row of
-    :func:`poetxq.training.memory.plan_table` does not fit ``gpu_mem`` bytes by ``auto``'s rule
-    (the command then exits 1, as a run of that plan would not fit), naming the plan ``auto``
-    would take; None where it fits."""
-    from poetxq.training.memory import HEADROOM
-
-    row = next((r for r in rows if r["plan"] == name), None)
+    limit = f"{_size(gpu_mem)} with {HEADROOM:.0%} of it kept free"
+    fitting = [r["plan"] for r in rows if r["fits"]]
+    if not fitting:
+        low = min(rows, key=lambda row: row["peak"])
+        return (
+            f"does not fit: no memory plan fits {limit} (smallest predicted peak: {low['plan']}, "
+            f"{low['peak'] / 2**30:.2f} GiB); try a smaller batch or sequence, a larger GPU or "
+            "several (docs/MEMORY.md)"
+        )
+    row = next((r for r in rows if r["plan"] == named), None)
     if row is None or row["fits"]:
         return None
-    auto = next((r["plan"] for r in rows if r["fits"]), None)
-    instead = f"--memory {auto} fits (auto takes it)" if auto else "no plan fits"
     return (
-        f"does not fit: the {name} plan predicts {row['peak'] / 2**30:.2f} GiB, over "
-        f"{_size(gpu_mem)} with {HEADROOM:.0%} of it kept free; {instead}"
+        f"does not fit: the {named} plan predicts {row['peak'] / 2**30:.2f} GiB, over {limit}; "
+        f"--memory {fitting[0]} fits (auto takes it)"
     )
 
 

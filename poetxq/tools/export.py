@@ -84,7 +84,9 @@ def _read_run_recipe(run: Path) -> Recipe:
     return recipe
 
 
-def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> LoadedRun:
+def load_run(
+    run_dir: str | Path, *, echo: Callable[[str], None] = print, recipe: Recipe | None = None
+) -> LoadedRun:
     """Rebuild a finished run's model from ``run_dir`` (recipe.yaml + model.safetensors).
 
     The model is rebuilt from ``config.json`` (written by :func:`save_run_artifacts`; runs from
@@ -92,6 +94,9 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
     recipe's ``poet`` section (a baseline run: its Q-GaLore / Q-APOLLO int8 layers) and loaded
     strictly from ``model.safetensors``. A baseline run's int8 layers are then dequantized into
     plain ``nn.Linear`` (fp32): its model is a transformers Llama again.
+
+    Args:
+        recipe: the run's recipe where the caller has read it already (:func:`_read_run_recipe`).
 
     Raises:
         ExportError: not a run directory, an unknown method, or a checkpoint that does not
@@ -106,7 +111,7 @@ def load_run(run_dir: str | Path, *, echo: Callable[[str], None] = print) -> Loa
 
     run = Path(run_dir)
     ckpt = run / "model.safetensors"
-    recipe = _read_run_recipe(run)
+    recipe = recipe or _read_run_recipe(run)
     try:
         state = load_file(str(ckpt))
     except (SafetensorError, OSError) as exc:
@@ -248,14 +253,15 @@ def export_run(
         raise ExportError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = Path(out_dir).resolve()  # "." must name the directory, not build ".tmp" inside it
     _check_out_dir(out, overwrite, Path(run_dir))
-    method = _read_run_recipe(Path(run_dir)).method  # refusals before the weights are read
+    recipe = _read_run_recipe(Path(run_dir))  # refusals before the weights are read
+    method = recipe.method
     baseline = method not in POET_METHODS
     if baseline and fmt != "hf-bf16":
         raise ExportError(
             f"{method} runs export as hf-bf16 only (their weights are not stored in a "
             "bitsandbytes layout); pass --format hf-bf16"
         )
-    run = load_run(run_dir, echo=echo)
+    run = load_run(run_dir, echo=echo, recipe=recipe)
     model, config = run.model, run.config
     qt = quant_type or run.recipe.poet.quant_type
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, POETXLinear)]
