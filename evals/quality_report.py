@@ -191,7 +191,9 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
     out += ["", f"“{study.reference} is” reads: {study.reference} (the reference) is better / "
             "worse / tied against this row's method "
             "(paired over seeds: better only if the mean difference exceeds two standard errors "
-            "and has the same sign on every seed).", ""]  # fmt: skip
+            "and has the same sign on every seed). tok/s is each run's own, measured while "
+            "1-5 runs shared the GPU (the results file's note says which): it compares runs, "
+            "not methods' speed; `evals/results/throughput_*` do that.", ""]  # fmt: skip
     sources: list[str] = []
     for r in runs.values():
         sources += [s for s in r.get("test_ppl_by_source", {}) if s not in sources]

@@ -54,14 +54,16 @@ def effective_lrs(recipe: Recipe) -> dict[str, float]:
 
 
 def _curve(run_dir: Path, tokens_per_step: int) -> list[dict[str, float]]:
-    out = []
+    """Validation ppl by step from metrics.jsonl, one point per step (the last logged: a resume
+    at the final step evaluates that step again)."""
+    by_step: dict[int, dict[str, float]] = {}
     path = run_dir / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
         rec = json.loads(line)
         if rec.get("val_ppl") is not None:
-            out.append({"step": rec["step"], "tokens": rec["step"] * tokens_per_step,
-                        "val_ppl": rec["val_ppl"]})  # fmt: skip
-    return out
+            by_step[rec["step"]] = {"step": rec["step"], "tokens": rec["step"] * tokens_per_step,
+                                    "val_ppl": rec["val_ppl"]}  # fmt: skip
+    return sorted(by_step.values(), key=lambda c: c["step"])
 
 
 def _spread(windows: torch.Tensor, n: int) -> torch.Tensor:

@@ -543,7 +543,7 @@ def test_report_shows_the_memory_plan_and_precision_where_runs_record_them(tmp_p
 
 
 def test_a_resumed_run_says_where_it_resumed_in_the_table(tmp_path):
-    """Its tokens/s and wall time are the last session's: the row says it was resumed."""
+    """The row says where a run was resumed (its numbers cover every session)."""
     from poetxq.tools.report import results_rows
     from poetxq.tools.run_dir import Run
     from poetxq.training.recipe_files import load_recipe

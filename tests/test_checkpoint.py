@@ -496,3 +496,35 @@ def test_saved_tensor_files_follow_the_umask(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a.safetensors").stat().st_mode) == 0o644
     assert stat.S_IMODE((tmp_path / "b.safetensors").stat().st_mode) == 0o600
+
+
+def test_a_resume_that_trains_no_step_keeps_the_runs_tokens_per_s(saved_run, tmp_path, capsys):
+    """A resume at the last step (only the evaluation and model file left) trained nothing: its
+    summary keeps the earlier session's rate (the checkpoint carries steps and stepping
+    seconds), not 0 tok/s; the CPU run has no CUDA peaks to carry."""
+    run = tmp_path / "r"
+    shutil.copytree(saved_run, run)
+    first = json.loads((run / "summary.json").read_text())
+    (run / "model.safetensors").unlink()
+    (run / "summary.json").unlink()
+    assert main(["train", "--resume", str(run), "--no-progress"]) == 0
+    again = json.loads((run / "summary.json").read_text())
+    assert first["tokens_per_s"] > 0
+    assert again["tokens_per_s"] == pytest.approx(first["tokens_per_s"], rel=0.02)
+    assert again["peak_memory_bytes"] is None and again["peak_reserved_bytes"] is None
+    assert "since the resume" not in capsys.readouterr().out
+
+
+def test_cuda_peaks_are_the_largest_over_sessions(monkeypatch):
+    """Allocated and reserved peaks: each the max of this session's and the checkpoint's."""
+    from types import SimpleNamespace
+
+    from poetxq.training.train import _Run
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 7)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 9)
+    cuda = torch.device("cuda")
+    assert _Run._peaks(SimpleNamespace(device=cuda, peaks_before=(10, 5))) == (10, 9)
+    assert _Run._peaks(SimpleNamespace(device=cuda, peaks_before=(None, None))) == (7, 9)
+    cpu = SimpleNamespace(device=torch.device("cpu"), peaks_before=(10, 5))
+    assert _Run._peaks(cpu) == (None, None)

@@ -721,3 +721,20 @@ def test_a_diverged_seed_is_reported_as_diverged_not_averaged(tmp_path, corpus):
     row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
                if ln.startswith("| wide |"))  # fmt: skip
     assert "| 31.00 ± –; diverged (1 seed(s)) | 2 |" in row
+
+
+def test_the_val_curve_has_one_point_per_step(tmp_path):
+    """A resume at the final step logs that step's evaluation again: the curve keeps one point
+    per step (the last), in step order, with tokens = step x tokens per step."""
+    from evals.quality_worker import _curve
+
+    rows = [{"step": 0, "val_ppl": 900.0}, {"step": 2, "loss": 3.0},
+            {"step": 2, "val_ppl": 20.0}, {"step": 4, "val_ppl": 13.3},
+            {"step": 4, "event": "resumed"}, {"step": 4, "val_ppl": 13.2}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _curve(tmp_path, 10) == [
+        {"step": 0, "tokens": 0, "val_ppl": 900.0},
+        {"step": 2, "tokens": 20, "val_ppl": 20.0},
+        {"step": 4, "tokens": 40, "val_ppl": 13.2},
+    ]
+    assert _curve(tmp_path / "missing", 10) == []

@@ -48,10 +48,10 @@ def test_every_combination_validates(model, method):
 
 
 def test_per_size_rates_come_from_by_model():
-    # 60M: the quality study's best point (lr 5e-3, poet_lr 4e-3) and the 60M script's T = 200;
+    # 60M: the 150M-token quality study's best point (lr 1e-2, poet_lr 4e-3), the script's T = 200;
     # 3B: the qpoet script's --lr 0.001 --poet_lr 0.0005 with the method file's T = 400
     r60, r3 = load_recipe("llama-60m:poetxq"), load_recipe("llama-3b:poetxq")
-    assert (r60.optim.lr, r60.optim.poet_lr, r60.poet.merge_interval) == (5e-3, 4e-3, 200)
+    assert (r60.optim.lr, r60.optim.poet_lr, r60.poet.merge_interval) == (1e-2, 4e-3, 200)
     assert (r3.optim.lr, r3.optim.poet_lr, r3.poet.block_size, r3.poet.merge_interval) == (
         1e-3, 5e-4, 256, 400)  # fmt: skip
     # poetxq4 inherits poetxq's by_model through its own base
@@ -75,7 +75,7 @@ def test_base_paths_relative_and_own_keys_win(tmp_path):
     r = load_recipe(f)
     assert r.name == "llama-60m" and r.model.hidden_size == 512
     assert r.optim.poet_lr == 3e-3  # own key beats by_model
-    assert r.optim.lr == 5e-3  # by_model still applies to keys the file does not set
+    assert r.optim.lr == 1e-2  # by_model still applies to keys the file does not set
     assert r.train.max_steps == 7 and r.train.batch_size == 256
     # overrides come last
     assert load_recipe(f, {"optim.poet_lr": 1e-4}).optim.poet_lr == 1e-4

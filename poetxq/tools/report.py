@@ -92,7 +92,7 @@ def results_rows(runs: list[Run]) -> list[dict[str, str]]:
         s = run.summary
         mem, kind = run.peak_memory
         name = f"{run.name} — {run.stopped}" if run.stopped else run.name
-        if s.get("resumed_from"):  # its tokens/s and wall time cover the last session only
+        if s.get("resumed_from"):  # tokens/s and wall time cover every session
             name += f" (resumed at step {', '.join(map(str, s['resumed_from']))})"
         rows.append({
             "model": run.model, "run": name, "method": run.method, "bits": run.bits,

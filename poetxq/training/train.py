@@ -117,12 +117,13 @@ class TrainResult:
     final_val_ppl: float
     unigram_val_ppl: float
     final_train_loss: float
-    tokens_per_s: float  # this session's steps (a resumed run's too): evals and saves left out
+    tokens_per_s: float  # all sessions' steps over their stepping seconds: evals, saves left out
     train_seconds: float  # wall seconds of the training loop over all sessions, evals included
     merges: int
     device: str
     method: str = ""  # label: poetxq, poetxq4, poetx or the baseline's name
-    # torch.cuda.max_memory_allocated since the model was built (None on CPU): see train()
+    # torch.cuda.max_memory_allocated since the model was built, the largest over the run's
+    # sessions (None on CPU): see train()
     peak_memory_bytes: int | None = None
     peak_rss_bytes: int | None = None  # the process's peak resident set size (ru_maxrss)
     num_processes: int = 1
@@ -135,8 +136,8 @@ class TrainResult:
     # the memory plan (poetxq.training.memory.PlanChoice.to_dict): name, how it was chosen, the
     # keys it set, the predicted peak and the device memory it was planned for
     memory_plan: dict | None = None
-    # torch.cuda.max_memory_reserved since the model was built (None on CPU): what the
-    # allocator held, the number to compare with a GPU's memory
+    # torch.cuda.max_memory_reserved since the model was built, the largest over the run's
+    # sessions (None on CPU): what the allocator held, the number to compare with a GPU's memory
     peak_reserved_bytes: int | None = None
     cuda_graph: bool = False  # the micro-steps replayed a CUDA graph (train.cuda_graph resolved)
     grad_sync: str = "none"  # "none" (one process), "ddp" or "step" (train.grad_sync resolved)
@@ -541,6 +542,7 @@ class _Run:
     def checkpoint(self, step: int) -> None:
         """Rank 0 writes the training checkpoint of ``step`` with the loop's state; all wait."""
         if self.main:
+            carried = self._carried(step)  # first: the recipe's YAML below takes milliseconds
             save_training_checkpoint(
                 self.run_dir, step, model=self.raw_model, optimizer=self.raw_optimizer,
                 scheduler=self.scheduler, generators=self.generators,
@@ -552,9 +554,35 @@ class _Run:
                     "initial_val_loss": self.val_loss0, "initial_val_ppl": self.val_ppl0,
                     "train_seconds": self.seconds_before + time.perf_counter() - self.train_start,
                     "resumed_from": self.resumed_from, "num_processes": self.world,
+                    **carried,
                 },
             )  # fmt: skip
         self.accelerator.wait_for_everyone()
+
+    def _carried(self, step: int) -> dict[str, Any]:
+        """What the next session adds its own to: the steps trained so far and their stepping
+        seconds (evaluations and saves left out), and the largest CUDA peaks (None on CPU)."""
+        alloc, reserved = self._peaks()
+        return {
+            "timed_steps": self.timed_before[0] + step - self.start_step,
+            "step_seconds": self.timed_before[1] + self._session_step_seconds(),
+            "peak_memory_bytes": alloc, "peak_reserved_bytes": reserved,
+        }  # fmt: skip
+
+    def _session_step_seconds(self) -> float:
+        """This session's seconds in training steps: evaluations and checkpoint writes left out."""
+        return max(time.perf_counter() - self.train_start - self.paused, 1e-9)
+
+    def _peaks(self) -> tuple[int | None, int | None]:
+        """CUDA allocated and reserved peaks (bytes) since the model was built, the largest of
+        this session's and the earlier sessions' (a checkpoint carries them); None on CPU."""
+        if self.device.type != "cuda":
+            return None, None
+        now = (
+            torch.cuda.max_memory_allocated(self.device),
+            torch.cuda.max_memory_reserved(self.device),
+        )
+        return tuple(max(a, b or 0) for a, b in zip(now, self.peaks_before))  # type: ignore[return-value]
 
     def _unpause(self, t0: float) -> None:
         """Leave the seconds since ``t0`` (an evaluation, a checkpoint write) out of tokens/s."""
@@ -589,6 +617,10 @@ class _Run:
         self.merges = resumed.get("merges", 0)
         self.loss_value = resumed.get("loss", float("nan"))
         self.seconds_before = resumed.get("train_seconds", 0.0)
+        # earlier sessions' steps and stepping seconds, and CUDA peaks; a checkpoint written
+        # before they were carried has none: this run's tokens/s then covers this session only
+        self.timed_before = (resumed.get("timed_steps", 0), resumed.get("step_seconds", 0.0))
+        self.peaks_before = (resumed.get("peak_memory_bytes"), resumed.get("peak_reserved_bytes"))
         self.resumed_from = [*resumed.get("resumed_from", []), self.start_step] if resumed else []
         self.window_tokens, self.window_start = 0, time.perf_counter()
         self.train_start = time.perf_counter()
@@ -755,14 +787,16 @@ class _Run:
         tc, step, main, run_dir = self.tc, self.step, self.main, self.run_dir
         interrupted = step < tc.max_steps
         train_seconds = self.seconds_before + time.perf_counter() - self.train_start
+        # every session's training steps: evaluations and checkpoint writes left out (a resume
+        # that only evaluates and writes the final model keeps the earlier sessions' rate)
+        timed = self.timed_before[0] + step - self.start_step
+        seconds = self.timed_before[1] + self._session_step_seconds()
+        tokens_per_s = timed * self.tokens_per_step / seconds if timed else 0.0
         # at the end, and always on SIGTERM/SIGINT; not again for a resume that trained no
         # step (a run that only needed its final model written: the checkpoint is there)
         if (tc.save_checkpoint or interrupted) and not (self.resumed and step == self.start_step):
-            self.checkpoint(step)
+            self.checkpoint(step)  # carries the same steps and seconds (to the microsecond)
         same = replicas_identical(self.raw_model) if self.world > 1 else None
-        # this session's training steps only: evaluations and checkpoint writes left out
-        this_session = max(train_seconds - self.seconds_before - self.paused, 1e-9)
-        tokens_per_s = (step - self.start_step) * self.tokens_per_step / this_session
 
         if interrupted:
             received = self.stop.received
@@ -790,7 +824,8 @@ class _Run:
             unlock_run_dir(run_dir)
         self.accelerator.end_training()
         if not interrupted:
-            since = " since the resume" if self.resumed_from else ""  # tokens/s of this session
+            # a checkpoint from before sessions' rates were carried: this session's rate
+            since = " since the resume" if self.resumed_from and not self.timed_before[0] else ""
             merged = f", {count(self.merges, 'merge')}" if self.is_poet else ""
             self.say(
                 f"done: {step} steps, {result.tokens:,} tokens in {train_seconds:.0f} s "
@@ -811,7 +846,8 @@ class _Run:
         replicas_same: bool | None,
     ) -> TrainResult:
         """The run's :class:`TrainResult` (summary.json) at the step the loop ended."""
-        cuda, device, tc = self.device.type == "cuda", self.device, self.tc
+        device, tc = self.device, self.tc
+        peak_alloc, peak_reserved = self._peaks()
         return TrainResult(
             run_dir=str(self.run_dir),
             steps=self.step,
@@ -827,7 +863,7 @@ class _Run:
             + {"autocast": " bf16", "bf16-true": " bf16-true"}.get(self.precision, " fp32"),
             method=method_label(self.recipe),
             precision=self.precision,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+            peak_memory_bytes=peak_alloc,
             peak_rss_bytes=peak_rss_bytes(),
             num_processes=self.world,
             interrupted=interrupted,
@@ -836,7 +872,7 @@ class _Run:
             replicas_identical=replicas_same,
             memory_options=tc.memory_options(),
             memory_plan=self.plan.to_dict(),
-            peak_reserved_bytes=torch.cuda.max_memory_reserved(device) if cuda else None,
+            peak_reserved_bytes=peak_reserved,
             cuda_graph=self.engine.graph,
             grad_sync=self.sync,
         )
