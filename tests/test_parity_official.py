@@ -1,9 +1,11 @@
-"""evals/parity_official.py: the settings mapping, the shared batch order, the summary rule, and
-(where a local copy of the official ``poet_torch`` exists in ``.official/``) both trainers end
-to end on a tiny model on the CPU (official Triton kernels through the interpreter)."""
+"""evals/parity_official.py and its parts (parity_settings, parity_train, parity_summary): the
+settings mapping, the shared batch order, the summary rule, and (where a local copy of the
+official ``poet_torch`` exists in ``.official/``) both trainers end to end on a tiny model on the
+CPU (official Triton kernels through the interpreter)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import math
 import sys
@@ -26,9 +28,30 @@ def _load(name: str):
     return mod
 
 
+def _part(name: str):
+    """A module of evals/ that parity_official imports by its bare name (the same object)."""
+    sys.path.insert(0, str(REPO / "evals"))
+    return importlib.import_module(name)
+
+
 @pytest.fixture(scope="module")
 def po():
     return _load("parity_official")
+
+
+@pytest.fixture(scope="module")
+def ps():
+    return _part("parity_settings")
+
+
+@pytest.fixture(scope="module")
+def pt():
+    return _part("parity_train")
+
+
+@pytest.fixture(scope="module")
+def psum():
+    return _part("parity_summary")
 
 
 def _token_data(n_train: int = 48, n_val: int = 6, seq: int = 16, vocab: int = 64):
@@ -51,7 +74,7 @@ def _token_data(n_train: int = 48, n_val: int = 6, seq: int = 16, vocab: int = 6
     )  # fmt: skip
 
 
-def _tiny(po, **kw):
+def _tiny(ps, **kw):
     base = dict(
         steps=4, poet_lr=2e-2, lr=1e-2, eval_every=2, seeds=[0], block_size=16,
         merge_interval=2, batch_size=4, seq_len=16, precision="fp32", val_tokens=None,
@@ -59,19 +82,19 @@ def _tiny(po, **kw):
         model_overrides={"model.hidden_size": 32, "model.intermediate_size": 64,
                          "model.num_attention_heads": 2, "model.num_hidden_layers": 1},
     )  # fmt: skip
-    return po.Settings(**{**base, **kw})
+    return ps.Settings(**{**base, **kw})
 
 
 # ------------------------------------------------------------------ no official code needed
 
 
-def test_defaults_map_to_the_study_settings_with_equal_rotation_lr(po):
-    s = po.Settings()
+def test_defaults_map_to_the_study_settings_with_equal_rotation_lr(ps):
+    s = ps.Settings()
     assert (s.steps, s.poet_lr, s.eval_every, s.block_size, s.merge_interval) == (
         400, 8e-3, 50, 256, 200,
     )  # fmt: skip
     assert s.warmup_steps == 40 and s.eval_steps() == [0, 50, 100, 150, 200, 250, 300, 350, 400]
-    r = po.our_recipe(s, seed=3, poet_lr_scale=0.5)
+    r = ps.our_recipe(s, seed=3, poet_lr_scale=0.5)
     assert r.method == "poetxq" and r.poet.bits == 8 and r.poet.requant == "nearest"
     assert (r.poet.block_size, r.poet.merge_interval, r.poet.neumann_terms) == (256, 200, 3)
     assert r.poet.merge_at_end  # T divides 400: the official loop merges after step 400 too
@@ -83,26 +106,26 @@ def test_defaults_map_to_the_study_settings_with_equal_rotation_lr(po):
     )  # fmt: skip
     assert (tc.batch_size * tc.grad_accum, tc.seq_len, tc.seed, tc.max_steps) == (128, 256, 3, 400)
     assert tc.precision == "autocast" and r.model.hidden_size == 512
-    assert not po.our_recipe(po.Settings(steps=300), 0, 0.5).poet.merge_at_end
+    assert not ps.our_recipe(ps.Settings(steps=300), 0, 0.5).poet.merge_at_end
 
 
-def test_official_schedule_is_ours_one_step_behind_in_warmup_and_equal_after(po):
+def test_official_schedule_is_ours_one_step_behind_in_warmup_and_equal_after(ps):
     from poetxq.training.optim import cosine_lr_factor
 
     w, total, floor = 40, 400, 0.1
-    assert po.official_lr_factor(0, w, total, floor) == 0.0  # the script's first step: lr 0
+    assert ps.official_lr_factor(0, w, total, floor) == 0.0  # the script's first step: lr 0
     for step in range(1, w + 1):
-        assert po.official_lr_factor(step, w, total, floor) == pytest.approx(
+        assert ps.official_lr_factor(step, w, total, floor) == pytest.approx(
             cosine_lr_factor(step - 1, w, total, floor)
         )
     for step in range(w, total + 1, 7):
-        assert po.official_lr_factor(step, w, total, floor) == pytest.approx(
+        assert ps.official_lr_factor(step, w, total, floor) == pytest.approx(
             cosine_lr_factor(step, w, total, floor)
         )
-    assert po.official_lr_factor(total, w, total, floor) == pytest.approx(floor)
+    assert ps.official_lr_factor(total, w, total, floor) == pytest.approx(floor)
 
 
-def test_official_loop_draws_the_micro_batches_our_trainer_draws(po, tmp_path, monkeypatch):
+def test_official_loop_draws_the_micro_batches_our_trainer_draws(ps, pt, tmp_path, monkeypatch):
     """Record every micro-batch poetxq.training.train.train takes and compare with the parity
     script's batch source for the same seed (the official loop reads position k with .batch(k))."""
     import poetxq.training.train as train_mod
@@ -117,37 +140,37 @@ def test_official_loop_draws_the_micro_batches_our_trainer_draws(po, tmp_path, m
 
     monkeypatch.setattr(train_mod, "ShardedBatches", Recording)
     data = _token_data()
-    s = _tiny(po, steps=3, grad_accum=2, eval_every=0)
-    po.train_ours(s, 7, data, 0.5, tmp_path, lambda _line: None)
+    s = _tiny(ps, steps=3, grad_accum=2, eval_every=0)
+    pt.train_ours(s, 7, data, 0.5, tmp_path, lambda _line: None)
     assert len(seen) == 6  # 3 steps x 2 micro-batches
-    source = po.train_batches(data, s, 7)
+    source = ps.train_batches(data, s, 7)
     for k, batch in enumerate(seen):
         assert torch.equal(batch, source.batch(k))
-    assert not torch.equal(po.train_batches(data, s, 8).batch(0), seen[0])  # the seed matters
+    assert not torch.equal(ps.train_batches(data, s, 8).batch(0), seen[0])  # the seed matters
 
 
-def test_summary_rule_on_hand_made_curves(po):
+def test_summary_rule_on_hand_made_curves(psum):
     def run(seed, ours, official):
         pts = lambda v: [{"step": i * 10, "val_loss": x} for i, x in enumerate(v)]  # noqa: E731
         return {"seed": seed, "ours": {"val": pts(ours)}, "official": {"val": pts(official)}}
 
-    one = po.summarize([run(0, [5.0, 4.0], [5.0, 4.1])])
+    one = psum.summarize([run(0, [5.0, 4.0], [5.0, 4.1])])
     assert one["seeds"] == 1 and one["final"]["difference"] == pytest.approx(0.1)
     assert one["final"]["agree"] is None and one["all_agree"] is None  # no noise estimate
-    two = po.summarize([run(0, [5.0, 4.0], [5.0, 4.05]), run(1, [5.0, 4.1], [5.0, 4.15])])
+    two = psum.summarize([run(0, [5.0, 4.0], [5.0, 4.05]), run(1, [5.0, 4.1], [5.0, 4.15])])
     f = two["final"]
     assert f["ours"] == pytest.approx(4.05) and f["official"] == pytest.approx(4.1)
     assert f["se"] == pytest.approx(math.sqrt(0.005 / 2 + 0.005 / 2)) and f["agree"]
-    far = po.summarize([run(0, [5.0, 4.0], [5.0, 4.5]), run(1, [5.0, 4.1], [5.0, 4.6])])
+    far = psum.summarize([run(0, [5.0, 4.0], [5.0, 4.5]), run(1, [5.0, 4.1], [5.0, 4.6])])
     assert far["final"]["agree"] is False and far["all_agree"] is False
     # step 0 compares the two initializations only: it never decides all_agree
-    init = po.summarize([run(0, [5.0, 4.0], [5.2, 4.05]), run(1, [5.0, 4.1], [5.2, 4.15])])
+    init = psum.summarize([run(0, [5.0, 4.0], [5.2, 4.05]), run(1, [5.0, 4.1], [5.2, 4.15])])
     assert init["steps"][0]["agree"] is False and init["all_agree"] is True
-    assert po.summarize([{"seed": 0, "ours": {"val": []}}]) == {"seeds": 0, "steps": []}
+    assert psum.summarize([{"seed": 0, "ours": {"val": []}}]) == {"seeds": 0, "steps": []}
     bad = run(1, [5.0, 4.1], [5.0, 4.2])
     bad["official"]["val"][1]["val_loss"] = None
     bad["official"]["diverged"] = "training loss nan at step 10"
-    div = po.summarize([run(0, [5.0, 4.0], [5.0, 4.05]), bad])
+    div = psum.summarize([run(0, [5.0, 4.0], [5.0, 4.05]), bad])
     assert [r["step"] for r in div["steps"]] == [0]  # step 10 lacks a seed: not compared
     assert div["diverged_seeds"] == {"ours": [], "official": [1]} and div["all_agree"] is False
 
@@ -188,15 +211,15 @@ def poet():
 
 
 @pytest.mark.slow
-def test_both_trainers_on_a_tiny_model_on_cpu(po, poet, tmp_path):
+def test_both_trainers_on_a_tiny_model_on_cpu(po, ps, poet, tmp_path):
     """Both sides train 4 steps (merge every 2, the last step included) under bf16 autocast (the
     default precision; the official custom ops through OFFICIAL_AUTOCAST) on the same batches and
     are scored on the same windows at steps 0, 2, 4; the losses fall and start alike."""
     if torch.cuda.is_available():
         pytest.skip("CPU test (the GPU runs the script itself)")
-    assert po.official_poet_scale(poet) == 0.5  # QPOETConfig.poet_scale @3a34bb6
+    assert ps.official_poet_scale(poet) == 0.5  # QPOETConfig.poet_scale @3a34bb6
     data = _token_data()
-    s = _tiny(po, precision="autocast")
+    s = _tiny(ps, precision="autocast")
     doc = po.run_parity(s, poet, data, device=torch.device("cpu"), work=tmp_path,
                         echo=lambda _line: None)  # fmt: skip
     run = doc["runs"][0]
