@@ -45,6 +45,7 @@ from poetxq.training.recipe_files import load_recipe
 from poetxq.training.rundir import save_checkpoint, save_run_artifacts
 from quant_kernels import reference_4bit as q4
 from quant_kernels.reference import dequant_int8_rowwise
+from quant_kernels.reference_double_quant import double_dequantize_absmax
 
 SHAPES = [(96, 128), (64, 96), (704, 256), (256, 704), (48, 160)]
 
@@ -91,7 +92,7 @@ def check_layers(device: str) -> list[dict]:
             layer = _layer(n, m, 4, qt, seed=m * n)
             sd = merged_linear_state_dict(layer, "hf-bnb4", quant_type=qt)
             meta = q4.quant_state_from_tensor(sd[f"weight.quant_state.bitsandbytes__{qt}"])
-            absmax = q4.double_dequantize_absmax(
+            absmax = double_dequantize_absmax(
                 sd["weight.absmax"], sd["weight.nested_absmax"], sd["weight.nested_quant_map"],
                 torch.tensor(meta["nested_offset"]), 256,
             )  # fmt: skip

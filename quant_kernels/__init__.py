@@ -2,9 +2,10 @@
 
 The entry points below are what the POET-X(Q) layer calls; each takes the layer's
 :class:`KernelPolicy` as ``kernels`` and runs the path it names (:mod:`quant_kernels.ops`). The
-plain-torch references (:mod:`quant_kernels.reference`, :mod:`quant_kernels.reference_4bit`)
-serve CPU tensors and are the test oracle. Which kernel runs when, and why: ``docs/KERNELS.md``.
-This package imports only torch (Triton lazily, on first use).
+plain-torch references (:mod:`quant_kernels.reference`, :mod:`quant_kernels.reference_4bit`,
+:mod:`quant_kernels.reference_double_quant`) serve CPU tensors and are the test oracle. Which
+kernel runs when, and why: ``docs/KERNELS.md``. This package imports only torch (Triton lazily,
+on first use).
 """
 
 from __future__ import annotations

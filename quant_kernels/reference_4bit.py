@@ -19,7 +19,8 @@ Layout (QLoRA, arXiv 2305.14314)
   dynamic map (``nested_quant_map``, 256 fp32 values), giving uint8 ``absmax`` and fp32
   ``nested_absmax``. Dequantized: ``absmax = nested_quant_map[q] * nested_absmax + offset``.
   The 8-bit rounding follows bitsandbytes' CPU kernel: ``x / nested_absmax``, nearest code,
-  ties to the lower code.
+  ties to the lower code. The 8-bit blockwise quantizer and the double quantization live in
+  :mod:`quant_kernels.reference_double_quant`.
 
 Code values
 -----------
@@ -41,9 +42,16 @@ becomes ``hi`` with probability ``(s - lo) / (hi - lo)``, else ``lo``: ``E[code 
 from __future__ import annotations
 
 import json
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
+
+from quant_kernels.reference_double_quant import (
+    _block_absmax,
+    _expand_blocks,
+    double_dequantize_absmax,
+    double_quantize_absmax,
+)
 
 __all__ = [
     "FP4_CODE_VALUES",
@@ -54,21 +62,15 @@ __all__ = [
     "blockwise_4bit_matmul_t",
     "dequantize_4bit",
     "dequantize_4bit_blockwise",
-    "dequantize_blockwise_8bit",
-    "double_dequantize_absmax",
-    "double_quantize_absmax",
-    "dynamic_map_8bit",
     "get_4bit_code",
     "pack_4bit",
     "quant_state_from_tensor",
     "quant_state_to_tensor",
     "quantize_4bit",
     "quantize_4bit_blockwise",
-    "quantize_blockwise_8bit",
     "unpack_4bit",
 ]
 
-QuantType4bit = Literal["nf4", "fp4"]
 QUANT_TYPES_4BIT: tuple[str, ...] = ("nf4", "fp4")
 BLOCKSIZES_4BIT: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -123,21 +125,6 @@ def _sorted_code(quant_type: str, device: torch.device) -> tuple[torch.Tensor, t
     return code[order], order
 
 
-def dynamic_map_8bit(device: torch.device | str | None = None) -> torch.Tensor:
-    """bitsandbytes' signed 8-bit dynamic map (``create_dynamic_map()``): fp32 ``[256]``, sorted.
-
-    For exponent ``e = 0..6`` the map holds ``±10^(e-6) · mid`` for the ``2^e`` midpoints ``mid`` of
-    ``linspace(0.1, 1, 2^e + 1)`` (computed in fp32), plus 0 and 1.
-    """
-    values: list[float] = [0.0, 1.0]
-    for e in range(7):
-        edges = torch.linspace(0.1, 1, 2**e + 1, dtype=torch.float32)
-        mids = (edges[:-1] + edges[1:]) / 2.0
-        scaled = (10.0 ** (e - 6)) * mids
-        values += scaled.tolist() + (-scaled).tolist()
-    return torch.tensor(sorted(values), dtype=torch.float32, device=device)
-
-
 # ----------------------------------------------------------------------------------------------
 # packing
 # ----------------------------------------------------------------------------------------------
@@ -169,15 +156,6 @@ def unpack_4bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _block_absmax(flat: torch.Tensor, blocksize: int) -> torch.Tensor:
-    n = flat.numel()
-    full = n - n % blocksize
-    parts = [flat[:full].view(-1, blocksize).abs().amax(dim=1)]
-    if full < n:
-        parts.append(flat[full:].abs().amax().unsqueeze(0))
-    return torch.cat(parts)
-
-
 def _scale_to_unit(flat: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> torch.Tensor:
     """``clamp(x / absmax_block, -1, 1)`` exactly as bitsandbytes' default 4-bit kernel rounds it.
 
@@ -192,11 +170,6 @@ def _scale_to_unit(flat: torch.Tensor, absmax: torch.Tensor, blocksize: int) -> 
     if full < n:
         parts.append(flat[full:] / am[nfull])
     return torch.cat(parts).clamp_(-1, 1)
-
-
-def _expand_blocks(values: torch.Tensor, n: int, blocksize: int) -> torch.Tensor:
-    """Per-block values ``[nblocks]`` → per-element ``[n]``."""
-    return values.repeat_interleave(blocksize)[:n]
 
 
 def _uniform(shape: torch.Size, like: torch.Tensor, generator: torch.Generator | None):
@@ -292,100 +265,6 @@ def dequantize_4bit_blockwise(
     code = get_4bit_code(quant_type, packed.device)
     vals = code[unpack_4bit(packed, n)]
     return (vals * _expand_blocks(absmax.float(), n, blocksize)).view(*shape).to(dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# 8-bit blockwise (dynamic map) and double quantization of absmax
-# ----------------------------------------------------------------------------------------------
-
-
-_LUT_SIZE = 65536
-
-
-def _nearest_lut_8bit(code: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' CPU lookup table: int64 ``[65536]``, entry ``i`` = index of the code value
-    nearest ``-1 + 2i/65535`` (fp32), i.e. the number of code midpoints strictly below it."""
-    mids = 0.5 * (code[:-1] + code[1:])
-    grid = -1.0 + (2.0 * torch.arange(_LUT_SIZE, dtype=torch.float32, device=code.device)) / (
-        _LUT_SIZE - 1
-    )
-    return torch.searchsorted(mids, grid, side="left")
-
-
-def quantize_blockwise_8bit(
-    values: torch.Tensor,
-    code: torch.Tensor | None = None,
-    blocksize: int = 256,
-    *,
-    round_up: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """8-bit blockwise quantization of an fp32 tensor with a sorted 256-value ``code``.
-
-    Nearest rounding reproduces bitsandbytes' CPU kernel (0.50) bit for bit: ``v = x * (1/absmax)``
-    (fp32) clamped to ``[-1, 1]`` is snapped to a 65536-point grid,
-    ``i = trunc((v + 1) * 0.5 * 65535 + 0.5)``, and ``q = lut[i]`` where ``lut[i]`` is the code
-    nearest to grid point ``i`` (:func:`_nearest_lut_8bit`) — so values within half a grid step
-    (≈1.5e-5) of a code midpoint may round to the farther code, exactly as bitsandbytes does.
-    A block of zeros gets absmax 0 and index 0.
-
-    ``round_up=True`` instead takes the smallest code value ``>= x / absmax`` (so the dequantized
-    value never falls below the input, up to fp32 rounding); used for stochastic double quant.
-
-    Returns:
-        ``(q, absmax)``: uint8 of ``values``' shape and fp32 ``[ceil(N/blocksize)]``.
-    """
-    code = dynamic_map_8bit(values.device) if code is None else code.float()
-    flat = values.reshape(-1).float()
-    n = flat.numel()
-    absmax = _block_absmax(flat, blocksize)
-    inv = _expand_blocks(torch.where(absmax > 0, 1.0 / absmax, 0.0), n, blocksize)
-    zero = _expand_blocks(absmax == 0, n, blocksize)
-    normed = (flat * inv).clamp_(-1, 1)
-    if round_up:
-        idx = torch.searchsorted(code, normed, right=False).clamp_(0, code.numel() - 1)
-    else:
-        grid = ((normed + 1.0) * 0.5 * (_LUT_SIZE - 1) + 0.5).long()  # trunc (non-negative)
-        idx = _nearest_lut_8bit(code)[grid]
-    idx = torch.where(zero, 0, idx)
-    return idx.to(torch.uint8).view(values.shape), absmax
-
-
-def dequantize_blockwise_8bit(
-    q: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, blocksize: int = 256
-) -> torch.Tensor:
-    """``code[q] * absmax_block`` in fp32, shape of ``q``."""
-    n = q.numel()
-    vals = code.float()[q.reshape(-1).long()]
-    return (vals * _expand_blocks(absmax.float(), n, blocksize)).view(q.shape)
-
-
-def double_quantize_absmax(
-    absmax: torch.Tensor, nested_blocksize: int = 256, *, round_up: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bitsandbytes' double quantization of fp32 ``absmax`` ``[nb]``.
-
-    Returns:
-        ``(q_absmax uint8 [nb], nested_absmax fp32 [ceil(nb/nested_blocksize)],
-        nested_quant_map fp32 [256], offset fp32 scalar)`` with ``offset = mean(absmax)``.
-    """
-    offset = absmax.float().mean()
-    code = dynamic_map_8bit(absmax.device)
-    q, nested = quantize_blockwise_8bit(
-        absmax.float() - offset, code, nested_blocksize, round_up=round_up
-    )
-    return q, nested, code, offset
-
-
-def double_dequantize_absmax(
-    q_absmax: torch.Tensor,
-    nested_absmax: torch.Tensor,
-    nested_quant_map: torch.Tensor,
-    offset: torch.Tensor | float,
-    nested_blocksize: int = 256,
-) -> torch.Tensor:
-    """``nested_quant_map[q] * nested_absmax + offset`` → fp32 ``[nb]`` (bitsandbytes' order)."""
-    deq = dequantize_blockwise_8bit(q_absmax, nested_absmax, nested_quant_map, nested_blocksize)
-    return deq + torch.as_tensor(offset, dtype=torch.float32, device=deq.device)
 
 
 # ----------------------------------------------------------------------------------------------

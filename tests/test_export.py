@@ -30,6 +30,7 @@ from poetxq.tools.export_weights import (
 )
 from quant_kernels import reference_4bit as q4
 from quant_kernels.reference import dequant_int8_rowwise
+from quant_kernels.reference_double_quant import double_dequantize_absmax, double_quantize_absmax
 
 # in_features multiples of 64: bitsandbytes 0.50.2's CPU dequantize_4bit is right there
 TINY = [
@@ -103,7 +104,7 @@ def test_4bit_export_loads_into_linear4bit(quant_type, m, n):
     assert torch.equal(sd["weight"], packed)
     # the block scales are bitsandbytes' up to the merge's and the export's 8-bit double quant
     meta = q4.quant_state_from_tensor(sd[qs_key])
-    absmax = q4.double_dequantize_absmax(
+    absmax = double_dequantize_absmax(
         sd["weight.absmax"], sd["weight.nested_absmax"], sd["weight.nested_quant_map"],
         meta["nested_offset"],
     )  # fmt: skip
@@ -173,7 +174,7 @@ def test_export_writes_the_training_merges_codes_unpermuted(bits, quant_type, re
     assert torch.equal(sd["weight.absmax"], q) and torch.equal(
         sd["weight.nested_absmax"], st.absmax
     )
-    q_ref, nested_ref, _, off_ref = q4.double_quantize_absmax(scales.view(-1))
+    q_ref, nested_ref, _, off_ref = double_quantize_absmax(scales.view(-1))
     assert torch.equal(q, q_ref) and torch.equal(st.absmax, nested_ref)
     meta = q4.quant_state_from_tensor(sd[f"weight.quant_state.bitsandbytes__{quant_type}"])
     assert meta["nested_offset"] == pytest.approx(off_ref.item(), abs=0)

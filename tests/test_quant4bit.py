@@ -10,11 +10,11 @@ from poetxq.model.quant import Blockwise4bitWeight, make_frozen_weight
 from quant_kernels.reference_4bit import (
     dequantize_4bit,
     dequantize_4bit_blockwise,
-    dynamic_map_8bit,
     get_4bit_code,
     quantize_4bit,
     unpack_4bit,
 )
+from quant_kernels.reference_double_quant import dynamic_map_8bit
 
 F = pytest.importorskip("bitsandbytes.functional")
 

@@ -28,6 +28,7 @@ from torch import nn
 import quant_kernels
 from quant_kernels import reference_4bit as q4
 from quant_kernels.policy import AUTO, KernelPolicy
+from quant_kernels.reference_double_quant import double_dequantize_absmax
 
 INT8_ROW_FORMAT = 0  # bitsandbytes ``weight_format`` code for row-major int8
 
@@ -246,7 +247,7 @@ class Blockwise4bitWeight(_KernelWeight):
         """fp32 ``[nb]`` block scales (double-dequantized with double quant)."""
         if not self.double_quant:
             return self.absmax.float()
-        return q4.double_dequantize_absmax(
+        return double_dequantize_absmax(
             self.absmax, self.nested_absmax, self.nested_quant_map, self.nested_offset,
             self.nested_blocksize,
         )  # fmt: skip

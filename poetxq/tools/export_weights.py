@@ -57,6 +57,7 @@ import quant_kernels
 from poetxq.model.layer import POETXLinear
 from poetxq.model.quant import INT8_ROW_FORMAT, Blockwise4bitWeight, Int8RowwiseWeight
 from quant_kernels import reference_4bit as q4
+from quant_kernels.reference_double_quant import double_dequantize_absmax
 
 FORMATS: tuple[str, ...] = ("hf-bf16", "hf-bnb8", "hf-bnb4")
 
@@ -320,7 +321,7 @@ def decode_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             meta = q4.quant_state_from_tensor(state[qs[0]])
             absmax = state[key + ".absmax"]
             if key + ".nested_absmax" in state:
-                absmax = q4.double_dequantize_absmax(
+                absmax = double_dequantize_absmax(
                     absmax, state[key + ".nested_absmax"], state[key + ".nested_quant_map"],
                     torch.tensor(float(meta["nested_offset"])), int(meta["nested_blocksize"]),
                 )  # fmt: skip
