@@ -41,10 +41,10 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
 
 
 def test_slab_gemm_table_reads_every_ratio_from_the_json():
-    render = _load("render_results")
+    memory = _load("results_memory")
     name = "slab_decode_h200_8b1763c.json"
     doc = json.loads((REPO / "evals/results" / name).read_text())
-    page = "\n".join(render._slab_gemms(name))
+    page = "\n".join(memory.slab_gemms(name))
     for r in doc["gemm"]:
         fwd = r["forward"]
         want = (
@@ -54,19 +54,19 @@ def test_slab_gemm_table_reads_every_ratio_from_the_json():
             f"{fwd['bnb_matmul_4bit']['ratio_vs_bf16']:.3f} |"
         )
         assert want in page
-    assert render._slab_gemms("no_such_file.json") == []
+    assert memory.slab_gemms("no_such_file.json") == []
 
 
 def test_results_page_has_the_kernel_targets_of_one_run():
-    render = _load("render_results")
-    doc = json.loads((REPO / "evals/results" / render.current("kernel_targets")).read_text())
-    page = "\n".join(render._kernel_targets())
+    memory = _load("results_memory")
+    doc = json.loads((REPO / "evals/results" / memory.current("kernel_targets")).read_text())
+    page = "\n".join(memory.kernel_targets_section())
     assert page.startswith("## Kernel targets in one run")
     assert f"commit {doc['commit']}" in page and "Top CUDA kernels" not in page
     cnp = doc["cnp"]["ms"]
     speedup = cnp["reference"]["fwd_bwd"] / cnp["fused_hybrid"]["fwd_bwd"]
     assert f"| {speedup:.3f} | >= 3.00 | **no** |" in page
-    assert render._kernel_targets("no_such_file.json") == []
+    assert memory.kernel_targets_section("no_such_file.json") == []
 
 
 def test_results_page_refuses_an_unwritable_out_before_drawing(tmp_path, capsys):
@@ -81,8 +81,8 @@ def test_results_page_refuses_an_unwritable_out_before_drawing(tmp_path, capsys)
 
 
 def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path, monkeypatch):
-    render = _load("render_results")
-    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    training, memory = _load("results_training"), _load("results_memory")
+    monkeypatch.setattr(importlib.import_module("results_files"), "RESULTS", tmp_path)
     run = {"seq_len": 256, "tokens_per_s": 1000.0, "step_time_s": 8.192, "build_s": 1.0,
            "peak_memory_bytes": 2 << 30, "peak_reserved_bytes": 3 << 30}  # fmt: skip
     doc = {
@@ -94,7 +94,7 @@ def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path
                     "poetxq_graph_over_qgalore": 1.9, "poetxq_graph_over_adamw": 0.8}],
     }  # fmt: skip
     (tmp_path / "t.json").write_text(json.dumps(doc))
-    page = "\n".join(render._tokens_table("t.json", "## t"))
+    page = "\n".join(training.tokens_table("t.json", "## t"))
     assert "| 256 | POET-XQ (int8 W0), fast, CUDA graph | 1,000 |" in page
     assert "| 256 | AdamW | 1,000 |" in page
     assert (
@@ -108,7 +108,7 @@ def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path
            "estimated_peak_gib": 11.5, "target_peak_gib": 11, "step_time_s": 0.34,
            "speedup_vs_official": 2.6}  # fmt: skip
     (tmp_path / "m.json").write_text(json.dumps({**doc, "results": [row], "note": "n."}))
-    page = "\n".join(render._memory_options_table(["m.json", "absent.json"], "## m"))
+    page = "\n".join(memory.memory_options_table(["m.json", "absent.json"], "## m"))
     assert (
         "| 1 | llama-8b | yes | yes | 256 | no | no | 12.00 (reserved) | 11.00 | 11.50 | 11 "
         "| 0.340 | 2.60 |"
@@ -200,11 +200,11 @@ def test_throughput_ratios_for_eager_and_graphed_poetxq(tmp_path, capsys):
     both = mod.target_ratios({"poetxq_graph": 45.0, "adamw": 50.0, "adamw_graph": 60.0})
     assert both == {"poetxq_graph_over_adamw": 0.9, "poetxq_graph_over_adamw_graph": 0.75}
     assert mod.split_method("poetxq+fast") == ("poetxq", "fast", "poetxq_fast")
-    render = _load("render_results")
-    line = render._ratio_line({"seq_len": 256, **both})
+    training = _load("results_training")
+    line = training.ratio_line({"seq_len": 256, **both})
     assert line == "- seq 256: in a CUDA graph / AdamW = 0.90, 0.75× AdamW in a CUDA graph"
-    assert render._ratio_key_label("poetxq_fast_graph") == "fast in a CUDA graph"
-    assert render._ratio_key_label("poetxq4_graph") == "4-bit in a CUDA graph"
+    assert training.ratio_key_label("poetxq_fast_graph") == "fast in a CUDA graph"
+    assert training.ratio_key_label("poetxq4_graph") == "4-bit in a CUDA graph"
     assert mod.split_method("adamw") == ("adamw", None, "adamw")
     with pytest.raises(ValueError, match="fast or mem"):
         mod.split_method("poetxq+quick")
@@ -365,8 +365,8 @@ def _gpu_memory_row(ckpt: bool, step: float, **extra) -> dict:
 
 
 def test_side_by_side_tables_read_ours_and_the_official_rows_from_the_json(tmp_path, monkeypatch):
-    render = _load("render_results")
-    monkeypatch.setattr(render, "RESULTS", tmp_path)
+    sbs = _load("results_side_by_side")
+    monkeypatch.setattr(importlib.import_module("results_files"), "RESULTS", tmp_path)
     head = {"gpu": "GPU X", "date": "2026-12-01", "commit": "abc1234"}
 
     def layer(ms: float, peak: float, base: float | None = None) -> dict:
@@ -391,7 +391,7 @@ def test_side_by_side_tables_read_ours_and_the_official_rows_from_the_json(tmp_p
     (tmp_path / "gpu_memory_8b_graph_h200_abc.json").write_text(
         json.dumps({**head, "results": [graph]})
     )
-    page = "\n".join(render.side_by_side("abc"))
+    page = "\n".join(sbs.side_by_side("abc"))
     assert "| ours: POET-XQ int8 `mem` | 1.300 / 2.500 | 1.30 / 1.25 | 300 / 235 |" in page
     assert "mem_efficient_mode) | 2.600 / 4.000 | 2.60 / 2.00 | 363 / 360 |" in page
     assert "ours is 2.00× / 1.60× faster than the official layer" in page
@@ -401,7 +401,7 @@ def test_side_by_side_tables_read_ours_and_the_official_rows_from_the_json(tmp_p
     # a file without its own official step is compared with the same setting's measured one
     assert "| CUDA graph, chunked loss | 12.00 (reserved) | 0.300 | 12.98 | 0.900 | 3.00× |" in page
     assert page.count("Source: `evals/results/") == 3
-    assert render.side_by_side("nothing") == []
+    assert sbs.side_by_side("nothing") == []
 
 
 def test_gpu_memory_runs_the_official_step_in_the_row_setting(tmp_path, monkeypatch):

@@ -72,8 +72,8 @@ def test_parts_fit_three_device_calls(headline):
     assert {s.machine for s in single} == {"h200"}
     assert sum(s.est_s for s in single) < 3 * 600
     # every GPU file the README's table reads is one of the stems the parts write
-    render = _load("render_results")
-    names = set(re.findall(r"\(evals/results/([^)]+)\)", "\n".join(render.headline_rows())))
+    table = _load("readme_table")
+    names = set(re.findall(r"\(evals/results/([^)]+)\)", "\n".join(table.headline_rows())))
     assert len(names) == 8
     assert {headline.NAME_RE.match(n)["stem"] for n in names} <= {s.stem for s in headline.STEPS}
 
@@ -179,21 +179,21 @@ def test_adopt_replaces_a_stem_s_file_and_the_readme_table_follows(headline, tmp
         in (results / "kernel_targets_h200_bbbbbbb.md").read_text()
     )
 
-    render = _load("render_results")
-    monkeypatch.setattr(render, "RESULTS", results)
-    readme = render.render_readme((REPO / "README.md").read_text())
+    table = _load("readme_table")
+    monkeypatch.setattr(importlib.import_module("results_files"), "RESULTS", results)
+    readme = table.render_readme((REPO / "README.md").read_text())
     assert "1B [0.99 / 0.91](evals/results/throughput_1b_h200_bbbbbbb.json)" in readme
     assert old not in readme and "kernel_targets_h200_7857f3d" not in readme
     assert "3B [0.85 / 0.86](evals/results/throughput_3b_h200_685c4b3.json)" in readme
 
 
 def test_readme_table_rendered_from_today_s_files_is_the_committed_one():
-    render = _load("render_results")
+    table = _load("readme_table")
     text = (REPO / "README.md").read_text()
-    assert render.render_readme(text) == text
-    block = text.split(render.HEADLINE_BEGIN)[1].split(render.HEADLINE_END)[0]
-    assert len(render.headline_rows()) == len(render.HEADLINE_LABELS)
-    for row in render.headline_rows():
+    assert table.render_readme(text) == text
+    block = text.split(table.HEADLINE_BEGIN)[1].split(table.HEADLINE_END)[0]
+    assert len(table.headline_rows()) == len(table.HEADLINE_LABELS)
+    for row in table.headline_rows():
         assert row in block
 
 
