@@ -475,8 +475,13 @@ def test_report_names_a_diverged_run_and_the_frozen_orthogonal_control(tmp_path)
     summary = {"steps": 4, "final_val_ppl": 175.0, "tokens_per_s": 10.0, "method": "poetxq"}
     (control / "summary.json").write_text(json.dumps(summary))
     out = tmp_path / "rep"
+    out.mkdir()
+    (out / "peak_memory.png").write_bytes(b"an older report's chart")
     assert main(["report", str(nan), str(control), "-o", str(out)]) == 0
     md = (out / "report.md").read_text()
+    # neither run recorded a peak: no empty chart, and the older one is gone with its link
+    assert "(throughput.png)" in md and (out / "throughput.png").is_file()
+    assert "peak_memory.png" not in md and not (out / "peak_memory.png").exists()
     rows = {r.split("|")[1].strip(): [c.strip() for c in r.strip("|").split("|")]
             for r in md.splitlines() if r.startswith("| tiny-")}  # fmt: skip
     assert rows[f"{nan.name} — diverged at step 3"][1] == "poetxq"

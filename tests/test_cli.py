@@ -1049,3 +1049,17 @@ def test_version_is_the_installed_distribution(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"poetxq {want}"
+
+
+def test_a_bad_flag_value_is_named_as_the_flag(tmp_path, capsys):
+    """--max-steps 0 reads as the flag the user typed; a --set of the same kind keeps its own
+    wording, and nothing is written."""
+    assert main(["train", *TINY, "--output-dir", str(tmp_path), "--max-steps", "0"]) == 2
+    line = _one_error_line(capsys)
+    assert line == (
+        "poetxq: error: --max-steps 0: key 'train.max_steps': Input should be greater than 0 "
+        "(got 0)"
+    )
+    assert main(["train", *TINY, "--output-dir", str(tmp_path), "--set", "train.max_steps=0"]) == 2
+    assert "override train.max_steps=0: key 'train.max_steps'" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

@@ -450,3 +450,13 @@ def test_a_small_gpu_memory_reads_in_mib_not_zero_gib(capsys):
     assert main(["estimate-memory", "--gpu-mem", "10MiB"]) == 1
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("memory plan: lowest (auto;") and " GiB of 10 MiB (--gpu-mem)" in first
+
+
+def test_the_plans_tried_read_in_mib_below_one_gib():
+    """auto's over-the-limit plans print through size_text: a tiny model's 120 MiB, not 0.1 GiB."""
+    from poetxq.training.memory import PlanChoice
+
+    choice = PlanChoice("lowest", "auto", tried={"fastest": 120 * 2**20, "balanced": 3 * 2**30})
+    assert choice.line() == (
+        "memory plan: lowest (auto; fastest 120 MiB, balanced 3.0 GiB predicted, over the limit)"
+    )

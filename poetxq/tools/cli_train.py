@@ -16,7 +16,7 @@ from typing import Any
 
 from poetxq.paths import RUN_LOCK, nearest_existing
 from poetxq.tools.cli_common import check_kernels_env, disk_full, launcher_rank, raise_terminated
-from poetxq.tools.cli_train_flags import POET_FLAGS, flag_name, train_overrides
+from poetxq.tools.cli_train_flags import POET_FLAGS, flag_labels, flag_name, train_overrides
 from poetxq.training.recipe import POET_METHODS, RecipeError
 from poetxq.training.recipe_files import load_recipe
 
@@ -169,7 +169,7 @@ def run_train(args: argparse.Namespace) -> int:
         if run_dir is not None:  # a resumed run writes metrics and checkpoints into its folder
             check_writable(run_dir, "copy the run to a writable place and resume it there")
     else:
-        recipe = load_recipe(args.recipe, train_overrides(args))
+        recipe = load_recipe(args.recipe, train_overrides(args), flag_labels(args))
         _absolute_paths(recipe)
         _note_method_switch(args, recipe)
     _check_flags(args, recipe)

@@ -288,17 +288,32 @@ def add_train_parsers(sub: Any) -> None:
         _add_train_args(p)
 
 
-def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The recipe overrides of a train command line
-    (:func:`poetxq.training.recipe_files.merge_overrides`: a ``--set`` of a key a flag also sets,
-    with another value, is refused)."""
+def _flags_given(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """Recipe key -> (the flag, its value) for the train flags given on the command line."""
     flags: dict[str, tuple[str, Any]] = {
-        key: ("--" + dest.replace("_", "-"), getattr(args, dest))
+        key: (flag_name(dest), getattr(args, dest))
         for dest, key in FLAG_KEYS.items()
         if getattr(args, dest) is not None  # flags not given leave the recipe alone
     }
     if args.freeze_orthogonal:
         flags["poet.freeze_orthogonal"] = ("--freeze-orthogonal", True)
+    return flags
+
+
+def flag_labels(args: argparse.Namespace) -> dict[str, str]:
+    """Recipe key -> the flag as typed (``--max-steps 0``), for :func:`load_recipe`'s errors:
+    a bad value reads as the flag the user gave, not as ``override train.max_steps=0``."""
+    return {
+        key: flag if value is True else f"{flag} {value}"
+        for key, (flag, value) in _flags_given(args).items()
+    }
+
+
+def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe overrides of a train command line
+    (:func:`poetxq.training.recipe_files.merge_overrides`: a ``--set`` of a key a flag also sets,
+    with another value, is refused)."""
+    flags = _flags_given(args)
     implied: dict[str, Any] = {}
     if args.data is not None and not args.data.startswith("hf:"):
         # --data replaces the source: the recipe's hub settings do not apply to local text

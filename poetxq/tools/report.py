@@ -9,7 +9,7 @@ suffix) side by side, in a fixed method order, and writes into ``out_dir``:
   memory, train tokens, wall time, precision and memory plan where a run records them, memory
   options) and the plots;
 * ``loss.png``, ``val_ppl.png`` — training loss and validation perplexity against tokens;
-* ``throughput.png``, ``peak_memory.png`` — bars per run.
+* ``throughput.png``, ``peak_memory.png`` — bars per run (left out when no run has the value);
 
 Plots use matplotlib's ``Agg`` backend (no display needed). Every file is written atomically.
 """
@@ -116,7 +116,9 @@ def _atomic_write(path: Path, write: Any) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _plots(runs: list[Run], out: Path) -> None:
+def _plots(runs: list[Run], out: Path) -> list[str]:
+    """Draw the plots into ``out``; returns the names drawn, in :data:`PLOTS` order (a bar chart
+    with no value for any run is left out, and an older file of its name removed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,7 +148,13 @@ def _plots(runs: list[Run], out: Path) -> None:
         _atomic_write(out / fname, lambda p: fig.savefig(p, dpi=110, format="png"))
         plt.close(fig)
 
+    drawn = ["loss.png", "val_ppl.png"]
+
     def bars(values: list[float | None], fname: str, ylabel: str) -> None:
+        if all(v is None for v in values):  # nothing to show: no empty chart
+            (out / fname).unlink(missing_ok=True)
+            return
+        drawn.append(fname)
         fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(runs)), 4))
         labels = bar_labels(runs)
         heights = [v if v is not None else 0.0 for v in values]
@@ -170,6 +178,7 @@ def _plots(runs: list[Run], out: Path) -> None:
     kinds = {k for _, k in mem if k}
     bars([None if b is None else b / 2**30 for b, _ in mem], "peak_memory.png",
          "peak memory (GiB" + (", " + "/".join(sorted(kinds)) if kinds else "") + ")")  # fmt: skip
+    return drawn
 
 
 def _has_diagnostics(runs: list[Run]) -> bool:
@@ -257,7 +266,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     if (why := unwritable_reason(out)) is not None:
         raise ReportError(f"cannot write '{out}': {why}; choose another -o")
     out.mkdir(parents=True, exist_ok=True)
-    _plots(runs, out)
+    drawn = _plots(runs, out)
     rows = results_rows(runs)
     # precision and memory plan: only where a run records them (older run directories do not)
     extra = [c for c, has in (("precision", any(r.precision for r in runs)),
@@ -281,7 +290,7 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
     lines += ["", "## Plots", ""]
     titles = {"loss.png": "Training loss", "val_ppl.png": "Validation perplexity",
               "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
-    for name in PLOTS:
+    for name in drawn:
         lines += [f"![{titles[name]}]({name})", ""]
     if _has_diagnostics(runs):  # _plots drew diagnostics.png
         lines += ["![Diagnostics (train.diagnostics_every)](diagnostics.png)", ""]

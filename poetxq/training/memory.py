@@ -161,7 +161,7 @@ class PlanChoice:
         """The run's one line about its memory, e.g. ``memory plan: lowest (auto: ...)``."""
         text = f"memory plan: {self.name} ({self.chosen_by}"
         if self.tried:
-            over = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in self.tried.items())
+            over = ", ".join(f"{k} {size_text(v)}" for k, v in self.tried.items())
             text += f"; {over} predicted, over the limit"
         text += ")"
         if self.predicted_peak is not None and self.device_memory is not None:

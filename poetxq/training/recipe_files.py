@@ -356,13 +356,19 @@ def compose_recipe_tree(
     return tree, prov, source
 
 
-def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Recipe:
+def load_recipe(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    labels: dict[str, str] | None = None,
+) -> Recipe:
     """Load a recipe (file, ``MODEL:METHOD`` shorthand, or the embedded default when ``path`` is
     None), compose its ``base`` files and apply overrides.
 
     Args:
         path: YAML file (read with ``yaml.safe_load``), ``MODEL:METHOD``, or None.
         overrides: ``{"train.max_steps": 50, ...}``; a ``None`` value sets the key to null.
+        labels: how an error names the override of a key, e.g. ``{"train.max_steps":
+            "--max-steps 0"}`` for one a command-line flag set (default ``override KEY=VALUE``).
 
     Returns:
         The validated :class:`Recipe`; its :attr:`~Recipe.overridden` names the keys of
@@ -379,12 +385,13 @@ def load_recipe(path: str | Path | None = None, overrides: dict[str, Any] | None
                 "file only; write them in a recipe YAML and pass it with --recipe"
             )
     tree, prov, source = compose_recipe_tree(path, overrides)
+    prov.update({k: v for k, v in (labels or {}).items() if k in (overrides or {})})
     try:
         recipe = Recipe.model_validate(tree)
         recipe.mark_overridden(set(overrides or {}))  # a memory plan says which it kept
         return recipe
     except ValidationError as exc:
-        if overrides:
+        if overrides and not set(overrides) <= set(labels or {}):
             source += " (with overrides " + ", ".join(f"{k}={v}" for k, v in overrides.items())
             source += ")"
         raise RecipeError(format_validation_error(exc, source, prov)) from None
