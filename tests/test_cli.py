@@ -1063,3 +1063,29 @@ def test_a_bad_flag_value_is_named_as_the_flag(tmp_path, capsys):
     assert main(["train", *TINY, "--output-dir", str(tmp_path), "--set", "train.max_steps=0"]) == 2
     assert "override train.max_steps=0: key 'train.max_steps'" in _one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigint_is_honoured_in_data_preparation_when_it_starts_ignored(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """A background job of a script starts with SIGINT ignored; the loop takes SIGINT over later,
+    so a `kill -INT` during data preparation must stop the run too (it used to train on). The
+    command puts the ignored disposition back when it returns."""
+    import signal
+
+    import poetxq.training.train as train_mod
+
+    def prepare(*a, **k):
+        signal.raise_signal(signal.SIGINT)  # the real signal, as kill -INT sends it
+        raise AssertionError("SIGINT was ignored")
+
+    monkeypatch.setattr(train_mod, "prepare_data", prepare)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        # 130, and the signal passed on to the caller's disposition: ignored, so no exception
+        assert _run(tmp_path, "--run-name", "x") == 130
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["poetxq: interrupted during data preparation; nothing was written"]
+    assert not any(tmp_path.iterdir())

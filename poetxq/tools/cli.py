@@ -188,6 +188,13 @@ def _run_command(argv: Sequence[str] | None) -> int:
     single = launcher_rank()[1] == 1
     if training and single and _in_main_thread():
         previous = signal.signal(signal.SIGTERM, raise_terminated)
+    # A background job of a non-interactive shell (`poetxq train ... &` in a script) starts with
+    # SIGINT ignored. The training and adaptation loops take SIGINT over when they start, so
+    # leaving it ignored until then would drop a `kill -INT` sent while the data is prepared and
+    # train on: Ctrl-C means the same at every stage of every command.
+    ignored_int = _in_main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored_int:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _main(argv)
     except Terminated:
@@ -214,6 +221,8 @@ def _run_command(argv: Sequence[str] | None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if ignored_int:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _print_error(text: str, *, same_on_every_rank: bool = False) -> None:
