@@ -21,7 +21,7 @@ Steps:
 Usage (from the repository root; ``data/`` is git-ignored)::
 
     python evals/prepare_offline_corpus.py --out data/quality-corpus
-    python evals/quality.py run evals/studies/llama60m.yaml   # trains on it
+    python evals/quality.py run evals/studies/llama60m_50m.yaml   # trains on it
 """
 
 from __future__ import annotations

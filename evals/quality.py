@@ -39,6 +39,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,6 +250,34 @@ def _progress(path: Path) -> str:
     return steps[-1] if steps else _last_line(path)
 
 
+def _adoptable(run_dir: Path, spec: dict) -> dict | None:
+    """The ``result.json`` a worker left in ``run_dir`` for exactly this run (its ``spec.json``
+    equal to ``spec``) that the results file never recorded: its runner was stopped while the
+    worker went on and finished. None when there is none (or it is for another spec)."""
+    try:
+        if json.loads((run_dir / "spec.json").read_text()) != spec:
+            return None
+        rec = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if rec.get("id") == spec["id"] else None
+
+
+def _stop_workers(running: list[_Worker], echo: Any) -> None:
+    """SIGTERM to every running worker (each saves its checkpoint), wait, one line each."""
+    for w in running:
+        w.proc.send_signal(signal.SIGTERM)
+    for w in running:
+        w.proc.wait()
+        w.log.close()
+        echo(f"stopped {w.spec['id']} after {time.monotonic() - w.start:.0f} s at: "
+             f"{_progress(w.run_dir / 'worker.log')}")  # fmt: skip
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def execute(
     study: Study,
     study_file: Path,
@@ -268,8 +297,14 @@ def execute(
     new runs even when they cannot finish before the deadline (see :func:`_startable`).
     Returns the results.
 
+    Ctrl-C or SIGTERM stops the running workers the same way (each saves its checkpoint), records
+    the study's state and raises ``KeyboardInterrupt``; the next call resumes them. A finished
+    run's ``result.json`` that the results file lacks (its runner was killed while the worker
+    went on) is recorded instead of trained again.
+
     Raises:
         SystemExit: ``methods`` names a method or control the study does not have.
+        KeyboardInterrupt: stopped by Ctrl-C or SIGTERM (after the workers saved their state).
     """
     known = list(study.methods) + list(study.controls)
     unknown = [m for m in methods or [] if m not in known]
@@ -287,12 +322,52 @@ def execute(
         "device": _device_name(),
     })  # fmt: skip
     write_json_atomic(results_path, results)
-    runs_root = REPO / study.runs_dir / study.name
     running: list[_Worker] = []
-    started = finished = 0
     durations: list[float] = []
-    slot = 0
     failed: set[str] = set()  # not retried in this call (their log says why)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
+    try:
+        finished = _loop(study, study_file, results, results_path, running, failed, durations,
+                         t0=t0, jobs=jobs, gpus=gpus, deadline=deadline, max_runs=max_runs,
+                         echo=echo, methods=methods, resume_later=resume_later)  # fmt: skip
+    except KeyboardInterrupt:
+        _stop_workers(running, echo)
+        results["state"] = plan_runs(study, results)[1]
+        write_json_atomic(results_path, results)
+        echo(f"interrupted: {len(running)} run(s) stopped with a checkpoint; run again to resume")
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    pending, state = plan_runs(study, results)
+    results["state"] = state
+    write_json_atomic(results_path, results)
+    echo(f"{finished} run(s) finished in {time.monotonic() - t0:.0f} s; {len(pending)} pending")
+    return results
+
+
+def _loop(
+    study: Study,
+    study_file: Path,
+    results: dict[str, Any],
+    results_path: Path,
+    running: list[_Worker],
+    failed: set[str],
+    durations: list[float],
+    *,
+    t0: float,
+    jobs: int,
+    gpus: list[str] | None,
+    deadline: float | None,
+    max_runs: int | None,
+    echo: Any,
+    methods: list[str] | None,
+    resume_later: bool,
+) -> int:
+    """:func:`execute`'s scheduling loop; returns the number of runs finished."""
+    runs_root = REPO / study.runs_dir / study.name
+    started = finished = slot = 0
     while True:
         for w in list(running):
             if w.proc.poll() is None:
@@ -323,14 +398,7 @@ def execute(
                 echo(f"FAILED {w.spec['id']} (exit {w.proc.returncode}): {last}; see {log}")
         elapsed = time.monotonic() - t0
         if deadline is not None and elapsed >= deadline and running:
-            for w in running:
-                w.proc.send_signal(signal.SIGTERM)
-            for w in running:
-                w.proc.wait()
-                w.log.close()
-                log = w.run_dir / "worker.log"
-                echo(f"stopped {w.spec['id']} after {time.monotonic() - w.start:.0f} s at: "
-                     f"{_progress(log)}")  # fmt: skip
+            _stop_workers(running, echo)
             echo(f"deadline: {len(running)} run(s) stopped with a checkpoint; run again to resume")
             break
         pending, _ = plan_runs(study, results)
@@ -342,6 +410,12 @@ def execute(
         if len(running) < jobs and (max_runs is None or started < max_runs):
             left = None if deadline is None else deadline - elapsed
             spec = _startable(study, results, pending, runs_root, left, resume_later)
+        if spec is not None and (rec := _adoptable(runs_root / spec["id"], spec)) is not None:
+            results["runs"][spec["id"]] = rec
+            write_json_atomic(results_path, results)
+            finished += 1
+            echo(f"recorded {spec['id']}: its worker had finished after its runner stopped")
+            continue
         if spec is not None:
             gpu = gpus[slot % len(gpus)] if gpus else None
             slot += 1
@@ -353,11 +427,7 @@ def execute(
         if not running:
             break
         time.sleep(0.5)
-    pending, state = plan_runs(study, results)
-    results["state"] = state
-    write_json_atomic(results_path, results)
-    echo(f"{finished} run(s) finished in {time.monotonic() - t0:.0f} s; {len(pending)} pending")
-    return results
+    return finished
 
 
 def _device_name() -> str:
@@ -489,12 +559,15 @@ def main(argv: list[str] | None = None) -> int:
         recipes = check_runs(study, args.study, pending)  # a bad key: one line now
         print("\n".join(format_plan(study, pending, state, recipes)))
         return 0
-    execute(
-        study, Path(args.study).resolve(), results_path, jobs=args.jobs,
-        gpus=args.gpus.split(",") if args.gpus else None, deadline=args.deadline,
-        max_runs=args.max_runs, methods=args.methods.split(",") if args.methods else None,
-        resume_later=args.resume_later,
-    )  # fmt: skip
+    try:
+        execute(
+            study, Path(args.study).resolve(), results_path, jobs=args.jobs,
+            gpus=args.gpus.split(",") if args.gpus else None, deadline=args.deadline,
+            max_runs=args.max_runs, methods=args.methods.split(",") if args.methods else None,
+            resume_later=args.resume_later,
+        )  # fmt: skip
+    except KeyboardInterrupt:  # execute stopped the workers and said so
+        return 130
     return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -103,9 +103,17 @@ def load_study(path: str | Path) -> Study:
         study = Study.model_validate(tree)
     except (OSError, yaml.YAMLError) as exc:
         raise SystemExit(f"error: cannot read study {path}: {exc}") from None
-    except ValueError as exc:  # pydantic's ValidationError
-        first = str(exc).splitlines()
-        raise SystemExit(f"error: study {path}: {' '.join(first[:3])}") from None
+    except ValidationError as exc:  # one line: key: message, per problem
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'the file'}: {e['msg'].lower()}"
+            for e in exc.errors()
+        )
+        raise SystemExit(f"error: study {path}: {problems}") from None
+    if study.reference not in study.methods:
+        raise SystemExit(
+            f"error: study {path}: reference {study.reference!r} is not one of its methods "
+            f"({', '.join(study.methods)}); name the method the others are compared with"
+        )
     for name, c in study.controls.items():
         if c.like not in study.methods:
             raise SystemExit(f"error: study {path}: control {name} is like unknown {c.like!r}")

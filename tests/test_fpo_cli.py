@@ -88,7 +88,10 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
+    (tmp_path / "afile").write_text("")
     cases = [
+        (_adapt_argv(checkpoint, tmp_path / "afile" / "sub", "--layers", "1"),
+         f"cannot write --out '{tmp_path / 'afile' / 'sub'}': '{tmp_path / 'afile'}' is a file"),
         (_adapt_argv(checkpoint, tmp_path / "full", "--layers", "1"), "not empty"),
         (_adapt_argv(checkpoint, tmp_path / "a", "--layers", "one"), "--layers 'one'"),
         (_adapt_argv(checkpoint, tmp_path / "b", "--layers", "9", "--lr", "1e-3"), "layer 9"),

@@ -738,3 +738,55 @@ def test_the_val_curve_has_one_point_per_step(tmp_path):
         {"step": 4, "tokens": 40, "val_ppl": 13.2},
     ]
     assert _curve(tmp_path / "missing", 10) == []
+
+
+def test_an_interrupted_runner_stops_its_workers_and_records_an_orphans_result(
+    tmp_path, corpus, fake_workers
+):
+    """SIGTERM (or Ctrl-C) to the runner: its workers are stopped (SIGTERM) and the call ends
+    with KeyboardInterrupt after one line; a run whose worker finished after its runner was
+    killed (result.json beside an equal spec.json) is recorded, not trained again."""
+    import signal
+
+    q = fake_workers
+    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0])
+    study = load_study(study_file)
+    pending = [p for p in plan_runs(study, {"runs": {}})[0] if p["method"] == "poetxq"]
+    orphan = REPO / study.runs_dir / study.name / pending[0]["id"]
+    orphan.mkdir(parents=True)
+    (orphan / "spec.json").write_text(json.dumps(pending[0]))
+    rec = {"id": pending[0]["id"], "method": "poetxq", "diverged": None, "tune_ppl": 30.0,
+           "test_ppl": 31.0, "train_seconds": 1.0}  # fmt: skip
+    (orphan / "result.json").write_text(json.dumps(rec))
+    lines: list[str] = []
+
+    def echo(line: str) -> None:  # the runner's main thread: the signal arrives right here
+        lines.append(line)
+        if line.startswith("start "):  # one worker running (it sleeps 0.6 s): a scheduler stops us
+            signal.raise_signal(signal.SIGTERM)
+
+    with pytest.raises(KeyboardInterrupt):
+        q.execute(study, study_file, Path(study.results), jobs=2, gpus=None, deadline=None,
+                  max_runs=None, echo=echo, methods=["poetxq"])  # fmt: skip
+    assert lines[0] == f"recorded {rec['id']}: its worker had finished after its runner stopped"
+    assert lines[1].startswith(f"start {pending[1]['id']}")
+    assert lines[2].startswith(f"stopped {pending[1]['id']} after ")
+    assert lines[3:] == ["interrupted: 1 run(s) stopped with a checkpoint; run again to resume"]
+    saved = json.loads(Path(study.results).read_text())
+    assert saved["runs"] == {rec["id"]: rec}  # the orphan's result, nothing else finished
+    assert signal.getsignal(signal.SIGTERM) is not q._raise_interrupt  # handler put back
+
+
+@pytest.mark.parametrize(
+    ("over", "says"),
+    [({"reference": "poetq"}, "reference 'poetq' is not one of its methods (poetxq, adamw)"),
+     ({"tune_seed": [0]}, "tune_seed: extra inputs are not permitted"),
+     ({"max_extend": -1}, "max_extend: input should be greater than or equal to 0")],
+)  # fmt: skip
+def test_a_study_file_mistake_is_one_line_naming_the_key(tmp_path, corpus, over, says):
+    """A misspelt reference (the table's "is better" column would read "—" everywhere), an
+    unknown key and a bad value each stop the study in one line naming the key."""
+    with pytest.raises(SystemExit) as exc:
+        load_study(_study(tmp_path, corpus.folder, **over))
+    msg = str(exc.value)
+    assert msg.startswith("error: study ") and says in msg and "\n" not in msg, msg

@@ -23,6 +23,7 @@ import torch
 
 from poetxq.adapt.fpo import FPO_FAMILY, FPOError, check_layers
 from poetxq.adapt.loop import STATE_DIR, check_resume
+from poetxq.paths import unwritable_reason
 from poetxq.tools.cli_common import check_output_file
 
 ADAPT_COMMANDS: tuple[str, ...] = ("fpo-diagnose", "fpo-adapt")
@@ -347,6 +348,8 @@ def run_adapt(args: argparse.Namespace) -> int:
         out_dir = Path(args.out)
         if out_dir.is_file():
             raise FPOError(f"--out '{out_dir}' is a file; pass a directory")
+        if (why := unwritable_reason(out_dir)) is not None:  # before minutes of diagnosis
+            raise FPOError(f"cannot write --out '{out_dir}': {why}; choose another DIR")
         if not args.resume and _holds_other_files(out_dir):
             raise FPOError(
                 f"--out '{out_dir}' is not empty; pass --resume to continue it or another DIR"
