@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -558,3 +559,32 @@ def test_a_resumed_run_says_where_it_resumed_in_the_table(tmp_path):
     resumed = Run(tmp_path / "again", recipe, {"tokens_per_s": 9.0, "resumed_from": [10, 30]})
     rows = {r["run"] for r in results_rows([fresh, resumed])}
     assert rows == {"fresh", "again (resumed at step 10, 30)"}
+
+
+def test_the_report_names_the_settings_that_differ_and_warns_on_other_data(tmp_path):
+    """Runs side by side: a generic setting with more than one value is listed with its runs;
+    a different sequence length (or data, vocabulary) is flagged as not comparable; runs that
+    match say nothing."""
+    from poetxq.tools.report import setting_differences
+    from poetxq.tools.run_dir import Run
+    from poetxq.training.recipe_files import load_recipe
+
+    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+
+    def run(name: str, recipe: str, **over) -> Run:
+        return Run(
+            tmp_path / name, load_recipe(tiny / recipe.removeprefix("recipes/tiny/"), over), {}
+        )
+
+    a = run("a", "recipes/tiny/poetxq.yaml")
+    b = run("b", "recipes/tiny/qgalore.yaml", **{"optim.warmup_steps": 20})
+    c = run("c", "recipes/tiny/poetxq.yaml", **{"train.seq_len": 64})
+    assert setting_differences([a, run("a2", "recipes/tiny/poetxq.yaml")]) == []
+    same_data = setting_differences([a, b])
+    assert len(same_data) == 1 and same_data[0].startswith("Settings that differ: ")
+    assert "`optim.lr` 0.005 (a), 0.015 (b)" in same_data[0]
+    assert "`optim.betas` [0.9, 0.999] (a), [0.9, 0.95] (b)" in same_data[0]
+    assert "warmup" not in same_data[0]  # equal here
+    warn, rest = setting_differences([a, c])
+    assert warn.startswith("**Not comparable:**") and "`train.seq_len` 128 (a), 64 (c)" in warn
+    assert rest == "Settings that differ: `tokens per step` 1,024 (a), 512 (c)."

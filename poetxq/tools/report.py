@@ -85,6 +85,52 @@ def _final_ppl(run: Run) -> str:
     return _fmt_number(ppl)
 
 
+#: settings whose difference makes perplexities measure different things (data, vocabulary,
+#: context), then the generic training settings a fair comparison holds equal (issue 32's list)
+DATA_KEYS = ("data.source", "data.vocab_size", "train.seq_len")
+SETTING_KEYS = ("train.max_steps", "tokens per step", "optim.lr", "optim.warmup_steps",
+                "optim.min_lr_ratio", "optim.betas", "optim.eps", "optim.weight_decay",
+                "optim.grad_clip", "train.precision")  # fmt: skip
+
+
+def _setting(run: Run, key: str) -> str:
+    tc = run.recipe.train
+    if key == "tokens per step":
+        return f"{tc.batch_size * tc.grad_accum * tc.seq_len:,}"
+    section, name = key.split(".")
+    value = getattr(getattr(run.recipe, section), name)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f"{v:g}" for v in value) + "]"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def setting_differences(runs: list[Run]) -> list[str]:
+    """Report lines on what differs between runs shown side by side: a warning when their data,
+    vocabulary or sequence length differ (their perplexities are not comparable), then each
+    generic training setting with more than one value, e.g. ``optim.lr 0.005 (a), 0.015 (b)``.
+    Empty when they all match."""
+
+    def differing(keys: tuple[str, ...]) -> list[str]:
+        out = []
+        for key in keys:
+            by_value: dict[str, list[str]] = {}
+            for run in runs:
+                by_value.setdefault(_setting(run, key), []).append(run.name)
+            if len(by_value) > 1:
+                out.append(f"`{key}` " + ", ".join(f"{v} ({', '.join(n)})"
+                                                   for v, n in by_value.items()))  # fmt: skip
+        return out
+
+    lines = []
+    if data := differing(DATA_KEYS):
+        lines.append("**Not comparable:** these runs differ in data, vocabulary or sequence "
+                     "length, so their perplexities measure different things: "
+                     + "; ".join(data) + ".")  # fmt: skip
+    if settings := differing(SETTING_KEYS):
+        lines.append("Settings that differ: " + "; ".join(settings) + ".")
+    return lines
+
+
 def results_rows(runs: list[Run]) -> list[dict[str, str]]:
     """One table row (strings) per run, in report order."""
     rows = []
@@ -287,6 +333,8 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         lines += ["", f"## {model}", "", "| " + " | ".join(cols) + " |",
                   "|" + "|".join("---" for _ in cols) + "|"]  # fmt: skip
         lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows if r["model"] == model]
+        for note in setting_differences([r for r in runs if r.model == model]):
+            lines += ["", note]
     lines += ["", "## Plots", ""]
     titles = {"loss.png": "Training loss", "val_ppl.png": "Validation perplexity",
               "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
