@@ -822,3 +822,20 @@ def test_a_study_corpus_builds_from_your_own_text(tmp_path, capsys):
     empty.mkdir()
     with pytest.raises(SystemExit, match=r"holds no \.txt or \.md file"):
         prepare(["--text", str(empty), "--out", str(tmp_path / "c2")])
+
+
+def test_a_folder_of_text_named_as_a_corpus_gets_the_text_build_command(tmp_path):
+    """A study (or --data) naming a folder of .txt files where a token corpus belongs: the error
+    says to build the corpus from that text into a new folder, not to write into the text."""
+    text = tmp_path / "notes"
+    (text / "a").mkdir(parents=True)
+    (text / "a" / "one.txt").write_text("some words\n")
+    with pytest.raises(CorpusError) as err:
+        TokenCorpus.open(text)
+    assert str(err.value) == (
+        f"{text} is not a token corpus (no corpus.json); build one with python "
+        f"evals/prepare_offline_corpus.py --text {text} --out {text}-corpus, and name "
+        f"{text}-corpus instead"
+    )
+    with pytest.raises(CorpusError, match=re.escape(f"--out {tmp_path / 'none'}") + "$"):
+        TokenCorpus.open(tmp_path / "none")

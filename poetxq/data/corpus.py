@@ -126,9 +126,14 @@ class TokenCorpus:
         folder = Path(folder)
         path = folder / MANIFEST
         if not path.is_file():
+            build = "python evals/prepare_offline_corpus.py --out " + str(folder)
+            text = ("*.txt", "*.md", "*/*.txt", "*/*.md")  # a look two levels deep, no more
+            if folder.is_dir() and any(next(folder.glob(g), None) for g in text):
+                # a folder of text: build the corpus from it, beside it, not into it
+                build = (f"python evals/prepare_offline_corpus.py --text {folder} --out "
+                         f"{folder}-corpus, and name {folder}-corpus instead")  # fmt: skip
             raise CorpusError(
-                f"{folder} is not a token corpus (no {MANIFEST}); build one with "
-                "python evals/prepare_offline_corpus.py --out " + str(folder)
+                f"{folder} is not a token corpus (no {MANIFEST}); build one with {build}"
             )
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
