@@ -425,9 +425,31 @@ def _loop(
             echo(f"start {spec['id']}" + (f" on GPU {gpu}" if gpu else "") + f" (log: {log})")
             continue
         if not running:
+            if (
+                pending
+                and started == 0
+                and deadline is not None
+                and (max_runs is None or max_runs > 0)
+            ):
+                echo(_none_started(study, results, pending, deadline - elapsed))
             break
         time.sleep(0.5)
     return finished
+
+
+def _none_started(study: Study, results: dict[str, Any], pending: list[dict], left: float) -> str:
+    """Why a call with runs pending started none: the deadline's time left (see
+    :func:`_startable`)."""
+    if left < 60.0:
+        return (f"no run started: {left:.0f} s were left before --deadline and a run starts only "
+                "while a minute is left; give a longer --deadline")  # fmt: skip
+    times = {
+        m: expected_seconds(study, results, m) for m in dict.fromkeys(p["method"] for p in pending)
+    }
+    typical = ", ".join(f"{m} ~{t:.0f} s" for m, t in times.items() if t is not None)
+    return (f"no run started: a new run starts only when its method's typical time fits the "
+            f"{left:.0f} s left ({typical}); give a longer --deadline, or --resume-later to start "
+            "runs that finish in a later call on the same machine")  # fmt: skip
 
 
 def _device_name() -> str:

@@ -341,6 +341,17 @@ def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpu
     assert _startable(study, results, pending, root, 61.0) is pending[2]
     assert _startable(study, results, pending, root, 59.0) is None
     assert _startable(study, {"runs": {}}, pending, root, 61.0) is pending[0]  # nothing known
+    # a call that starts nothing says why, in one line
+    from evals.quality import _none_started
+
+    assert _none_started(study, results, pending, 229.4) == (
+        "no run started: a new run starts only when its method's typical time fits the 229 s "
+        "left (adamw ~230 s, poetxq ~230 s); give a longer --deadline, or --resume-later to "
+        "start runs that finish in a later call on the same machine"
+    )
+    assert _none_started(study, results, pending, 15.0).startswith(
+        "no run started: 15 s were left before --deadline and a run starts only while a minute"
+    )
 
 
 def test_plan_shows_why_each_run_is_pending_grouped_by_method(tmp_path, corpus, capsys):
