@@ -105,6 +105,21 @@ def _f(v: Any, digits: int = 2) -> str:
     return f"{v:,.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _edge_notes(study: Study, state: dict[str, Any]) -> list[str]:
+    """Tuned methods whose best point is the lowest or highest value tried on an axis of two or
+    more values, e.g. ``poetxq: optim.lr 0.02 (high edge)``: the protocol's edge extension
+    stopped there, so a better rate may lie outside."""
+    notes = []
+    for name, st in state.items():
+        if name not in study.methods or not st.get("tuned") or not st.get("best"):
+            continue
+        for key, v in st["best"].items():
+            tried = sorted({p[key] for p in st.get("points", [])})
+            if len(tried) > 1 and v in (tried[0], tried[-1]):
+                notes.append(f"{name}: {key} {v:g} ({'low' if v == tried[0] else 'high'} edge)")
+    return notes
+
+
 def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list[str]:
     pending, state = plan_runs(study, json.loads(json.dumps(results)))
     summary = summarize(study, results)
@@ -192,8 +207,12 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             "worse / tied against this row's method "
             "(paired over seeds: better only if the mean difference exceeds two standard errors "
             "and has the same sign on every seed). tok/s is each run's own, measured while "
-            "1-5 runs shared the GPU (the results file's note says which): it compares runs, "
+            "others shared the machine (the results file's note says how many): it compares runs, "
             "not methods' speed; `evals/results/throughput_*` do that.", ""]  # fmt: skip
+    if edges := _edge_notes(study, state):
+        out += ["**Best point on the edge of what was tried** (the grid was not extended "
+                f"further: `max_extend` {study.max_extend} reached): " + "; ".join(edges) + ".",
+                ""]  # fmt: skip
     sources: list[str] = []
     for r in runs.values():
         sources += [s for s in r.get("test_ppl_by_source", {}) if s not in sources]

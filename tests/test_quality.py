@@ -850,3 +850,22 @@ def test_a_folder_of_text_named_as_a_corpus_gets_the_text_build_command(tmp_path
     )
     with pytest.raises(CorpusError, match=re.escape(f"--out {tmp_path / 'none'}") + "$"):
         TokenCorpus.open(tmp_path / "none")
+
+
+def test_a_best_point_left_on_a_grid_edge_is_flagged(tmp_path, corpus):
+    """With max_extend reached (0 here) a best point on the edge of what was tried is named in
+    the report (a better rate may lie outside); an interior best and a one-value axis are not."""
+    from evals.quality_report import _edge_notes
+
+    study = load_study(_study(tmp_path, corpus.folder))
+    pts = [{"optim.lr": 1e-3}, {"optim.lr": 2e-3}]
+    state = {
+        "adamw": {"tuned": True, "points": pts, "best": {"optim.lr": 2e-3}},
+        "poetxq": {"tuned": True, "best": {"optim.poet_lr": 4e-3, "optim.lr": 1e-2},
+                   "points": [{"optim.poet_lr": v, "optim.lr": 1e-2} for v in (2e-3, 4e-3, 8e-3)]},
+    }  # fmt: skip
+    assert _edge_notes(study, state) == ["adamw: optim.lr 0.002 (high edge)"]
+    state["adamw"]["best"] = {"optim.lr": 1e-3}
+    assert _edge_notes(study, state) == ["adamw: optim.lr 0.001 (low edge)"]
+    state["adamw"]["tuned"] = False  # still tuning: nothing to say yet
+    assert _edge_notes(study, state) == []
