@@ -310,7 +310,7 @@ def test_planner_extends_a_winning_edge_then_finalizes(tmp_path, corpus):
 
 
 def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpus):
-    from evals.quality import _startable, expected_seconds
+    from evals.quality_runner import _startable, expected_seconds
 
     study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0]))
     results: dict = {"runs": {
@@ -342,7 +342,7 @@ def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpu
     assert _startable(study, results, pending, root, 59.0) is None
     assert _startable(study, {"runs": {}}, pending, root, 61.0) is pending[0]  # nothing known
     # a call that starts nothing says why, in one line
-    from evals.quality import _none_started
+    from evals.quality_runner import _none_started
 
     assert _none_started(study, results, pending, 229.4) == (
         "no run started: a new run starts only when its method's typical time fits the 229 s "
@@ -485,7 +485,7 @@ def fake_workers(monkeypatch):
     import subprocess
     import sys
 
-    import evals.quality as q
+    import evals.quality_runner as q
 
     class FakeWorker(q._Worker):
         def __init__(self, spec, study_file, run_dir, gpu):
@@ -557,8 +557,8 @@ def test_report_of_an_own_study_needs_out_and_says_its_own_command(tmp_path, cor
 
 @pytest.mark.slow
 def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
-    from evals.quality import execute
     from evals.quality_report import render
+    from evals.quality_runner import execute
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     study_file = _study(tmp_path, corpus.folder, max_test_tokens=32 * 20)
