@@ -158,10 +158,11 @@ def _part_documents(part: Part, root: Path) -> Iterator[str]:
         yield from chunk_text(reader(_read(path)))
 
 
-def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
-    """``{source: [document, ...]}`` with exact duplicates (across all sources) dropped."""
+def _keeper() -> Callable[[str], bool]:
+    """A filter for one corpus build: True for a (stripped) document of at least
+    ``_MIN_DOC_CHARS`` characters not seen before in this build, False for stubs and exact
+    duplicates."""
     seen: set[bytes] = set()
-    out: dict[str, list[str]] = {}
 
     def keep(doc: str) -> bool:
         doc = doc.strip()
@@ -171,6 +172,13 @@ def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
         seen.add(digest)
         return True
 
+    return keep
+
+
+def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
+    """``{source: [document, ...]}`` with exact duplicates (across all sources) dropped."""
+    out: dict[str, list[str]] = {}
+    keep = _keeper()
     out[EMBEDDED] = [d.strip() for d in embedded_source().documents() if keep(d)]
     for source, parts in SOURCES.items():
         docs: list[str] = []
@@ -191,18 +199,14 @@ def collect_text(root: Path) -> dict[str, list[str]]:
     """
     if not root.is_dir():
         raise SystemExit(f"error: --text '{root}' is not a folder; pass the folder of your text")
-    seen: set[bytes] = set()
     out: dict[str, list[str]] = {}
+    keep = _keeper()
     files = sorted(f for f in root.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
     for f in files:
         rel = f.relative_to(root).parts
         source = rel[0] if len(rel) > 1 else root.resolve().name
-        for doc in chunk_text(_read(f)):
-            doc = doc.strip()
-            digest = hashlib.blake2b(doc.encode(), digest_size=16).digest()
-            if len(doc) >= _MIN_DOC_CHARS and digest not in seen:
-                seen.add(digest)
-                out.setdefault(source, []).append(doc)
+        out.setdefault(source, []).extend(d.strip() for d in chunk_text(_read(f)) if keep(d))
+    out = {src: docs for src, docs in out.items() if docs}  # a source of stubs only: none
     if not out:
         raise SystemExit(
             f"error: --text '{root}' holds no .txt or .md file with a document of at least "

@@ -172,6 +172,21 @@ def _adoptable(run_dir: Path, spec: dict) -> dict | None:
     return rec if rec.get("id") == spec["id"] else None
 
 
+def _record_orphans(study: Study, results: dict[str, Any], results_path: Path, echo: Any) -> int:
+    """Record every pending run whose worker finished after its runner was stopped
+    (:func:`_adoptable`), once, before any worker starts; returns how many."""
+    runs_root = REPO / study.runs_dir / study.name
+    found = 0
+    for spec in plan_runs(study, json.loads(json.dumps(results)))[0]:
+        if (rec := _adoptable(runs_root / spec["id"], spec)) is not None:
+            results["runs"][spec["id"]] = rec
+            found += 1
+            echo(f"recorded {spec['id']}: its worker had finished after its runner stopped")
+    if found:
+        write_json_atomic(results_path, results)
+    return found
+
+
 def _stop_workers(running: list[_Worker], echo: Any) -> None:
     """SIGTERM to every running worker (each saves its checkpoint), wait, one line each."""
     for w in running:
@@ -237,7 +252,8 @@ def execute(
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main_thread else None
     try:
-        finished = _loop(study, study_file, results, results_path, running, failed, durations,
+        finished = _record_orphans(study, results, results_path, echo)
+        finished += _loop(study, study_file, results, results_path, running, failed, durations,
                          t0=t0, jobs=jobs, gpus=gpus, deadline=deadline, max_runs=max_runs,
                          echo=echo, methods=methods, resume_later=resume_later)  # fmt: skip
     except KeyboardInterrupt:
@@ -319,12 +335,6 @@ def _loop(
         if len(running) < jobs and (max_runs is None or started < max_runs):
             left = None if deadline is None else deadline - elapsed
             spec = _startable(study, results, pending, runs_root, left, resume_later)
-        if spec is not None and (rec := _adoptable(runs_root / spec["id"], spec)) is not None:
-            results["runs"][spec["id"]] = rec
-            write_json_atomic(results_path, results)
-            finished += 1
-            echo(f"recorded {spec['id']}: its worker had finished after its runner stopped")
-            continue
         if spec is not None:
             gpu = gpus[slot % len(gpus)] if gpus else None
             slot += 1
