@@ -276,7 +276,7 @@ def test_estimate_memory_exits_1_when_no_plan_fits_the_gpu_mem(tmp_path, capsys)
     import json
 
     from poetxq.tools.cli import main
-    from poetxq.training.memory import plan_table
+    from poetxq.training.memory_table import plan_table
 
     out = tmp_path / "est.json"
     recipe = load_recipe(None)  # the embedded tiny recipe

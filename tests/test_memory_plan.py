@@ -295,7 +295,7 @@ def test_the_lowest_plan_predicts_llama_70b_within_the_one_gpu_targets(method, l
 
 
 def test_per_process_peaks_hold_the_whole_model_per_gpu_and_say_what_sharding_w0_would_leave():
-    from poetxq.training.memory import per_process_peaks
+    from poetxq.training.memory_table import per_process_peaks
 
     recipe = load_recipe("llama-70b:poetxq", {**_8B, "train.memory": "lowest"})
     two = per_process_peaks(recipe, 2)

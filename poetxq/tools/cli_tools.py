@@ -235,12 +235,8 @@ def run_tool(args: argparse.Namespace) -> int:
             parse_bytes,
         )
         from poetxq.training.estimate import estimate_memory
-        from poetxq.training.memory import (
-            estimation_recipe,
-            per_process_peaks,
-            plan_table,
-            resolve_memory_plan,
-        )
+        from poetxq.training.memory import estimation_recipe, resolve_memory_plan
+        from poetxq.training.memory_table import per_process_peaks, plan_table
         from poetxq.training.precision import run_precision
 
         gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None

@@ -166,7 +166,7 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
 
 
 def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
-    """The memory plans of :func:`poetxq.training.memory.plan_table` as text: predicted peak,
+    """The memory plans of :func:`poetxq.training.memory_table.plan_table` as text: predicted peak,
     what each costs (recomputation, a CUDA graph's pool, host memory and traffic per step) and,
     with ``gpu_mem``, whether ``train.memory: auto`` would count it as fitting."""
     from poetxq.training.memory import HEADROOM
@@ -190,7 +190,7 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
 
 def format_misfit(rows: list[dict[str, Any]], gpu_mem: int, named: str | None = None) -> str | None:
     """``estimate-memory --gpu-mem``'s last line where the run would not fit (the command then
-    exits 1), judged on :func:`poetxq.training.memory.plan_table`'s rows by ``train.memory:
+    exits 1), judged on :func:`poetxq.training.memory_table.plan_table`'s rows by ``train.memory:
     auto``'s rule: no plan fits ``gpu_mem`` bytes, or the plan ``named`` by ``--memory`` does
     not (the line names the plan ``auto`` would take). None where the run fits."""
     from poetxq.training.memory import HEADROOM
@@ -215,7 +215,7 @@ def format_misfit(rows: list[dict[str, Any]], gpu_mem: int, named: str | None = 
 
 def format_per_process(shared: dict[str, Any], gpu_mem: int | None = None) -> str:
     """``estimate-memory --processes N``'s lines for
-    :func:`poetxq.training.memory.per_process_peaks`: first, where several processes take
+    :func:`poetxq.training.memory_table.per_process_peaks`: first, where several processes take
     something away from the one-process estimate (its ``left_out`` and ``one_process_only``),
     one line that says so; then the per-GPU peak and what sharding ``W0`` would leave."""
     n, parts = shared["processes"], []
