@@ -128,8 +128,10 @@ def _paragraphs(*texts: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python evals/quality.py plan|run|report``; returns the exit status (errors in the study,
-    its corpus or its recipes end the program with one line and status 1)."""
+    """``python evals/quality.py plan|run|report``; returns the exit status: 0, 2 for bad input
+    (the study file, its corpus, its recipes, the results file or a flag: one ``error: ...``
+    line on stderr, as ``poetxq``'s commands), 130 when ``run`` was stopped by Ctrl-C or
+    SIGTERM."""
     ap = argparse.ArgumentParser(
         description=_paragraphs(
             "The quality study runner. `plan` lists the runs still to do (per method: why each "
@@ -192,6 +194,17 @@ def main(argv: list[str] | None = None) -> int:
                 "section of evals/results/parity_official_*.json)",
             )  # fmt: skip
     args = ap.parse_args(argv)
+    try:
+        return _command(args)
+    except SystemExit as exc:  # the one-line errors of the study, corpus, recipes and results
+        if not isinstance(exc.code, str):  # a status, not a message: not ours to reword
+            raise
+        print(exc.code, file=sys.stderr)
+        return 2
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the parsed command; bad input raises ``SystemExit`` with its one error line."""
     if args.cmd == "report":
         from evals.quality_report import render
 

@@ -168,7 +168,7 @@ def test_a_missing_corpus_file_is_one_line_naming_it_and_the_fix(corpus, tmp_pat
 
 def test_cli_paths_report_an_incomplete_corpus_in_one_line(corpus, tmp_path, capsys):
     """``quality.py plan`` / ``run`` and ``poetxq train --data`` on a corpus without its
-    tokenizer: one error line naming the file, a non-zero exit, no traceback."""
+    tokenizer: one error line naming the file, exit status 2 (bad input), no traceback."""
     import subprocess
     import sys
 
@@ -183,12 +183,13 @@ def test_cli_paths_report_an_incomplete_corpus_in_one_line(corpus, tmp_path, cap
         cwd=repo, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     err = proc.stderr.strip()
-    assert proc.returncode != 0 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert proc.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert "lacks tokenizer.json" in err and "prepare_offline_corpus.py" in err
-    with pytest.raises(SystemExit, match=r"lacks tokenizer\.json"):
-        quality_main(["run", str(study)])
-    assert not (tmp_path / "runs").exists()  # no worker started
     capsys.readouterr()
+    assert quality_main(["run", str(study)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks tokenizer.json" in err[0], err
+    assert not (tmp_path / "runs").exists()  # no worker started
     code = poetxq_main(["train", "--data", str(folder), "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "lacks tokenizer.json" in err[0], err
@@ -420,7 +421,7 @@ def test_help_explains_stopping_and_resuming(capsys):
     ("where", "bad"),
     [("grid", "optim.poet_lrr"), ("set", "poet.blok_size"), ("control", "poet.freeze_orthogonall")],
 )
-def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where, bad):
+def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where, bad, capsys):
     """A typo in a grid key, a method's knobs or a control (which has no pending run while its
     method tunes) is found when planning, before any worker starts."""
     from evals import quality, quality_plan, quality_worker
@@ -438,9 +439,8 @@ def test_a_bad_recipe_key_fails_plan_and_run_in_one_line(tmp_path, corpus, where
                                                       "grid": {"optim.lr": [1e-3]}}})  # fmt: skip
     method = "frozen" if where == "control" else "poetxq"
     for cmd in ("plan", "run"):
-        with pytest.raises(SystemExit) as err:
-            quality.main([cmd, str(study)])
-        msg = str(err.value)
+        assert quality.main([cmd, str(study)]) == 2
+        msg = capsys.readouterr().err.rstrip("\n")
         assert msg.startswith(f"error: study {study}: method {method} ") and "\n" not in msg
         assert f"unknown key '{bad}'" in msg
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results.json").exists()
@@ -537,15 +537,15 @@ def test_methods_starts_only_the_named_methods_runs(tmp_path, corpus, fake_worke
                   max_runs=None, methods=["qgalore"])  # fmt: skip
 
 
-def test_report_of_an_own_study_needs_out_and_says_its_own_command(tmp_path, corpus):
+def test_report_of_an_own_study_needs_out_and_says_its_own_command(tmp_path, corpus, capsys):
     """docs/QUALITY.md is the committed studies' report: another study's report needs --out,
     names the command that made it and leaves the repository's parity runs out."""
     from evals.quality import main
 
     study_file = _study(tmp_path, corpus.folder)
     before = (REPO / "docs" / "QUALITY.md").read_bytes()
-    with pytest.raises(SystemExit, match="error: report: --out is needed for a study outside"):
-        main(["report", str(study_file)])
+    assert main(["report", str(study_file)]) == 2
+    assert capsys.readouterr().err.startswith("error: report: --out is needed for a study outside")
     assert (REPO / "docs" / "QUALITY.md").read_bytes() == before
     out = tmp_path / "rep" / "report.md"
     assert main(["report", str(study_file), "--out", str(out)]) == 0
@@ -801,6 +801,30 @@ def test_a_study_file_mistake_is_one_line_naming_the_key(tmp_path, corpus, over,
         load_study(_study(tmp_path, corpus.folder, **over))
     msg = str(exc.value)
     assert msg.startswith("error: study ") and says in msg and "\n" not in msg, msg
+
+
+def test_bad_input_exits_2_with_one_error_line_on_stderr(tmp_path, corpus, capsys):
+    """plan, run and report refuse bad input (a study file mistake, a results file of another
+    study, an unknown --methods name) with status 2 and one ``error:`` line on stderr, as the
+    ``poetxq`` commands do; nothing on stdout, no worker started."""
+    from evals.quality import main
+
+    bad = _study(tmp_path, corpus.folder, tune_seed=[0])
+
+    def refused(*argv: str) -> str:
+        assert main(list(argv)) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
+        return err
+
+    for cmd in (["plan"], ["run"], ["report", "--out", str(tmp_path / "r.md")]):
+        assert "tune_seed: extra inputs are not permitted" in refused(*cmd, str(bad))
+    good = _study(tmp_path, corpus.folder)
+    methods = refused("run", str(good), "--methods", "qgalore")
+    assert "--methods: qgalore not in the study" in methods
+    (tmp_path / "results.json").write_text(json.dumps({"study": {"name": "other"}, "runs": {}}))
+    assert "belongs to another study" in refused("plan", str(good))
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "r.md").exists()
 
 
 def test_a_study_corpus_builds_from_your_own_text(tmp_path, capsys):
