@@ -61,18 +61,16 @@ __all__ = ["format_plan", "main"]
 def format_plan(
     study: Study, pending: list[dict], state: dict[str, Any], recipes: dict[str, Recipe]
 ) -> list[str]:
-    """``plan``'s lines: per method and control its state, then its pending runs, each with its
-    place in the start order, why it is pending, its optimizer steps and training tokens.
+    """``plan``'s lines: per method and control its state, then the pending runs in the order
+    ``run`` starts them (:func:`plan_runs`' order, the methods in turn), each with why it is
+    pending, its optimizer steps and training tokens.
 
     Args:
         pending, state: from :func:`plan_runs`.
         recipes: ``{run id: recipe}`` for ``pending`` (:func:`check_runs`).
     """
-    order = {p["id"]: n for n, p in enumerate(pending, 1)}
     lines: list[str] = []
-    total = 0
     for name in [*study.methods, *study.controls]:
-        runs = [p for p in pending if p["method"] == name]
         if name in study.methods:
             st = state[name]
             size = math.prod(len(v) for v in study.methods[name].grid.values())
@@ -89,21 +87,22 @@ def format_plan(
                 if state[like]["tuned"]
                 else f"control, waits until {like} is tuned"
             )
-        lines.append(f"{name}: {head}; {len(runs)} run(s) pending")
-        width = max((len(p["id"]) for p in runs), default=0)
-        for p in runs:
-            tc = recipes[p["id"]].train
-            steps = tc.max_steps
-            tokens = steps * tc.batch_size * tc.grad_accum * tc.seq_len
-            total += tokens
-            lines.append(
-                f"  [{order[p['id']]}] {p['id']:<{width}}  {steps} steps, {_tokens(tokens)} "
-                f"tokens  {p['why']}"
-            )
-    lines.append(
-        f"{len(pending)} run(s) pending, {_tokens(total)} training tokens; `run` starts them in "
-        "the [order] shown (methods in turn)"
-    )
+        runs = sum(p["method"] == name for p in pending)
+        lines.append(f"{name}: {head}; {runs} run(s) pending")
+    width = max((len(p["id"]) for p in pending), default=0)
+    places = len(f"[{len(pending)}]")
+    total = 0
+    for n, p in enumerate(pending, 1):
+        tc = recipes[p["id"]].train
+        steps = tc.max_steps
+        tokens = steps * tc.batch_size * tc.grad_accum * tc.seq_len
+        total += tokens
+        lines.append(
+            f"  {f'[{n}]':<{places}} {p['id']:<{width}}  {steps} steps, {_tokens(tokens)} "
+            f"tokens  {p['why']}"
+        )
+    order = "; `run` starts them in this order (the methods in turn)" if pending else ""
+    lines.append(f"{len(pending)} run(s) pending, {_tokens(total)} training tokens{order}")
     return lines
 
 
@@ -134,16 +133,17 @@ def main(argv: list[str] | None = None) -> int:
     SIGTERM."""
     ap = argparse.ArgumentParser(
         description=_paragraphs(
-            "The quality study runner. `plan` lists the runs still to do (per method: why each "
-            "is pending, its steps and tokens), `run` runs them, `report` renders "
-            "docs/QUALITY.md from the results.",
+            "The quality study runner. `plan` lists the runs still to do in the order `run` "
+            "starts them (why each is pending, its steps and tokens), `run` runs them, `report` "
+            "renders docs/QUALITY.md from the results.",
             _RESUME,
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     for cmd, text in (
-        ("plan", "list the runs still to do: per method, why each is pending, steps and tokens"),
+        ("plan", "list the runs still to do in the order `run` starts them: why each is "
+                 "pending, steps and tokens"),
         ("run", "run the pending runs (stops cleanly at --deadline / --max-runs; run again to "
                 "resume)"),
         ("report", "render docs/QUALITY.md from the results"),

@@ -315,21 +315,26 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
                 if run_id(name, best, s) not in done:
                     why = f"control at {c.like}'s best point, seed {s}"
                     pending.append(_spec(study, name, c.recipe, best, s, extra, why))
-    return _unique(_round_robin(pending)), state
+    return _unique(_in_turn(pending, done)), state
 
 
-def _round_robin(specs: list[dict]) -> list[dict]:
-    """Interleave the methods (first run of each, then second...), so a study stopped early has
-    tuned every method about as far."""
-    by: dict[str, list[dict]] = {}
+def _in_turn(specs: list[dict], done: dict[str, Any]) -> list[dict]:
+    """The methods in turn, so a study stopped early has tuned every method about as far: a
+    run's place is the number of its method's runs before it, finished ones included (ties in
+    the study's order of methods and controls). Counting the finished runs keeps the order as
+    runs finish: the runner plans again after each and starts the first pending run, which
+    with pending runs alone counted is the first method's next one, every time."""
+    count: dict[str, int] = {}
+    for rec in done.values():
+        if isinstance(rec, dict) and "method" in rec:
+            count[rec["method"]] = count.get(rec["method"], 0) + 1
+    methods = list(dict.fromkeys(s["method"] for s in specs))
+    keyed = []
     for s in specs:
-        by.setdefault(s["method"], []).append(s)
-    out: list[dict] = []
-    while any(by.values()):
-        for queue in by.values():
-            if queue:
-                out.append(queue.pop(0))
-    return out
+        place = count.get(s["method"], 0)
+        count[s["method"]] = place + 1
+        keyed.append((place, methods.index(s["method"]), s))
+    return [s for *_, s in sorted(keyed, key=lambda k: k[:2])]
 
 
 def _unique(specs: list[dict]) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -355,7 +356,9 @@ def test_a_new_run_starts_only_when_its_method_typical_time_fits(tmp_path, corpu
     )
 
 
-def test_plan_shows_why_each_run_is_pending_grouped_by_method(tmp_path, corpus, capsys):
+def test_plan_shows_each_method_then_why_each_run_is_pending_in_start_order(
+    tmp_path, corpus, capsys
+):
     from evals.quality import main
 
     frozen = {"recipe": "poetxq", "like": "poetxq", "set": {"poet.freeze_orthogonal": True}}
@@ -377,27 +380,87 @@ def test_plan_shows_why_each_run_is_pending_grouped_by_method(tmp_path, corpus, 
     fake("adamw", {"optim.lr": 1e-3}, 28.0)
     out = plan()
     assert out[0] == "poetxq: tuning, 3 points (2 grid + 1 edge extensions); 1 run(s) pending"
+    assert out[1] == "adamw: tuning, 2 points (2 grid + 0 edge extensions); 1 run(s) pending"
+    assert out[2] == "frozen: control, waits until poetxq is tuned; 0 run(s) pending"
+    # adamw has run fewer points than poetxq: its turn comes first
+    assert out[3].split()[:2] == ["[1]", run_id("adamw", {"optim.lr": 2e-3}, 0)]
+    assert out[3].endswith("6 steps, 768 tokens  grid point")
     ext = run_id("poetxq", {"optim.poet_lr": 0.016}, 0)
-    assert out[1].split() == [
-        "[1]", ext, "6", "steps,", "768", "tokens", "edge", "extension:", "best", "point",
+    assert out[4].split() == [
+        "[2]", ext, "6", "steps,", "768", "tokens", "edge", "extension:", "best", "point",
         "optim.poet_lr=0.008", "is", "on", "the", "high", "edge", "of", "optim.poet_lr",
     ]  # fmt: skip
-    assert out[2] == "adamw: tuning, 2 points (2 grid + 0 edge extensions); 1 run(s) pending"
-    assert out[3].split()[:2] == ["[2]", run_id("adamw", {"optim.lr": 2e-3}, 0)]
-    assert out[3].endswith("6 steps, 768 tokens  grid point")
-    assert out[4] == "frozen: control, waits until poetxq is tuned; 0 run(s) pending"
-    assert out[5].startswith("2 run(s) pending, 1,536 training tokens;")
+    assert out[5] == (
+        "2 run(s) pending, 1,536 training tokens; `run` starts them in this order (the methods "
+        "in turn)"
+    )
     fake("poetxq", {"optim.poet_lr": 0.016}, 26.0)  # 8e-3 is interior now: tuned
     fake("adamw", {"optim.lr": 2e-3}, 29.0)
     fake("adamw", {"optim.lr": 5e-4}, 29.5)  # 1e-3 is interior
     out = plan()
     best = {"optim.poet_lr": 8e-3}
     assert out[0] == "poetxq: tuned, best point optim.poet_lr=0.008; 1 run(s) pending"
-    assert out[1].split()[1] == run_id("poetxq", best, 1)
-    assert out[1].endswith("final seed 1 at the best point")
-    assert out[4] == "frozen: control at poetxq's best point; 2 run(s) pending"
-    assert [ln.split()[1] for ln in out[5:7]] == [run_id("frozen", best, s) for s in (0, 1)]
-    assert out[5].endswith("control at poetxq's best point, seed 0")
+    assert out[2] == "frozen: control at poetxq's best point; 2 run(s) pending"
+    assert [ln.split()[1] for ln in out[3:7]] == [
+        run_id("frozen", best, 0), run_id("frozen", best, 1), run_id("poetxq", best, 1),
+        run_id("adamw", {"optim.lr": 1e-3}, 1),
+    ]  # fmt: skip
+    assert out[3].endswith("control at poetxq's best point, seed 0")
+    assert out[5].endswith("final seed 1 at the best point")
+
+
+class _InstantWorker:
+    """A worker of :mod:`evals.quality_runner` that has finished when it starts (in-process: it
+    writes its ``result.json`` at once), for testing the runner's scheduling alone."""
+
+    class _Done:
+        returncode = 0
+
+        def poll(self) -> int:
+            return 0
+
+        def wait(self) -> int:
+            return 0
+
+    def __init__(self, spec: dict, study_file: Path, run_dir: Path, gpu: str | None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        rec = {"id": spec["id"], "method": spec["method"], "diverged": None, "tune_ppl": 20.0,
+               "test_ppl": 21.0, "train_seconds": 1.0}  # fmt: skip
+        (run_dir / "result.json").write_text(json.dumps(rec))
+        self.spec, self.run_dir, self.gpu, self.proc = spec, run_dir, gpu, self._Done()
+        self.log = (run_dir / "worker.log").open("a")
+        self.start = time.monotonic()
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_plan_lists_the_runs_in_the_order_run_starts_them(tmp_path, corpus, monkeypatch,
+                                                          capsys, jobs):  # fmt: skip
+    """The [n] order ``plan`` prints is the order in which ``run`` starts the runs: the methods
+    in turn, counted with the runs already finished (one poetxq run here), however many run
+    at a time."""
+    import evals.quality_runner as q
+    from evals.quality import main
+
+    grids = {"poetxq": {"recipe": "poetxq", "set": {"poet.block_size": 32},
+                        "grid": {"optim.poet_lr": [4e-3, 8e-3, 1.6e-2]}},
+             "adamw": {"recipe": "adamw", "grid": {"optim.lr": [1e-3, 2e-3, 4e-3]}}}  # fmt: skip
+    study_file = _study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0], methods=grids)
+    first = run_id("poetxq", {"optim.poet_lr": 4e-3}, 0)
+    done = {"id": first, "method": "poetxq", "diverged": None, "tune_ppl": 30.0,
+            "test_ppl": 31.0, "train_seconds": 1.0}  # fmt: skip
+    results = {"study": {"name": "tiny"}, "runs": {first: done}}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert main(["plan", str(study_file)]) == 0
+    planned = [ln.split()[1] for ln in capsys.readouterr().out.splitlines()
+               if ln.startswith("  [")]  # fmt: skip
+    assert len(planned) == 5 and planned[0].startswith("adamw__")  # adamw's turn: none run yet
+    monkeypatch.setattr(q, "_Worker", _InstantWorker)
+    lines: list[str] = []
+    study = load_study(study_file)
+    q.execute(study, study_file, Path(study.results), jobs=jobs, gpus=None, deadline=None,
+              max_runs=None, echo=lines.append)  # fmt: skip
+    started = [ln.split()[1] for ln in lines if ln.startswith("start ")]
+    assert started == planned, lines
 
 
 def test_help_explains_stopping_and_resuming(capsys):
