@@ -163,6 +163,7 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             + " | best setting (effective lr) | trials | steps | epochs | tok/s (no eval) "
             "| peak GiB | tune − train (nats) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    host_rss = False  # a row shows a CPU run's host RSS instead of a CUDA peak
     for name, row in summary.items():
         like = study.controls[name].like if name in study.controls else name
         trials = len(state.get(like, {}).get("points", [])) * len(study.tune_seeds)
@@ -197,18 +198,24 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
         if row.get("diverged"):
             ppl = "; ".join(x for x in (ppl, f"diverged ({len(row['diverged'])} seed(s))") if x)
         ppl = ppl or "not run yet"
+        peak = _f(mean_of("peak_memory_gib"))
+        if mean_of("peak_memory_gib") is None and (rss := mean_of("peak_rss_gib")) is not None:
+            peak, host_rss = f"{_f(rss)} host RSS", True  # a CPU run: no CUDA peak
         out.append(
             f"| {name} | {ppl} | {len(recs)} | {row.get('vs_reference', '—')} | {eff} | {trials} "
             f"| {first.get('steps', '')} | {_f(first.get('epochs'))} "
             f"| {_f(mean_of('tokens_per_s'), 0)} "
-            f"| {_f(mean_of('peak_memory_gib'))} | {_f(mean_of('train_tune_gap_nats'), 3)} |"
+            f"| {peak} | {_f(mean_of('train_tune_gap_nats'), 3)} |"
         )
     out += ["", f"“{study.reference} is” reads: {study.reference} (the reference) is better / "
             "worse / tied against this row's method "
             "(paired over seeds: better only if the mean difference exceeds two standard errors "
             "and has the same sign on every seed). tok/s is each run's own, measured while "
             "others shared the machine (the results file's note says how many): it compares runs, "
-            "not methods' speed; `evals/results/throughput_*` do that.", ""]  # fmt: skip
+            "not methods' speed; `evals/results/throughput_*` do that."
+            + (" Peak GiB is the CUDA allocator's peak; marked host RSS (a CPU run), the "
+               "worker process's peak resident set size, Python, torch and the data included: "
+               "not comparable with a GPU's number." if host_rss else ""), ""]  # fmt: skip
     if edges := _edge_notes(study, state):
         out += ["**Best point on the edge of what was tried** (the grid was not extended "
                 f"further: `max_extend` {study.max_extend} reached): " + "; ".join(edges) + ".",

@@ -36,7 +36,7 @@ from poetxq.data.corpus import CorpusError, TokenCorpus, pack_windows, token_dat
 from poetxq.training.checkpoint import latest_checkpoint, load_model_tensors  # noqa: E402
 from poetxq.training.evaluate import evaluate_perplexity  # noqa: E402
 from poetxq.training.recipe import POET_METHODS, Recipe  # noqa: E402
-from poetxq.training.train import DivergedError, train  # noqa: E402
+from poetxq.training.train import DivergedError, TrainResult, train  # noqa: E402
 
 
 def effective_lrs(recipe: Recipe) -> dict[str, float]:
@@ -214,6 +214,19 @@ def score(
     return out
 
 
+def memory_peaks(res: TrainResult) -> dict[str, float | None]:
+    """A run's peak memory for its record (GiB): ``peak_memory_gib``, the CUDA allocator's peak
+    (None on a CPU); without it, ``peak_rss_gib``: the worker's peak resident set size on the
+    host up to the end of training (``ru_maxrss``: the whole process, Python, torch and the data
+    included; a resumed run's last call only), which the report labels as host RSS."""
+    out: dict[str, float | None] = {
+        "peak_memory_gib": None if res.peak_memory_bytes is None else res.peak_memory_bytes / 2**30
+    }
+    if res.peak_memory_bytes is None and res.peak_rss_bytes is not None:
+        out["peak_rss_gib"] = res.peak_rss_bytes / 2**30
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train and score the run in ``argv[1]`` (``[STUDY.yaml, RUN_DIR]``); returns the exit
     status (0 done, 3 stopped by a signal, 2 a damaged or incomplete corpus: one line)."""
@@ -259,9 +272,7 @@ def _run(argv: list[str]) -> int:
             "final_train_loss": res.final_train_loss,
             "tokens_per_s": res.tokens_per_s,
             "train_seconds": res.train_seconds,
-            "peak_memory_gib": (
-                None if res.peak_memory_bytes is None else res.peak_memory_bytes / 2**30
-            ),
+            **memory_peaks(res),
             "merges": res.merges,
             "device": res.device,
             "resumed_from": res.resumed_from,

@@ -651,6 +651,7 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
         assert "scoring tune split: " in log and "scoring train sample: " in log
         assert "scoring test split: " in log and "max_test_tokens 640)" in log
         assert math.isfinite(rec["train_tune_gap_nats"])
+        assert rec["peak_memory_gib"] is None and rec["peak_rss_gib"] > 0  # a CPU run
     poet = results["runs"][run_id("poetxq", {"optim.poet_lr": 4e-3}, 0)]
     assert poet["effective_lr"]["orthogonal_Q"] == pytest.approx(2e-3)
     assert poet["merges"] == 1 and poet["settings"]["grad_clip"] == 1.0
@@ -795,6 +796,43 @@ def test_a_diverged_seed_is_reported_as_diverged_not_averaged(tmp_path, corpus):
     row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
                if ln.startswith("| wide |"))  # fmt: skip
     assert "| 31.00 ± –; diverged (1 seed(s)) | 2 |" in row
+
+
+def test_a_cpu_run_reports_its_host_rss_peak_labelled_as_such(tmp_path, corpus):
+    """A CPU run has no CUDA peak: its record carries the worker's peak RSS (the trainer's
+    peak_rss_bytes) and the report's peak column shows it marked host RSS, with a note saying
+    what that is; a GPU run's record and row keep the CUDA peak alone."""
+    from evals.quality_report import render
+    from evals.quality_worker import memory_peaks
+    from poetxq.training.train import TrainResult
+
+    def summary(cuda: int | None, rss: int | None) -> TrainResult:
+        return TrainResult(run_dir="r", steps=6, tokens=768, initial_val_ppl=500.0,
+                           final_val_ppl=30.0, unigram_val_ppl=400.0, final_train_loss=3.4,
+                           tokens_per_s=900.0, train_seconds=1.0, merges=1, device="cpu fp32",
+                           peak_memory_bytes=cuda, peak_rss_bytes=rss)  # fmt: skip
+
+    cpu, gpu = memory_peaks(summary(None, 3 * 2**29)), memory_peaks(summary(2**31, 3 * 2**29))
+    assert cpu == {"peak_memory_gib": None, "peak_rss_gib": 1.5}
+    assert gpu == {"peak_memory_gib": 2.0}
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0]))
+    results: dict = {"runs": {}}
+    for method, key, values, peaks in (("poetxq", "optim.poet_lr", (4e-3, 8e-3), cpu),
+                                       ("adamw", "optim.lr", (1e-3, 2e-3), gpu)):  # fmt: skip
+        for v, ppl in zip(values, (30.0, 29.0), strict=True):
+            rid = run_id(method, {key: v}, 0)
+            results["runs"][rid] = {"id": rid, "method": method, "seed": 0, "params": {key: v},
+                                    "tune_ppl": ppl, "test_ppl": ppl, **peaks}  # fmt: skip
+    render([(study, results)], tmp_path / "QUALITY.md")
+    text = (tmp_path / "QUALITY.md").read_text()
+    rows = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert rows["| poetxq"].endswith("| 1.50 host RSS | – |")
+    assert rows["| adamw"].endswith("| 2.00 | – |")
+    assert "marked host RSS (a CPU run), the worker process's peak resident set size" in text
+    del results["runs"][run_id("poetxq", {"optim.poet_lr": 8e-3}, 0)]["peak_rss_gib"]
+    render([(study, results)], tmp_path / "QUALITY.md")  # no peak known: no note either
+    text = (tmp_path / "QUALITY.md").read_text()
+    assert "| – | – |" in text and "host RSS" not in text
 
 
 def test_the_val_curve_has_one_point_per_step(tmp_path):
