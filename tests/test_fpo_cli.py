@@ -66,7 +66,7 @@ def test_fpo_adapt_command_adapts_the_targets_and_saves_a_loadable_model(
                        "--ood-data", "pydoc")  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "targets: 3" in text and "fpo-adapt (fpo): layers 3, adamw lr" in text
+    assert "targets: 3" in text and "fpo-adapt (fpo): the MLPs of layers 3, adamw lr" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layers"] == [3] and summary["steps"] == 3
     assert summary["first"]["step"] == 0 and summary["last"]["step"] == 3
@@ -138,13 +138,20 @@ def test_fpo_adapt_on_an_int8_base_saves_a_dense_transformers_model(
 
 @pytest.mark.parametrize("method", ["sft-partial", "full"])
 def test_fpo_adapt_runs_the_autograd_references(
-    method, checkpoint, tmp_path, monkeypatch, cpu_only
+    method, checkpoint, tmp_path, monkeypatch, cpu_only, capsys
 ):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / method
     argv = _adapt_argv(checkpoint, out, "--layers", "-1", "--lr", "1e-3", "--steps", "2",
                        "--method", method)  # fmt: skip
     assert main(argv) == 0
+    # the start line says what is trained: full fine-tuning trains every layer, not layer 3
+    trained = {
+        "sft-partial": "the MLPs of layers 3",
+        "full": "every parameter (all 4 layers, the embeddings and the LM head)",
+    }
+    start = f"fpo-adapt ({method}): {trained[method]}, adamw lr 0.001, "
+    assert start in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == method and summary["peak_memory_bytes"] is None  # CPU
     adapted = AutoModelForCausalLM.from_pretrained(str(out / "model"))
@@ -214,7 +221,7 @@ def test_fpo_adapt_resume_keeps_the_run_settings_and_skips_the_diagnosis(
     assert main(_adapt_argv(checkpoint, out, "--steps", "2", "--resume")) == 0
     text = capsys.readouterr().out
     assert "targets:" not in text and f"resumed '{out}' at step 1 of 2" in text
-    assert "layers 3, adamw lr" in text
+    assert "the MLPs of layers 3, adamw lr" in text
     assert main(_adapt_argv(checkpoint, out, "--steps", "2", "--resume")) == 0
     assert "already finished at step 2; nothing to do" in capsys.readouterr().out
     stale = tmp_path / "stale"

@@ -61,3 +61,20 @@ def test_full_fine_tuning_moves_every_parameter():
     assert adapter.target_numel() == sum(p.numel() for p in model.parameters())
     adapter.step(*_batch())
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_each_adapter_says_what_it_trains():
+    """The start line's words: FPO and SFT-partial train the target layers' MLPs, full fine-tuning
+    every parameter of every layer (on a low-bit base all but the frozen linears)."""
+    from poetxq.adapt.lowbit import freeze_low_bit
+
+    assert FPOAdapter(_tiny(), [1, 2], lr=1e-3).trained() == "the MLPs of layers 1,2"
+    assert AutogradAdapter(_tiny(), [2], lr=1e-3).trained() == "the MLPs of layers 2"
+    full = AutogradAdapter(_tiny(), [2], lr=1e-3, mode="full")
+    assert full.trained() == "every parameter (all 3 layers, the embeddings and the LM head)"
+    model = _tiny()
+    freeze_low_bit(model, [2], 8)
+    assert AutogradAdapter(model, [2], lr=1e-3, mode="full").trained() == (
+        "every parameter but the 18 linears frozen in low bits (all 3 layers, the embeddings and "
+        "the LM head)"
+    )

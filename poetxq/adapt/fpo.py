@@ -362,6 +362,10 @@ class FPOAdapter:
         """Number of adapted weights (elements of the target matrices)."""
         return sum(p.numel() for p in self.params.values())
 
+    def trained(self) -> str:
+        """What this adapter trains, for the start line: the target layers' MLPs."""
+        return f"the MLPs of layers {','.join(map(str, self.layers))}"
+
     @torch.no_grad()
     def pseudo_grads(
         self, input_ids: torch.Tensor, labels: torch.Tensor

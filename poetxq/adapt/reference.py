@@ -84,3 +84,17 @@ class AutogradAdapter(FPOAdapter):
     def target_numel(self) -> int:
         """Number of adapted weights."""
         return sum(p.numel() for p in self.params.values())
+
+    def trained(self) -> str:
+        """What this adapter trains, for the start line: the target layers' MLPs (``partial``)
+        or every parameter of the model (``full``; all but the linears frozen in low bits)."""
+        if self.mode == "partial":
+            return super().trained()
+        from poetxq.adapt.lowbit import FrozenLinear
+
+        frozen = sum(isinstance(m, FrozenLinear) for m in self.model.modules())
+        but = f" but the {frozen} linears frozen in low bits" if frozen else ""
+        return (
+            f"every parameter{but} (all {len(self.parts.layers)} layers, the embeddings and "
+            "the LM head)"
+        )

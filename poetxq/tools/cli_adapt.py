@@ -440,8 +440,7 @@ def run_adapt(args: argparse.Namespace) -> int:
 
         mode = "full" if args.method == "full" else "partial"
         adapter = AutogradAdapter(model, targets, mode=mode, **settings)
-    print(f"fpo-adapt ({args.method}): layers {','.join(map(str, adapter.layers))}, "
-          f"{args.optimizer} lr {lr:.3g}, "
+    print(f"fpo-adapt ({args.method}): {adapter.trained()}, {args.optimizer} lr {lr:.3g}, "
           f"{adapter.target_numel():,} adapted weights")  # fmt: skip
     cfg = LoopConfig(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
                      eval_batches=args.eval_batches, save_every=args.save_every,
