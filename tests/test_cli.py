@@ -994,6 +994,22 @@ def test_a_mistyped_flag_gets_the_command_s_usage_and_the_closest_option(capsys)
     )
 
 
+@pytest.mark.parametrize("argv", [["--method", "foo"], ["llama-60m:poetxq", "--method=qgalor"]])
+def test_validate_method_names_the_valid_methods_not_set(capsys, argv):
+    """`poetxq validate --method X`: validate has no --method, and the closest option (--set)
+    is no answer; the error says where the method goes and lists the valid names."""
+    from poetxq.training.recipe import METHODS
+
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", *argv])
+    assert exc.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("poetxq validate: error: --method: validate has no such flag; name ")
+    assert "did you mean --set" not in line
+    assert "MODEL:METHOD (METHOD one of adamw, apollo, galore, poetx, poetxq, poetxq-fs, " in line
+    assert f"--set method=NAME (NAME one of {', '.join(METHODS)})" in line
+
+
 @pytest.mark.parametrize("named", [True, False])
 def test_an_abort_before_the_first_checkpoint_takes_its_folder_back(
     tmp_path, capsys, monkeypatch, named

@@ -30,7 +30,7 @@ from poetxq.tools.cli_common import (
 )
 from poetxq.tools.cli_train import run_train
 from poetxq.tools.cli_train_flags import add_train_parsers
-from poetxq.training.recipe import POET_METHODS, RecipeError, run_label
+from poetxq.training.recipe import METHODS, POET_METHODS, RecipeError, run_label
 from poetxq.training.recipe_files import load_recipe, parse_override, recipes_dir
 
 
@@ -269,6 +269,8 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str
 
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     cmd_parser = sub.choices[command]
+    if command == "validate" and any(a.split("=", 1)[0] == "--method" for a in extra):
+        cmd_parser.error(_validate_method_hint())
     options = [o for a in cmd_parser._actions for o in a.option_strings]
     hints = []
     for arg in extra:
@@ -278,6 +280,18 @@ def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str
     hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
     cmd_parser.error(
         f"unrecognized arguments: {' '.join(extra)}{hint}; see poetxq {command} --help"
+    )
+
+
+def _validate_method_hint() -> str:
+    """What ``validate --method`` should be (validate has no such flag; the closest option,
+    ``--set``, would be no answer): the method named in each RECIPE, or ``--set method=``."""
+    files = sorted(p.stem for p in (recipes_dir() / "methods").glob("*.yaml"))
+    return (
+        "--method: validate has no such flag; name the method in each RECIPE as MODEL:METHOD "
+        f"(METHOD one of {', '.join(files) or 'the files of recipes/methods/'}; e.g. "
+        "llama-60m:adamw), or "
+        f"override a recipe file's with --set method=NAME (NAME one of {', '.join(METHODS)})"
     )
 
 
