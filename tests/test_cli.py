@@ -109,6 +109,20 @@ def test_block_size_too_large(tmp_path, capsys):
     assert "block_size" in _one_error_line(capsys)
 
 
+def test_a_huge_seq_len_is_one_error_line_before_anything_is_printed(tmp_path, capsys):
+    """A --seq-len no split can hold a window of is refused before the recipe's notes (the
+    model built with that many positions) and the data lines: one error line, exit 2."""
+    out = tmp_path / "out"
+    assert main(["train", "--seq-len", "100000000", "--output-dir", str(out)]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and err == (
+        "poetxq: error: validation split keeps at most 32,768 tokens (data.max_val_tokens), "
+        "fewer than seq_len + 1 = 100,000,001; use a shorter seq_len, or data that long and "
+        "data.max_val_tokens of at least 100,000,001\n"
+    )
+    assert not out.exists()
+
+
 def test_seq_len_above_max_positions_is_a_printed_note(tmp_path, capsys):
     code = _run(tmp_path, "--set", "model.max_position_embeddings=16", "--max-steps", "1",
                 "--run-name", "long")  # fmt: skip

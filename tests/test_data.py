@@ -222,6 +222,42 @@ def test_seq_len_too_long_for_val(tmp_path: Path) -> None:
         prepare_data(cfg, 128, progress=False)
 
 
+def test_check_data_refuses_a_seq_len_no_split_can_hold(tmp_path: Path) -> None:
+    """check_data (before the trainer prints anything): a window of seq_len + 1 tokens longer
+    than a split's cap (data.max_train_tokens / max_val_tokens) or, for a token corpus, than a
+    split in its manifest is one line; a window that just fits passes, and packs."""
+    from poetxq.data import check_data
+    from poetxq.data.corpus import write_token_corpus
+    from poetxq.data.tokenizer import train_bpe
+
+    with pytest.raises(DataError) as exc:
+        check_data(DataConfig(source="pydoc", max_val_tokens=100), 128)
+    assert str(exc.value) == (
+        "validation split keeps at most 100 tokens (data.max_val_tokens), fewer than seq_len + "
+        "1 = 129; use a shorter seq_len, or data that long and data.max_val_tokens of at least 129"
+    )
+    with pytest.raises(DataError, match=r"^training split keeps at most 50 tokens \(data\.max_"):
+        check_data(DataConfig(source="pydoc", max_train_tokens=50), 64)
+    check_data(DataConfig(source="pydoc", max_val_tokens=100), 99)  # one window of 100 fits
+    enc = train_bpe(DOCS, 300, progress=False)
+    ids = {"train": {"a": enc.encode_batch(DOCS[:30])},
+           "tune": {"a": enc.encode_batch(DOCS[30:35])},
+           "test": {"a": enc.encode_batch(DOCS[35:])}}  # fmt: skip
+    write_token_corpus(tmp_path / "c", enc.tokenizer, enc.eos_id, ids)
+    tune = sum(len(d) + 1 for d in ids["tune"]["a"])  # each document ends with EOS
+    cfg = DataConfig(source=str(tmp_path / "c"))
+    with pytest.raises(DataError) as exc:
+        check_data(cfg, tune)
+    assert str(exc.value) == (
+        f"validation (tune) split of {tmp_path / 'c'} has {tune:,} tokens, fewer than seq_len + "
+        f"1 = {tune + 1:,}; use a shorter seq_len or more data"
+    )
+    with pytest.raises(DataError, match=r"^training split of .* has 20 tokens, fewer than"):
+        check_data(DataConfig(source=str(tmp_path / "c"), max_train_tokens=20), 20)
+    check_data(cfg, tune - 1)
+    assert prepare_data(cfg, tune - 1).val.shape == (1, tune)
+
+
 def test_cache_dir_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "envcache"))
     cfg = DataConfig(source="pydoc", vocab_size=300, val_fraction=0.1, max_train_tokens=2000)

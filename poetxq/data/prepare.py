@@ -49,20 +49,45 @@ def _token_corpus_data(cfg: DataConfig, seq_len: int) -> TokenData | None:
 
 def check_data(cfg: DataConfig, seq_len: int) -> None:
     """The checks of :func:`prepare_data` that read no text: ``seq_len``, the source (a local
-    path that exists, files of a supported type, not all of them empty; an ``hf:`` name) and
-    the tokenizer named. Cheap (file names and sizes only), so a run can refuse bad input in one
-    line before it prints anything else.
+    path that exists, files of a supported type, not all of them empty; an ``hf:`` name), the
+    tokenizer named, and whether a window of ``seq_len + 1`` tokens can fit each split (a token
+    corpus's split sizes from its manifest; else the ``data.max_train_tokens`` /
+    ``data.max_val_tokens`` caps). Cheap (file names and sizes, a manifest), so a run can refuse
+    bad input in one line before it prints anything else.
 
     Raises:
         DataError: one line naming the problem and what to pass instead.
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be at least 1, got {seq_len}")
+    width = seq_len + 1
     if is_token_corpus(cfg.source):
         _check_corpus_tokenizer(cfg)
+        path = Path(cfg.source.strip()).expanduser()
+        try:
+            splits = TokenCorpus.open(path).manifest["splits"]
+        except CorpusError as exc:
+            raise DataError(str(exc)) from None
+        train = splits["train"]["tokens"]
+        if cfg.max_train_tokens is not None:
+            train = min(train, cfg.max_train_tokens)
+        for split, n in (("training", train), ("validation (tune)", splits["tune"]["tokens"])):
+            if n < width:
+                raise DataError(
+                    f"{split} split of {path} has {n:,} tokens, fewer than seq_len + 1 = "
+                    f"{width:,}; use a shorter seq_len or more data"
+                )
         return
     resolve_source(cfg)
     resolve_tokenizer(cfg)
+    for split, key in (("training", "max_train_tokens"), ("validation", "max_val_tokens")):
+        cap = getattr(cfg, key)
+        if cap is not None and cap < width:  # the split keeps at most cap tokens
+            raise DataError(
+                f"{split} split keeps at most {cap:,} tokens (data.{key}), fewer than seq_len + 1 "
+                f"= {width:,}; use a shorter seq_len, or data that long and data.{key} of at "
+                f"least {width:,}"
+            )
 
 
 def prepare_data(cfg: DataConfig, seq_len: int, *, progress: bool = True) -> TokenData:
