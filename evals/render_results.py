@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             *throughput_chart(img),
             *tokens_table(current("throughput_1b"), "### Llama-1B, every method"),
             *tokens_table(current("throughput_3b"), "### Llama-3B, every method"),
+            *tokens_table(current("throughput_1b", "h100"), "### Llama-1B on an H100"),
+            *tokens_table(current("throughput_3b", "h100"), "### Llama-3B on an H100"),
             *gpu_time_table(
                 "throughput_1b_profiled_h200_daf8277.json",
                 "### Where the GPU time of a Llama-1B step goes (seq 256, torch.profiler)",
@@ -129,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 "fused",
             ),
         ],
-        kernel_targets_section() + slab_gemms() + cnp_hybrid(),
+        kernel_targets_section()
+        + kernel_targets_section(current("kernel_targets", "h100"), "on an H100")
+        + slab_gemms()
+        + cnp_hybrid(),
         multi_gpu(),
     ]
     lines = [

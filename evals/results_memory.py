@@ -144,9 +144,9 @@ SLAB_GEMM_COLUMNS = (
 )
 
 
-def kernel_targets_section(name: str | None = None) -> list[str]:
-    """Issue 3's targets from one run (default: the current one), each beside its floor
-    (``evals/kernel_targets.py``)."""
+def kernel_targets_section(name: str | None = None, card: str = "") -> list[str]:
+    """Issue 3's targets from one run (default: the current H200 one), each beside its floor
+    (``evals/kernel_targets.py``); ``card`` ends the heading (``"on an H100"``)."""
     import kernel_targets
 
     name = name or current("kernel_targets")
@@ -154,9 +154,8 @@ def kernel_targets_section(name: str | None = None) -> list[str]:
     if d is None:
         return []
     d["targets"] = kernel_targets.targets(d)
-    text = kernel_targets.render(
-        d, f"evals/results/{name}", heading="## Kernel targets in one run", profile=False
-    )
+    heading = f"## Kernel targets in one run {card}".strip()
+    text = kernel_targets.render(d, f"evals/results/{name}", heading=heading, profile=False)
     return [*text.splitlines(), ""]
 
 

@@ -48,6 +48,8 @@ def _run_label(r: dict[str, Any]) -> str:
         LABELS.get(r["method"], r["method"])
         + variant
         + (", CUDA graph" if r.get("cuda_graph") else "")
+        # a plan other than the recipe as written: auto chose it to fit this card's memory
+        + (f", {plan} plan" if (plan := r.get("memory_plan", "fastest")) != "fastest" else "")
     )
 
 

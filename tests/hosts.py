@@ -41,7 +41,18 @@ def cpu_host() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.cuda, "is_available", lambda: False)
         AcceleratorState._reset_state(reset_partial_state=True)
+        _forget_device_checks()
         try:
             yield
         finally:
             AcceleratorState._reset_state(reset_partial_state=True)
+            _forget_device_checks()
+
+
+def _forget_device_checks() -> None:
+    """Drop torch's cached "can Triton run on a device here" answer (``has_triton``, cached for
+    the process): asked inside :func:`cpu_host` it is False, and every later ``torch.compile``
+    of CUDA code in the same worker would stop with ``TritonMissing``."""
+    from torch.utils import _triton
+
+    _triton.has_triton.cache_clear()

@@ -88,7 +88,8 @@ def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path
     doc = {
         "date": "2026-12-01", "gpu": "cpu", "commit": "abc", "command": "x",
         "runs": [{**run, "method": "poetxq", "variant": "fast", "cuda_graph": True},
-                 {**run, "method": "adamw", "variant": None}],
+                 {**run, "method": "adamw", "variant": None},
+                 {**run, "method": "poetx", "variant": "fast", "memory_plan": "balanced"}],
         "ratios": [{"seq_len": 256, "poetxq_over_qgalore": 1.5, "poetxq_over_adamw": 0.7,
                     "poetxq_fast_graph_over_qgalore": 2.0, "poetxq_fast_graph_over_adamw": 0.95,
                     "poetxq_graph_over_qgalore": 1.9, "poetxq_graph_over_adamw": 0.8}],
@@ -97,6 +98,8 @@ def test_tokens_table_names_variants_and_graphs_in_rows_and_ratio_lines(tmp_path
     page = "\n".join(training.tokens_table("t.json", "## t"))
     assert "| 256 | POET-XQ (int8 W0), fast, CUDA graph | 1,000 |" in page
     assert "| 256 | AdamW | 1,000 |" in page
+    # a run auto fitted to its card with a smaller plan says so (not the recipe as written)
+    assert "| 256 | POET-X (bf16 W0), fast, balanced plan | 1,000 |" in page
     assert (
         "POET-XQ / AdamW = 0.70 (target ≥ 0.9); POET-XQ in a CUDA graph: 1.90× Q-GaLore, "
         "0.80× AdamW; POET-XQ fast in a CUDA graph: 2.00× Q-GaLore, 0.95× AdamW"
