@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from poetxq.model.surgery import build_llama, convert_to_poetx
-from poetxq.tools.bench import dense_param_count, run_bench
+from poetxq.tools.bench import dense_param_count, git_commit, run_bench
 from poetxq.tools.cli import main
 from poetxq.training.evaluate import causal_lm_loss
 from poetxq.training.recipe_files import load_recipe
@@ -27,6 +27,17 @@ SMALL = {
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path_factory.getbasetemp() / "data-cache"))
+
+
+def test_a_snapshots_commit_file_names_the_commit_not_the_checkout_around_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("POETXQ_COMMIT", raising=False)
+    (tmp_path / ".commit").write_text("a7b3d14\n")  # evals/quality_snapshot.sh's file
+    assert git_commit(tmp_path) == "a7b3d14"
+    monkeypatch.setenv("POETXQ_COMMIT", "1234abc")
+    assert git_commit(tmp_path) == "1234abc"
+    monkeypatch.delenv("POETXQ_COMMIT")
+    (tmp_path / ".commit").unlink()
+    assert git_commit(tmp_path) is None  # neither a file nor a git checkout there
 
 
 def test_dense_param_count_equals_transformers():

@@ -136,6 +136,43 @@ def test_meta_init_is_reproducible_and_seeded():
     assert changed == {"model.embed_tokens.weight", "lm_head.weight"}
 
 
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("method", ["poetxq", "adamw"])
+def test_a_bf16_true_build_casts_as_it_goes_to_the_values_of_a_cast_afterwards(
+    method, tie, monkeypatch
+):
+    """bf16-true in the meta way: each POET layer's Q and each materialized module's weights
+    are cast as they are made (the float32 model never exists beside W0 on the device), to the
+    same values as building in float32 and casting the whole model afterwards."""
+    import poetxq.training.build as build
+
+    over = {"model.tie_word_embeddings": tie}
+    recipe = _recipe(method, **over, **{"train.precision": "bf16-true"})
+    dtypes_at_materialize: list[set[torch.dtype]] = []
+    real = build.materialize_meta_parameters
+
+    def spy(model, device, **kwargs):
+        if kwargs.get("within") is None:  # the whole-model call: the POET layers exist by now
+            layers = [x for x in model.modules() if isinstance(x, POETXLinear)]
+            dtypes_at_materialize.append({p.dtype for x in layers for p in x.parameters()})
+        return real(model, device, **kwargs)
+
+    monkeypatch.setattr(build, "materialize_meta_parameters", spy)
+    cast = _build(recipe, True).model
+    monkeypatch.undo()
+    ref = _build(_recipe(method, **over), True).model  # float32, then cast below
+    if method == "poetxq":
+        assert dtypes_at_materialize == [{torch.bfloat16}]
+    sc, sr = _state(cast), _state(ref)
+    assert list(sc) == list(sr)
+    for k in sc:
+        want = sr[k].to(torch.bfloat16) if isinstance(sr[k], nn.Parameter) else sr[k]
+        if sr[k].is_floating_point() and isinstance(sr[k], nn.Parameter):
+            assert sc[k].dtype == torch.bfloat16, k
+        assert torch.equal(sc[k], want), k
+    assert (cast.lm_head.weight is cast.model.embed_tokens.weight) == tie
+
+
 def _rank_worker(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     recipe = _recipe("poetxq")

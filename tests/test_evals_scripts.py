@@ -491,6 +491,18 @@ def test_memory_plans_script_records_what_bench_took_and_predicted(tmp_path):
     assert case["predicted_peak_gib"] == case["bench"]["estimated_peak_bytes"] / 2**30 > 0
 
 
+def test_memory_plans_judge_the_target_on_the_build_peak_too():
+    mp = _load("memory_plans")
+    gib = 2**30
+    # the H100 record of 8b-lowest (a7b3d14): steps 9.26 GiB reserved, the build 10.26 GiB
+    rec = {"peak_reserved_bytes": 9946791936, "build_peak_reserved_bytes": 11012145152}
+    assert mp.verdicts(rec, 10.0) == {"meets_target": False, "build_within_step_peak": False}
+    rec = {"peak_reserved_bytes": 9 * gib, "build_peak_reserved_bytes": 8 * gib}
+    assert mp.verdicts(rec, 10.0) == {"meets_target": True, "build_within_step_peak": True}
+    assert mp.verdicts(rec, None) == {"build_within_step_peak": True}
+    assert mp.verdicts({"peak_reserved_bytes": None}, 10.0) == {}  # a CPU run
+
+
 def test_fpo_bench_places_the_targets_below_the_top_and_smoke_runs(tmp_path, capsys):
     bench = _load("fpo_bench")
     assert bench.target_layers(16, 4) == [12, 13, 14, 15]

@@ -77,6 +77,31 @@ def test_flat_params_keep_values_and_alias_one_aligned_buffer():
     assert not flat.intact()
 
 
+def test_staged_flattening_lets_the_originals_go_before_the_buffer_exists(monkeypatch):
+    """On CUDA the parameters go through host memory, so the device never holds them and the
+    buffer at once; forced here on the CPU: the same values and layout as the direct way, and
+    no parameter still points at its original storage when the buffer is allocated."""
+    import poetxq.model.flat as flat_mod
+
+    direct, staged = _params(), _params()
+    originals = [p.data_ptr() for p in staged]
+    seen: list[list[bool]] = []
+    zeros = torch.zeros
+
+    def spy(*args, **kwargs):
+        seen.append([p.data_ptr() == o for p, o in zip(staged, originals, strict=True)])
+        return zeros(*args, **kwargs)
+
+    a = FlatParams(direct)
+    monkeypatch.setattr(flat_mod.torch, "zeros", spy)
+    b = FlatParams(staged, stage_on_host=True)
+    monkeypatch.undo()
+    assert seen == [[False] * len(staged)]
+    assert torch.equal(a.flat, b.flat) and a.offsets == b.offsets and b.intact()
+    for p, q in zip(direct, staged, strict=True):
+        assert torch.equal(p, q) and p.shape == q.shape and q.requires_grad == p.requires_grad
+
+
 def test_flat_params_refuse_mixed_or_repeated():
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="one dtype"):

@@ -71,6 +71,10 @@ class FlatParams:
         params: distinct parameters of one dtype and device (any shapes).
         align: each parameter starts at a multiple of this many elements; the gaps hold zeros
             (256 = bitsandbytes' 8-bit optimizer-state block).
+        stage_on_host: copy the parameters to host memory and let their device storage go
+            before the buffer is allocated, so the device never holds them twice (a build's
+            peak memory would otherwise pass the training step's by their size); values and
+            layout are the same either way. Default: on CUDA.
 
     Attributes:
         flat: the buffer ``[numel]``, ``numel`` a multiple of ``align``.
@@ -80,7 +84,13 @@ class FlatParams:
         ValueError: empty list, repeated parameter, or mixed dtypes/devices.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], align: int = BNB_STATE_BLOCK) -> None:
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        align: int = BNB_STATE_BLOCK,
+        *,
+        stage_on_host: bool | None = None,
+    ) -> None:
         params = list(params)
         if not params:
             raise ValueError("FlatParams needs at least one parameter")
@@ -98,12 +108,19 @@ class FlatParams:
             end = start + p.numel()
         self.numel = -(-end // align) * align
         p0 = params[0]
+        shapes = [p.shape for p in params]
+        sources = [p.detach().reshape(-1) for p in params]
+        if p0.device.type == "cuda" if stage_on_host is None else stage_on_host:
+            sources = [t.to("cpu", copy=True) for t in sources]
+            for p in params:  # the device storage goes now (unless held elsewhere)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.flat = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
         with torch.no_grad():
-            for p, o in zip(params, self.offsets, strict=True):
-                slot = self.flat[o : o + p.numel()]
-                slot.copy_(p.detach().reshape(-1))
-                p.data = slot.view(p.shape)
+            for p, o, shape, src in zip(params, self.offsets, shapes, sources, strict=True):
+                slot = self.flat[o : o + src.numel()]
+                slot.copy_(src)
+                p.data = slot.view(shape)
+        del sources
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s slice of a buffer laid out like :attr:`flat`, shaped like it."""

@@ -112,7 +112,11 @@ def _initializable(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def materialize_meta_parameters(
-    model: nn.Module, device: torch.device | str, *, within: nn.Module | None = None
+    model: nn.Module,
+    device: torch.device | str,
+    *,
+    within: nn.Module | None = None,
+    dtype: torch.dtype | None = None,
 ) -> list[str]:
     """Allocate every parameter of ``model`` still on the meta device on ``device`` and initialise
     it as transformers does at construction; then move the buffers to ``device`` too.
@@ -129,6 +133,10 @@ def materialize_meta_parameters(
         device: where the parameters are created.
         within: only this submodule of ``model`` (e.g. one decoder layer, to be quantized before
             the next is allocated); weights are tied only when the whole model is materialized.
+        dtype: the floating-point dtype the parameters end in (``torch.bfloat16`` for a
+            ``bf16-true`` run); each module's are drawn in float32 as usual and cast right after,
+            so the device never holds more than one module's float32 copy (the values equal a
+            cast of the whole float32 model afterwards). None: float32.
 
     Returns:
         The names of the materialized parameters (relative to ``within`` if given), in module
@@ -138,11 +146,11 @@ def materialize_meta_parameters(
         ValueError: a meta parameter belongs to a module that ``_init_weights`` does not handle.
     """
     dev = torch.device(device)
-    old_params: list[nn.Parameter] = []  # keeps the meta tensors alive: ids stay unique
-    fresh: dict[int, nn.Parameter] = {}
-    owners: list[nn.Module] = []
-    names: list[str] = []
     root = model if within is None else within
+    if within is None and getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # on the meta tensors: the tied pair is one parameter from here on
+    old_params: list[nn.Parameter] = []  # keeps the meta tensors alive: ids stay unique
+    pending: list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]] = []
     for mod_name, mod in root.named_modules():
         own = [(n, p) for n, p in mod._parameters.items() if p is not None and p.is_meta]
         if not own:
@@ -152,23 +160,28 @@ def materialize_meta_parameters(
                 f"{mod_name} ({type(mod).__name__}) has meta parameters that transformers' "
                 "_init_weights does not initialise"
             )
+        pending.append((mod_name, mod, own))
+    # module by module: allocate, initialise, cast; a parameter shared by several modules (tied
+    # weights) is allocated and initialised once, by the first
+    fresh: dict[int, nn.Parameter] = {}
+    names: list[str] = []
+    for mod_name, mod, own in pending:
+        new: list[nn.Parameter] = []
         for n, p in own:
             if id(p) not in fresh:
                 old_params.append(p)
                 fresh[id(p)] = nn.Parameter(
                     torch.empty_like(p, device=dev), requires_grad=p.requires_grad
                 )
+                new.append(fresh[id(p)])
             mod._parameters[n] = fresh[id(p)]
             names.append(f"{mod_name}.{n}" if mod_name else n)
-        owners.append(mod)
-    if within is None and getattr(model.config, "tie_word_embeddings", False):
-        model.tie_weights()
-    done: set[int] = set()
-    for mod in owners:
-        params = [p for p in mod.parameters(recurse=False) if id(p) not in done]
-        if params:
+        if new:
             model._init_weights(mod)
-            done.update(id(p) for p in params)
+            if dtype is not None:
+                for q in new:
+                    if q.is_floating_point() and q.dtype != dtype:
+                        q.data = q.data.to(dtype)
     root.to(dev)  # buffers (rotary inv_freq, ...) computed on the CPU
     return names
 
@@ -186,6 +199,7 @@ def convert_to_poetx(
     keep_weights: bool = False,
     device: torch.device | str | None = None,
     kernels: KernelPolicy | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> SurgeryReport:
     """Replace every target ``nn.Linear`` in ``model`` by a :class:`POETXLinear` in place.
 
@@ -207,6 +221,10 @@ def convert_to_poetx(
             each linear's own device. Required when the linears are on the meta device.
         kernels: the kernel policy of every converted layer; default
             :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``), read once here.
+        param_dtype: the dtype each converted layer's parameters (``Q``, bias) are cast to right
+            after the layer is built (``torch.bfloat16`` for a ``bf16-true`` run), so the whole
+            model's float32 ``Q`` never exists at once; buffers (``W0``, scales, permutations)
+            are left as built. None: float32.
 
     Returns:
         A :class:`SurgeryReport` listing the converted layers.
@@ -271,6 +289,10 @@ def convert_to_poetx(
         if cfg.freeze_orthogonal:
             for p in new.orthogonal_parameters():
                 p.requires_grad_(False)
+        if param_dtype is not None:
+            for p in new.parameters():
+                if p.is_floating_point() and p.dtype != param_dtype:
+                    p.data = p.data.to(param_dtype)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.layers.append(ConvertedLayer(name, n, m, _ragged(n, b), _ragged(m, b)))

@@ -141,15 +141,22 @@ def peak_tflops_for(device_name: str) -> float | None:
     return None
 
 
-def git_commit() -> str | None:
-    """``$POETXQ_COMMIT`` or the checkout's HEAD, None when neither is available."""
+def git_commit(root: Path | None = None) -> str | None:
+    """``$POETXQ_COMMIT``, else the ``.commit`` file of a snapshot (``evals/quality_snapshot.sh``
+    writes it: a snapshot has no ``.git`` of its own, and the one above it may be another
+    commit's), else the checkout's HEAD; None when none is available. ``root``: the tree's top
+    (default the one this package lies in)."""
     env = os.environ.get("POETXQ_COMMIT")
     if env:
         return env
+    root = root or Path(__file__).resolve().parents[2]
+    dot = root / ".commit"
+    if dot.is_file() and dot.read_text().strip():
+        return dot.read_text().strip()
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent, check=True,
+            cwd=root, check=True,
         )  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None

@@ -230,18 +230,23 @@ def build_for_training(
     if meta_init and recipe.model.pretrained is not None:
         raise ValueError("meta init builds a model from scratch; --model loads its weights")
     is_poet = recipe.method in POET_METHODS
+    bf16_true = run_precision(recipe.train, dev) == "bf16-true"
     start = time.perf_counter()
     surgery = baseline = None
     if meta_init:
         keep_weights = False
         model: nn.Module = build_empty_llama(recipe.model, vocab_size)
+        # bf16-true: each layer's parameters cast as they are made, so the build never holds
+        # the float32 model beside the int8 W0 (its peak would pass the training step's)
+        pdtype = torch.bfloat16 if bf16_true else None
         if is_poet:  # the meta linears are replaced before anything is allocated
             surgery = convert_to_poetx(
-                model, recipe.poet, generator=generator, device=dev, kernels=kernels
-            )
+                model, recipe.poet, generator=generator, device=dev, kernels=kernels,
+                param_dtype=pdtype,
+            )  # fmt: skip
         else:  # decoder layer by layer: at most one layer's dense fp32 weights beside the rest
             baseline = _prepare_baseline_layerwise(model, recipe, dev)
-        materialize_meta_parameters(model, dev)
+        materialize_meta_parameters(model, dev, dtype=pdtype)
         left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
         if left:
             raise RuntimeError(f"meta init left tensors on the meta device: {left[:5]}")
@@ -258,7 +263,7 @@ def build_for_training(
                 model.to(dev)
             baseline = prepare_baseline(model, recipe.method, recipe.baseline)
         model.to(dev)
-    if run_precision(recipe.train, dev) == "bf16-true":  # bf16 parameters, no autocast
+    if bf16_true:  # bf16 parameters, no autocast (the meta way: the baselines' layers)
         cast_parameters(model, torch.bfloat16)
     if cuda_graph is None:
         cuda_graph = graph_wanted(recipe, dev)
