@@ -7,7 +7,9 @@
 4. Adapt it to another offline domain, Python's pydoc topics (``--data pydoc``), with
    ``poetxq fpo-adapt --method fpo | sft-partial | full`` at the same steps, batch, seed, layers
    and learning rate, tracking the original domain (``--ood-data embedded``: the pretraining
-   corpus's validation split, the same documents the pretraining run validated on).
+   corpus's validation split, the same documents the pretraining run validated on); and with
+   POET-XQ continued training (``poetxq train --model``, its own defaults for a pretrained model)
+   for the same steps and batch, evaluated on the same windows (:func:`continued`).
 5. Write one JSON: per method in-domain and original-domain perplexity before and after, the
    relative change of the latter against the tolerance stated below, tokens/s of the update
    steps, peak RSS of the process, steps and the exact commands.
@@ -196,6 +198,59 @@ def adapt(method: str, model: Path, layers: list[int], lr: float, lr_scale: floa
     }
 
 
+def continued(model: Path, base: dict[str, Any], cfg: Config, work: Path) -> dict[str, Any]:
+    """POET-XQ continued training of the base (``poetxq train --model``: W0 int8, the defaults
+    it takes for a pretrained model) on the in-domain data for the same steps, batch and
+    sequence length, then exported (``hf-bf16``) and evaluated as the other rows are: its
+    perplexities after are ``fpo-adapt``'s step-0 evaluation of the exported model (the same
+    windows and evaluator; that run's single update is discarded). ``base``: a row of
+    :func:`adapt`, whose "before" values every method shares."""
+    args = ["train", "--model", str(model), "--data", cfg.data, "--seq-len", str(cfg.seq_len),
+            "--batch-size", str(cfg.batch_size), "--set", "train.grad_accum=1",
+            "--max-steps", str(cfg.steps), "--seed", str(cfg.seed), "--output-dir", str(work),
+            "--run-name", "continued", "--overwrite", "--no-progress",
+            "--eval-every", "0"]  # fmt: skip
+    ran = run(args, work / "continued.log")
+    run_dir, hf, out = work / "continued", work / "continued-hf", work / "eval-continued"
+    s = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    optim = _recipe_optim(run_dir)
+    run(["export", str(run_dir), "--format", "hf-bf16", str(hf), "--overwrite"],
+        work / "continued-export.log")  # fmt: skip
+    run(["fpo-adapt", str(hf), *_adapt_args(cfg), "--ood-data", cfg.ood_data, "--method", "fpo",
+         "--layers", "-1", "--lr", "1e-12", "--steps", "1", "--batch-size", str(cfg.batch_size),
+         "--eval-batches", str(cfg.eval_batches), "--eval-every", "0", "--save-every", "0",
+         "--out", str(out)], work / "eval-continued.log")  # fmt: skip
+    after = json.loads((out / "summary.json").read_text(encoding="utf-8"))["first"]
+    before_in, before_ood = base["in_domain_ppl_before"], base["ood_ppl_before"]
+    return {
+        "method": "poetxq-continued",
+        "steps": s["steps"],
+        "lr": optim["lr"],
+        "poet_lr": optim["poet_lr"],
+        "warmup_steps": optim["warmup_steps"],
+        "lr_scale": None,
+        "in_domain_ppl_before": before_in,
+        "in_domain_ppl_after": after["val_ppl"],
+        "ood_ppl_before": before_ood,
+        "ood_ppl_after": after["ood_ppl"],
+        "ood_rel_change": relative_change(before_ood, after["ood_ppl"]),
+        "ood_within_tolerance": within_tolerance(before_ood, after["ood_ppl"]),
+        "in_domain_rel_change": relative_change(before_in, after["val_ppl"]),
+        "tokens_per_s": s["tokens_per_s"],
+        "tokens": s["tokens"],
+        "peak_rss_bytes": ran.peak_rss_bytes,
+        "wall_s": ran.wall_s,
+        "command": ran.command,
+    }
+
+
+def _recipe_optim(run_dir: Path) -> dict[str, Any]:
+    """The ``optim`` section of a run's ``recipe.yaml`` (safe loader)."""
+    import yaml
+
+    return yaml.safe_load((run_dir / "recipe.yaml").read_text(encoding="utf-8"))["optim"]
+
+
 def render_table(doc: dict[str, Any]) -> str:
     """The one markdown table of a results document (docs/FPO.md shows it)."""
     tol = doc["ood_tolerance"]
@@ -204,10 +259,12 @@ def render_table(doc: dict[str, Any]) -> str:
         f"before → after (Δ, within {tol:.0%}?) | tokens/s | peak RSS |",
         "|---|---|---|---|---|---|",
     ]
-    for r in doc["methods"]:
+    for r in [*doc["methods"], *([doc["continued"]] if doc.get("continued") else [])]:
         ok = "yes" if r["ood_within_tolerance"] else "**no**"
+        scale = r.get("lr_scale", 1.0)
+        rate = f"× {scale:g}" if scale is not None else "its --model default"
         lines.append(
-            f"| {r['method']} | {r['lr']:.3g} (× {r.get('lr_scale', 1.0):g}) "
+            f"| {r['method']} | {r['lr']:.3g} ({rate}) "
             f"| {r['in_domain_ppl_before']:.2f} → {r['in_domain_ppl_after']:.2f} "
             f"| {r['ood_ppl_before']:.2f} → {r['ood_ppl_after']:.2f} "
             f"({r['ood_rel_change']:+.1%}, {ok}) | {r['tokens_per_s']:,.0f} "
@@ -244,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         layers, lr = report["targets"], report["lr"]["adamw"]
         rows = [adapt(m, hf, layers, lr * x, x, cfg, work)
                 for x in args.lr_scales for m in METHODS]  # fmt: skip
+        cont = continued(hf, rows[0], cfg, work)
     doc = {
         **provenance("cpu", argv),
         "device": f"cpu ({os.cpu_count()} cores visible, "
@@ -271,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "layers": report["layers"],
         },
         "methods": rows,
+        "continued": cont,
         "total_wall_s": time.perf_counter() - t0,
         "note": "CPU cores shared with another job: tokens/s compares the methods within this "
         "run only; peak RSS is the whole fpo-adapt process (Python, torch, data, model)",

@@ -58,7 +58,7 @@ def test_docs_show_the_committed_table():
 
 
 @pytest.mark.slow
-def test_smoke_run_writes_three_methods(tmp_path):
+def test_smoke_run_writes_three_methods_and_poetxq_continued(tmp_path):
     e2e = _load()
     out = tmp_path / "e2e.json"
     argv = ["--smoke", "--out", str(out), "--work", str(tmp_path / "work"), "--lr-scales", "1",
@@ -92,3 +92,14 @@ def test_smoke_run_writes_three_methods(tmp_path):
     fpo, sft = rows[0], rows[1]
     assert fpo["in_domain_ppl_after"] == pytest.approx(sft["in_domain_ppl_after"], rel=1e-4)
     assert fpo["ood_ppl_after"] == pytest.approx(sft["ood_ppl_after"], rel=1e-4)
+    # POET-XQ continued training of the same base: the same start, steps and evaluation windows
+    cont = doc["continued"]
+    assert cont["method"] == "poetxq-continued" and cont["steps"] == 2 and cont["lr_scale"] is None
+    assert "train --model" in cont["command"] and "--max-steps 2" in cont["command"]
+    assert cont["lr"] == cont["poet_lr"] == 1e-4  # the defaults `--model` takes
+    assert (cont["in_domain_ppl_before"], cont["ood_ppl_before"]) == (
+        fpo["in_domain_ppl_before"], fpo["ood_ppl_before"],
+    )  # fmt: skip
+    assert math.isfinite(cont["in_domain_ppl_after"]) and cont["in_domain_ppl_after"] > 1
+    assert cont["in_domain_ppl_after"] != cont["in_domain_ppl_before"]  # it trained
+    assert "| poetxq-continued | 0.0001 (its --model default) |" in e2e.render_table(doc)
