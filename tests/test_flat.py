@@ -102,6 +102,22 @@ def test_staged_flattening_lets_the_originals_go_before_the_buffer_exists(monkey
         assert torch.equal(p, q) and p.shape == q.shape and q.requires_grad == p.requires_grad
 
 
+def test_staged_flattening_keeps_the_values_when_the_buffer_does_not_fit(monkeypatch):
+    import poetxq.model.flat as flat_mod
+
+    ps = _params()
+    before = [p.detach().clone() for p in ps]
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(flat_mod.torch, "zeros", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        FlatParams(ps, stage_on_host=True)
+    for p, b in zip(ps, before, strict=True):  # every value survives, in host memory
+        assert torch.equal(p, b) and p.shape == b.shape and p.device.type == "cpu"
+
+
 def test_flat_params_refuse_mixed_or_repeated():
     a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(ValueError, match="one dtype"):

@@ -82,6 +82,8 @@ class FlatParams:
 
     Raises:
         ValueError: empty list, repeated parameter, or mixed dtypes/devices.
+        torch.OutOfMemoryError: no room for the buffer; staged parameters then hold their
+            values in host memory (moved off their device), unstaged ones are untouched.
     """
 
     def __init__(
@@ -110,11 +112,20 @@ class FlatParams:
         p0 = params[0]
         shapes = [p.shape for p in params]
         sources = [p.detach().reshape(-1) for p in params]
-        if p0.device.type == "cuda" if stage_on_host is None else stage_on_host:
+        staged = p0.device.type == "cuda" if stage_on_host is None else stage_on_host
+        if staged:
             sources = [t.to("cpu", copy=True) for t in sources]
             for p in params:  # the device storage goes now (unless held elsewhere)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.flat = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
+            if p0.device.type == "cuda":  # hand the freed blocks back: the reserved peak too
+                torch.cuda.empty_cache()
+        try:
+            self.flat = torch.zeros(self.numel, dtype=p0.dtype, device=p0.device)
+        except torch.OutOfMemoryError:
+            if staged:  # the values live on in the host copies: the parameters point there
+                for p, shape, src in zip(params, shapes, sources, strict=True):
+                    p.data = src.view(shape)
+            raise
         with torch.no_grad():
             for p, o, shape, src in zip(params, self.offsets, shapes, sources, strict=True):
                 slot = self.flat[o : o + src.numel()]
