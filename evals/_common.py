@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 def git_commit() -> str:
     """``$POETXQ_COMMIT`` when set (GPU hosts get a copy of the tree whose .git may be stale or
-    missing), else HEAD's hash, else ``unknown`` (:func:`poetxq.tools.bench.git_commit`)."""
+    missing), else a snapshot's ``.commit``, else HEAD's hash, else ``unknown``
+    (:func:`poetxq.tools.bench.git_commit`)."""
     from poetxq.tools.bench import git_commit as commit
 
     return commit() or "unknown"

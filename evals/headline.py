@@ -160,16 +160,12 @@ def current(stem: str, results: Path = RESULTS, machine: str | None = None) -> s
 
 
 def commit7() -> str:
-    """``$POETXQ_COMMIT``, else ``.commit`` beside a snapshot, else git's HEAD (7 hex digits)."""
-    env = os.environ.get("POETXQ_COMMIT", "").strip()
-    if env:
-        return env[:7]
-    dot = REPO / ".commit"
-    if dot.is_file() and dot.read_text().strip():
-        return dot.read_text().strip()[:7]
-    res = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=7", "HEAD"],
-                         capture_output=True, text=True, check=False)  # fmt: skip
-    return res.stdout.strip()[:7] if res.returncode == 0 and res.stdout.strip() else "unknown"
+    """The commit a part records, 7 hex digits: :func:`poetxq.tools.bench.git_commit`'s
+    (``$POETXQ_COMMIT``, else ``.commit`` beside a snapshot, else git's HEAD), else
+    ``unknown``."""
+    from poetxq.tools.bench import git_commit
+
+    return (git_commit(REPO) or "unknown").strip()[:7]
 
 
 def command(

@@ -131,7 +131,6 @@ class FlatParams:
                 slot = self.flat[o : o + src.numel()]
                 slot.copy_(src)
                 p.data = slot.view(shape)
-        del sources
 
     def slot(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s slice of a buffer laid out like :attr:`flat`, shaped like it."""

@@ -8,6 +8,7 @@ are not a multiple of the block size get a masked ragged last block, and the sum
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -110,6 +111,17 @@ def _initializable(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding)) or "RMSNorm" in name or "LayerNorm" in name
 
 
+def cast_floating(params: Iterable[nn.Parameter], dtype: torch.dtype) -> int:
+    """Give each floating-point parameter of ``params`` the dtype ``dtype`` in place (``p.data``:
+    the ``Parameter`` objects stay); returns how many were cast."""
+    n = 0
+    for p in params:
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            n += 1
+    return n
+
+
 @torch.no_grad()
 def materialize_meta_parameters(
     model: nn.Module,
@@ -179,9 +191,7 @@ def materialize_meta_parameters(
         if new:
             model._init_weights(mod)
             if dtype is not None:
-                for q in new:
-                    if q.is_floating_point() and q.dtype != dtype:
-                        q.data = q.data.to(dtype)
+                cast_floating(new, dtype)
     root.to(dev)  # buffers (rotary inv_freq, ...) computed on the CPU
     return names
 
@@ -290,9 +300,7 @@ def convert_to_poetx(
             for p in new.orthogonal_parameters():
                 p.requires_grad_(False)
         if param_dtype is not None:
-            for p in new.parameters():
-                if p.is_floating_point() and p.dtype != param_dtype:
-                    p.data = p.data.to(param_dtype)
+            cast_floating(new.parameters(), param_dtype)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.layers.append(ConvertedLayer(name, n, m, _ragged(n, b), _ragged(m, b)))

@@ -56,9 +56,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> in
     Returns:
         int: the number of parameters cast.
     """
-    n = 0
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-            n += 1
-    return n
+    from poetxq.model.surgery import cast_floating
+
+    return cast_floating(model.parameters(), dtype)
