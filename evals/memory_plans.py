@@ -21,6 +21,10 @@ Usage (on the GPU host; the 70B cases build 68 B-weight models: minutes each):
         --cases 8b-auto 8b-16gb 8b-lowest 13b-lowest
     python evals/memory_plans.py --out $OUT/memory_plans_70b_h200.json \
         --cases 70b-nf4-lowest 70b-int8-lowest
+``--no-relayout`` runs every case with :func:`poetxq.model.relayout.relayout_wanted` answering
+False (an override inside the bench process, for the A/B of whether the relayout still pays
+now that the build stages ``Q`` through the host; the cases record ``relayout: false``).
+
 CPU smoke test of the script itself:
     python evals/memory_plans.py --device cpu --cases smoke --out /tmp/memory_plans_smoke.json
 """
@@ -63,12 +67,21 @@ CASES: dict[str, tuple[list[str], float | None, float | None]] = {
 }
 
 
-def run_case(name: str, steps: int, device: str | None) -> dict:
-    """One ``poetxq bench`` process for case ``name``; its JSON, plus the verdicts."""
+#: ``python -c`` program: the ``poetxq`` command with the relayout turned off (``--no-relayout``)
+_NO_RELAYOUT = (
+    "import sys; import poetxq.model.relayout as r; r.relayout_wanted = lambda device: False; "
+    "from poetxq.tools.cli import main; sys.exit(main())"
+)
+
+
+def run_case(name: str, steps: int, device: str | None, relayout: bool = True) -> dict:
+    """One ``poetxq bench`` process for case ``name``; its JSON, plus the verdicts.
+    ``relayout=False``: the bench process skips the post-build relayout (``--no-relayout``)."""
     args, target, planned = CASES[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
-        cmd = [sys.executable, "-m", "poetxq", "bench", *args, "--steps", str(steps),
+        head = ["-m", "poetxq"] if relayout else ["-c", _NO_RELAYOUT]
+        cmd = [sys.executable, *head, "bench", *args, "--steps", str(steps),
                "--warmup", "1", "--out", str(out)]  # fmt: skip
         if device:
             cmd += ["--device", device]
@@ -85,6 +98,7 @@ def run_case(name: str, steps: int, device: str | None) -> dict:
     plan_line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("memory plan:")), "")
     result = {
         "case": name, "ok": True, "wall_s": wall, "command": "poetxq bench " + " ".join(args),
+        "relayout": relayout,
         "plan": rec["memory_plan"], "plan_line": plan_line,
         "predicted_peak_gib": rec["estimated_peak_bytes"] / GiB,
         "peak_allocated_gib": (rec["peak_memory_bytes"] or 0) / GiB,
@@ -117,13 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per case (default 3)")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--no-relayout", action="store_true",
+                   help="skip the post-build relayout in every case (an A/B)")  # fmt: skip
     args = p.parse_args(argv)
     import torch
 
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     doc = {**provenance(name, argv), "cases": []}
     for case in args.cases:
-        doc["cases"].append(run_case(case, args.steps, args.device))
+        doc["cases"].append(run_case(case, args.steps, args.device, not args.no_relayout))
         write_json_atomic(args.out, doc)  # each case as it finishes: a timeout keeps the rest
     bad = [c["case"] for c in doc["cases"] if not c["ok"]]
     print(f"wrote {args.out}; failed: {bad or 'none'}")

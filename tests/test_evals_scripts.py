@@ -479,13 +479,17 @@ def test_diagnostics_run_records_both_runs_and_the_merge_steps(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_memory_plans_script_records_what_bench_took_and_predicted(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--no-relayout"]])
+def test_memory_plans_script_records_what_bench_took_and_predicted(tmp_path, extra):
     """evals/memory_plans.py's smoke case on the CPU: one ``poetxq bench`` process with the lowest
-    plan and 2 accumulated micro-batches; the record names the plan and the estimate."""
+    plan and 2 accumulated micro-batches; the record names the plan and the estimate. With
+    ``--no-relayout`` the bench runs through the override program and says so."""
     mod = _load("memory_plans")
     out = tmp_path / "plans.json"
-    assert mod.main(["--device", "cpu", "--cases", "smoke", "--steps", "1", "--out", str(out)]) == 0
+    argv = ["--device", "cpu", "--cases", "smoke", "--steps", "1", "--out", str(out), *extra]
+    assert mod.main(argv) == 0
     case = json.loads(out.read_text())["cases"][0]
+    assert case["relayout"] == (not extra)
     assert case["ok"] and case["plan"] == "lowest" and case["bench"]["offload_optimizer"]
     assert case["plan_line"].startswith("memory plan: lowest (train.memory)")
     assert case["predicted_peak_gib"] == case["bench"]["estimated_peak_bytes"] / 2**30 > 0
