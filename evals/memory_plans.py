@@ -22,8 +22,8 @@ Usage (on the GPU host; the 70B cases build 68 B-weight models: minutes each):
     python evals/memory_plans.py --out $OUT/memory_plans_70b_h200.json \
         --cases 70b-nf4-lowest 70b-int8-lowest
 ``--no-relayout`` runs every case with :func:`poetxq.model.relayout.relayout_wanted` answering
-False (an override inside the bench process, for the A/B of whether the relayout still pays
-now that the build stages ``Q`` through the host; the cases record ``relayout: false``).
+False (an override inside the bench process, for the A/B of what the relayout buys; the cases
+record ``relayout: false``). Since ac7034e's A/B the lowest plan skips it anyway (no flat groups).
 
 CPU smoke test of the script itself:
     python evals/memory_plans.py --device cpu --cases smoke --out /tmp/memory_plans_smoke.json
@@ -69,7 +69,7 @@ CASES: dict[str, tuple[list[str], float | None, float | None]] = {
 
 #: ``python -c`` program: the ``poetxq`` command with the relayout turned off (``--no-relayout``)
 _NO_RELAYOUT = (
-    "import sys; import poetxq.model.relayout as r; r.relayout_wanted = lambda device: False; "
+    "import sys; import poetxq.model.relayout as r; r.relayout_wanted = lambda *a, **k: False; "
     "from poetxq.tools.cli import main; sys.exit(main())"
 )
 

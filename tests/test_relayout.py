@@ -7,6 +7,8 @@ relayout, two training steps on each must give identical parameters.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -99,14 +101,20 @@ def test_relayout_leaves_tensors_of_other_devices_and_empty_input_alone():
         ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}, False),
     ],
 )
-def test_relayout_is_wanted_on_cuda_with_expandable_segments_only(monkeypatch, env, want):
+def test_relayout_is_wanted_on_cuda_with_expandable_segments_and_flat_groups_only(
+    monkeypatch, env, want
+):
+    """Only flattening frees the ``Q`` tensors whose holes the relayout closes: an optimizer
+    without flat groups (the lowest plan's offloaded one) never wants it."""
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    flat, unflat = SimpleNamespace(flat_groups=[object()]), SimpleNamespace(flat_groups=[])
     assert expandable_segments() is want
-    assert relayout_wanted("cuda") is want
-    assert relayout_wanted(torch.device("cpu")) is False
+    assert relayout_wanted("cuda", flat) is want
+    assert relayout_wanted("cuda", unflat) is False and relayout_wanted("cuda", None) is False
+    assert relayout_wanted(torch.device("cpu"), flat) is False
 
 
 @pytest.mark.slow
@@ -119,7 +127,7 @@ def test_train_with_the_relayout_gives_the_losses_of_a_run_without(tiny_train, m
 
     want, _ = tiny_train("plain", *extra)
     assert "laid out afresh" not in capsys.readouterr().out
-    monkeypatch.setattr(relayout_mod, "relayout_wanted", lambda device: True)
+    monkeypatch.setattr(relayout_mod, "relayout_wanted", lambda device, optimizer: True)
     got, _ = tiny_train("relaid", *extra)
     assert "device memory laid out afresh (expandable segments)" in capsys.readouterr().out
     assert len(want) == 3 and got == want

@@ -15,8 +15,14 @@ references, ``FlatParams.flat``), shapes, strides, offsets and values; tensors t
 storage share the new one, so flattened parameters stay views of their buffer.
 
 ``poetxq train`` does it for POET methods on CUDA when the allocator runs with expandable
-segments (:func:`relayout_wanted`); under the allocator's defaults each freed ``Q``'s segment is
-handed back whole, so there is nothing to gain.
+segments and the optimizer has flattened groups (:func:`relayout_wanted`). Under the allocator's
+defaults each freed ``Q``'s segment is handed back whole, so there is nothing to gain. Without
+flattened groups (``train.offload_optimizer``, the lowest memory plan) no ``Q`` is freed, and the
+relayout would only copy the full weights through host memory (64 GiB for Llama-70B int8) for
+little: with the lowest plan on an H100 it lowered the run's reserved peak (build and steps) by
+0.10 GiB at Llama-8B and not at all at 13B, where the build's peak is the larger
+(``evals/results/memory_plans_h100_ac7034e.json`` against
+``evals/results/memory_plans_norelayout_h100_ac7034e.json``).
 """
 
 from __future__ import annotations
@@ -71,10 +77,15 @@ def expandable_segments() -> bool:
     return on
 
 
-def relayout_wanted(device: torch.device | str) -> bool:
-    """Whether :func:`relayout` pays for a model built on ``device``: a CUDA device whose
-    allocator uses expandable segments (:func:`expandable_segments`)."""
-    return torch.device(device).type == "cuda" and expandable_segments()
+def relayout_wanted(
+    device: torch.device | str, optimizer: torch.optim.Optimizer | None = None
+) -> bool:
+    """Whether :func:`relayout` pays for a model built on ``device`` whose trainable parameters
+    ``optimizer`` holds: a CUDA device whose allocator uses expandable segments
+    (:func:`expandable_segments`) and an optimizer with flattened groups (``flat_groups``, whose
+    building freed every ``Q``; module docstring)."""
+    flat = bool(getattr(optimizer, "flat_groups", ()))
+    return torch.device(device).type == "cuda" and expandable_segments() and flat
 
 
 def model_tensors(
@@ -181,7 +192,7 @@ def relayout_if_wanted(
 ) -> RelayoutReport | None:
     """:func:`relayout` of ``model`` and ``optimizer``'s tensors when :func:`relayout_wanted`
     says so (one line to ``say``), else nothing. Returns the report or None."""
-    if not relayout_wanted(device):
+    if not relayout_wanted(device, optimizer):
         return None
     moved = relayout(model_tensors(model, optimizer), device)
     say(
