@@ -16,10 +16,10 @@ what no longer fits (recorded as skipped).
           record gpu_tests_h200_<commit7>.json (summary line, counts, duration, commit)
   part x2 not one of the three: the 2-GPU row (evals/multi_gpu.py), on a 2-GPU machine
 
-Durations, per command in the dry run: measured on an H100 at a7b3d14, part 1 451 s (the 3B
-command reached its then 300 s timeout) and part 3's kernel_targets 179 s; the suite needs about
-400 s, more than part 3 leaves after kernel_targets, so ``--part 3 --only gpu_tests`` runs it in a
-call of its own; part 2 about 440 s (unmeasured: from the scripts' notes).
+Durations, per command in the dry run, measured on an H100: part 1 451 s at a7b3d14 (the 3B
+command reached its then 300 s timeout); part 2 441 s at ac7034e; part 3's kernel_targets 179 s
+(a7b3d14) and the suite 326 s (ac7034e, in a call of its own: ``--part 3 --only gpu_tests``),
+505 s together.
 
 The device calls (carry .whl and, for the official code, .official; the tree that travels has no
 .git, so name the commit):
@@ -109,7 +109,7 @@ STEPS: tuple[Step, ...] = (
          note="146 s after the 3B run on an H100 at a7b3d14"),
     Step("gpu_memory_8b_official", "2", ("evals/gpu_memory.py", "--models", "llama-8b", *_MEM8),
          130, 220, official="needs",
-         note="ours eager, then the official step, both settings (first warm-up: 73 s)"),
+         note="ours eager, then the official step, both settings: 173 s on an H100 at ac7034e"),
     Step("gpu_memory_13b_official", "2", ("evals/gpu_memory.py", "--models", "llama-13b", *_MEM8),
          110, 200, official="needs", note="took 113 s after the 8B calls at d5a8a3e"),
     Step("gpu_memory_8b_graph", "2", ("evals/gpu_memory.py", "--models", "llama-8b", *_MEM8,
@@ -125,8 +125,8 @@ STEPS: tuple[Step, ...] = (
          env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     Step("kernel_targets", "3", ("evals/kernel_targets.py",), 191, 300, official="optional",
          note="measured: 191 s at 7857f3d, 179 s on an H100 at a7b3d14"),
-    Step("gpu_tests", "3", PYTEST, 290, 540, env={"OMP_NUM_THREADS": "2"},  # 6 workers, 16 cores
-         note="the whole suite; its timeout is what is left of the part"),
+    Step("gpu_tests", "3", PYTEST, 330, 540, env={"OMP_NUM_THREADS": "2"},  # 6 workers, 16 cores
+         note="the whole suite, 326 s on an H100 at ac7034e; its timeout is what is left"),
     Step("multi_gpu_step", "x2", ("evals/multi_gpu.py", "--parts", "equivalence,throughput",
          "--equiv-methods", "poetxq@step,poetxq", "--tput-methods",
          "poetxq@step,poetxq@ddp,adamw", "--budget-s", "540"), 400, 570, machine="h200x2",

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from readme_table import render_readme
-from results_files import REPO, RESULTS, current
+from results_files import REPO, RESULTS, current, load, provenance
 from results_memory import (
     ab_table,
     cnp_hybrid,
@@ -32,7 +32,7 @@ from results_memory import (
     memory_options_table,
     slab_gemms,
 )
-from results_side_by_side import SIDE_BY_SIDE_COMMIT, side_by_side
+from results_side_by_side import SIDE_BY_SIDE_COMMIT, side_by_side, side_by_side_on
 from results_training import (
     gpu_time_table,
     multi_gpu,
@@ -45,6 +45,41 @@ from results_training import (
 from poetxq.tools.cli_tools import check_output_file
 
 README = REPO / "README.md"
+
+
+def gpu_test_record(machines: tuple[str, ...] = ("h200", "h100")) -> list[str]:
+    """The section of the GPU test records (``gpu_tests_<machine>_<commit>.json``, written by
+    ``evals/headline.py --part 3``): one row per card with its current record's counts, duration
+    and failed tests."""
+    rows, sources = [], []
+    for machine in machines:
+        name = current("gpu_tests", machine)
+        d = load(name)
+        if d is None:
+            continue
+        c = d["counts"]
+        failed = "; ".join(f.removeprefix("FAILED ") for f in d.get("failures", [])) or "none"
+        cut = " (cut off by its timeout)" if d.get("timed_out") else ""
+        rows.append(
+            f"| {d['gpu']} | {d['commit']} | {c.get('passed', 0)} | {c.get('failed', 0)} | "
+            f"{c.get('skipped', 0)} | {d['duration_s']:.0f}{cut} | {failed} |"
+        )
+        sources.append(provenance(name, d))
+    if not rows:
+        return []
+    return [
+        "## The test suite on the GPU",
+        "",
+        "The whole suite, slow tests included, in one device call (`evals/headline.py --part 3 "
+        "--only gpu_tests`: pytest with 6 workers).",
+        "",
+        "| GPU | commit | passed | failed | skipped | seconds | failed tests |",
+        "|---|---|---:|---:|---:|---:|---|",
+        *rows,
+        "",
+        *sources,
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 "### AdamW in a CUDA graph too (`train.cuda_graph: true`)",
             ),
         ],
-        side_by_side(),
+        side_by_side() + side_by_side_on("h100", "an H100"),
         [
             "## Llama-8B / 13B on one GPU: memory",
             "",
@@ -136,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         + slab_gemms()
         + cnp_hybrid(),
         multi_gpu(),
+        gpu_test_record(),
     ]
     lines = [
         "# Results",

@@ -205,3 +205,15 @@ def side_by_side(commit: str | None = None) -> list[str]:
         official_from=first_call,
     )
     return ["## Side by side with the official POET-X / POET-XQ code", "", *body] if body else []
+
+
+def side_by_side_on(machine: str, card: str) -> list[str]:
+    """The whole-step rows of ``evals/headline.py`` part 2 run on another card (``machine``, e.g.
+    ``h100``): the current file of each part-2 stem, each call's official step beside ours."""
+    import headline
+
+    stems = [s.stem for s in headline.STEPS if s.part == "2"]
+    return _side_by_side_steps(
+        [current(stem, machine) for stem in stems],
+        f"The same steps on {card} (`evals/headline.py --part 2`)",
+    )

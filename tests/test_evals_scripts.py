@@ -40,6 +40,26 @@ def test_results_page_reads_its_numbers_from_the_json(tmp_path):
         assert f"| {r['peak_memory_gib']:.2f} | {r['estimated_peak_gib']:.2f} |" in page
 
 
+def test_gpu_test_record_section_reads_counts_and_failures(tmp_path, monkeypatch):
+    render = _load("render_results")
+    files = importlib.import_module("results_files")
+    monkeypatch.setattr(files, "RESULTS", tmp_path)
+    monkeypatch.setattr(
+        render, "current", lambda stem, machine="h200": f"{stem}_{machine}_abc.json"
+    )
+    doc = {"gpu": "NVIDIA H100", "commit": "abc1234", "date": "2026-12-06", "command": "pytest",
+           "counts": {"passed": 10, "failed": 2, "skipped": 1}, "duration_s": 321.6,
+           "timed_out": True,
+           "failures": ["FAILED tests/a.py::t1 - x", "FAILED tests/b.py::t2"]}  # fmt: skip
+    (tmp_path / "gpu_tests_h100_abc.json").write_text(json.dumps(doc))
+    page = "\n".join(render.gpu_test_record())
+    row = "| NVIDIA H100 | abc1234 | 10 | 2 | 1 | 322 (cut off by its timeout) | "
+    assert row + "tests/a.py::t1 - x; tests/b.py::t2 |" in page
+    assert "gpu_tests_h200" not in page  # no H200 record: no row
+    monkeypatch.setattr(files, "RESULTS", tmp_path / "none")
+    assert render.gpu_test_record() == []
+
+
 def test_slab_gemm_table_reads_every_ratio_from_the_json():
     memory = _load("results_memory")
     name = "slab_decode_h200_8b1763c.json"
