@@ -304,12 +304,6 @@ def convert_to_poetx(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         report.layers.append(ConvertedLayer(name, n, m, _ragged(n, b), _ragged(m, b)))
-        if dev.type == "cuda" and not keep_weights:
-            # hand back the drawn float32 weight's pages: left mapped, the freed transients of
-            # different sizes (0.94 GB at a 70B MLP) fragment the codes that follow, and a 70B
-            # NF4 build reserved 5.2 GiB above its allocated peak (memory_plans_70b_h100_ac7034e)
-            weight = None
-            torch.cuda.empty_cache()
     report.fused_mlps = fuse_swiglu_mlps(model)
     old = getattr(model, "poetx_block_cache", None)
     if old is not None:
