@@ -69,6 +69,38 @@ def test_bench_cpu_measures_tokens_and_mfu(method):
     )
     on_gpu = dataclasses.replace(res, peak_memory_bytes=2 << 30)
     assert f"peak memory 2.00 GiB (estimate {est:.2f} GiB)" in on_gpu.summary_line()
+    # a POET run merges once after the timed steps (its peaks are CUDA's only); a baseline never
+    if method == "poetxq":
+        assert res.merge_s > 0 and res.merge_peak_memory_bytes is None
+        assert res.summary_line().endswith(f"; a merge {res.merge_s:.2f} s")
+        merged = dataclasses.replace(res, merge_peak_memory_bytes=5 << 30)
+        assert merged.summary_line().endswith(f"; a merge {res.merge_s:.2f} s, peak 5.00 GiB")
+    else:
+        assert res.merge_s is None and "merge" not in res.summary_line()
+
+
+def test_merge_once_merges_every_poet_layer_as_the_trainer_does():
+    """bench's merge: R·W0·P kept (up to int8 re-quantization), Q reset to 0 with its moments."""
+    from poetxq.model.layer import POETXLinear
+    from poetxq.tools.bench import merge_once
+    from poetxq.training.optim import build_optimizer
+
+    r = load_recipe(None, {**SMALL, "method": "poetxq"})
+    torch.manual_seed(0)
+    model = build_llama(r.model, 300)
+    convert_to_poetx(model, r.poet, generator=torch.Generator().manual_seed(1))
+    layers = [m for m in model.modules() if isinstance(m, POETXLinear)]
+    with torch.no_grad():
+        for q in (p for m in layers for p in m.orthogonal_parameters()):
+            q.normal_(0, 0.05)  # rotations away from the identity
+    opt = build_optimizer(model, r.optim)
+    before = [m.effective_weight(torch.float64) for m in layers]
+    out = merge_once(model, opt, torch.device("cpu"), seed=0)
+    assert out["merge_s"] > 0 and out["merge_peak_memory_bytes"] is None
+    for m, w in zip(layers, before, strict=True):
+        assert all(torch.count_nonzero(p) == 0 for p in m.orthogonal_parameters())
+        rel = (m.effective_weight(torch.float64) - w).norm() / w.norm()
+        assert 0 < rel < 0.02  # int8 re-quantization only, not a lost rotation
 
 
 def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):

@@ -525,6 +525,9 @@ def test_memory_plans_judge_the_target_on_the_build_peak_too():
     assert mp.verdicts(rec, 10.0) == {"meets_target": True, "build_within_step_peak": True}
     assert mp.verdicts(rec, None) == {"build_within_step_peak": True}
     assert mp.verdicts({"peak_reserved_bytes": None}, 10.0) == {}  # a CPU run
+    # a merge's reserved peak over the target fails it too
+    rec = {**rec, "merge_peak_reserved_bytes": 11 * gib}
+    assert mp.verdicts(rec, 10.0) == {"meets_target": False, "build_within_step_peak": True}
 
 
 def test_fpo_bench_places_the_targets_below_the_top_and_smoke_runs(tmp_path, capsys):

@@ -2,7 +2,9 @@
 
 One step is what ``poetxq train`` does per optimizer step: ``grad_accum`` forward/backward passes
 of ``batch_size × seq_len`` tokens, gradient clipping, the optimizer step and ``zero_grad``
-(merges are not timed). On a GPU the model is built on the device with fp32 parameters (meta init,
+(merges are not timed; after the timed steps a POET run merges once, untimed in the step, and
+records the merge's seconds and peak memory: a training run's memory peak may be there). On a
+GPU the model is built on the device with fp32 parameters (meta init,
 as in training: :mod:`poetxq.training.build`) and runs under bf16 autocast, as in training; on the
 CPU it runs in fp32; ``train.precision`` changes both as it does for training
 (:mod:`poetxq.training.precision`).
@@ -99,6 +101,11 @@ class BenchResult:
     #: the allocator settings of the run (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``,
     #: "" when unset; :func:`poetxq.model.relayout.alloc_conf`): they change the reserved bytes
     alloc_conf: str = ""
+    #: one merge-then-reinitialize of every POET layer after the timed steps (None: a baseline):
+    #: its wall seconds, and the CUDA allocated / reserved peaks while it ran (None off CUDA)
+    merge_s: float | None = None
+    merge_peak_memory_bytes: int | None = None
+    merge_peak_reserved_bytes: int | None = None
 
     def summary_line(self) -> str:
         """``bench <label>: 12,345 tok/s, MFU 31.2%, peak memory 12.34 GiB (estimate ...)``."""
@@ -114,13 +121,19 @@ class BenchResult:
             mem = "peak memory n/a"
         # the estimate counts tensors on a GPU; a CPU run's RSS also holds Python, torch and data
         vs = "estimate" if self.peak_memory_bytes is not None else "GPU tensors' estimate"
+        merge = ""
+        if self.merge_s is not None:
+            at = self.merge_peak_memory_bytes
+            merge = f"; a merge {self.merge_s:.2f} s" + (
+                f", peak {at / 2**30:.2f} GiB" if at is not None else ""
+            )
         return (
             f"bench {self.run_label}{f' ({self.variant})' if self.variant else ''}: "
             f"{self.tokens_per_s:,.0f} tok/s, {mfu}, {mem} "
             f"({vs} {self.estimated_peak_bytes / 2**30:.2f} GiB), "
             f"{count(self.steps, 'step')} of "
             f"{self.batch_size}x{self.grad_accum}x{self.seq_len} tokens, "
-            f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}"
+            f"{self.step_time_s:.3f} s/step on {self.device} {self.precision}{merge}"
         )
 
 
@@ -339,6 +352,8 @@ def run_bench(
         head = f"{run_label(recipe)} ({variant or recipe.method}): {elapsed / steps * 1e3:.1f}"
         write_text(f"{head} ms/step timed\n\n{text}", Path(profile))
         echo(f"bench: profile written to {profile}")
+    # after the profile: a merge may re-home W0, which a captured CUDA graph still reads
+    merge = merge_once(model, optimizer, dev, tc.seed) if poet_variant(recipe) else None
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     peak = peak_tflops if peak_tflops is not None else (
         peak_tflops_for(name) if dev.type == "cuda" else None
@@ -365,7 +380,36 @@ def run_bench(
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,
         alloc_conf=alloc_conf(),
+        **(merge or {}),
     )  # fmt: skip
+
+
+def merge_once(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, seed: int
+) -> dict[str, float | int | None]:
+    """One merge-then-reinitialize of every POET layer and the reset of ``Q``'s moments, as the
+    trainer does every ``merge_interval`` steps (:func:`poetxq.training.optim.merge_and_reset`;
+    new permutations from a generator seeded ``seed + 3``), with its peaks measured on their own.
+
+    Returns:
+        ``merge_s`` (wall seconds, device synchronized), ``merge_peak_memory_bytes`` and
+        ``merge_peak_reserved_bytes`` (CUDA peaks while merging; None off CUDA): the
+        :class:`BenchResult` fields.
+    """
+    from poetxq.training.optim import merge_and_reset
+
+    _sync(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    merge_and_reset(model, optimizer, torch.Generator().manual_seed(seed + 3))
+    _sync(device)
+    return {
+        "merge_s": time.perf_counter() - start,
+        "merge_peak_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "merge_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+    }
 
 
 def write_text(text: str, path: Path) -> None:
