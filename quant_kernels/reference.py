@@ -38,6 +38,11 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
+#: elements (whole rows) :func:`quantize_int8_rowwise` quantizes at a time: bounds its fp32
+#: temporaries at about 12 bytes per element of one chunk
+QUANT_CHUNK_ELEMENTS = 1 << 22
+
+
 def quantize_int8_rowwise(
     weight: torch.Tensor, *, stochastic: bool = False, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,18 +64,26 @@ def quantize_int8_rowwise(
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(f"expected a 2-D float weight, got {tuple(weight.shape)} {weight.dtype}")
-    w = weight.float()
-    scb = w.abs().amax(dim=1)
-    inv = torch.where(scb > 0, 127.0 / scb, torch.zeros_like(scb))
-    scaled = w * inv.unsqueeze(1)
-    if stochastic:
-        gen_device = generator.device if generator is not None else scaled.device
-        noise = torch.rand(scaled.shape, generator=generator, device=gen_device)
-        noise = noise.to(scaled.device)
-        q = torch.floor(scaled + noise)
-    else:
-        q = torch.round(scaled)
-    cb = q.clamp_(-127, 127).to(torch.int8)
+    m, n = weight.shape
+    cb = torch.empty(m, n, dtype=torch.int8, device=weight.device)
+    scb = torch.empty(m, dtype=torch.float32, device=weight.device)
+    # rows at a time, so the fp32 temporaries stay at one chunk's size (rows are quantized on
+    # their own: the same codes as one pass); stochastic rounding keeps one pass, its random
+    # stream drawn over the whole tensor as it always was
+    step = m if stochastic else max(1, QUANT_CHUNK_ELEMENTS // max(n, 1))
+    for r0 in range(0, m, step):
+        w = weight[r0 : r0 + step].float()
+        s = w.abs().amax(dim=1)
+        inv = torch.where(s > 0, 127.0 / s, torch.zeros_like(s))
+        scaled = w * inv.unsqueeze(1)
+        if stochastic:
+            gen_device = generator.device if generator is not None else scaled.device
+            noise = torch.rand(scaled.shape, generator=generator, device=gen_device)
+            q = torch.floor(scaled + noise.to(scaled.device))
+        else:
+            q = torch.round(scaled)
+        cb[r0 : r0 + step] = q.clamp_(-127, 127)
+        scb[r0 : r0 + step] = s
     return cb, scb
 
 

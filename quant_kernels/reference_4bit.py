@@ -203,6 +203,11 @@ def _round_to_code(
 # ----------------------------------------------------------------------------------------------
 
 
+#: elements quantized at a time by :func:`quantize_4bit_blockwise` (whole blocks): bounds its
+#: fp32 and int64 temporaries at about 28 bytes per element of one chunk (117 MB)
+QUANT_CHUNK_ELEMENTS = 1 << 22
+
+
 def quantize_4bit_blockwise(
     weight: torch.Tensor,
     quant_type: str = "nf4",
@@ -235,16 +240,28 @@ def quantize_4bit_blockwise(
         raise ValueError(f"invalid blocksize {blocksize}; choose one of {BLOCKSIZES_4BIT}")
     if not weight.is_floating_point() or weight.numel() == 0:
         raise ValueError(f"expected a non-empty float tensor, got {weight.dtype} {weight.shape}")
-    flat = weight.reshape(-1).float()
-    nblocks = -(-flat.numel() // blocksize)
-    if absmax is None:
-        absmax = _block_absmax(flat, blocksize)
-    elif absmax.shape != (nblocks,):
+    flat = weight.reshape(-1)
+    n = flat.numel()
+    nblocks = -(-n // blocksize)
+    if absmax is not None and absmax.shape != (nblocks,):
         raise ValueError(f"absmax must have shape ({nblocks},), got {tuple(absmax.shape)}")
-    scaled = _scale_to_unit(flat, absmax.float(), blocksize)
-    codes = _round_to_code(scaled, quant_type, stochastic=stochastic, generator=generator)
     pad = 7 if quant_type == "nf4" else 0  # nearest code of 0.0
-    return pack_4bit(codes, pad), absmax.float()
+    packed = torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(nblocks, dtype=torch.float32, device=weight.device)
+    # whole blocks at a time, so the fp32 / int64 temporaries stay at one chunk's size whatever
+    # the weight's (a 70B MLP weight would need about 28 bytes per element at once); each block
+    # is scaled and rounded on its own, so the codes are those of one pass. Stochastic rounding
+    # keeps one pass: its random stream is drawn over the whole tensor, as it always was
+    step = n if stochastic else blocksize * max(1, QUANT_CHUNK_ELEMENTS // blocksize)
+    for start in range(0, n, step):
+        part = flat[start : start + step].float()
+        b0, b1 = start // blocksize, -(-(start + part.numel()) // blocksize)
+        am = _block_absmax(part, blocksize) if absmax is None else absmax[b0:b1].float()
+        scaled = _scale_to_unit(part, am, blocksize)
+        codes = _round_to_code(scaled, quant_type, stochastic=stochastic, generator=generator)
+        packed[start // 2 : start // 2 + (part.numel() + 1) // 2] = pack_4bit(codes, pad)
+        scales[b0:b1] = am
+    return packed, scales
 
 
 def dequantize_4bit_blockwise(

@@ -34,7 +34,14 @@ SHAPES = [
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("shape,blocksize", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bytes_match_bitsandbytes(shape, blocksize, quant_type, double_quant, dtype, gen):
+@pytest.mark.parametrize("chunk", [None, 128, 192])  # elements per pass (whole blocks)
+def test_bytes_match_bitsandbytes(
+    shape, blocksize, quant_type, double_quant, dtype, chunk, gen, monkeypatch
+):
+    """Quantized in chunks of whole blocks (``QUANT_CHUNK_ELEMENTS``: several per weight here,
+    the last one short or odd) or in one pass, the bytes are bitsandbytes' own."""
+    if chunk is not None:
+        monkeypatch.setattr("quant_kernels.reference_4bit.QUANT_CHUNK_ELEMENTS", chunk)
     w = (torch.randn(shape, generator=gen) * 2).to(dtype)
     w.view(-1)[:3] = 0  # exact zeros (FP4 has two zero codes)
     ref, st = F.quantize_4bit(
