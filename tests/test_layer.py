@@ -124,6 +124,32 @@ def test_merge_quantized_error_is_requantization_error(gen):
     assert _rel(y1, y0) < 0.01
 
 
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("n,m,b", [(64, 48, 16), (72, 40, 16), (128, 96, 32)])
+def test_merge_stores_what_the_old_composition_stored(n, m, b, bits, gen):
+    """The merge gathers M into the new stored order with composed permutations (one fp32 copy
+    less); its stored W0 is byte for byte ``_to_store_order(effective_weight())`` after
+    reinitializing, the composition it replaced; the measured error is the same up to rounding
+    (int8, NF4 with its input-order store, 16 bits; ragged dims)."""
+    import copy
+
+    layer = POETXLinear(n, m, block_size=b, bits=bits, generator=gen)
+    _random_q(layer, 0.05, gen)
+    twin = copy.deepcopy(layer)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        err = layer.merge_then_reinitialize(g1, measure=True)
+        w = twin.effective_weight(torch.float32)
+        twin.P.reinitialize(g2)
+        twin.R.reinitialize(g2)
+        twin.frozen.store(twin._to_store_order(w), generator=g2)
+        want = float((twin.stored_w0(torch.float32) - w).norm() / w.norm())
+    assert torch.equal(layer.P.perm, twin.P.perm) and torch.equal(layer.R.perm, twin.R.perm)
+    for (k, a), (_, c) in zip(layer.frozen.state_dict().items(), twin.frozen.state_dict().items()):
+        assert torch.equal(a, c), k
+    assert err == pytest.approx(want, rel=1e-5, abs=1e-7) and (bits == 16) == (err == 0)
+
+
 def test_initial_weight_is_normalized_gaussian(gen):
     layer = POETXLinear(40, 24, block_size=8, bits=16, generator=gen)
     w = layer.effective_weight()
