@@ -205,6 +205,30 @@ def test_activations_equal_what_autograd_saves(method, precision, over, monkeypa
         assert saved == est.activations
 
 
+@pytest.mark.parametrize("b,copies", [(256, 2), (384, 3)])  # 384 pads 8192 to whole blocks
+def test_a_merge_is_the_peak_when_a_step_holds_little(b, copies):
+    """Llama-70B, lowest plan, 1 x 16 tokens: the step's transients are small (its largest,
+    lm_head's gradient and states during its update, 0.98 GiB), so the merge between steps (fp32
+    R·W0·P of the largest layer, 28672 x 8192: two copies, three where a side is padded) is the
+    peak, over the persistent tensors only."""
+    from poetxq.training.memory import apply_plan, plan_overrides
+
+    r = load_recipe("llama-70b:poetxq4", {"poet.block_size": b})
+    r = apply_plan(r, plan_overrides(r, "lowest")[0], "lowest")
+    assert r.train.offload_optimizer
+    est = estimate_memory(r, batch_size=1, seq_len=16, precision="bf16-true")
+    assert est.merge_workspace == copies * 4 * 28672 * 8192
+    assert est.peak_phase == "merge"
+    persistent = est.frozen_weights + est.buffers + est.trainable_params
+    if not est.offload_optimizer:
+        persistent += est.optimizer_states
+    assert est.peak == persistent + est.merge_workspace
+    assert ("merge workspace", est.merge_workspace) in est.peak_terms
+    assert "merge workspace" in format_estimate(est) and "at the merge" in format_estimate(est)
+    # a baseline never merges
+    assert estimate_memory(load_recipe("llama-8b:qgalore", {})).merge_workspace == 0
+
+
 def test_checkpointing_shrinks_activations_and_format():
     r = load_recipe("llama-8b:poetxq", {"poet.block_size": 256})
     a = estimate_memory(r, vocab_size=32000, batch_size=1, seq_len=2048, precision="bf16-true")

@@ -134,6 +134,9 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
         norms = est.offload_norms // CUDA_BLOCK
         rows.append(("offload accumulator + norms", est.offload_accumulator + est.offload_norms,
                      f"{acc}; {norms:,} gradient norms"))  # fmt: skip
+    if est.merge_workspace:
+        rows.append(("merge workspace", est.merge_workspace,
+                     "largest layer's fp32 R·W0·P, between steps"))  # fmt: skip
     if est.host_offloaded:
         what = ["checkpointed inputs"] if est.host_offloaded > est.host_optimizer else []
         what += ["gradients, optimizer states"] if est.host_optimizer else []

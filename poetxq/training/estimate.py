@@ -161,6 +161,10 @@ class MemoryEstimate:
     #: gradients and optimizer states (train.offload_optimizer)
     host_offloaded: int = 0
     host_optimizer: int = 0  #: the part of host_offloaded that is gradients and states
+    #: POET methods: a merge's fp32 temporaries for the largest layer (two [m, n] copies, three
+    #: where a side is padded to whole blocks; :meth:`poetxq.model.layer.POETXLinear.\
+    #: merge_then_reinitialize`), between steps, when no activation is alive
+    merge_workspace: int = 0
     loss_chunk_tokens: int = 0  # train.loss_chunk_tokens (0: whole logits)
     grad_accum: int = 1  # train.grad_accum: micro-batches of batch_size x seq_len per step
     #: train.cuda_graph on a GPU: the gradients are static tensors made before the capture
@@ -168,7 +172,8 @@ class MemoryEstimate:
     #: (unless optimizer_in_backward: then the update is inside the captured backward)
     cuda_graph: bool = False
     peak: int = 0
-    #: when the peak happens: "start of backward", "end of backward" or "optimizer step"
+    #: when the peak happens: "start of backward", "end of backward", "optimizer step" or
+    #: "merge"
     peak_phase: str = ""
     #: the peak's composition: (term, bytes) pairs at ``peak_phase`` summing to ``peak`` (the
     #: breakdown's rows are each term's largest size over the step and need not add up to it)
@@ -215,6 +220,11 @@ class MemoryEstimate:
             step = [("gradients", self.gradients),
                     ("optimizer temporaries", self.optimizer_transient)]  # fmt: skip
         phases = {"start of backward": start, "end of backward": end, "optimizer step": step}
+        if self.merge_workspace:  # between steps: no activation; a graph's static gradients
+            merge = [("merge workspace", self.merge_workspace)]
+            if self.cuda_graph and not self.optimizer_in_backward:
+                merge.append(("gradients", self.gradients))
+            phases["merge"] = merge
         totals = {k: sum(b for _, b in v) for k, v in phases.items()}
         self.peak_phase = max(totals, key=totals.__getitem__)  # the first of equal ones
         self.peak_terms = [(n, b) for n, b in persistent + phases[self.peak_phase] if b]
@@ -472,6 +482,9 @@ def estimate_memory(
         # fused CUDA step (poetxq.training.optim.adamw) and bitsandbytes keep none: conservative on
         # a GPU
         opt_tmp = max(q_bytes, params - q_bytes)
+    merge_ws = 0
+    if is_poet:  # fp32 R·W0·P of one layer and its gather into the new stored order
+        merge_ws = max((3 if m % b or n % b else 2) * 4 * m * n for _, m, n in projections(recipe))
     if precision == "fp32":
         notes.append("fp32: CPU training; compare with the process RSS, not CUDA memory")
     elif graph and tc.optimizer_in_backward:
@@ -501,5 +514,6 @@ def estimate_memory(
         offload_accumulator=offload_acc, offload_norms=offload_norms,
         host_optimizer=grads + states if tc.offload_optimizer else 0,
         host_offloaded=host, loss_chunk_tokens=tc.loss_chunk_tokens, notes=notes,
+        merge_workspace=merge_ws,
         cuda_graph=graph and precision != "fp32",
     )  # fmt: skip
