@@ -631,3 +631,28 @@ def test_the_report_names_the_settings_that_differ_and_warns_on_other_data(tmp_p
     warn, rest = setting_differences([a, c])
     assert warn.startswith("**Not comparable:**") and "`train.seq_len` 128 (a), 64 (c)" in warn
     assert rest == "Settings that differ: `tokens per step` 1,024 (a), 512 (c)."
+
+
+def test_json_through_a_link_or_into_a_pipe_keeps_the_link_and_the_pipe(tmp_path):
+    """estimate-memory --json (bench --out, --profile) renames a temporary file over a regular
+    file only: a symbolic link keeps pointing at its (rewritten) target, and a named pipe (as
+    /dev/null or /dev/stdout would) is written to, not replaced by a file."""
+    import json as _json
+    import os
+    import stat
+    import threading
+
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json", str(link)]) == 0
+    assert link.is_symlink() and _json.loads(target.read_text())["recipe"] == "llama-60m"
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json", str(fifo)]) == 0
+    reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # still a pipe
+    assert _json.loads(got[0])["recipe"] == "llama-60m"

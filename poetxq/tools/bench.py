@@ -413,7 +413,26 @@ def merge_once(
 
 
 def write_text(text: str, path: Path) -> None:
-    """Write ``text`` to ``path`` atomically (temporary file + rename), creating its folder."""
+    """Write ``text`` to ``path`` atomically (temporary file + rename), creating its folder.
+
+    A symbolic link is followed (its target is replaced; the link stays). A path that exists
+    and is not a regular file (``/dev/null``, ``/dev/stdout``, a named pipe) is written to
+    directly: renaming over it would replace the device or pipe with a file.
+
+    Raises:
+        OSError: one line naming ``path`` (as asked for) and what went wrong.
+    """
+    asked = path
+    path = path.resolve() if path.is_symlink() else path
+    if path.exists() and not path.is_file() and not path.is_dir():
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            raise OSError(
+                f"cannot write '{asked}' ({exc.strerror or exc}); choose another path"
+            ) from None
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -421,7 +440,7 @@ def write_text(text: str, path: Path) -> None:
         os.replace(tmp, path)
     except OSError as exc:  # one line naming the file asked for, not the temporary one
         raise OSError(
-            f"cannot write '{path}' ({exc.strerror or exc}); choose another path"
+            f"cannot write '{asked}' ({exc.strerror or exc}); choose another path"
         ) from None
     finally:
         with contextlib.suppress(OSError):
