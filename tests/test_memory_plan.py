@@ -72,6 +72,26 @@ def test_auto_takes_the_fastest_plan_that_fits_by_the_stated_rule():
     assert tight.allocator == "expandable_segments:True"
 
 
+def test_where_nothing_fits_auto_takes_the_smallest_peak_not_the_last_plan():
+    """A baseline's lowest plan can predict more than its fastest (GaLore at 8B: the 8-bit
+    states and checkpointing save less than bf16-true's copies cost there): auto then keeps the
+    fastest, lists the others as tried, and does not advise --memory lowest."""
+    recipe = load_recipe("llama-8b:galore", _8B)
+    peaks = {  # each plan named: the peak it predicts
+        name: resolve_memory_plan(
+            load_recipe("llama-8b:galore", {**_8B, "train.memory": name}), "cpu", gpu_mem=16 * GiB
+        )[1].predicted_peak
+        for name in ("fastest", "balanced", "lowest")
+    }
+    assert peaks["fastest"] < peaks["lowest"]  # the case this guards
+    resolved, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=16 * GiB)
+    assert choice.name == resolved.train.memory == min(peaks, key=peaks.__getitem__)
+    assert choice.predicted_peak == min(peaks.values())
+    assert choice.name not in choice.tried and set(choice.tried) | {choice.name} == set(peaks)
+    line = choice.line()
+    assert "expect out-of-memory" in line and "--memory lowest" not in line
+
+
 def test_fit_verdict_keeps_headroom_free_by_default_and_none_with_headroom_0():
     # 80 GiB with 10% kept free: up to 72 GiB (77_309_411_328 bytes) fits
     gpu = 80 * GiB  # 85_899_345_920 bytes

@@ -171,7 +171,8 @@ class PlanChoice:
                 + (f" ({self.memory_source})" if self.memory_source else "")
             )
             if fit_verdict(self.predicted_peak, self.device_memory) != "fits":
-                lower = "" if self.name == "lowest" else "--memory lowest, "
+                # lowest only where it was not found larger already (a baseline's can be)
+                lower = "" if "lowest" in (self.name, *self.tried) else "--memory lowest, "
                 text += (
                     f" - does not leave {HEADROOM:.0%} free: expect out-of-memory; try {lower}a "
                     "smaller batch, a larger GPU or several (docs/MEMORY.md)"
@@ -400,6 +401,7 @@ def resolve_memory_plan(
     if unknown_shape:
         gpu_mem = None  # no prediction to compare with it
     tried: dict[str, int] = {}
+    seen: list[tuple[str, Recipe, dict, dict, int | None]] = []
     for name in candidates:
         applied, kept = plan_overrides(recipe, name, world)
         resolved = apply_plan(recipe, applied, name)
@@ -408,7 +410,13 @@ def resolve_memory_plan(
             # the same plan on the estimator's recipe (the checkpoint's shape for --model)
             on = resolved if shaped is recipe else apply_plan(shaped, applied, name)
             peak = plan_estimate(on, vocab_size).peak
+        seen.append((name, resolved, applied, kept, peak))
         last = name == candidates[-1]
+        if last and setting == "auto" and peak is not None and peak > plan_limit(resolved, gpu_mem):
+            # none fits: the plan of the smallest peak (of equal ones the faster), not the last
+            # (a baseline's lowest can predict more than its fastest)
+            name, resolved, applied, kept, peak = min(seen, key=lambda c: c[4])
+            tried = {n: pk for n, _, _, _, pk in seen if n != name and pk is not None}
         if setting != "auto" or peak is None or last or peak <= plan_limit(resolved, gpu_mem):
             by = "auto" if setting == "auto" else "train.memory"
             if unknown_shape and setting == "auto":
