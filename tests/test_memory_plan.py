@@ -339,6 +339,28 @@ def test_per_process_peaks_hold_the_whole_model_per_gpu_and_say_what_sharding_w0
         per_process_peaks(recipe, 0)
 
 
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [
+        (["--processes", "2", "--gpu-mem", "12GB"], 1),  # one process fits, two per GPU do not
+        (["--processes", "2", "--gpu-mem", "40GB"], 0),
+        (["--memory", "lowest", "--gpu-mem", "11GB", "--precision", "fp32"], 1),  # as shown
+        (["--memory", "lowest", "--gpu-mem", "11GB"], 0),
+    ],
+)
+def test_estimate_memory_exits_1_where_the_estimate_it_shows_does_not_fit(extra, code, capsys):
+    """The exit status follows the verdicts printed: the per-GPU peak of --processes N and the
+    estimate at another --precision count, not only the one-process plans' table."""
+    argv = ["estimate-memory", "--recipe", "llama-8b:poetxq", "--batch-size", "1",
+            "--seq-len", "2048", "--set", "train.grad_accum=1", *extra]  # fmt: skip
+    assert main(argv) == code
+    out = capsys.readouterr().out
+    if "--processes" in extra:
+        assert ("per GPU: fits" in out) == (code == 0)
+    else:
+        assert ("does not fit in 11.0 GiB" in out) == (code == 1)
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_the_lower_plans_turn_on_expandable_segments_unless_the_user_chose(monkeypatch):
     import os

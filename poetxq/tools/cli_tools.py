@@ -302,10 +302,18 @@ def run_tool(args: argparse.Namespace) -> int:
         if shared:
             print(format_per_process(shared, gpu))
         named = choice.name if choice.chosen_by == "train.memory" else None  # --memory NAME
-        if gpu is not None and (misfit := format_misfit(plans, gpu, named)) is not None:
+        if gpu is None:
+            return 0
+        from poetxq.training.memory import fit_verdict
+
+        # a verdict, not bad input (2): 1 where the run as asked for would not fit
+        misfit = format_misfit(plans, gpu, named)
+        if misfit is not None:
             print(misfit)
-            return 1  # a verdict, not bad input (2)
-        return 0
+        # the per-GPU peak of N processes, and the estimate of another --precision, as shown
+        per_gpu = shared is not None and fit_verdict(shared["data_parallel"], gpu) != "fits"
+        other = precision != runs and fit_verdict(est.peak, gpu, headroom=0) != "fits"
+        return 1 if misfit is not None or per_gpu or other else 0
     from poetxq.tools.bench import bench_to_dict, run_bench
 
     check_kernels_env()
