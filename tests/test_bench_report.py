@@ -113,6 +113,7 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out.strip().splitlines()
     line = printed[-1]
     assert sum(p.startswith("model: built in ") and p.endswith(" s on cpu") for p in printed) == 1
+    assert not any(p.startswith("note: no CUDA device") for p in printed)  # --device cpu: asked
     data = json.loads(out.read_text())
     assert line.startswith("bench tiny-poetxq (mem): ") and "MFU n/a" in line and "peak RSS" in line
     assert data["variant"] == "mem"
@@ -123,6 +124,11 @@ def test_bench_cli_writes_json_and_one_line(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--steps", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--steps >= 1" in err[0]
+    # no --device: CUDA when there is one, else the CPU, and then the run says so first
+    assert main(["bench", "--recipe", "recipes/tiny/poetxq.yaml", *sets, "--steps", "1"]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[0]
+    note = "note: no CUDA device: timing on the CPU (pass --device cpu to say so)"
+    assert (first == note) == (not torch.cuda.is_available())
 
 
 @pytest.mark.parametrize(

@@ -324,8 +324,12 @@ def run_tool(args: argparse.Namespace) -> int:
         if args.out and Path(args.profile).resolve() == Path(args.out).resolve():
             raise BenchError(f"--profile and --out are the same file '{args.out}'; give two paths")
 
+    import torch
+
     from poetxq.tools.estimate_report import parse_bytes
 
+    if args.device is None and not torch.cuda.is_available():  # a GPU command, run here
+        print("note: no CUDA device: timing on the CPU (pass --device cpu to say so)")
     result = run_bench(
         recipe, args.steps, warmup=args.warmup, vocab_size=args.vocab_size,
         peak_tflops=args.peak_tflops, device=args.device,
