@@ -502,3 +502,18 @@ def test_the_plans_tried_read_in_mib_below_one_gib():
     assert choice.line() == (
         "memory plan: lowest (auto; fastest 120 MiB, balanced 3.0 GiB predicted, over the limit)"
     )
+    # a plan that replays a CUDA graph says that its limit leaves room for the graph's pool
+    graphed = PlanChoice("balanced", "auto", tried={"fastest": 30 * 2**30}, graphed=("fastest",))
+    assert graphed.line() == (
+        "memory plan: balanced (auto; fastest 30.0 GiB + 14.4% CUDA graph pool predicted, "
+        "over the limit)"
+    )
+
+
+def test_auto_names_the_graph_pool_of_a_graphed_plan_it_passed_over():
+    """Llama-8B for 34 GB: fastest's 30.1 GiB is under 34, but not with its graph's pool and
+    the 10 % kept free; the line says why."""
+    recipe = load_recipe("llama-8b:poetxq", _8B)
+    _, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=34 * GiB)
+    assert choice.name == "balanced" and choice.graphed == ("fastest",)
+    assert "fastest 30.1 GiB + 14.4% CUDA graph pool predicted, over the limit" in choice.line()

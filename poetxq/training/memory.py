@@ -143,6 +143,8 @@ class PlanChoice:
         memory_source: where ``device_memory`` comes from (``free on <GPU>`` or ``--gpu-mem``).
         allocator: the CUDA allocator setting the plan applies, or None.
         tried: with ``auto``, each plan tried before the choice and its predicted peak.
+        graphed: the plans of ``tried`` that replay a CUDA graph (their limit leaves room for
+            the graph's pool, :data:`~poetxq.training.estimate.GRAPH_POOL_OVERHEAD`).
     """
 
     name: str
@@ -156,12 +158,17 @@ class PlanChoice:
     memory_source: str | None = None
     allocator: str | None = None
     tried: dict[str, int] = field(default_factory=dict)
+    graphed: tuple[str, ...] = ()
 
     def line(self) -> str:
         """The run's one line about its memory, e.g. ``memory plan: lowest (auto: ...)``."""
         text = f"memory plan: {self.name} ({self.chosen_by}"
         if self.tried:
-            over = ", ".join(f"{k} {size_text(v)}" for k, v in self.tried.items())
+            pool = f" + {GRAPH_POOL_OVERHEAD:.1%} CUDA graph pool"
+            over = ", ".join(
+                f"{k} {size_text(v)}{pool if k in self.graphed else ''}"
+                for k, v in self.tried.items()
+            )
             text += f"; {over} predicted, over the limit"
         text += ")"
         if self.predicted_peak is not None and self.device_memory is not None:
@@ -434,6 +441,7 @@ def resolve_memory_plan(
                 memory_source=source if gpu_mem is not None else None,
                 allocator=EXPANDABLE if name != "fastest" else None,
                 tried=tried,
+                graphed=tuple(n for n, r, *_ in seen if n in tried and graph_wanted(r, "cuda")),
             )
             return resolved, choice
         tried[name] = peak
