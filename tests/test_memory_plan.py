@@ -517,3 +517,23 @@ def test_auto_names_the_graph_pool_of_a_graphed_plan_it_passed_over():
     _, choice = resolve_memory_plan(recipe, "cpu", gpu_mem=34 * GiB)
     assert choice.name == "balanced" and choice.graphed == ("fastest",)
     assert "fastest 30.1 GiB + 14.4% CUDA graph pool predicted, over the limit" in choice.line()
+
+
+def test_an_int8_recipe_that_does_not_fit_names_what_nf4_would_take(capsys):
+    """Llama-70B int8 for a 48 GB GPU does not fit by any plan (lowest 70.27 GiB); the same
+    recipe with NF4 W0 does (lowest, 39.39 GiB, as llama-70b:poetxq4 predicts): the last line
+    says so. A 4-bit recipe gets no such line."""
+    argv = ["estimate-memory", "--batch-size", "1", "--seq-len", "2048",
+            "--set", "train.grad_accum=1", "--gpu-mem", "48GB"]  # fmt: skip
+    assert main([*argv, "--recipe", "llama-70b:poetxq"]) == 1
+    four = load_recipe("llama-70b:poetxq4", _8B)
+    nf4 = estimate_memory(
+        apply_plan(four, plan_overrides(four, "lowest")[0], "lowest"), precision="bf16-true"
+    )
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (
+        f"with NF4 W0 it fits: plan lowest, predicted peak {nf4.peak / 2**30:.2f} GiB "
+        "(--set poet.bits=4, or the MODEL:poetxq4 recipe)"
+    )
+    assert main([*argv, "--gpu-mem", "30GB", "--recipe", "llama-70b:poetxq4"]) == 1
+    assert "with NF4 W0" not in capsys.readouterr().out

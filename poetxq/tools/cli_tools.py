@@ -73,6 +73,26 @@ def _check_precision_applies(recipe: Any, precision: str) -> None:
         raise EstimateError(f"--precision {precision}: {msg}") from None
 
 
+def four_bit_hint(recipe: Any, gpu_mem: int, vocab_size: int | None) -> str | None:
+    """Where an int8 POET-XQ recipe does not fit ``gpu_mem`` bytes: one line naming the plan
+    the same recipe with NF4 ``W0`` (``poet.bits=4``, the ``MODEL:poetxq4`` recipes) would take
+    and its predicted peak, when one fits; else None."""
+    from poetxq.training.memory_table import plan_table
+
+    if recipe.method != "poetxq" or recipe.poet.bits != 8:
+        return None
+    poet = recipe.poet.model_copy(update={"bits": 4, "quant_type": "nf4", "double_quant": True})
+    rows = plan_table(recipe.model_copy(update={"poet": poet}), gpu_mem=gpu_mem,
+                      vocab_size=vocab_size)  # fmt: skip
+    fit = next((r for r in rows if r["fits"]), None)
+    if fit is None:
+        return None
+    return (
+        f"with NF4 W0 it fits: plan {fit['plan']}, predicted peak {fit['peak'] / 2**30:.2f} GiB "
+        "(--set poet.bits=4, or the MODEL:poetxq4 recipe)"
+    )
+
+
 def _check_model_dir(recipe: Any) -> None:
     """``estimate-memory --model DIR`` (``model.pretrained``): the checks ``poetxq train`` makes
     before any work (:func:`poetxq.model.pretrained.resolve_pretrained`, then
@@ -310,6 +330,8 @@ def run_tool(args: argparse.Namespace) -> int:
         misfit = format_misfit(plans, gpu, named)
         if misfit is not None:
             print(misfit)
+            if (hint := four_bit_hint(written, gpu, vocab)) is not None:
+                print(hint)
         # the per-GPU peak of N processes, and the estimate of another --precision, as shown
         per_gpu = shared is not None and fit_verdict(shared["data_parallel"], gpu) != "fits"
         other = precision != runs and fit_verdict(est.peak, gpu, headroom=0) != "fits"
