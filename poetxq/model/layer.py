@@ -1,3 +1,5 @@
+# Over 500 lines: the layer, its autograd Functions (mem / fast, SwiGLU down) and its merge share
+# private helpers and the math of the module docstring; split, they would import each other.
 """The POET-X(Q) linear layer: ``y = x @ (R · W0 · P)ᵀ`` computed input-centric.
 
 Math (POET-X, arXiv 2603.05500). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and

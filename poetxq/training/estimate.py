@@ -1,3 +1,5 @@
+# Over 500 lines: one function counts every term of one step (and the merge) from the same
+# shapes; its module docstring is the term-by-term reference the tests check against.
 """Analytic GPU-memory estimate of one training step of a recipe, before launching it.
 
 Everything is counted in bytes from the recipe's shapes; nothing is allocated. The breakdown:
