@@ -330,7 +330,8 @@ def run_tool(args: argparse.Namespace) -> int:
         misfit = format_misfit(plans, gpu, named)
         if misfit is not None:
             print(misfit)
-            if (hint := four_bit_hint(written, gpu, vocab)) is not None:
+            no_plan = not any(r["fits"] for r in plans)  # not a --memory NAME that misses
+            if no_plan and (hint := four_bit_hint(written, gpu, vocab)) is not None:
                 print(hint)
         # the per-GPU peak of N processes, and the estimate of another --precision, as shown
         per_gpu = shared is not None and fit_verdict(shared["data_parallel"], gpu) != "fits"
