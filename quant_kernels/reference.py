@@ -38,8 +38,9 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 
 
-#: elements (whole rows) :func:`quantize_int8_rowwise` quantizes at a time: bounds its fp32
-#: temporaries at about 12 bytes per element of one chunk
+#: elements the reference quantizers work on at a time (whole rows in
+#: :func:`quantize_int8_rowwise`, whole blocks in ``reference_4bit.quantize_4bit_blockwise``),
+#: so their fp32 / int64 temporaries stay at one chunk's size, not the weight's
 QUANT_CHUNK_ELEMENTS = 1 << 22
 
 

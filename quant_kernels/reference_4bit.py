@@ -46,6 +46,9 @@ from typing import NamedTuple
 
 import torch
 
+# elements quantized at a time (whole blocks here): :func:`quantize_4bit_blockwise`'s fp32 and
+# int64 temporaries, about 28 bytes per element, stay at one chunk's (117 MB)
+from quant_kernels.reference import QUANT_CHUNK_ELEMENTS
 from quant_kernels.reference_double_quant import (
     _block_absmax,
     _expand_blocks,
@@ -201,11 +204,6 @@ def _round_to_code(
 # ----------------------------------------------------------------------------------------------
 # 4-bit blockwise quantize / dequantize
 # ----------------------------------------------------------------------------------------------
-
-
-#: elements quantized at a time by :func:`quantize_4bit_blockwise` (whole blocks): bounds its
-#: fp32 and int64 temporaries at about 28 bytes per element of one chunk (117 MB)
-QUANT_CHUNK_ELEMENTS = 1 << 22
 
 
 def quantize_4bit_blockwise(

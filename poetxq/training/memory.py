@@ -407,7 +407,6 @@ def resolve_memory_plan(
         candidates = ("fastest",)
     if unknown_shape:
         gpu_mem = None  # no prediction to compare with it
-    tried: dict[str, int] = {}
     seen: list[tuple[str, Recipe, dict, dict, int | None]] = []
     for name in candidates:
         applied, kept = plan_overrides(recipe, name, world)
@@ -423,9 +422,10 @@ def resolve_memory_plan(
             # none fits: the plan of the smallest peak (of equal ones the faster), not the last
             # (a baseline's lowest can predict more than its fastest)
             name, resolved, applied, kept, peak = min(seen, key=lambda c: c[4])
-            tried = {n: pk for n, _, _, _, pk in seen if n != name and pk is not None}
         if setting != "auto" or peak is None or last or peak <= plan_limit(resolved, gpu_mem):
             by = "auto" if setting == "auto" else "train.memory"
+            # the plans passed over (before it, or all others where none fits)
+            tried = {n: pk for n, _, _, _, pk in seen if n != name and pk is not None}
             if unknown_shape and setting == "auto":
                 by = "auto: no local config.json to estimate the --model checkpoint by; --memory"
                 by += " chooses"
@@ -444,7 +444,6 @@ def resolve_memory_plan(
                 graphed=tuple(n for n, r, *_ in seen if n in tried and graph_wanted(r, "cuda")),
             )
             return resolved, choice
-        tried[name] = peak
     raise AssertionError("unreachable: the last candidate is always taken")
 
 
