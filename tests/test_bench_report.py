@@ -432,6 +432,16 @@ def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys
                  str(blocker / "e.json")]) == 2  # fmt: skip
     out, err = capsys.readouterr()
     assert out == "" and f"--json '{blocker}/e.json' cannot be written" in err
+    # a name longer than the filesystem takes (with the temporary file's room): refused early
+    for long in (tmp_path / ("x" * 300 + ".json"), tmp_path / ("d" * 300) / "e.json",
+                 tmp_path / ("y" * 240 + ".json")):  # fmt: skip
+        assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json", str(long)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1
+        assert "bytes, over the" in err and "choose a shorter name" in err
+    ok = tmp_path / ("z" * 200 + ".json")
+    assert main(["estimate-memory", "--recipe", "llama-60m:poetxq", "--json", str(ok)]) == 0
+    assert ok.is_file()
 
 
 def test_a_write_that_fails_late_names_the_file_asked_for(tmp_path, capsys, monkeypatch):

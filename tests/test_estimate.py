@@ -352,8 +352,8 @@ def test_memory_sizes_need_a_unit():
 @pytest.mark.parametrize(
     "flags,needle",
     [
-        (["--vocab-size", "-5"], "--vocab-size must be a positive integer, got -5"),
-        (["--vocab-size", "0"], "--vocab-size must be a positive integer, got 0"),
+        (["--vocab-size", "-5"], "--vocab-size must be at least 256 (data.vocab_size's minimum)"),
+        (["--vocab-size", "0"], "--vocab-size must be at least 256 (data.vocab_size's minimum)"),
         (["--batch-size", "0"], "key 'train.batch_size': Input should be greater than 0"),
         (["--seq-len", "-3"], "key 'train.seq_len': Input should be greater than 1"),
     ],
@@ -604,6 +604,19 @@ def test_estimate_model_dir_errors_are_one_line_naming_the_problem(tmp_path, cap
         assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
         assert needle in captured.err
     assert main(["estimate-memory", "--model", str(ckpt), "--seq-len", "1024"]) == 0
+
+
+def test_estimate_vocab_size_below_train_minimum_is_refused(capsys):
+    """--vocab-size takes what train's data.vocab_size takes (at least 256), one line, exit 2."""
+    from poetxq.tools.cli import main
+
+    assert main(["estimate-memory", "--vocab-size", "255"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (
+        "poetxq: error: --vocab-size must be at least 256 (data.vocab_size's minimum), got 255"
+    )
+    assert main(["estimate-memory", "--vocab-size", "256"]) == 0
 
 
 def test_estimate_model_refuses_the_checkpoints_train_refuses(tmp_path, monkeypatch, capsys):

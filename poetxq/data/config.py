@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 #: End-of-document token of the trained BPE and of GPT-2.
 EOS_TOKEN = "<|endoftext|>"
+#: The smallest ``data.vocab_size`` (a byte-level BPE starts from 256 byte tokens).
+MIN_VOCAB_SIZE = 256
 
 
 class DataError(ValueError):
@@ -33,7 +35,7 @@ class DataConfig(StrictSection):
     streaming: bool = True
     text_field: str = "text"
     tokenizer: str = "bpe"
-    vocab_size: int = Field(4096, ge=256)  # for tokenizer="bpe"; C4-scale runs want more
+    vocab_size: int = Field(4096, ge=MIN_VOCAB_SIZE)  # for tokenizer="bpe"; C4-scale runs want more
     val_fraction: float = Field(0.02, gt=0.0, lt=0.5)
     split_seed: int = 1234
     max_train_tokens: int | None = Field(None, ge=1)

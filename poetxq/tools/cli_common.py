@@ -16,6 +16,9 @@ from pathlib import Path
 from poetxq.paths import nearest_existing, writable_dir
 from poetxq.training.recipe import RecipeError
 
+#: bytes an atomic write's temporary name ``.<name>.tmp-<pid>`` adds to ``<name>`` (pid ≤ 7 digits)
+TMP_NAME_EXTRA_BYTES = len(".") + len(".tmp-") + 7
+
 
 def check_kernels_env() -> None:
     """Refuse a bad ``POETXQ_KERNELS`` at startup, not at the first kernel call (after the data
@@ -34,12 +37,27 @@ def check_kernels_env() -> None:
 
 def check_output_file(path: Path, flag: str, error: type[ValueError]) -> None:
     """Refuse an output file that could not be written, before any work: ``path`` is a
-    directory, or its nearest existing ancestor is a file or a read-only directory (the
-    missing folders between are created when the file is written).
+    directory, its nearest existing ancestor is a file or a read-only directory (the
+    missing folders between are created when the file is written), or a name in it is longer
+    than the filesystem takes (the file's own name with room for the temporary file's).
 
     Raises:
         error: one line naming the flag, the path and what is wrong with it.
     """
+    try:  # first: stat() itself fails on a name the filesystem cannot hold
+        name_max = os.pathconf(".", "PC_NAME_MAX")
+    except (OSError, ValueError):  # no answer from the filesystem: the common limit
+        name_max = 255
+    # the atomic write's temporary name ".<name>.tmp-<pid>" is the longest name written
+    for i, part in enumerate(path.parts):
+        extra = TMP_NAME_EXTRA_BYTES if i == len(path.parts) - 1 else 0
+        if len(part.encode()) + extra > name_max:
+            raise error(
+                f"{flag} '{path}' cannot be written: the name '{part[:40]}...' is "
+                f"{len(part.encode())} bytes, over the {name_max - extra} this filesystem takes"
+                + (" (with room for the temporary file's)" if extra else "")
+                + "; choose a shorter name"
+            )
     if path.is_dir():
         raise error(f"{flag} '{path}' is a directory; pass a file path, e.g. {path / 'out.json'}")
     parent = nearest_existing(path.parent)

@@ -245,6 +245,7 @@ def run_tool(args: argparse.Namespace) -> int:
 
     recipe = _load(args)
     if args.command == "estimate-memory":
+        from poetxq.data.config import MIN_VOCAB_SIZE
         from poetxq.tools.estimate_report import (
             format_estimate,
             format_misfit,
@@ -265,6 +266,11 @@ def run_tool(args: argparse.Namespace) -> int:
         # the recipe a GPU run would train: train.memory resolved (auto: fitted to --gpu-mem)
         if args.processes is not None and args.processes < 1:
             raise EstimateError(f"--processes must be at least 1, got {args.processes}")
+        if args.vocab_size is not None and args.vocab_size < MIN_VOCAB_SIZE:  # train's minimum
+            raise EstimateError(
+                f"--vocab-size must be at least {MIN_VOCAB_SIZE} (data.vocab_size's minimum), "
+                f"got {args.vocab_size}"
+            )
         ref = recipe.model.pretrained
         if ref is not None:  # train's checks first: what train --model refuses is refused here
             _check_model_dir(recipe)
