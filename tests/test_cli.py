@@ -665,6 +665,43 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, caps
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sigterm_before_the_first_step_of_a_named_run_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """A named run (--run-name) stopped by SIGTERM in its step-0 evaluation (recipe.yaml,
+    tokenizer/ and the lock written, the loop not yet holding SIGTERM): the folder is removed,
+    so the same command starts it again without --resume auto."""
+    import os
+    import signal
+
+    import poetxq.training.train as train_mod
+
+    real_eval = train_mod.evaluate_perplexity
+
+    def terminated(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_eval(*a, **k)
+
+    class CallerTerminated(Exception):
+        pass
+
+    def caller(signum, frame):  # main hands the signal on to the caller's handler
+        raise CallerTerminated
+
+    before = signal.signal(signal.SIGTERM, caller)
+    try:
+        monkeypatch.setattr(train_mod, "evaluate_perplexity", terminated)
+        with pytest.raises(CallerTerminated):
+            _run(tmp_path, "--run-name", "named")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "poetxq: stopped by SIGTERM before the first training step; nothing to resume: run "
+        "the command again (with --resume auto and a --run-name it starts over)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(train_mod, "evaluate_perplexity", real_eval)
+    assert _run(tmp_path, "--run-name", "named", "--max-steps", "2") == 0  # the same command
+
+
 @pytest.mark.slow
 def test_sigint_during_training_prints_the_interrupt_message_once(
     tmp_path, capsys, monkeypatch, cpu_only

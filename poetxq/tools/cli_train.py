@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from poetxq.paths import RUN_LOCK, nearest_existing
-from poetxq.tools.cli_common import check_kernels_env, disk_full, launcher_rank, raise_terminated
+from poetxq.tools.cli_common import (
+    Terminated,
+    check_kernels_env,
+    disk_full,
+    launcher_rank,
+    raise_terminated,
+)
 from poetxq.tools.cli_train_flags import POET_FLAGS, flag_labels, flag_name, train_overrides
 from poetxq.training.recipe import POET_METHODS, RecipeError
 from poetxq.training.recipe_files import load_recipe
@@ -206,8 +212,9 @@ def run_train(args: argparse.Namespace) -> int:
     except BaseException as exc:
         # a full disk: say whether a checkpoint is there to resume from (before the release)
         full = _disk_full_line(exc, run_dir) if disk_full(exc) else None
-        # Ctrl-C (an abort: the graceful stop returns) before the first checkpoint
-        early = type(exc) is KeyboardInterrupt and _only_startup_files(run_dir)
+        # Ctrl-C (an abort: the graceful stop returns) or a SIGTERM before the loop takes it
+        # over (Terminated), before the first checkpoint
+        early = type(exc) in (KeyboardInterrupt, Terminated) and _only_startup_files(run_dir)
         if early and created and launcher_rank()[1] == 1:
             shutil.rmtree(run_dir, ignore_errors=True)  # only what every start writes first
             release_unused_run_dir(run_dir.parent, existed)
@@ -215,6 +222,8 @@ def run_train(args: argparse.Namespace) -> int:
             release_unused_run_dir(run_dir, existed)  # the run failed before writing there
         if full is not None:
             raise RunDirError(full) from exc
+        if early and isinstance(exc, Terminated):
+            raise  # main's SIGTERM line (exit 143), what every start wrote removed above
         if early:
             again = "run the same command again" if created else (
                 "start it over with --resume auto (or --overwrite)")  # fmt: skip
