@@ -17,12 +17,11 @@ what no longer fits (recorded as skipped).
   part x2 not one of the three: the 2-GPU row (evals/multi_gpu.py), on a 2-GPU machine
 
 Durations, per command in the dry run, measured on an H100: part 1 451 s at a7b3d14 (the 3B
-command reached its then 300 s timeout); part 2 441 s at ac7034e; part 3's kernel_targets 179 s
-(a7b3d14) and the suite 326 s (ac7034e, in a call of its own: ``--part 3 --only gpu_tests``),
-505 s together.
+command reached its then 300 s timeout); part 2 441 s at ac7034e; part 3 430 s at 9415d2f
+(kernel_targets 134 s, the suite 292 s).
 
-The device calls (carry .whl and, for the official code, .official; the tree that travels has no
-.git, so name the commit):
+The device calls (carry .whl, built by ``bash evals/gpu_wheels.sh``, and, for the official code,
+.official; the tree that travels has no .git, so name the commit):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \\
       && export PYTHONPATH=/tmp/site:$PWD && POETXQ_COMMIT=<commit7> PYTHONUNBUFFERED=1 \\
@@ -124,9 +123,9 @@ STEPS: tuple[Step, ...] = (
          "llama-13b", *_CKPT_OPTIONS), 60, 150,
          env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     Step("kernel_targets", "3", ("evals/kernel_targets.py",), 191, 300, official="optional",
-         note="measured: 191 s at 7857f3d, 179 s on an H100 at a7b3d14"),
+         note="measured: 191 s at 7857f3d, 134 s on an H100 at 9415d2f"),
     Step("gpu_tests", "3", PYTEST, 330, 540, env={"OMP_NUM_THREADS": "2"},  # 6 workers, 16 cores
-         note="the whole suite, 326 s on an H100 at ac7034e; its timeout is what is left"),
+         note="the whole suite, 292 s on an H100 at 9415d2f; its timeout is what is left"),
     Step("multi_gpu_step", "x2", ("evals/multi_gpu.py", "--parts", "equivalence,throughput",
          "--equiv-methods", "poetxq@step,poetxq", "--tput-methods",
          "poetxq@step,poetxq@ddp,adamw", "--budget-s", "540"), 400, 570, machine="h200x2",

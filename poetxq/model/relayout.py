@@ -21,8 +21,8 @@ flattened groups (``train.offload_optimizer``, the lowest memory plan) no ``Q`` 
 relayout would only copy the full weights through host memory (64 GiB for Llama-70B int8) for
 little: with the lowest plan on an H100 it lowered the run's reserved peak (build and steps) by
 0.10 GiB at Llama-8B and not at all at 13B, where the build's peak is the larger
-(``evals/results/memory_plans_h100_ac7034e.json`` against
-``evals/results/memory_plans_norelayout_h100_ac7034e.json``).
+(``evals/memory_plans.py`` with and without ``--no-relayout`` at ac7034e; the files are in git
+history up to 264500c, docs/MEMORY.md).
 """
 
 from __future__ import annotations
