@@ -2,6 +2,6 @@
 
 import sys
 
-from poetxq.tools.cli import main
+from poetxq.tools.console import run
 
-sys.exit(main())
+sys.exit(run())

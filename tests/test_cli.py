@@ -627,9 +627,32 @@ def test_ctrl_c_at_startup_is_one_line(capsys, monkeypatch):
     with pytest.raises(KeyboardInterrupt):  # called from Python: passed on to the caller
         main(["train"])
     assert capsys.readouterr().err.strip().splitlines() == [
-        "poetxq: interrupted (aborted: checkpoints already written are intact; continue or start "
-        "over with --resume auto and the same --run-name)"
+        "poetxq: interrupted (aborted: checkpoints written before it, if any, are intact; "
+        "continue or start over with --resume auto and the same --run-name)"
     ]
+
+
+def test_ctrl_c_while_the_console_script_imports_is_one_line(capsys, monkeypatch):
+    """A Ctrl-C in the first second, while the console script imports torch: one line, 130."""
+    import builtins
+
+    from poetxq.tools import console
+
+    real_import = builtins.__import__
+
+    def interrupted(name, *a, **k):
+        if name == "poetxq.tools.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)  # the statement always calls it
+    assert console.run() == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["poetxq: interrupted"]
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setattr("sys.argv", ["poetxq", "--help"])
+    with pytest.raises(SystemExit) as exc:  # imported: main runs on sys.argv
+        console.run()
+    assert exc.value.code == 0
 
 
 def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path, capsys, monkeypatch):

@@ -1,6 +1,7 @@
 """The tools around training: the ``poetxq`` command line and what it runs besides training.
 
-* :mod:`~poetxq.tools.cli` — the ``poetxq`` command (``python -m poetxq``): its sub-commands'
+* :mod:`~poetxq.tools.cli` — the ``poetxq`` command (``python -m poetxq``; the console script
+  :mod:`~poetxq.tools.console` imports it): its sub-commands'
   parsers and error handling; :mod:`~poetxq.tools.cli_train_flags` adds training's flags,
   :mod:`~poetxq.tools.cli_train` runs it, :mod:`~poetxq.tools.cli_tools` adds
   ``estimate-memory``, ``bench`` and ``report``;

@@ -208,8 +208,8 @@ def _run_command(argv: Sequence[str] | None) -> int:
         hint = ""
         if not str(exc) and training:
             hint = (
-                " (aborted: checkpoints already written are intact; continue or start over with "
-                "--resume auto and the same --run-name)"
+                " (aborted: checkpoints written before it, if any, are intact; continue or start "
+                "over with --resume auto and the same --run-name)"
             )
         print(f"poetxq: {str(exc) or 'interrupted'}{hint}", file=sys.stderr)
         # SIGTERM while the data was prepared: the data step's own line, the signal's status
