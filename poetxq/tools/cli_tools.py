@@ -324,7 +324,7 @@ def run_tool(args: argparse.Namespace) -> int:
         print(format_estimate(est, gpu))
         if alt:
             print(format_other_variant(*alt, gpu))
-        print(format_plans(plans, gpu))
+        print(format_plans(plans, gpu, max(est.peak_terms, key=lambda t: t[1]), recipe.method))
         if shared:
             print(format_per_process(shared, gpu))
         named = choice.name if choice.chosen_by == "train.memory" else None  # --memory NAME

@@ -168,10 +168,21 @@ def format_estimate(est: MemoryEstimate, gpu_mem: int | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
+#: plans whose peaks differ by less than this share of the largest get format_plans' note
+SAME_PEAK = 0.02
+
+
+def format_plans(
+    rows: list[dict[str, Any]],
+    gpu_mem: int | None = None,
+    largest: tuple[str, int] | None = None,
+    method: str | None = None,
+) -> str:
     """The memory plans of :func:`poetxq.training.memory_table.plan_table` as text: predicted peak,
     what each costs (recomputation, a CUDA graph's pool, host memory and traffic per step) and,
-    with ``gpu_mem``, whether ``train.memory: auto`` would count it as fitting."""
+    with ``gpu_mem``, whether ``train.memory: auto`` would count it as fitting. Where the plans'
+    peaks differ by under :data:`SAME_PEAK`, a note names ``largest`` (the peak's largest term,
+    name and bytes), which no plan moves for ``method``."""
     from poetxq.training.memory import HEADROOM
 
     head = "memory plans (train.memory / --memory; auto takes the first that fits"
@@ -187,6 +198,13 @@ def format_plans(rows: list[dict[str, Any]], gpu_mem: int | None = None) -> str:
         fits = "" if row["fits"] is None else ("fits  " if row["fits"] else "too big")
         lines.append(
             f"  {row['plan']:<9s}{_gib(row['peak'])}  {fits:<7s}  {', '.join(cost) or '-'}"
+        )
+    peaks = [row["peak"] for row in rows]
+    if largest is not None and len(peaks) > 1 and max(peaks) - min(peaks) < SAME_PEAK * max(peaks):
+        lines.append(
+            f"  note: the plans change this peak by under {SAME_PEAK:.0%}: its largest term, "
+            f"{largest[0]} {largest[1] / 2**30:.2f} GiB, stays on the GPU in every plan"
+            + (f" for {method}" if method else "")
         )
     return "\n".join(lines)
 
