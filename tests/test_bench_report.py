@@ -414,6 +414,19 @@ def test_report_reads_an_interrupted_run_from_metrics_and_refuses_an_empty_one(t
     assert not (tmp_path / "rep2").exists()
 
 
+def test_bench_on_the_cpu_with_gpu_mem_says_the_plan_it_took(capsys):
+    """--gpu-mem plans for a GPU the host lacks: bench says which plan that gave, as train does,
+    rather than taking the flag without a word."""
+    args = ["bench", "--recipe", "recipes/tiny/poetxq.yaml", "--device", "cpu", "--steps", "1"]
+    assert main([*args, "--gpu-mem", "16GB"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    plan = [ln for ln in lines if ln.startswith("memory plan:")]
+    assert len(plan) == 1 and plan[0].startswith("memory plan: fastest (auto), predicted peak ")
+    assert plan[0].endswith(" GiB of 16.0 GiB (--gpu-mem)")
+    assert main(args) == 0  # no --gpu-mem on a CPU: auto is the recipe as written, no line
+    assert not any(ln.startswith("memory plan:") for ln in capsys.readouterr().out.splitlines())
+
+
 def test_bench_out_under_a_file_is_refused_before_the_benchmark(tmp_path, capsys):
     blocker = tmp_path / "results"
     blocker.write_text("a file, not a folder")

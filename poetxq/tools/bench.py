@@ -285,7 +285,7 @@ def run_bench(
     # train.memory, as the trainer resolves it (before anything reads the memory keys)
     recipe, plan = resolve_memory_plan(recipe, dev, gpu_mem=gpu_mem, vocab_size=vocab_size)
     apply_allocator(plan)
-    if dev.type == "cuda" or plan.name != "fastest":
+    if dev.type == "cuda" or plan.name != "fastest" or gpu_mem is not None:  # as train says it
         echo(plan.line())
     tc, oc = recipe.train, recipe.optim
     if tc.cuda_graph is True and dev.type != "cuda":  # before the model is built
