@@ -273,13 +273,25 @@ def dequantize_4bit_blockwise(
     """``quant_map[code] * absmax_block`` (fp32 product, then cast): ``shape`` in ``dtype``.
 
     Equals bitsandbytes' ``dequantize_4bit`` given the same (already double-dequantized) absmax.
+    Works on whole blocks of at most :data:`QUANT_CHUNK_ELEMENTS` at a time into the output, so
+    the int64 codes and fp32 products are one chunk's, not the weight's (in one pass they were
+    three fp32 copies of it beside the output: 2.6 GiB for a Llama-70B MLP weight at a merge);
+    every element is the same product, so the values are those of one pass.
     """
     n = 1
     for d in shape:
         n *= int(d)
     code = get_4bit_code(quant_type, packed.device)
-    vals = code[unpack_4bit(packed, n)]
-    return (vals * _expand_blocks(absmax.float(), n, blocksize)).view(*shape).to(dtype)
+    scale = absmax.float()
+    flat = packed.reshape(-1)
+    out = torch.empty(n, dtype=dtype, device=packed.device)
+    step = blocksize * max(1, QUANT_CHUNK_ELEMENTS // blocksize)  # even: whole bytes per chunk
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        vals = code[unpack_4bit(flat[start // 2 : (end + 1) // 2], end - start)]
+        block = scale[start // blocksize : -(-end // blocksize)]
+        out[start:end] = vals * _expand_blocks(block, end - start, blocksize)
+    return out.view(*shape)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ SHAPES = [
 def test_bytes_match_bitsandbytes(
     shape, blocksize, quant_type, double_quant, dtype, chunk, gen, monkeypatch
 ):
-    """Quantized in chunks of whole blocks (``QUANT_CHUNK_ELEMENTS``: several per weight here,
-    the last one short or odd) or in one pass, the bytes are bitsandbytes' own."""
+    """Quantized and dequantized in chunks of whole blocks (``QUANT_CHUNK_ELEMENTS``: several per
+    weight here, the last one short or odd) or in one pass, the bytes are bitsandbytes' own and
+    the values its dequantizer's."""
     if chunk is not None:
         monkeypatch.setattr("quant_kernels.reference_4bit.QUANT_CHUNK_ELEMENTS", chunk)
     w = (torch.randn(shape, generator=gen) * 2).to(dtype)
