@@ -46,8 +46,9 @@ from typing import NamedTuple
 
 import torch
 
-# elements quantized at a time (whole blocks here): :func:`quantize_4bit_blockwise`'s fp32 and
-# int64 temporaries, about 28 bytes per element, stay at one chunk's (117 MB)
+# elements (de)quantized at a time, in whole blocks (:func:`_block_chunk`): the fp32 and int64
+# temporaries of :func:`quantize_4bit_blockwise` (about 28 bytes per element) and
+# :func:`dequantize_4bit_blockwise` stay at one chunk's size (117 MB), not the weight's
 from quant_kernels.reference import QUANT_CHUNK_ELEMENTS
 from quant_kernels.reference_double_quant import (
     _block_absmax,
@@ -206,6 +207,12 @@ def _round_to_code(
 # ----------------------------------------------------------------------------------------------
 
 
+def _block_chunk(blocksize: int) -> int:
+    """Elements per chunk: whole blocks, at most :data:`QUANT_CHUNK_ELEMENTS` (at least one
+    block); even, since every block size is, so a chunk starts on a whole byte of codes."""
+    return blocksize * max(1, QUANT_CHUNK_ELEMENTS // blocksize)
+
+
 def quantize_4bit_blockwise(
     weight: torch.Tensor,
     quant_type: str = "nf4",
@@ -250,7 +257,7 @@ def quantize_4bit_blockwise(
     # the weight's (a 70B MLP weight would need about 28 bytes per element at once); each block
     # is scaled and rounded on its own, so the codes are those of one pass. Stochastic rounding
     # keeps one pass: its random stream is drawn over the whole tensor, as it always was
-    step = n if stochastic else blocksize * max(1, QUANT_CHUNK_ELEMENTS // blocksize)
+    step = n if stochastic else _block_chunk(blocksize)
     for start in range(0, n, step):
         part = flat[start : start + step].float()
         b0, b1 = start // blocksize, -(-(start + part.numel()) // blocksize)
@@ -285,7 +292,7 @@ def dequantize_4bit_blockwise(
     scale = absmax.float()
     flat = packed.reshape(-1)
     out = torch.empty(n, dtype=dtype, device=packed.device)
-    step = blocksize * max(1, QUANT_CHUNK_ELEMENTS // blocksize)  # even: whole bytes per chunk
+    step = _block_chunk(blocksize)
     for start in range(0, n, step):
         end = min(start + step, n)
         vals = code[unpack_4bit(flat[start // 2 : (end + 1) // 2], end - start)]
