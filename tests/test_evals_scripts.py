@@ -267,17 +267,20 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     mod = _load("host_profile")
     out = tmp_path / "host.txt"
     args = [str(REPO / "recipes/tiny/poetxq.yaml"), "--set", "model.num_hidden_layers=1",
-            "--steps", "2", "--warmup", "0", "--rows", "40", "--out", str(out)]  # fmt: skip
+            "--steps", "2", "--warmup", "0", "--rows", "100000", "--out", str(out)]  # fmt: skip
     assert mod.main(args) == 0
     text = out.read_text()
     assert text.startswith("bench tiny-poetxq (mem): ") and "2 steps of 8x1x128 tokens" in text
-    # only the second step is profiled: its 7 POET projections, one backward each
-    row = next(
+    # only the second step is profiled: its 7 POET projections, one backward each. Every function
+    # is listed (--rows 100000): in the whole GPU suite a process's earlier tests add host work
+    # (compiles, logging) that pushed this row out of a top-40 table.
+    rows = [
         line
         for line in text.splitlines()
         if "poetxq/model/layer.py" in line and "_mem_backward" in line
-    )
-    assert row.split()[0] == "7"
+    ]
+    assert rows, text[:3000]
+    assert rows[0].split()[0] == "7"
     assert "cProfile by tottime" in text and "cProfile by cumtime" in text
     capsys.readouterr()
     bad = tmp_path / "bad.txt"
