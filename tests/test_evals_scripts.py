@@ -56,6 +56,15 @@ def test_gpu_test_record_section_reads_counts_and_failures(tmp_path, monkeypatch
     row = "| NVIDIA H100 | abc1234 | 10 | 2 | 1 | 322 (cut off by its timeout) | "
     assert row + "tests/a.py::t1 - x; tests/b.py::t2 |" in page
     assert "gpu_tests_h200" not in page  # no H200 record: no row
+    # cut off before pytest's summary: no counts, only what the test log recorded
+    failed = [{"test": "tests/c.py::t3", "when": "call"}]
+    cut = {"gpu": "NVIDIA H200", "commit": "def5678", "date": "2026-12-06", "command": "pytest",
+           "counts": {}, "duration_s": None, "wall_s": 370.2, "timed_out": True, "failures": [],
+           "tests_run": 1398, "failed_tests": failed}  # fmt: skip
+    (tmp_path / "gpu_tests_h200_abc.json").write_text(json.dumps(cut))
+    page = "\n".join(render.gpu_test_record())
+    row = "| NVIDIA H200 | def5678 | 1397 of 1398 run | 1 | – | 370 (cut off by its timeout) | "
+    assert row + "tests/c.py::t3 |" in page
     monkeypatch.setattr(files, "RESULTS", tmp_path / "none")
     assert render.gpu_test_record() == []
 
