@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -1164,6 +1165,23 @@ def test_a_bad_flag_value_is_named_as_the_flag(tmp_path, capsys):
     )
     assert main(["train", *TINY, "--output-dir", str(tmp_path), "--set", "train.max_steps=0"]) == 2
     assert "override train.max_steps=0: key 'train.max_steps'" in _one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_check_across_keys_names_the_flag_that_broke_it(tmp_path, capsys):
+    """A block size above the model's smallest layer fails a check of the whole recipe (no single
+    key): the line names the flag as typed, and --data's implied keys are not listed."""
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny" / "poetxq.yaml")
+    argv = ["train", "--recipe", recipe, "--data", "embedded", "--output-dir", str(tmp_path)]
+    assert main([*argv, "--block-size", "300"]) == 2
+    assert _one_error_line(capsys) == (
+        "poetxq: error: --block-size 300: poet.block_size 300 exceeds the smallest layer "
+        "dimension 256; choose a block size <= 256"
+    )
+    assert main([*argv, "--set", "poet.block_size=300"]) == 2
+    assert _one_error_line(capsys).startswith(
+        "poetxq: error: override poet.block_size=300: poet.block_size 300 exceeds"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

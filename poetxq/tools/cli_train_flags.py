@@ -305,22 +305,27 @@ def _flags_given(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
 def flag_labels(args: argparse.Namespace) -> dict[str, str]:
     """Recipe key -> the flag as typed (``--max-steps 0``), for :func:`load_recipe`'s errors:
     a bad value reads as the flag the user gave, not as ``override train.max_steps=0``."""
-    return {
-        key: flag if value is True else f"{flag} {value}"
+    labels = {key: f"--data {args.data}" for key in _implied(args)}
+    labels.update(
+        (key, flag if value is True else f"{flag} {value}")
         for key, (flag, value) in _flags_given(args).items()
-    }
+    )
+    return labels
+
+
+def _implied(args: argparse.Namespace) -> dict[str, Any]:
+    """Keys a flag sets beyond its own: ``--data`` replaces the source, so the recipe's hub
+    settings do not apply to local text."""
+    if args.data is not None and not args.data.startswith("hf:"):
+        return {"data.hf_config": None, "data.hf_val_split": None}
+    return {}
 
 
 def train_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The recipe overrides of a train command line
     (:func:`poetxq.training.recipe_files.merge_overrides`: a ``--set`` of a key a flag also sets,
     with another value, is refused)."""
-    flags = _flags_given(args)
-    implied: dict[str, Any] = {}
-    if args.data is not None and not args.data.startswith("hf:"):
-        # --data replaces the source: the recipe's hub settings do not apply to local text
-        implied = {"data.hf_config": None, "data.hf_val_split": None}
-    return {**implied, **merge_overrides(flags, args.overrides)}
+    return {**_implied(args), **merge_overrides(_flags_given(args), args.overrides)}
 
 
 #: flags that only mean something for the POET methods

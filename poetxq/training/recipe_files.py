@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import typing
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -62,7 +63,13 @@ def format_validation_error(
     for e in err.errors():
         loc = tuple(e["loc"])
         key = ".".join(str(p) for p in loc) or "<root>"
-        src = _source_of(key, provenance, source) if loc else source
+        if loc:
+            src = _source_of(key, provenance, source)
+        else:  # a check across keys: the source of the first key its message names, if any
+            named = [
+                k for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", e["msg"]) if k in (provenance or {})
+            ]
+            src = provenance[named[0]] if named and provenance else source
         if e["type"] == "extra_forbidden":
             keys = _allowed_keys(Recipe, loc) + (["base", "by_model"] if len(loc) == 1 else [])
             allowed = ", ".join(keys)
