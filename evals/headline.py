@@ -250,10 +250,19 @@ def _test_log(path: Path | None) -> dict:
             seen[(rec["test"], rec["when"])] = rec
     calls = [r for r in seen.values() if r["when"] == "call"]
     slow = sorted(calls, key=lambda r: -r["seconds"])[:15]
+    per_file: dict[str, float] = {}
+    for r in calls:  # pytest-xdist's --dist loadfile runs a file on one worker: its longest pole
+        name = r["test"].split("::")[0]
+        per_file[name] = per_file.get(name, 0.0) + r["seconds"]
     return {
         "tests_run": len(calls),
         "failed_tests": [r for r in seen.values() if r["outcome"] == "failed"],
         "slowest": [{"test": r["test"], "seconds": r["seconds"]} for r in slow],
+        "slowest_files": [
+            {"file": f, "seconds": round(t, 1)}
+            for f, t in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]
+        ],
+        "calls_seconds": round(sum(r["seconds"] for r in calls), 1),
     }
 
 

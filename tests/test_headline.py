@@ -140,6 +140,8 @@ def test_a_cut_off_test_run_still_records_its_failures_from_the_test_log(headlin
     ]
     assert rec["failed_tests"][0]["error"] == "E   assert 1 == 2"
     assert [r["test"] for r in rec["slowest"]] == ["t.py::d", "t.py::a", "t.py::b"]
+    assert rec["slowest_files"] == [{"file": "t.py", "seconds": 10.7}]  # 1.5 + 0.2 + 9.0
+    assert rec["calls_seconds"] == 10.7
 
 
 def _current_files(headline) -> list[str]:
