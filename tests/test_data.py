@@ -410,6 +410,9 @@ def test_missing_path(tmp_path: Path) -> None:
         prepare_data(DataConfig(source=str(missing)), 64, progress=False)
     with pytest.raises(DataError, match="does not exist"):
         prepare_data(DataConfig(source=str(tmp_path / "*.jsonl")), 64, progress=False)
+    # it exists, but is a device: said as such, not as missing
+    with pytest.raises(DataError, match="'/dev/null' is not a regular file or directory"):
+        prepare_data(DataConfig(source="/dev/null"), 64, progress=False)
 
 
 def test_check_data_refuses_bad_paths_from_names_and_sizes_alone(tmp_path: Path) -> None:

@@ -250,6 +250,8 @@ def test_fpo_commands_take_data_settings(checkpoint, tmp_path, monkeypatch, caps
     for bad, expected in (("train.max_steps=3", "data.* settings only"),
                           ("data.source=pydoc", "not data.source"),
                           ("data.val_fraction=0.9", "--set data.val_fraction: "),
+                          ("data.nokey=1", "--set data.nokey: unknown key (allowed here: "
+                           "data.hf_config, "),
                           ("data.text_field", "write KEY=VALUE")):  # fmt: skip
         assert main([*base, "--set", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -61,6 +61,13 @@ def test_typo_key_names_file_key_and_allowed(tmp_path):
         ({"poet": {"variant": "slow"}}, "poet.variant"),
         ({"poet": {"block_size": 512}}, "exceeds the smallest layer dimension"),
         ({"model": {"hidden_size": 250}}, "not divisible"),
+        ({"model": {"hidden_size": 100}}, "per-head width 25 is odd.*quotient is even"),
+        ({"model": {"head_dim": 3}}, "per-head width 3 is odd.*set model.head_dim to an even"),
+        ({"model": {"head_dim": 8}}, "exceeds the smallest layer dimension 32;"),  # 4 heads x 8
+        (
+            {"model": {"num_key_value_heads": 1}, "poet": {"block_size": 128}},
+            "exceeds the smallest layer dimension 64;",
+        ),  # one key/value head of 64
         ({"train": {"max_steps": 0}}, "train.max_steps"),
         ({"data": {"val_fraction": 0.9}}, "data.val_fraction"),
         ([1, 2], "mapping"),

@@ -68,6 +68,11 @@ def local_files(source: str) -> tuple[list[Path], str]:
             )
         files = [Path(m).resolve() for m in matches if Path(m).is_file()]
         what = f"glob {source}"
+    elif path.exists():  # a device, pipe or socket: not something to read as a corpus
+        raise DataError(
+            f"data path '{source}' is not a regular file or directory; pass a file/dir/glob "
+            "or --data embedded"
+        )
     else:
         raise DataError(
             f"data path '{source}' does not exist; pass an existing file/dir/glob "

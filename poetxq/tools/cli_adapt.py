@@ -119,7 +119,8 @@ def add_adapt_parsers(sub: Any) -> None:
     p.add_argument(
         "--layers",
         default="auto",
-        help="auto (the diagnosis' targets; the default) or a comma list, e.g. 20,21,-1",
+        help="auto (the diagnosis' targets; the default) or a comma list, e.g. 20,21,-1 "
+        "(a list that starts with a negative index: --layers=-1,3)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--steps", type=int, default=100, help="update steps (default 100)")
@@ -244,6 +245,10 @@ def data_settings(args: argparse.Namespace) -> dict[str, Any]:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(map(str, err["loc"]))
+        if err["type"] == "extra_forbidden":
+            keys = ", ".join(f"data.{k}" for k in DataConfig.model_fields
+                             if k not in ("source", "tokenizer"))  # fmt: skip
+            raise FPOError(f"--set data.{where}: unknown key (allowed here: {keys})") from None
         raise FPOError(f"--set data.{where}: {err['msg']}") from None
     return out
 

@@ -255,7 +255,10 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:
         m = self.model
-        smallest = min(m.hidden_size, m.intermediate_size)
+        kv_heads = m.num_key_value_heads or m.num_attention_heads
+        # the seven projections' widths: hidden, MLP, query/output heads, key/value heads
+        smallest = min(m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_width,
+                       kv_heads * m.head_width)  # fmt: skip
         if self.method == "poetx" and self.poet.bits != 16:
             self.poet.bits = 16
         if m.pretrained is not None:
