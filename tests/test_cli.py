@@ -1013,6 +1013,22 @@ def test_a_full_disk_before_any_checkpoint_advises_no_resume(tmp_path, capsys, m
     assert ck.latest_checkpoint(tmp_path / "r") is None
 
 
+def test_a_permission_error_names_the_path_and_the_fix(capsys, monkeypatch):
+    import errno
+
+    import poetxq.tools.cli as cli
+
+    def locked(argv):  # e.g. a checkpoint folder made immutable (chattr +i) under a resume
+        raise PermissionError(errno.EPERM, "Operation not permitted", "runs/w1/checkpoints/.tmp")
+
+    monkeypatch.setattr(cli, "run_train", locked)
+    assert cli.main(["train"]) == 2
+    assert _one_error_line(capsys) == (
+        "poetxq: error: cannot write or read runs/w1/checkpoints/.tmp (Operation not permitted); "
+        "make its folder writable (chmod, chattr -i) or choose another output path"
+    )
+
+
 def test_a_closed_output_pipe_ends_quietly(capsys, monkeypatch):
     import poetxq.tools.cli as cli
 

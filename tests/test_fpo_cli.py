@@ -95,6 +95,8 @@ def test_fpo_adapt_refuses_bad_input_in_one_line(checkpoint, tmp_path, monkeypat
         (_adapt_argv(checkpoint, tmp_path / "full", "--layers", "1"), "not empty"),
         (_adapt_argv(checkpoint, tmp_path / "a", "--layers", "one"), "--layers 'one'"),
         (_adapt_argv(checkpoint, tmp_path / "b", "--layers", "9", "--lr", "1e-3"), "layer 9"),
+        # a list that starts with a negative index is read as the value, not as an option
+        (_adapt_argv(checkpoint, tmp_path / "b", "--layers", "-1,9", "--lr", "1e-3"), "layer 9"),
         (_adapt_argv(checkpoint, tmp_path / "c", "--layers", "1", "--lr", "1e-3", "--resume"),
          "nothing to resume"),
         (_adapt_argv(checkpoint, tmp_path / "d", "--resume"), "nothing to resume"),

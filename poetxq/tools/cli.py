@@ -248,14 +248,18 @@ def _set_without_equals(argv: Sequence[str]) -> str | None:
     return None
 
 
+#: options whose value may start with ``-`` and a digit (a negative size, a layer list "-1,3")
+_NEGATIVE_VALUES = ("--gpu-mem", "--layers")
+
+
 def _negative_sizes_joined(argv: list[str]) -> list[str]:
-    """``--gpu-mem -5GB`` as ``--gpu-mem=-5GB``: argparse takes a value that starts with ``-``
-    for an option and reports "expected one argument"; joined, the size parser names the problem.
-    """
+    """``--gpu-mem -5GB`` as ``--gpu-mem=-5GB``, ``--layers -1,3`` as ``--layers=-1,3``: argparse
+    takes a value that starts with ``-`` for an option and reports "expected one argument";
+    joined, the option's own parser reads it (and names a problem)."""
     out: list[str] = []
     for arg in argv:
-        if out and out[-1] == "--gpu-mem" and arg.startswith("-") and arg[1:2].isdigit():
-            out[-1] = f"--gpu-mem={arg}"
+        if out and out[-1] in _NEGATIVE_VALUES and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
         else:
             out.append(arg)
     return out
@@ -340,6 +344,12 @@ def _main(argv: Sequence[str] | None) -> int:
             _print_error(
                 f"cannot write the output ({str(exc).splitlines()[0]}); free space or choose "
                 "another output path"
+            )
+            return 2
+        if isinstance(exc, PermissionError) and exc.filename:
+            _print_error(
+                f"cannot write or read {exc.filename} ({exc.strerror}); make its folder writable "
+                "(chmod, chattr -i) or choose another output path"
             )
             return 2
         return _input_error(exc)

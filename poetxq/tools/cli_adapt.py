@@ -119,8 +119,7 @@ def add_adapt_parsers(sub: Any) -> None:
     p.add_argument(
         "--layers",
         default="auto",
-        help="auto (the diagnosis' targets; the default) or a comma list, e.g. 20,21,-1 "
-        "(a list that starts with a negative index: --layers=-1,3)",
+        help="auto (the diagnosis' targets; the default) or a comma list, e.g. 20,21,-1",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--steps", type=int, default=100, help="update steps (default 100)")
