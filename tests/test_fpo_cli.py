@@ -258,3 +258,15 @@ def test_fpo_commands_take_data_settings(checkpoint, tmp_path, monkeypatch, caps
         assert main([*base, "--set", bad]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected in err[0], (bad, err)
+
+
+@pytest.mark.parametrize("command", ["fpo-diagnose", "fpo-adapt"])
+def test_fpo_help_names_the_named_bases_and_their_install(command, capsys):
+    from poetxq.model.bases import NAMED_BASES
+
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name, base in NAMED_BASES.items():
+        assert f"{name} (needs: {base.pip})" in text

@@ -23,6 +23,7 @@ import torch
 
 from poetxq.adapt.fpo import FPO_FAMILY, FPOError, check_layers
 from poetxq.adapt.loop import STATE_DIR, check_resume
+from poetxq.model.bases import NAMED_BASES
 from poetxq.paths import unwritable_reason
 from poetxq.tools.cli_common import check_output_file
 
@@ -35,7 +36,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "model",
         metavar="MODEL",
         help="a transformers Llama-family, OLMo-2 or Gemma 3 text directory (save_pretrained / "
-        "poetxq export)",
+        "poetxq export), or a named base: "
+        + ", ".join(f"{name} (needs: {b.pip})" for name, b in NAMED_BASES.items()),
     )
     p.add_argument(
         "--data",
