@@ -49,11 +49,9 @@ class ModelConfig(Section):
                 f"{self.num_attention_heads} (set model.head_dim for another per-head width)"
             )
         if self.head_width % 2:  # rotary embeddings turn pairs of each head's features
-            fix = (
-                "set model.head_dim to an even width"
-                if self.head_dim
-                else ("choose hidden_size and num_attention_heads so that their quotient is even")
-            )
+            fix = "set model.head_dim to an even width"
+            if not self.head_dim:
+                fix = "choose hidden_size and num_attention_heads so that their quotient is even"
             raise ValueError(
                 f"the per-head width {self.head_width} is odd, and rotary position embeddings "
                 f"need an even one; {fix}"
