@@ -66,10 +66,9 @@ def format_validation_error(
         if loc:
             src = _source_of(key, provenance, source)
         else:  # a check across keys: the source of the first key its message names, if any
-            named = [
-                k for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", e["msg"]) if k in (provenance or {})
-            ]
-            src = provenance[named[0]] if named and provenance else source
+            prov = provenance or {}
+            named = [k for k in re.findall(r"\b[a-z_]+\.[a-z_]+\b", e["msg"]) if k in prov]
+            src = prov[named[0]] if named else source
         if e["type"] == "extra_forbidden":
             keys = _allowed_keys(Recipe, loc) + (["base", "by_model"] if len(loc) == 1 else [])
             allowed = ", ".join(keys)
