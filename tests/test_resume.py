@@ -154,3 +154,7 @@ def test_sigterm_saves_marks_interrupted_and_resumes_exactly(reference, tmp_path
     assert (run / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
     events = [r for r in _records(run) if "event" in r]
     assert [e["event"] for e in events] == ["interrupted", "resumed"]
+    # the resumed session's recipe names the plan; auto chose it at the start, as in the reference
+    plans = [json.loads((d / "summary.json").read_text())["memory_plan"] for d in (run, ref)]
+    assert plans[0]["name"] == plans[1]["name"] == "fastest"
+    assert plans[0]["chosen_by"] == plans[1]["chosen_by"] == "auto"

@@ -477,6 +477,7 @@ class _Run:
                 scheduler=self.scheduler, generators=self.generators,
             )  # fmt: skip
             self.resumed = meta["loop"]
+            self._keep_plan_origin(self.resumed.get("memory_plan"))
             self.say(
                 f"resumed from {self.resume_from} (step {meta['step']} of {self.tc.max_steps})"
             )
@@ -490,6 +491,15 @@ class _Run:
             # the transients of building (fp32 W0 drawn before quantization) or of loading a
             # checkpoint
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _keep_plan_origin(self, first: Any) -> None:
+        """A resumed run's recipe names the plan its first session took (``train.memory:
+        fastest``): where ``auto`` chose it and the resume keeps it, the summary says so."""
+        if not isinstance(first, dict) or self.plan.chosen_by != "train.memory":
+            return
+        by = first.get("chosen_by")
+        if first.get("name") == self.plan.name and isinstance(by, str) and by.startswith("auto"):
+            self.plan.chosen_by = by
 
     def open_run_dir(self) -> None:
         """Lock the run directory and clear it (a fresh run) or cut its metrics back to the
@@ -554,6 +564,8 @@ class _Run:
                     "initial_val_loss": self.val_loss0, "initial_val_ppl": self.val_ppl0,
                     "train_seconds": self.seconds_before + time.perf_counter() - self.train_start,
                     "resumed_from": self.resumed_from, "num_processes": self.world,
+                    # how the run's first session chose its plan (a resume reads it by name)
+                    "memory_plan": {"name": self.plan.name, "chosen_by": self.plan.chosen_by},
                     **carried,
                 },
             )  # fmt: skip
