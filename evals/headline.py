@@ -17,9 +17,9 @@ what no longer fits (recorded as skipped).
   part x2 not one of the three: the 2-GPU row (evals/multi_gpu.py), on a 2-GPU machine
 
 Durations, per command in the dry run, measured: part 1 451 s on an H100 at a7b3d14 (the 3B
-command reached its then 300 s timeout); part 2 441 s on an H100 at ac7034e; part 3 about 510 s
-(kernel_targets 134 s on an H100 at 9415d2f, the suite 363 s on an H200 at 8bd18da; over 370 s
-on an H100 at dfccba5, where a call's timeout cut it off).
+command reached its then 300 s timeout); part 2 441 s on an H100 at ac7034e; part 3 about 530 s
+(kernel_targets 134 s on an H100 at 9415d2f, the suite 363 s on an H200 at 8bd18da and 391 s
+on an H100 at baf757c).
 
 The device calls (carry .whl, built by ``bash evals/gpu_wheels.sh``, and, for the official code,
 .official; the tree that travels has no .git, so name the commit):
@@ -125,8 +125,9 @@ STEPS: tuple[Step, ...] = (
          env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
     Step("kernel_targets", "3", ("evals/kernel_targets.py",), 140, 300, official="optional",
          note="measured: 191 s at 7857f3d, 134 s on an H100 at 9415d2f"),
-    Step("gpu_tests", "3", PYTEST, 370, 540, env={"OMP_NUM_THREADS": "2"},  # 6 workers, 16 cores
-         note="the whole suite, 363 s on an H200 at 8bd18da; its timeout is what is left"),
+    Step("gpu_tests", "3", PYTEST, 390, 540, env={"OMP_NUM_THREADS": "2"},  # 6 workers, 16 cores
+         note="the whole suite: 363 s on an H200 at 8bd18da, 391 s on an H100 at baf757c; its "
+         "timeout is what is left"),
     Step("multi_gpu_step", "x2", ("evals/multi_gpu.py", "--parts", "equivalence,throughput",
          "--equiv-methods", "poetxq@step,poetxq", "--tput-methods",
          "poetxq@step,poetxq@ddp,adamw", "--budget-s", "540"), 400, 570, machine="h200x2",
