@@ -85,9 +85,9 @@ def _one_error_line(capsys) -> str:
     return err[0]
 
 
-def test_vocab_size_with_a_token_corpus_is_refused(tmp_path, capsys):
-    """A token corpus folder brings its own tokenizer: --vocab-size is one error line, not
-    silently ignored."""
+def test_vocab_size_or_tokenizer_with_a_token_corpus_is_refused(tmp_path, capsys):
+    """A token corpus folder brings its own tokenizer: --vocab-size or --tokenizer (bpe, the
+    default's value, included) is one error line, not silently ignored."""
     from poetxq.data.corpus import write_token_corpus
     from poetxq.data.tokenizer import train_bpe
 
@@ -105,6 +105,9 @@ def test_vocab_size_with_a_token_corpus_is_refused(tmp_path, capsys):
     err = _one_error_line(capsys)
     assert "pre-tokenized corpus with its own tokenizer and vocabulary" in err
     assert "drop --vocab-size 512 (data.vocab_size)" in err
+    code = main(["train", "--data", str(tmp_path / "corpus"), "--tokenizer", "bpe",
+                 "--output-dir", str(out)])  # fmt: skip
+    assert code == 2 and "drop --tokenizer bpe (data.tokenizer)" in _one_error_line(capsys)
     assert not out.exists()
 
 

@@ -404,6 +404,35 @@ def test_local_c4_style_split(tmp_path: Path) -> None:
     assert "validation file" in td.source_description
 
 
+def test_split_files_are_named_by_word_and_other_files_are_named_not_read(tmp_path: Path) -> None:
+    """A file beside the train / validation files is not read, and the description says so;
+    'constrained' holds 'train' but not as a word, so it is one of those."""
+    _write_jsonl(tmp_path / "c4-train.0.jsonl", DOCS[:15])
+    _write_jsonl(tmp_path / "c4-validation.0.jsonl", DOCS[15:30])
+    _write_jsonl(tmp_path / "constrained.jsonl", DOCS[30:])
+    cfg = DataConfig(source=str(tmp_path), vocab_size=300, cache_dir=str(tmp_path / "cache"))
+    assert list(iter_documents(cfg, "train")) == DOCS[:15]
+    td = prepare_data(cfg, 16, progress=False)
+    assert (
+        "(1 train file(s), 1 validation file(s); not read, named neither train nor "
+        "validation: constrained.jsonl), 30 documents (15 train / 15 val)"
+    ) in td.source_description
+
+
+def test_records_without_text_are_skipped_with_a_count(tmp_path: Path, capsys) -> None:
+    """Missing, null and empty text fields are skipped; one note per file gives how many."""
+    recs = [{"text": d} if i % 4 else [{"other": d}, {"text": None}, {"text": ""}][i // 4 % 3]
+            for i, d in enumerate(DOCS)]  # fmt: skip
+    (tmp_path / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = DataConfig(source=str(tmp_path / "part.jsonl"), val_fraction=0.2)
+    docs = _all_docs(cfg)
+    kept = [d for i, d in enumerate(DOCS) if i % 4]
+    assert sorted(docs) == sorted(kept)
+    skipped = len(DOCS) - len(kept)
+    err = capsys.readouterr().err
+    assert f"{skipped:,} of {len(DOCS):,} records have no text in field 'text'" in err
+
+
 def test_missing_path(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     with pytest.raises(DataError, match=r"data path '.*nope' does not exist.*--data embedded"):
@@ -652,7 +681,10 @@ def test_binary_txt_file_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"image\.txt holds NUL bytes: it looks binary"):
         _all_docs(DataConfig(source=str(src), val_fraction=0.2))
     (src / "image.txt").write_bytes(b"text " + bytes(range(128, 256)) * 4)  # no NUL, 99% bad
-    with pytest.raises(DataError, match=r"image\.txt is \d+% not UTF-8"):
+    with pytest.raises(DataError, match=r"image\.txt is \d+% not UTF-8: binary, or text in"):
+        _all_docs(DataConfig(source=str(src), val_fraction=0.2))
+    (src / "image.txt").write_bytes(("Caf\u00e9 na\u00efve text. " * 50).encode("latin-1"))
+    with pytest.raises(DataError, match=r"another encoding \(convert it: iconv -f latin1"):
         _all_docs(DataConfig(source=str(src), val_fraction=0.2))
     # a stray undecodable byte in real text stays accepted (replaced, as before)
     (src / "image.txt").write_bytes(("Caf\u00e9 text. " * 200).encode() + b"\xff")
@@ -681,3 +713,18 @@ def test_token_corpus_folder_is_a_data_source(tmp_path: Path) -> None:
     assert td.vocab_size == enc.tokenizer.get_vocab_size(with_added_tokens=True)
     with pytest.raises(DataError, match="pre-tokenized corpus with its own tokenizer"):
         prepare_data(DataConfig(source=str(tmp_path / "c"), tokenizer="gpt2"), 15)
+
+
+def test_a_text_field_that_is_not_text_names_the_fix(tmp_path: Path) -> None:
+    """A number asks for another --text-field; a nested wrapper ({"data": [...]}) says nested
+    records are not read and how to write them out as JSON lines."""
+    (tmp_path / "n.jsonl").write_text('{"text": "a"}\n{"text": 7}\n')
+    with pytest.raises(DataError, match=r"record 2 of .*n\.jsonl: field 'text' holds a int, not "
+                       r"text; set --text-field"):  # fmt: skip
+        _all_docs(DataConfig(source=str(tmp_path / "n.jsonl")))
+    (tmp_path / "w.json").write_text(
+        json.dumps({"version": 1, "data": [{"text": d} for d in DOCS]})
+    )
+    with pytest.raises(DataError, match=r"field 'data' holds a list, not text; nested records are "
+                       r"not read.*jq -c '\.data\[\]'"):  # fmt: skip
+        _all_docs(DataConfig(source=str(tmp_path / "w.json"), text_field="data"))

@@ -228,3 +228,31 @@ def test_no_progress_hides_transformers_loading_bar(checkpoint, tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()  # without the flag: data bars too
         assert code == 2 and err[-1].endswith("': stopped by the test")
     assert seen == [True, False] and hf_logging.is_progress_bar_enabled()
+
+
+def test_a_checkpoint_without_a_tokenizer_trains_with_tokenizer_named(checkpoint, tmp_path,
+                                                                      capsys):  # fmt: skip
+    """The no-tokenizer error advises --tokenizer: with --model it takes the checkpoint's
+    tokenizer from elsewhere (a fresh bpe or --vocab-size cannot match trained embeddings)."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        if (checkpoint / name).exists():
+            shutil.copy(checkpoint / name, bare / name)
+    short = [*RUN[: RUN.index("--max-steps")], "--max-steps", "2", "--no-progress"]
+    code = main(["quantize-and-train", *short, "--model", str(bare),
+                 "--output-dir", str(tmp_path / "o0")])  # fmt: skip
+    assert code == 2 and "pass --tokenizer" in _one_error(capsys)
+    for bad, says in ((["--tokenizer", "bpe"], "does not match"),
+                      (["--vocab-size", "512"], "drop --vocab-size")):  # fmt: skip
+        code = main(["quantize-and-train", *short, "--model", str(bare), *bad,
+                     "--output-dir", str(tmp_path / "o1")])  # fmt: skip
+        assert code == 2 and says in _one_error(capsys)
+    assert not (tmp_path / "o0").exists() and not (tmp_path / "o1").exists()
+    code = main(["quantize-and-train", *short, *RATES, "--model", str(bare), "--tokenizer",
+                 str(checkpoint), "--output-dir", str(tmp_path), "--run-name", "r"])  # fmt: skip
+    assert code == 0
+    ids = AutoTokenizer.from_pretrained(str(checkpoint))(TEXT).input_ids
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "r" / "tokenizer"))(TEXT).input_ids == ids

@@ -84,6 +84,12 @@ def record_text(rec: Any, field_name: str, where: str) -> str | None:
     value = rec[field_name]
     if value is None:
         return None
+    if isinstance(value, (list, dict)):  # a wrapper object: {"data": [{"text": ...}, ...]}
+        raise DataError(
+            f"{where}: field '{field_name}' holds a {type(value).__name__}, not text; nested "
+            "records are not read: write them out as JSON lines, one object per record (e.g. "
+            f"jq -c '.{field_name}[]' IN.json > OUT.jsonl)"
+        )
     if not isinstance(value, str):
         raise DataError(
             f"{where}: field '{field_name}' holds a {type(value).__name__}, not text; "

@@ -9,12 +9,13 @@ streaming mode (nothing is converted or cached on the way: the token streams are
   undecodable byte becomes U+FFFD.
 * ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.json.gz`` — JSON lines (such as a local C4 copy's
   ``c4-train.*.json.gz``) or a JSON list of records; ``.parquet`` — a table. Each record's text
-  is its ``text_field``; a record whose field is null (in JSON lines: or absent while other
-  records of the file have it) is skipped.
+  is its ``text_field``; a record whose field is null or empty (in JSON lines: or absent while
+  other records of the file have it) is skipped, with one note per file giving the count.
 
-If a directory (or glob) holds files whose names contain ``validation`` and files whose names
-contain ``train``, those files are the validation and training splits and ``val_fraction`` is
-not used; files matching neither are ignored.
+If a directory (or glob) holds files whose names contain the word ``validation`` and files whose
+names contain the word ``train`` (``c4-train.00000-of-00001.json.gz``; not ``constrained.jsonl``),
+those files are the validation and training splits and ``val_fraction`` is not used; files
+matching neither are not read, and the source's description names them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import contextlib
 import glob as globlib
 import logging
 import os
+import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -93,12 +96,24 @@ def local_files(source: str) -> tuple[list[Path], str]:
     return files, what
 
 
+def _names_split(path: Path, split: str) -> bool:
+    """Whether a file's name holds ``split`` as a word (``c4-train.00000-of-00001.json.gz``,
+    ``train.jsonl``; not ``constrained.jsonl``)."""
+    return re.search(rf"(?<![a-z]){split}(?![a-z])", path.name.lower()) is not None
+
+
+def _listed(paths: list[Path], most: int = 3) -> str:
+    names = ", ".join(p.name for p in paths[:most])
+    return names + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
 def local_source(cfg: DataConfig) -> Source:
     files, what = local_files(cfg.source)
     field_name = cfg.text_field
-    val_files = [p for p in files if "validation" in p.name.lower()]
-    train_files = [p for p in files if "train" in p.name.lower() and p not in val_files]
+    val_files = [p for p in files if _names_split(p, "validation")]
+    train_files = [p for p in files if _names_split(p, "train") and p not in val_files]
     predefined = len(files) > 1 and bool(val_files) and bool(train_files)
+    others = [p for p in files if p not in val_files and p not in train_files]
 
     def identity_of(paths: list[Path]) -> list[list[Any]]:
         out = []
@@ -128,7 +143,13 @@ def local_source(cfg: DataConfig) -> Source:
         return Source(
             description=(
                 f"local: {what} ({len(train_files)} train file(s), "
-                f"{len(val_files)} validation file(s))"
+                f"{len(val_files)} validation file(s)"
+                + (
+                    f"; not read, named neither train nor validation: {_listed(others)}"
+                    if others
+                    else ""
+                )
+                + ")"
             ),
             identity={
                 "kind": "local-split",
@@ -159,10 +180,14 @@ def check_text_file(path: Path) -> None:
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
     if b"\x00" in raw or bad > _MAX_BAD_UTF8 * max(len(raw), 1):
-        why = "holds NUL bytes" if b"\x00" in raw else f"is {bad / len(raw):.0%} not UTF-8"
+        if b"\x00" in raw:
+            why = "holds NUL bytes: it looks binary, not text"
+        else:  # Latin-1 / cp1252 text reads like this too
+            why = (f"is {bad / len(raw):.0%} not UTF-8: binary, or text in another encoding "
+                   f"(convert it: iconv -f latin1 -t utf-8)")  # fmt: skip
         raise DataError(
-            f"{path} {why}: it looks binary, not text; remove it from the data or pass a glob "
-            "that leaves it out (--data 'DIR/*.txt' matches only what you name)"
+            f"{path} {why}; or remove it from the data or pass a glob that leaves it out "
+            "(--data 'DIR/*.txt' matches only what you name)"
         )
 
 
@@ -237,11 +262,19 @@ def file_documents(path: Path, field_name: str) -> Iterator[str]:
     if is_text:
         check_text_file(path)
         field_name = "text"  # the text builder's one column
+    index = skipped = 0
     for index, rec in enumerate(_records(path, field_name), 1):
         text = record_text(rec, field_name, f"record {index} of {path}")
-        if text is None:
+        if not text:  # a record without the field (in a file where others have it), null, ""
+            skipped += not is_text
             continue
         if is_text:
             yield from chunk_text(text)
         else:
             yield text
+    if skipped:  # said once: the tokenized documents are cached
+        print(
+            f"note: {path}: {skipped:,} of {index:,} records have no text in field "
+            f"'{field_name}' (missing, null or empty) and are skipped",
+            file=sys.stderr,
+        )

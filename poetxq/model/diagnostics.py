@@ -16,7 +16,9 @@ these drifts a little; the functions here measure by how much:
   the state it had when tracking started (a fixed sample of neurons, so a 14336-row layer costs
   a 512 × 512 Gram matrix, not 14336²).
 
-Everything is computed in float64 under ``torch.no_grad()``; nothing here changes a layer.
+Everything runs under ``torch.no_grad()``, nothing here changes a layer. The SVDs run in float32
+on the layer's device (:class:`LayerDiagnostics`); the drifts, orthogonality errors, energies
+and cosines are computed in float64 from them.
 """
 
 from __future__ import annotations

@@ -90,17 +90,27 @@ def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
         )
     if args.requant is not None and recipe.poet.bits == 16:
         raise RecipeError("--requant applies to quantized W0 (--bits 8 or 4), not to --bits 16")
-    if recipe.model.pretrained is not None and (args.tokenizer or args.vocab_size):
+    if recipe.model.pretrained is not None and args.vocab_size:
         raise RecipeError(
-            "--model uses the checkpoint's own tokenizer; drop --tokenizer / --vocab-size"
+            "--model takes its vocabulary from the checkpoint's tokenizer; drop --vocab-size"
         )
-    if args.vocab_size is not None:
+    if recipe.model.pretrained is not None and str(args.tokenizer).strip() == "bpe":
+        raise RecipeError(
+            "--model trains the checkpoint's embeddings, which a freshly trained --tokenizer bpe "
+            "does not match; drop --tokenizer (the checkpoint's own) or pass the checkpoint's "
+            "tokenizer (a Hugging Face tokenizer directory or a tokenizer.json)"
+        )
+    if args.vocab_size is not None or args.tokenizer is not None:
         from poetxq.data.prepare import is_token_corpus
 
         if is_token_corpus(recipe.data.source):  # its tokenizer fixes the vocabulary
+            # (a --tokenizer other than the default bpe is refused by the data layer, which
+            # cannot tell an explicit bpe from the default)
+            flag = (f"--vocab-size {args.vocab_size} (data.vocab_size)" if args.vocab_size
+                    is not None else f"--tokenizer {args.tokenizer} (data.tokenizer)")  # fmt: skip
             raise RecipeError(
                 f"{recipe.data.source} is a pre-tokenized corpus with its own tokenizer and "
-                f"vocabulary; drop --vocab-size {args.vocab_size} (data.vocab_size)"
+                f"vocabulary; drop {flag}"
             )
 
 

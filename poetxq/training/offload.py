@@ -62,8 +62,9 @@ class HostOffload:
 
     Raises:
         ValueError: a parameter is in none of ``optimizer``'s param groups, or the optimizer's
-            groups are flattened (:meth:`poetxq.training.optim.adamw8bit_class.flatten_group`),
-            whose states are views of one buffer per group and cannot move per parameter.
+            groups are flattened (``flatten_group`` of the class
+            :func:`poetxq.training.optim.adamw8bit_class` returns), whose states are views of
+            one buffer per group and cannot move per parameter.
     """
 
     def __init__(
