@@ -124,7 +124,10 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
     pending, state = plan_runs(study, json.loads(json.dumps(results)))
     summary = summarize(study, results)
     runs = results.get("runs", {})
-    out = [f"## {study.name}: {study.model}, {study.tokens / 1e6:g}M tokens per run", ""]
+    shape = {k.removeprefix("model."): v for k, v in study.shared.items() if k.startswith("model.")}
+    reshaped = (" (reshaped by `shared`: " + ", ".join(f"{k} {v}" for k, v in shape.items()) + ")"
+                if shape else "")  # fmt: skip
+    out = [f"## {study.name}: {study.model}{reshaped}, {study.tokens / 1e6:g}M tokens per run", ""]
     calls = results.get("calls", [])
     if calls:
         last = calls[-1]

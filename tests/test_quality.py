@@ -735,6 +735,12 @@ def test_a_method_still_tuning_reports_its_tuning_seeds_best_not_other_seeds(tmp
     row = next(ln for ln in (tmp_path / "QUALITY.md").read_text().splitlines()
                if ln.startswith("| poetxq |"))  # fmt: skip
     assert "tuning: 1 point(s) run, best tune ppl so far 30.00 at optim.poet_lr 0.004" in row
+    # the heading names the model and the shape `shared` gives it
+    heading = (
+        "## tiny: llama-60m (reshaped by `shared`: hidden_size 64, intermediate_size 128, "
+        "num_attention_heads 2, num_hidden_layers 2, max_position_embeddings 64), "
+    )
+    assert heading in (tmp_path / "QUALITY.md").read_text()
 
 
 def test_the_results_note_is_folded_under_the_call_line(tmp_path, corpus):
