@@ -684,7 +684,10 @@ def test_binary_txt_file_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"image\.txt is \d+% not UTF-8: binary, or text in"):
         _all_docs(DataConfig(source=str(src), val_fraction=0.2))
     (src / "image.txt").write_bytes(("Caf\u00e9 na\u00efve text. " * 50).encode("latin-1"))
-    with pytest.raises(DataError, match=r"another encoding \(convert it: iconv -f latin1"):
+    with pytest.raises(
+        DataError,
+        match=r"another encoding; convert it \(iconv -f latin1 -t utf-8 IN > OUT\), or remove",
+    ):
         _all_docs(DataConfig(source=str(src), val_fraction=0.2))
     # a stray undecodable byte in real text stays accepted (replaced, as before)
     (src / "image.txt").write_bytes(("Caf\u00e9 text. " * 200).encode() + b"\xff")

@@ -180,14 +180,16 @@ def check_text_file(path: Path) -> None:
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
     if b"\x00" in raw or bad > _MAX_BAD_UTF8 * max(len(raw), 1):
+        leave_out = (
+            "remove it from the data or pass a glob that leaves it out (--data 'DIR/*.txt' "
+            "matches only what you name)"
+        )
         if b"\x00" in raw:
-            why = "holds NUL bytes: it looks binary, not text"
-        else:  # Latin-1 / cp1252 text reads like this too
-            why = (f"is {bad / len(raw):.0%} not UTF-8: binary, or text in another encoding "
-                   f"(convert it: iconv -f latin1 -t utf-8)")  # fmt: skip
+            raise DataError(f"{path} holds NUL bytes: it looks binary, not text; {leave_out}")
+        # Latin-1 / cp1252 text reads like this too
         raise DataError(
-            f"{path} {why}; or remove it from the data or pass a glob that leaves it out "
-            "(--data 'DIR/*.txt' matches only what you name)"
+            f"{path} is {bad / len(raw):.0%} not UTF-8: binary, or text in another encoding; "
+            f"convert it (iconv -f latin1 -t utf-8 IN > OUT), or {leave_out}"
         )
 
 

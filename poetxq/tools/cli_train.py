@@ -94,7 +94,7 @@ def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
         raise RecipeError(
             "--model takes its vocabulary from the checkpoint's tokenizer; drop --vocab-size"
         )
-    if recipe.model.pretrained is not None and str(args.tokenizer).strip() == "bpe":
+    if recipe.model.pretrained is not None and (args.tokenizer or "").strip() == "bpe":
         raise RecipeError(
             "--model trains the checkpoint's embeddings, which a freshly trained --tokenizer bpe "
             "does not match; drop --tokenizer (the checkpoint's own) or pass the checkpoint's "
