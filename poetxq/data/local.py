@@ -114,6 +114,7 @@ def local_source(cfg: DataConfig) -> Source:
     train_files = [p for p in files if _names_split(p, "train") and p not in val_files]
     predefined = len(files) > 1 and bool(val_files) and bool(train_files)
     others = [p for p in files if p not in val_files and p not in train_files]
+    unread = f"; not read, named neither train nor validation: {_listed(others)}" if others else ""
 
     def identity_of(paths: list[Path]) -> list[list[Any]]:
         out = []
@@ -143,13 +144,7 @@ def local_source(cfg: DataConfig) -> Source:
         return Source(
             description=(
                 f"local: {what} ({len(train_files)} train file(s), "
-                f"{len(val_files)} validation file(s)"
-                + (
-                    f"; not read, named neither train nor validation: {_listed(others)}"
-                    if others
-                    else ""
-                )
-                + ")"
+                f"{len(val_files)} validation file(s){unread})"
             ),
             identity={
                 "kind": "local-split",
@@ -268,7 +263,8 @@ def file_documents(path: Path, field_name: str) -> Iterator[str]:
     for index, rec in enumerate(_records(path, field_name), 1):
         text = record_text(rec, field_name, f"record {index} of {path}")
         if not text:  # a record without the field (in a file where others have it), null, ""
-            skipped += not is_text
+            if not is_text:  # (an empty .txt file is no record of anyone's)
+                skipped += 1
             continue
         if is_text:
             yield from chunk_text(text)
