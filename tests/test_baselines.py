@@ -271,7 +271,7 @@ def _train_steps(model, opt, steps):
         opt.zero_grad(set_to_none=True)
 
 
-METHODS = ["adamw", "galore", "apollo", "qgalore", "qapollo"]
+METHODS = ["adamw", "muon", "galore", "apollo", "qgalore", "qapollo"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -322,8 +322,10 @@ def _expected_state_bytes(model, report, cfg, method):
                for n in report.targets}  # fmt: skip
     total = 0
     for p in model.parameters():
-        if method == "adamw":
+        if method == "adamw" or (method == "muon" and id(p) not in targets):
             total += 8 * p.numel() + 4  # fp32 m, v and torch's fp32 step tensor
+        elif method == "muon":
+            total += 4 * p.numel()  # one fp32 momentum buffer
         elif id(p) not in targets:
             total += 8 * p.numel()  # plain AdamW moments (our step count is an int)
         else:

@@ -1003,3 +1003,49 @@ def test_a_best_point_left_on_a_grid_edge_is_flagged(tmp_path, corpus):
     assert _edge_notes(study, state) == ["adamw: optim.lr 0.001 (low edge)"]
     state["adamw"]["tuned"] = False  # still tuning: nothing to say yet
     assert _edge_notes(study, state) == []
+
+
+def test_the_corpus_split_keeps_every_file_whole():
+    """split_documents assigns whole units (files): no unit has documents in two splits, each
+    held-out split takes at least its share of a source's documents (whole files, so a little
+    more), train the rest, the order within a split is the input order, and the same seed
+    gives the same split."""
+    from evals.prepare_offline_corpus import split_documents
+
+    docs = {
+        "manuals": [(f"m{i // 4}", f"manual {i // 4} page {i}") for i in range(200)],  # 50 files
+        "novels": [(f"n{i // 10}", f"novel {i // 10} part {i}") for i in range(100)],  # 10 files
+    }
+    fractions = {"test": 0.1, "tune": 0.05}
+    splits = split_documents(docs, 7, fractions)
+    assert splits == split_documents(docs, 7, fractions)
+    assert splits != split_documents(docs, 8, fractions)
+    for source, items in docs.items():
+        unit_of = dict((d, u) for u, d in items)
+        owners: dict[str, set[str]] = {}
+        for split, by_source in splits.items():
+            got = by_source[source]
+            assert got == [d for _, d in items if d in set(got)]  # input order kept
+            for d in got:
+                owners.setdefault(unit_of[d], set()).add(split)
+        assert all(len(s) == 1 for s in owners.values()), owners
+        assert sum(len(splits[s][source]) for s in splits) == len(items)
+        for split, frac in fractions.items():
+            n = len(splits[split][source])
+            per_file = 4 if source == "manuals" else 10
+            assert frac * len(items) <= n < frac * len(items) + per_file
+    # a source of one file goes to train whole (a held-out split never takes the last unit)
+    one = split_documents({"solo": [("f", "a"), ("f", "b")]}, 0, fractions)
+    assert one["train"]["solo"] == ["a", "b"] and one["test"]["solo"] == []
+
+
+def test_embedded_units_are_the_embedded_documents_in_order():
+    """The units the corpus build splits by are the embedded source's documents, in its order:
+    a play's scenes under its file name, a Bible chapter under its book."""
+    from poetxq.data.sources import embedded_files, embedded_source, embedded_units
+
+    units = list(embedded_units(*embedded_files()))
+    assert [d for _, d in units] == list(embedded_source().documents())
+    books = {u for u, _ in units if u.startswith("kjv:")}
+    assert len(books) == 66 and "kjv:Genesis" in books
+    assert len({u for u, _ in units} - books) == 42  # the Shakespeare texts

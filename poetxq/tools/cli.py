@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "grid, so that merge moves logits by about 0.7 % (int8) or 10-12 % (NF4/FP4) from the "
         "unmerged run, as the run's next merge would. Other combinations, and hf-bf16, round "
         "R·W0·P once into the format. The merge happens in memory: RUN_DIR is only read, and "
-        "OUT_DIR may not lie inside it. A baseline run (adamw, galore, apollo, qgalore, qapollo) "
-        "exports as hf-bf16, its int8 groups dequantized.",
+        "OUT_DIR may not lie inside it. A baseline run (adamw, muon, galore, apollo, qgalore, "
+        "qapollo) exports as hf-bf16, its int8 groups dequantized.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="a finished run directory")
     p.add_argument("out_dir", metavar="OUT_DIR", help="output directory (absent or empty)")
@@ -127,7 +127,7 @@ def _run_validate(args: argparse.Namespace) -> int:
             continue
         if recipe.method in POET_METHODS:
             detail = f"bits={recipe.poet.bits}, b={recipe.poet.block_size}"
-        elif recipe.method == "adamw":  # no projection: no rank
+        elif recipe.method in ("adamw", "muon"):  # no projection: no rank
             detail = f"lr={recipe.optim.lr:g}"
         else:
             detail = f"rank={recipe.baseline.rank}"

@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from poetxq.data.tokenizer import GPT2_PIP
+from poetxq.training.recipe import METHODS
 from poetxq.training.recipe_files import merge_overrides
 
 #: flag dest -> the recipe key it sets
@@ -100,10 +101,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("method")
     g.add_argument(
         "--method",
-        choices=("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"),
-        help="poetxq (int8 W0), poetx (unquantized W0), or a baseline: adamw, galore, apollo, "
-        "qgalore, qapollo (int8 weights); baseline settings under baseline.* [method, "
-        "default poetxq]",
+        choices=METHODS,
+        help="poetxq (int8 W0), poetx (unquantized W0), or a baseline: adamw, muon (Muon on "
+        "the hidden matrices, AdamW on the rest), galore, apollo, qgalore, qapollo (int8 "
+        "weights); baseline settings under baseline.*, the matrices' lr optim.matrix_lr "
+        "[method, default poetxq]",
     )
     g = p.add_argument_group("POET-X(Q)")
     g.add_argument(
@@ -168,7 +170,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--lr",
         type=float,
-        help="lr of embeddings, lm_head, norms [optim.lr, default 5e-3; 1e-4 with --model]",
+        help="lr of embeddings, lm_head, norms, and of a baseline's matrices unless "
+        "--set optim.matrix_lr=LR [optim.lr, default 5e-3; 1e-4 with --model]",
     )
     g.add_argument(
         "--poet-lr",

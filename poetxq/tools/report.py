@@ -28,7 +28,9 @@ from poetxq.text import count
 from poetxq.tools.run_dir import NO_SUMMARY, ReportError, Run, mark_shapes, read_run
 from poetxq.training.recipe import METHOD_LABELS, POET_METHODS
 
-METHOD_ORDER = ("poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw")
+METHOD_ORDER = (
+    "poetxq", "poetxq4", "poetx", "qgalore", "qapollo", "galore", "apollo", "adamw", "muon",
+)  # fmt: skip
 PLOTS = ("loss.png", "val_ppl.png", "throughput.png", "peak_memory.png")
 #: where ``poetxq report`` writes without ``-o`` (relative: under the current directory)
 DEFAULT_REPORT_DIR = "report"

@@ -1,10 +1,11 @@
-"""A recipe's baseline method (AdamW, GaLore, APOLLO, Q-GaLore, Q-APOLLO) as a prepared model and
-an optimizer: :func:`prepare_baseline` (swap the targets for int8 ``QuantLinear`` where the method
-quantizes), :func:`build_baseline_optimizer` and :func:`summarize_baseline`.
+"""A recipe's baseline method (AdamW, Muon, GaLore, APOLLO, Q-GaLore, Q-APOLLO) as a prepared
+model and an optimizer: :func:`prepare_baseline` (swap the targets for int8 ``QuantLinear`` where
+the method quantizes), :func:`build_baseline_optimizer` and :func:`summarize_baseline`.
 
 The update rules themselves are :mod:`poetxq.baselines`. Embeddings, ``lm_head`` and norms always
-train with plain AdamW, as in the authors' scripts; the ``baseline.target_modules`` projections
-are the low-rank (and, for ``qgalore``/``qapollo``, int8) weights.
+train with plain AdamW at ``optim.lr``, as in the authors' scripts; the ``baseline.target_modules``
+projections (the hidden matrices) train with the method's rule at ``optim.matrix_lr`` (default
+``optim.lr``): AdamW's, Muon's, or the low-rank (and, for ``qgalore``/``qapollo``, int8) update.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import torch
 from torch import nn
 
 from poetxq.baselines import LowRankAdamW, quant_modules, quantize_linears
+from poetxq.baselines.muon import MUON_MOMENTUM, MuonAdamW
 from poetxq.training.optim import adamw
 from poetxq.training.recipe import BaselineConfig, OptimConfig
 
-BASELINE_METHODS = ("adamw", "galore", "apollo", "qgalore", "qapollo")
+BASELINE_METHODS = ("adamw", "muon", "galore", "apollo", "qgalore", "qapollo")
 _QUANTIZED = ("qgalore", "qapollo")
 
 
@@ -90,21 +92,34 @@ def prepare_baseline(model: nn.Module, method: str, cfg: BaselineConfig) -> Base
     return report
 
 
+#: the name of the hidden matrices' param group, by method
+MATRIX_GROUP = {"adamw": "matrices", "muon": "muon"}
+
+
 def build_baseline_optimizer(
     model: nn.Module, report: BaselineReport, cfg: BaselineConfig, optim: OptimConfig
 ) -> torch.optim.Optimizer:
     """The optimizer of ``report.method`` over ``model`` (prepared by :func:`prepare_baseline`).
 
-    ``adamw``: ``torch.optim.AdamW`` with groups ``decay`` (≥ 2-D) and ``no_decay`` (1-D).
-    Others: :class:`LowRankAdamW` with a ``lowrank`` group (the targets' weights) plus ``decay``
-    and ``no_decay`` AdamW groups. All groups use ``optim.lr`` (one lr, as in the authors'
-    scripts); each group's ``initial_lr`` is set for the scheduler.
+    Param groups (``group["name"]``; empty ones dropped), each with ``initial_lr`` set for the
+    scheduler:
+
+    * the targets' weights (the hidden matrices) at ``optim.matrix_lr`` (``optim.lr`` when
+      unset) with ``optim.weight_decay``: ``matrices`` (``adamw``), ``muon`` (``muon``) or
+      ``lowrank`` (the GaLore / APOLLO family, whose update is further scaled by its
+      ``scale``);
+    * ``decay``: the other ≥ 2-D weights (embeddings, ``lm_head``) at ``optim.lr`` with
+      ``optim.weight_decay``;
+    * ``no_decay``: 1-D parameters (norms) at ``optim.lr``, no weight decay.
+
+    ``adamw``: ``torch.optim.AdamW``; ``muon``: :class:`~poetxq.baselines.muon.MuonAdamW` (Muon
+    on ``muon``, AdamW on the rest); others: :class:`LowRankAdamW`.
     """
     targets = {id(model.get_submodule(n).weight) for n in report.targets}
-    lowrank, decay, no_decay = [], [], []
+    matrices, decay, no_decay = [], [], []
     for p in model.parameters():
-        if id(p) in targets and report.method != "adamw":
-            lowrank.append(p)
+        if id(p) in targets:
+            matrices.append(p)
         elif not p.requires_grad:
             continue
         elif p.dim() >= 2:
@@ -112,17 +127,25 @@ def build_baseline_optimizer(
         else:
             no_decay.append(p)
     wd = optim.weight_decay
-    groups = []
-    if lowrank:
-        groups.append({"name": "lowrank", "params": lowrank, "lr": optim.lr, "weight_decay": wd,
-                       **resolved_settings(report.method, cfg)})  # fmt: skip
-    groups.append({"name": "decay", "params": decay, "lr": optim.lr, "weight_decay": wd})
-    groups.append({"name": "no_decay", "params": no_decay, "lr": optim.lr, "weight_decay": 0.0})
+    matrix_lr = optim.matrix_lr if optim.matrix_lr is not None else optim.lr
+    name = MATRIX_GROUP.get(report.method, "lowrank")
+    first = {"name": name, "params": matrices, "lr": matrix_lr, "weight_decay": wd}
+    if name == "lowrank":
+        first.update(resolved_settings(report.method, cfg))
+    groups = [
+        first,
+        {"name": "decay", "params": decay, "lr": optim.lr, "weight_decay": wd},
+        {"name": "no_decay", "params": no_decay, "lr": optim.lr, "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     for g in groups:
         g["initial_lr"] = g["lr"]
     if report.method == "adamw":
         return adamw(groups, betas=optim.betas, eps=optim.eps)
+    if report.method == "muon":
+        for g in groups:
+            g["algorithm"] = "muon" if g["name"] == "muon" else "adamw"
+        return MuonAdamW(groups, betas=optim.betas, eps=optim.eps)
     return LowRankAdamW(groups, betas=optim.betas, eps=optim.eps,
                         quant_modules=quant_modules(model), rounding_seed=cfg.seed)  # fmt: skip
 
@@ -138,7 +161,12 @@ def summarize_baseline(model: nn.Module, report: BaselineReport, cfg: BaselineCo
     """
     qs = quant_modules(model)
     lines = [f"baseline {report.method}: {len(report.targets)} target linear layers"]
-    if report.method != "adamw":
+    if report.method == "muon":
+        lines.append(
+            f"  Muon (torch.optim.Muon, Nesterov momentum {MUON_MOMENTUM}, 5 Newton-Schulz "
+            "steps, update RMS matched to AdamW's) on the targets; AdamW on the rest"
+        )
+    elif report.method != "adamw":
         s = resolved_settings(report.method, cfg)
         lines.append(
             f"  {s['method']} rank {s['rank']}, update_proj_gap {s['update_proj_gap']}, "

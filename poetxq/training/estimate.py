@@ -15,6 +15,8 @@ Everything is counted in bytes from the recipe's shapes; nothing is allocated. T
 * **gradients** — one per trainable parameter in its dtype; Q-GaLore / Q-APOLLO keep an fp32
   ``[m, n]`` gradient per int8 weight (``QuantLinear.float_grad``).
 * **optimizer states** — torch AdamW: two moments in the parameter dtype (+ a 4-byte step);
+  Muon (:class:`~poetxq.baselines.muon.MuonAdamW`): one momentum buffer per hidden matrix, AdamW's
+  two moments for the rest;
   :class:`~poetxq.baselines.lowrank.LowRankAdamW`: fp32 moments for AdamW groups; low-rank moments
   ``[m, r]`` or ``[r, n]`` (fp32, or 8-bit blockwise codes + fp32 absmax per 256 for Q-GaLore),
   the projector (fp32, or INT4 packed + fp32 scale/zero per group), Q-GaLore's lazy first singular
@@ -367,6 +369,8 @@ def estimate_memory(
             cast_weights += m * n * 2 if precision == "autocast" else 0
             if lowrank:
                 lowrank_states += lowrank_state_bytes(m, n, recipe)
+            elif recipe.method == "muon":  # torch.optim.Muon: one momentum buffer
+                states += m * n * p
             else:
                 states += 2 * m * n * p + 4
     # poetxq.model.flat (8-bit states): when no side leaves a gap, Q lies end to end and the CNP

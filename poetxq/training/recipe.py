@@ -33,7 +33,11 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 class OptimConfig(Section):
     """AdamW with POET param groups, cosine schedule and post-merge clip re-warm."""
 
-    lr: float = Field(5e-3, gt=0)  # embeddings, lm_head, norms
+    lr: float = Field(5e-3, gt=0)  # embeddings, lm_head, norms (every method)
+    # the baselines' hidden matrices (baseline.target_modules): AdamW's and Muon's lr, the
+    # GaLore / APOLLO family's before its scale; None: optim.lr. The POET methods' matrix
+    # knob is poet_lr (their W0 is frozen)
+    matrix_lr: float | None = Field(None, gt=0)
     poet_lr: float = Field(4e-3, gt=0)
     poet_lr_scale: float = Field(0.5, gt=0)  # Q params use poet_lr * poet_lr_scale
     weight_decay: float = Field(0.0, ge=0)  # on >= 2-D non-Q params
@@ -48,13 +52,13 @@ class OptimConfig(Section):
     state_bits: Literal[8, 32] = 32
 
 
-METHODS = ("poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo")
+METHODS = ("poetxq", "poetx", "adamw", "muon", "galore", "apollo", "qgalore", "qapollo")
 #: methods whose decoder linears become POET-X(Q) layers
 POET_METHODS: tuple[str, ...] = ("poetxq", "poetx")
 #: the methods whose micro-steps can replay a CUDA graph (``train.cuda_graph: true``); ``auto``
 #: takes one for the POET methods only (:func:`poetxq.training.cudagraph.graph_wanted`)
 GRAPH_METHODS: tuple[str, ...] = (*POET_METHODS, "adamw")
-Method = Literal["poetxq", "poetx", "adamw", "galore", "apollo", "qgalore", "qapollo"]
+Method = Literal["poetxq", "poetx", "adamw", "muon", "galore", "apollo", "qgalore", "qapollo"]
 
 
 class BaselineConfig(Section):
@@ -298,6 +302,11 @@ class Recipe(Section):
                 f"{self.method} (the GaLore / APOLLO optimizers and int8 weights are not built "
                 "for bf16 parameters here); use auto or bf16"
             )
+        if self.optim.matrix_lr is not None and self.method in POET_METHODS:
+            raise ValueError(
+                f"optim.matrix_lr sets the baselines' matrix lr; {self.method} trains its "
+                "matrices through the rotations at optim.poet_lr: remove optim.matrix_lr"
+            )
         if self.optim.state_bits == 8 and self.method not in POET_METHODS:
             raise ValueError(
                 f"optim.state_bits 8 applies to the POET methods; for {self.method} keep 32 "
@@ -374,7 +383,7 @@ def _check_pretrained(recipe: Recipe) -> None:
 
 METHOD_LABELS = (
     "poetxq4-fs", "poetxq-fs", "poetx-fs", "poetxq4", "poetxq", "poetx", "qgalore", "qapollo",
-    "galore", "apollo", "adamw",
+    "galore", "apollo", "adamw", "muon",
 )  # fmt: skip
 
 
