@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evals.quality_stats import best_point, decide, extension_points  # noqa: E402
+from evals.quality_stats import best_point, decide, extension_points, paired_stats  # noqa: E402
 
 if TYPE_CHECKING:
     from poetxq.training.recipe import Recipe
@@ -27,6 +27,7 @@ __all__ = [
     "MethodSpec",
     "Study",
     "check_runs",
+    "final_seeds",
     "load_study",
     "plan_runs",
     "point_label",
@@ -83,6 +84,10 @@ class Study(_Strict):
     max_test_tokens: int | None = Field(None, ge=1)
     tune_seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     final_seeds: list[int] = Field(default_factory=lambda: [0, 1, 2], min_length=1)
+    # more final seeds for a method whose mean test ppl lies within close_margin (relative) of
+    # the reference's once both have their final seeds; the reference runs them too (paired)
+    close_seeds: list[int] = Field(default_factory=list)
+    close_margin: float = Field(0.02, ge=0)
     max_extend: int = Field(2, ge=0)  # points added past a winning grid edge, per axis
     methods: dict[str, MethodSpec] = Field(min_length=1)
     controls: dict[str, ControlSpec] = Field(default_factory=dict)
@@ -303,9 +308,12 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
     for method, spec in study.methods.items():
         if state[method]["tuned"]:
             best = state[method]["best"]
-            for s in study.final_seeds:
+            for s in final_seeds(study, results, state, method):
                 if run_id(method, best, s) not in done:
                     why = f"final seed {s} at the best point"
+                    if s in study.close_seeds:
+                        near = f"{study.close_margin:.0%} of {study.reference}"
+                        why += f" (within {near}: more seeds)"
                     pending.append(_spec(study, method, spec.recipe, best, s, spec.set, why))
     for name, c in study.controls.items():
         if state[c.like]["tuned"]:
@@ -316,6 +324,45 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
                     why = f"control at {c.like}'s best point, seed {s}"
                     pending.append(_spec(study, name, c.recipe, best, s, extra, why))
     return _unique(_in_turn(pending, done)), state
+
+
+def _mean_test(study: Study, done: dict[str, Any], method: str, best: dict) -> float | None:
+    """Mean test ppl over the study's final seeds at ``best``; None until every one finished
+    (a diverged seed: inf)."""
+    vals = []
+    for s in study.final_seeds:
+        rec = done.get(run_id(method, best, s))
+        if rec is None:
+            return None
+        vals.append(rec["test_ppl"] if rec.get("test_ppl") is not None else math.inf)
+    return sum(vals) / len(vals)
+
+
+def final_seeds(
+    study: Study, results: dict[str, Any], state: dict[str, Any], method: str
+) -> list[int]:
+    """The final seeds ``method`` runs at its best point: the study's ``final_seeds``, plus its
+    ``close_seeds`` when the method's mean test ppl over the final seeds lies within
+    ``close_margin`` (relative) of the reference's; for the reference, when any method does."""
+    seeds = list(study.final_seeds)
+    if not study.close_seeds:
+        return seeds
+    done = results.get("runs", {})
+    ref = state.get(study.reference, {})
+    if not ref.get("tuned"):
+        return seeds
+    ref_mean = _mean_test(study, done, study.reference, ref["best"])
+    if ref_mean is None or not math.isfinite(ref_mean):
+        return seeds
+    others = [method] if method != study.reference else list(study.methods)
+    for m in others:
+        st = state.get(m, {})
+        if m == study.reference or not st.get("tuned"):
+            continue
+        mean = _mean_test(study, done, m, st["best"])
+        if mean is not None and abs(mean / ref_mean - 1) < study.close_margin:
+            return seeds + [s for s in study.close_seeds if s not in seeds]
+    return seeds
 
 
 def _in_turn(specs: list[dict], done: dict[str, Any]) -> list[dict]:
@@ -365,7 +412,7 @@ def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
             continue
         seeds = {
             s: runs[run_id(name, best, s)]
-            for s in study.final_seeds
+            for s in [*study.final_seeds, *study.close_seeds]
             if run_id(name, best, s) in runs
         }
         # a diverged seed has no perplexity: listed apart, never averaged in as a number
@@ -386,4 +433,5 @@ def summarize(study: Study, results: dict[str, Any]) -> dict[str, Any]:
     for name, row in out.items():
         if name != study.reference and row.get("test_ppl") and ref.get("test_ppl"):
             row["vs_reference"] = decide(ref["test_ppl"], row["test_ppl"])
+            row["vs_reference_stats"] = paired_stats(ref["test_ppl"], row["test_ppl"])
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.quality_plan import Study, plan_runs, run_id, shown, summarize
+from evals.quality_stats import MIN_SEEDS
 
 __all__ = ["parity_section", "render"]
 
@@ -99,6 +100,20 @@ def _plot_curves(study: Study, results: dict, summary: dict, path: Path) -> bool
     return True
 
 
+def _diff_cell(row: dict[str, Any]) -> str:
+    """``+0.73 (0.41 … 1.05), p 0.004`` from a row's paired statistics against the reference;
+    the mean alone below two seeds, empty for the reference itself."""
+    st = row.get("vs_reference_stats")
+    if not st or not st["n"]:
+        return ""
+    if st["n"] < 2:
+        return f"{st['mean']:+.2f} (1 seed)"
+    low, high = st["ci"]
+    p = st["p"]
+    ps = "< 0.001" if p < 0.001 else f"{p:.3f}"
+    return f"{st['mean']:+.2f} ({low:+.2f} … {high:+.2f}), p {ps}"
+
+
 def _f(v: Any, digits: int = 2) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
@@ -162,10 +177,11 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
             ),
             "",
         ]
-    out += ["| method | test ppl (mean ± sd) | seeds | " + study.reference + " is"
+    out += ["| method | test ppl (mean ± sd) | seeds | − " + study.reference
+            + " (95 % CI), p | " + study.reference + " is"
             + " | best setting (effective lr) | trials | steps | epochs | tok/s (no eval) "
-            "| peak GiB | tune − train (nats) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            "| peak GiB | tune − train (nats) | ood ppl |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     host_rss = False  # a row shows a CPU run's host RSS instead of a CUDA peak
     for name, row in summary.items():
         like = study.controls[name].like if name in study.controls else name
@@ -186,10 +202,10 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
                 else "not started"
             )
             runs_so_far = f"tuning: {len(tuning)} point(s) run, {so_far}"
-            out.append(f"| {name} | {runs_so_far} | | | | {trials} | | | | | |")
+            out.append(f"| {name} | {runs_so_far} | | | | | {trials} | | | | | | |")
             continue
-        recs = [runs[run_id(name, row["best"], s)] for s in study.final_seeds
-                if run_id(name, row["best"], s) in runs]  # fmt: skip
+        recs = [runs[run_id(name, row["best"], s)] for s in [*study.final_seeds,
+                *study.close_seeds] if run_id(name, row["best"], s) in runs]  # fmt: skip
         first = recs[0] if recs else {}
         eff = ", ".join(f"{k} {v:.3g}" for k, v in first.get("effective_lr", {}).items())
 
@@ -205,15 +221,19 @@ def _study_section(study: Study, results: dict, img_dir: Path, rel: str) -> list
         if mean_of("peak_memory_gib") is None and (rss := mean_of("peak_rss_gib")) is not None:
             peak, host_rss = f"{_f(rss)} host RSS", True  # a CPU run: no CUDA peak
         out.append(
-            f"| {name} | {ppl} | {len(recs)} | {row.get('vs_reference', '—')} | {eff} | {trials} "
-            f"| {first.get('steps', '')} | {_f(first.get('epochs'))} "
+            f"| {name} | {ppl} | {len(recs)} | {_diff_cell(row)} | {row.get('vs_reference', '—')} "
+            f"| {eff} | {trials} | {first.get('steps', '')} | {_f(first.get('epochs'))} "
             f"| {_f(mean_of('tokens_per_s'), 0)} "
-            f"| {peak} | {_f(mean_of('train_tune_gap_nats'), 3)} |"
+            f"| {peak} | {_f(mean_of('train_tune_gap_nats'), 3)} | {_f(mean_of('ood_ppl'))} |"
         )
-    out += ["", f"“{study.reference} is” reads: {study.reference} (the reference) is better / "
-            "worse / tied against this row's method "
-            "(paired over seeds: better only if the mean difference exceeds two standard errors "
-            "and has the same sign on every seed). tok/s is each run's own, measured while "
+    out += ["", f"“− {study.reference}” is this row's test ppl minus {study.reference}'s, "
+            "paired by seed: the mean, its 95 % Student-t interval and the paired t-test's "
+            f"two-sided p. “{study.reference} is” reads: {study.reference} (the reference) is "
+            "better / worse than this row's method when that interval excludes 0, tied when it "
+            "contains 0 (no difference shown at this number of seeds), n/a with fewer than "
+            f"{MIN_SEEDS} paired seeds. ood ppl: the corpus's out-of-distribution split (a "
+            "source never trained on), mean over the seeds. tok/s is each run's own, "
+            "measured while "
             "others shared the machine (the results file's note says how many): it compares runs, "
             "not methods' speed; `evals/results/throughput_*` do that."
             + (" Peak GiB is the CUDA allocator's peak; marked host RSS (a CPU run), the "

@@ -68,40 +68,61 @@ def extension_points(
     return new
 
 
-def paired_stats(a: dict[Any, float], b: dict[Any, float]) -> dict[str, Any]:
-    """Paired differences ``b - a`` over the seeds both have: mean, sd, standard error, n."""
+def paired_stats(
+    a: dict[Any, float], b: dict[Any, float], confidence: float = 0.95
+) -> dict[str, Any]:
+    """Paired differences ``b - a`` over the seeds both have, with a Student-t interval.
+
+    Returns:
+        ``n``, ``diffs``, ``mean``, ``sd`` (n − 1 denominator), ``se`` (sd / √n), ``df``
+        (n − 1), ``ci`` (``[low, high]``, the ``confidence`` two-sided t-interval of the mean
+        difference, ``scipy.stats.t``) and ``p`` (the two-sided paired t-test's p-value against
+        a mean difference of 0). With fewer than two seeds every statistic but ``mean`` is NaN;
+        with identical differences (sd 0) the interval is the point and ``p`` is 0 (1 when the
+        differences are all 0).
+    """
     seeds = sorted(set(a) & set(b), key=str)
     d = [b[s] - a[s] for s in seeds]
     n = len(d)
     mean = sum(d) / n if n else math.nan
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1)) if n > 1 else math.nan
-    return {
-        "n": n,
-        "diffs": d,
-        "mean": mean,
-        "sd": sd,
-        "se": sd / math.sqrt(n) if n > 1 else math.nan,
-    }
+    out: dict[str, Any] = {"n": n, "diffs": d, "mean": mean, "sd": math.nan, "se": math.nan,
+                           "df": n - 1, "ci": [math.nan, math.nan], "p": math.nan}  # fmt: skip
+    if n < 2:
+        return out
+    from scipy import stats  # evals only: the statistics of the report and the plan
+
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    se = sd / math.sqrt(n)
+    out.update(sd=sd, se=se)
+    if se == 0:
+        out.update(ci=[mean, mean], p=1.0 if mean == 0 else 0.0)
+        return out
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * se
+    out.update(ci=[mean - half, mean + half], p=float(2 * stats.t.sf(abs(mean) / se, n - 1)))
+    return out
+
+
+#: fewer paired seeds than this and the verdict is "n/a" (no interval worth the name)
+MIN_SEEDS = 3
 
 
 def decide(a: dict[Any, float], b: dict[Any, float]) -> str:
-    """The study's decision between method A and method B from per-seed test perplexities.
+    """The study's verdict on method A against method B from per-seed test perplexities.
 
-    A is ``"better"`` (lower perplexity) when the paired mean difference ``b - a`` exceeds two
-    standard errors and every seed's difference is positive; ``"worse"`` in the mirror case;
-    otherwise ``"tie"``. Fewer than two common seeds is always a ``"tie"``.
+    A is ``"better"`` (lower perplexity) when the 95 % t-interval of the paired mean difference
+    ``b - a`` (:func:`paired_stats`) lies above 0, ``"worse"`` when it lies below 0, ``"tie"``
+    when it contains 0 (no difference shown at this number of seeds), and ``"n/a"`` with fewer
+    than :data:`MIN_SEEDS` common seeds.
 
     Args:
         a, b: ``{seed: test perplexity}``.
     """
     st = paired_stats(a, b)
-    if st["n"] < 2:
-        return "tie"
-    d, mean, se = st["diffs"], st["mean"], st["se"]
-    if se == 0:  # identical differences on every seed: the sign decides if it is non-zero
-        return "better" if mean > 0 else "worse" if mean < 0 else "tie"
-    if mean > 2 * se and all(x > 0 for x in d):
+    if st["n"] < MIN_SEEDS:
+        return "n/a"
+    low, high = st["ci"]
+    if low > 0:
         return "better"
-    if mean < -2 * se and all(x < 0 for x in d):
+    if high < 0:
         return "worse"
     return "tie"

@@ -5,7 +5,8 @@ run's recipe on the study's token corpus (``train`` split; ``tune`` split for va
 resuming from ``RUN_DIR/checkpoints`` when an earlier attempt was stopped, then rebuilds the
 trained model from ``RUN_DIR/model.safetensors`` and scores it: the whole ``tune`` split, the
 ``test`` split overall and per source (the whole split unless the study sets
-``max_test_tokens``), and a sample of training windows (the train / tune gap). Before each
+``max_test_tokens``), a sample of training windows (the train / tune gap), and the ``ood`` split
+when the corpus has one (a source kept out of training entirely). Before each
 scoring phase it prints one line (``scoring test split: N windows ...``), then progress lines.
 It writes ``RUN_DIR/result.json`` last, so a result file always belongs to a finished run.
 Its output goes to ``RUN_DIR/worker.log``.
@@ -42,14 +43,17 @@ from poetxq.training.train import DivergedError, TrainResult, train  # noqa: E40
 def effective_lrs(recipe: Recipe) -> dict[str, float]:
     """The learning rates each group of weights actually trains at (peak of the schedule)."""
     oc, out = recipe.optim, {"embeddings_lm_head_norms": recipe.optim.lr}
+    matrix_lr = oc.matrix_lr if oc.matrix_lr is not None else oc.lr
     if recipe.method in POET_METHODS:
         out["orthogonal_Q"] = oc.poet_lr * oc.poet_lr_scale
     elif recipe.method == "adamw":
-        out["linear_weights"] = oc.lr
+        out["linear_weights"] = matrix_lr
+    elif recipe.method == "muon":  # before the per-shape 0.2·sqrt(max(m, n)) RMS match
+        out["linear_weights_muon"] = matrix_lr
     else:  # GaLore / APOLLO family: the projected update is scaled
         default = 0.25 if "galore" in recipe.method else 1.0
         scale = recipe.baseline.scale if recipe.baseline.scale is not None else default
-        out["linear_weights_projected"] = oc.lr * scale
+        out["linear_weights_projected"] = matrix_lr * scale
     return out
 
 
@@ -211,6 +215,11 @@ def score(
         "test_tokens_scored": count,
     }
     out["train_tune_gap_nats"] = math.log(out["tune_ppl"]) - math.log(out["train_sample_ppl"])
+    if "ood" in corpus.splits:  # a source never trained on (prepare_offline_corpus's ood split)
+        ood_w = pack_windows(corpus.tokens("ood"), seq)
+        if max_test_tokens is not None:
+            ood_w = _spread(ood_w, max(1, max_test_tokens // (seq + 1)))
+        out["ood_ppl"] = ppl("ood split", ood_w)
     return out
 
 

@@ -105,7 +105,8 @@ def _build(recipe, dtype=torch.float32, kernels=None):
 METHOD_CASES = [
     ("poetxq", {}), ("poetxq", {"poet.bits": 4}), ("poetxq", {"poet.bits": 4,
     "poet.double_quant": False}), ("poetx", {}), ("poetxq", {"poet.variant": "fast"}),
-    ("adamw", {}), ("galore", {}), ("apollo", {}), ("qgalore", {}), ("qapollo", {}),
+    ("adamw", {}), ("muon", {}), ("galore", {}), ("apollo", {}), ("qgalore", {}),
+    ("qapollo", {}),
     ("qgalore", {"baseline.proj_bits": 32, "baseline.state_bits": 32}),
     ("poetxq", {"optim.state_bits": 8, "poet.block_size": 64}),  # Q of 2016 and 6048 entries
     ("poetxq", {"poet.structure": "full"}),  # POET-FS: every block but one masked

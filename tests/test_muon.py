@@ -155,8 +155,12 @@ def test_poet_groups_take_lr_and_poet_lr():
     torch.manual_seed(0)
     model = build_llama(TINY, 64)
     convert_to_poetx(model, POETConfig(bits=8, block_size=16))
-    oc = OptimConfig(lr=1e-2, poet_lr=4e-3, poet_lr_scale=0.5, weight_decay=0.1)
-    groups = _groups(build_optimizer(model, oc))
+    oc = OptimConfig(lr=1e-2, poet_lr=4e-3, poet_lr_scale=0.5, weight_decay=0.1,
+                     betas=(0.9, 0.95), poet_betas=(0.9, 0.999))  # fmt: skip
+    opt = build_optimizer(model, oc)
+    groups = _groups(opt)
+    betas = {g["name"]: tuple(g["betas"]) for g in opt.param_groups}
+    assert betas == {"poet": (0.9, 0.999), "decay": (0.9, 0.95), "no_decay": (0.9, 0.95)}
     assert groups["decay"] == (1e-2, 0.1, EMBED)  # embeddings, lm_head: decayed
     assert groups["no_decay"] == (1e-2, 0.0, NORMS)
     lr, wd, _n = groups["poet"]
@@ -167,3 +171,5 @@ def test_matrix_lr_is_refused_for_poet_methods():
     with pytest.raises(ValueError, match=r"optim\.matrix_lr"):
         Recipe(method="poetxq", optim={"matrix_lr": 1e-3})
     assert Recipe(method="muon", optim={"matrix_lr": 1e-3}).optim.matrix_lr == 1e-3
+    with pytest.raises(ValueError, match=r"optim\.poet_betas"):
+        Recipe(method="adamw", optim={"poet_betas": [0.9, 0.999]})

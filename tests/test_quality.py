@@ -27,21 +27,34 @@ from poetxq.data.corpus import (
 # ------------------------------------------------------------------ decision rule (hand numbers)
 
 
-def test_decide_better_needs_two_standard_errors_and_one_sign():
+def test_decide_needs_a_t_interval_that_excludes_zero():
     a = {0: 20.0, 1: 20.5, 2: 19.8}
-    # b - a = 1.0, 1.1, 0.9: mean 1.0, sd 0.1, se 0.0577 -> better
-    assert decide(a, {0: 21.0, 1: 21.6, 2: 20.7}) == "better"
-    assert decide({0: 21.0, 1: 21.6, 2: 20.7}, a) == "worse"
-    # b - a = 1.0, 1.1, -0.1: one seed disagrees -> tie
-    assert decide(a, {0: 21.0, 1: 21.6, 2: 19.7}) == "tie"
-    # b - a = 0.1, 0.5, 0.9: mean 0.5, sd 0.4, se 0.231, 2 se = 0.462 < 0.5 -> better
-    assert decide(a, {0: 20.1, 1: 21.0, 2: 20.7}) == "better"
-    # b - a = 0.1, 0.1, 1.3: mean 0.5, sd 0.693, se 0.4 -> 2 se = 0.8 > 0.5 -> tie
-    assert decide(a, {0: 20.1, 1: 20.6, 2: 21.1}) == "tie"
-    assert decide({0: 20.0}, {0: 30.0}) == "tie"  # one seed never decides
-    st = paired_stats(a, {0: 21.0, 1: 21.6, 2: 20.7})
-    assert st["n"] == 3 and st["mean"] == pytest.approx(1.0)
+    # b - a = 1.0, 1.1, 0.9: mean 1.0, sd 0.1, se 0.0577; t(0.975, 2) = 4.3027 -> CI 0.752..1.248
+    b = {0: 21.0, 1: 21.6, 2: 20.7}
+    st = paired_stats(a, b)
+    assert st["n"] == 3 and st["df"] == 2 and st["mean"] == pytest.approx(1.0)
     assert st["sd"] == pytest.approx(0.1) and st["se"] == pytest.approx(0.1 / math.sqrt(3))
+    half = 4.302652729911275 * 0.1 / math.sqrt(3)
+    assert st["ci"] == pytest.approx([1.0 - half, 1.0 + half])
+    # t = 1.0 / 0.0577 = 17.32 on 2 df: p = 2 (1 - F(17.32)) = 0.003317
+    assert st["p"] == pytest.approx(0.0033167, rel=1e-3)
+    assert decide(a, b) == "better" and decide(b, a) == "worse"
+    # b - a = 0.1, 0.5, 0.9: mean 0.5, se 0.231 (the old "2 SE" rule said better): CI
+    # 0.5 +- 4.303 * 0.231 = -0.49..1.49 contains 0 -> tie; t = 2.165, p = 0.163
+    c = {0: 20.1, 1: 21.0, 2: 20.7}
+    assert decide(a, c) == "tie"
+    assert paired_stats(a, c)["p"] == pytest.approx(0.1627, abs=2e-3)
+    # five seeds: t(0.975, 4) = 2.7764; diffs 0.3, 0.1, 0.2, 0.25, 0.15: mean 0.2, sd 0.0791
+    a5 = {s: 20.0 for s in range(5)}
+    b5 = {0: 20.3, 1: 20.1, 2: 20.2, 3: 20.25, 4: 20.15}
+    st5 = paired_stats(a5, b5)
+    assert st5["ci"][0] == pytest.approx(0.2 - 2.7764451 * 0.0790569 / math.sqrt(5), rel=1e-4)
+    assert decide(a5, b5) == "better"
+    assert decide({0: 20.0, 1: 20.0}, {0: 30.0, 1: 31.0}) == "n/a"  # two seeds never decide
+    assert decide({0: 20.0}, {0: 30.0}) == "n/a"
+    # identical differences: the interval is the point
+    same = paired_stats(a, {k: v + 0.5 for k, v in a.items()})
+    assert same["ci"] == pytest.approx([0.5, 0.5]) and same["p"] == 0.0
 
 
 def test_best_point_and_edge_extension():
@@ -661,7 +674,7 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
     assert not (tmp_path / "runs" / "tiny" / poet["id"] / "model.safetensors").exists()
     summary = summarize(study, results)
     assert summary["poetxq"]["tuned"] and len(summary["adamw"]["test_ppl"]) == 2
-    assert summary["adamw"]["vs_reference"] in ("better", "worse", "tie")
+    assert summary["adamw"]["vs_reference"] in ("better", "worse", "tie", "n/a")
     render([(study, results)], tmp_path / "docs" / "QUALITY.md")
     text = (tmp_path / "docs" / "QUALITY.md").read_text()
     assert "| poetxq |" in text and "| adamw |" in text
@@ -835,8 +848,8 @@ def test_a_cpu_run_reports_its_host_rss_peak_labelled_as_such(tmp_path, corpus):
     render([(study, results)], tmp_path / "QUALITY.md")
     text = (tmp_path / "QUALITY.md").read_text()
     rows = {ln.split(" | ")[0]: ln for ln in text.splitlines() if ln.startswith("| ")}
-    assert rows["| poetxq"].endswith("| 1.50 host RSS | – |")
-    assert rows["| adamw"].endswith("| 2.00 | – |")
+    assert rows["| poetxq"].endswith("| 1.50 host RSS | – | – |")  # peak, gap, ood ppl
+    assert rows["| adamw"].endswith("| 2.00 | – | – |")
     assert "marked host RSS (a CPU run), the worker process's peak resident set size" in text
     del results["runs"][run_id("poetxq", {"optim.poet_lr": 8e-3}, 0)]["peak_rss_gib"]
     render([(study, results)], tmp_path / "QUALITY.md")  # no peak known: no note either
@@ -1049,3 +1062,56 @@ def test_embedded_units_are_the_embedded_documents_in_order():
     books = {u for u, _ in units if u.startswith("kjv:")}
     assert len(books) == 66 and "kjv:Genesis" in books
     assert len({u for u, _ in units} - books) == 42  # the Shakespeare texts
+
+
+def test_methods_within_two_percent_get_the_close_seeds(tmp_path, corpus):
+    """Once a method and the reference have their final seeds, a mean test ppl within
+    close_margin (2 %) of the reference's adds the close seeds to both (paired); further apart,
+    none are added; the summary then pairs over all seeds the two share."""
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[1, 2, 3],
+                              close_seeds=[4, 5]))  # fmt: skip
+    results: dict = {"runs": {}}
+    best = {"poetxq": {"optim.poet_lr": 4e-3}, "adamw": {"optim.lr": 1e-3}}
+
+    def put(method: str, params: dict, seed: int, ppl: float) -> None:
+        rid = run_id(method, params, seed)
+        results["runs"][rid] = {"id": rid, "method": method, "seed": seed, "params": params,
+                                "tune_ppl": ppl, "test_ppl": ppl}  # fmt: skip
+
+    for method, pts in (("poetxq", [4e-3, 8e-3]), ("adamw", [1e-3, 2e-3])):
+        key = "optim.poet_lr" if method == "poetxq" else "optim.lr"
+        for v, ppl in zip(pts, (20.0, 25.0)):
+            put(method, {key: v}, 0, ppl)
+    pending, _ = plan_runs(study, results)
+    assert sorted((p["method"], p["seed"]) for p in pending) == [
+        ("adamw", 1),
+        ("adamw", 2),
+        ("adamw", 3),
+        ("poetxq", 1),
+        ("poetxq", 2),
+        ("poetxq", 3),
+    ]
+    for s, (a, b) in zip((1, 2, 3), ((20.0, 20.3), (20.2, 20.4), (19.9, 20.2))):
+        put("poetxq", best["poetxq"], s, a)
+        put("adamw", best["adamw"], s, b)  # 1.3 % above poetxq: close
+    pending, _ = plan_runs(study, results)
+    assert sorted((p["method"], p["seed"]) for p in pending) == [
+        ("adamw", 4),
+        ("adamw", 5),
+        ("poetxq", 4),
+        ("poetxq", 5),
+    ]
+    assert "within 2% of poetxq" in pending[0]["why"]
+    for s in (4, 5):
+        put("poetxq", best["poetxq"], s, 20.0)
+        put("adamw", best["adamw"], s, 20.25)
+    assert plan_runs(study, results)[0] == []
+    row = summarize(study, results)["adamw"]
+    assert row["vs_reference_stats"]["n"] == 5 and sorted(row["test_ppl"]) == [1, 2, 3, 4, 5]
+    # 5 % apart: no close seeds
+    for s in (1, 2, 3):
+        put("adamw", best["adamw"], s, 21.0)
+    for s in (4, 5):
+        del results["runs"][run_id("adamw", best["adamw"], s)]
+        del results["runs"][run_id("poetxq", best["poetxq"], s)]
+    assert plan_runs(study, results)[0] == []

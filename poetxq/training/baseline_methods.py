@@ -92,8 +92,9 @@ def prepare_baseline(model: nn.Module, method: str, cfg: BaselineConfig) -> Base
     return report
 
 
-#: the name of the hidden matrices' param group, by method
+#: the name of the hidden matrices' param group, by method (``lowrank`` for the others)
 MATRIX_GROUP = {"adamw": "matrices", "muon": "muon"}
+MATRIX_GROUPS = (*MATRIX_GROUP.values(), "lowrank")
 
 
 def build_baseline_optimizer(

@@ -1,7 +1,8 @@
 """Optimizer, schedule and merge bookkeeping for POET-X(Q) training (POET, arXiv 2506.08001).
 
 * AdamW with three param groups: the packed skew parameters ``Q`` (lr = ``poet_lr × scale``,
-  no weight decay); other ≥ 2-D params (embeddings, ``lm_head``) at the base lr with weight decay;
+  no weight decay, betas ``poet_betas`` when set); other ≥ 2-D params (embeddings, ``lm_head``)
+  at the base lr with weight decay;
   1-D params (norms, biases) at the base lr without decay.
 * Cosine schedule with linear warmup and a floor of ``min_lr_ratio``.
 * Merge-then-reinitialize of every layer, followed by a reset of the Adam moments of ``Q``.
@@ -63,8 +64,11 @@ def build_optimizer(
             decay.append(p)
         else:
             no_decay.append(p)
+    poet = {"name": "poet", "params": q, "lr": cfg.poet_lr * cfg.poet_lr_scale, "weight_decay": 0.0}
+    if cfg.poet_betas is not None:
+        poet["betas"] = tuple(cfg.poet_betas)
     groups = [
-        {"name": "poet", "params": q, "lr": cfg.poet_lr * cfg.poet_lr_scale, "weight_decay": 0.0},
+        poet,
         {"name": "decay", "params": decay, "lr": cfg.lr, "weight_decay": cfg.weight_decay},
         {"name": "no_decay", "params": no_decay, "lr": cfg.lr, "weight_decay": 0.0},
     ]

@@ -42,6 +42,9 @@ class OptimConfig(Section):
     poet_lr_scale: float = Field(0.5, gt=0)  # Q params use poet_lr * poet_lr_scale
     weight_decay: float = Field(0.0, ge=0)  # on >= 2-D non-Q params
     betas: tuple[Beta, Beta] = (0.9, 0.999)  # Adam's beta1, beta2, each in [0, 1)
+    # the POET methods' Q group alone (the official POET code's AdamW keeps torch's
+    # (0.9, 0.999) there); None: optim.betas
+    poet_betas: tuple[Beta, Beta] | None = None
     eps: float = Field(1e-8, gt=0)
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.01, ge=0, le=1)
@@ -306,6 +309,11 @@ class Recipe(Section):
             raise ValueError(
                 f"optim.matrix_lr sets the baselines' matrix lr; {self.method} trains its "
                 "matrices through the rotations at optim.poet_lr: remove optim.matrix_lr"
+            )
+        if self.optim.poet_betas is not None and self.method not in POET_METHODS:
+            raise ValueError(
+                f"optim.poet_betas sets the betas of the POET methods' rotations; {self.method} "
+                "has none: remove optim.poet_betas (optim.betas applies to every group)"
             )
         if self.optim.state_bits == 8 and self.method not in POET_METHODS:
             raise ValueError(

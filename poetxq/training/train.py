@@ -44,7 +44,7 @@ from poetxq.model.relayout import relayout_if_wanted
 from poetxq.model.surgery import poet_layers
 from poetxq.paths import RUN_LOCK
 from poetxq.text import count
-from poetxq.training.baseline_methods import build_baseline_optimizer
+from poetxq.training.baseline_methods import MATRIX_GROUPS, build_baseline_optimizer
 from poetxq.training.build import build_for_training
 from poetxq.training.checkpoint import (
     CHECKPOINT_DIR,
@@ -778,6 +778,9 @@ class _Run:
         record = {"step": step, "loss": self.loss_value, "lr": lr}
         if lrs.get("poet") is not None:  # a POET method's orthogonal group (not a baseline)
             record["poet_lr"] = lrs["poet"]
+        for name in MATRIX_GROUPS:  # a baseline's hidden matrices (optim.matrix_lr)
+            if name in lrs:
+                record["matrix_lr"] = lrs[name]
         self.log({**record, "grad_norm": float(grad_norm), "clip": max_norm,
                   "tokens": step * self.tokens_per_step, "tokens_per_s": tps})  # fmt: skip
         if self.main and not self.zero_grad_noted and float(grad_norm) == 0.0:
