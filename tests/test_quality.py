@@ -89,7 +89,9 @@ def test_best_point_and_edge_extension():
 # ------------------------------------------------------------------------------ token corpus
 
 
-def _tiny_corpus(folder: Path) -> TokenCorpus:
+def _tiny_corpus(folder: Path, ood: bool = False) -> TokenCorpus:
+    """pydoc topics as a token corpus; ``ood`` adds an ``ood`` split of topics kept out of the
+    others (the build's out-of-distribution split)."""
     import importlib
 
     from poetxq.data.tokenizer import train_bpe
@@ -97,12 +99,15 @@ def _tiny_corpus(folder: Path) -> TokenCorpus:
     topics = importlib.import_module("pydoc_data.topics").topics
     docs = [topics[k] for k in sorted(topics)]
     a, b = docs[::2], docs[1::2]
+    first = 9 if ood else 6
     splits = {
-        "train": {"even": a[6:], "odd": b[6:]},
+        "train": {"even": a[first:], "odd": b[first:]},
         "tune": {"even": a[:3], "odd": b[:3]},
         "test": {"even": a[3:6], "odd": b[3:6]},
     }
-    enc = train_bpe(a[6:] + b[6:], 512, progress=False)
+    if ood:
+        splits["ood"] = {"held-out": a[6:9] + b[6:9]}
+    enc = train_bpe(a[first:] + b[first:], 512, progress=False)
     ids = {s: {src: enc.encode_batch(d) for src, d in v.items()} for s, v in splits.items()}
     write_token_corpus(folder, enc.tokenizer, enc.eos_id, ids, extra={"note": "test"})
     return TokenCorpus.open(folder)
@@ -632,10 +637,11 @@ def test_report_of_an_own_study_needs_out_and_says_its_own_command(tmp_path, cor
 
 
 @pytest.mark.slow
-def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
+def test_tiny_study_end_to_end_with_resume(tmp_path, monkeypatch):
     from evals.quality_report import render
     from evals.quality_runner import execute
 
+    corpus = _tiny_corpus(tmp_path / "corpus", ood=True)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     study_file = _study(tmp_path, corpus.folder, max_test_tokens=32 * 20)
     study = load_study(study_file)
@@ -663,6 +669,7 @@ def test_tiny_study_end_to_end_with_resume(tmp_path, corpus, monkeypatch):
         log = (tmp_path / "runs" / "tiny" / rec["id"] / "worker.log").read_text()
         assert "scoring tune split: " in log and "scoring train sample: " in log
         assert "scoring test split: " in log and "max_test_tokens 640)" in log
+        assert "scoring ood split: " in log and rec["ood_ppl"] > 1
         assert math.isfinite(rec["train_tune_gap_nats"])
         if rec["device"].startswith("cpu"):  # the host's peak only (CI)
             assert rec["peak_memory_gib"] is None and rec["peak_rss_gib"] > 0
