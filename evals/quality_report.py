@@ -352,12 +352,19 @@ def render(
         "# Quality: POET-XQ against tuned baselines",
         "",
         f"Rendered by `{command}` from the results files named "
-        "below; do not edit by hand. The protocol (issue 32): every generic setting is the same "
+        "below; do not edit by hand. The protocol: every generic setting is the same "
         "for all methods (the study file's `shared`), each method keeps its authors' own knobs, "
-        "every method gets the study's learning-rate grid (at least four points in the "
-        "committed studies), extended past any winning edge, chosen on the `tune` split; the "
-        "final numbers are `test`-split perplexities at the chosen setting over the study's "
-        "final seeds.",
+        "every method gets the study's learning-rate grid, extended past any winning edge, "
+        "chosen on the `tune` split; the final numbers are `test`-split perplexities at the "
+        "chosen setting over the study's final seeds, compared with the reference by paired "
+        "95 % t-intervals. The first-protocol studies (issue 32: `llama60m_50m`, "
+        "`llama60m_150m`) trained every baseline's embeddings, lm_head and norms at its matrix "
+        "learning rate (a 1-D grid; AdamW's capped at 2e-3 by its unstable matrices), shared "
+        "betas (0.9, 0.999) without weight decay, split the corpus by ~8k-character chunk (pages "
+        "of one file in train and test) and reused the tuning seed as a final seed; "
+        "`llama60m_50m_v2` (issue 51) fixes each: betas (0.9, 0.95), weight decay 0.1, a 2-D "
+        "grid of embedding lr x matrix knob for every method, a split by whole file, final seeds "
+        "apart from the tuning seed, and an out-of-distribution split.",
         "",
     ]  # fmt: skip
     for study, results in loaded:
