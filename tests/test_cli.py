@@ -169,7 +169,9 @@ def test_missing_data_leaves_existing_run_dir_untouched(tmp_path, capsys):
         ("empty.txt", b"", "data file '{path}' is empty (0 bytes); pass a file with text in it, "
          "or --data embedded"),
         ("table.csv", b"text\nhello\n", "data file '{path}' has an unsupported type; use one "
-         "of .jsonl.gz, .json.gz, .jsonl, .json, .txt, .parquet"),
+         "of .jsonl.gz, .json.gz, .jsonl, .json, .parquet, .txt, .md, .markdown, .rst, .tex, "
+         ".org; to read other plain-text files, list their ending in data.text_extensions (e.g. "
+         "--set 'data.text_extensions=[.log]')"),
     ],
 )  # fmt: skip
 def test_bad_data_input_is_one_error_line_and_nothing_before_it(
