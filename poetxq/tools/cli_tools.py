@@ -237,7 +237,7 @@ def run_tool(args: argparse.Namespace) -> int:
     if args.command == "report":
         from poetxq.tools.report import build_report
 
-        path = build_report(args.runs, args.out)
+        path = build_report(args.runs, args.out, echo=print)
         n = len({Path(p).resolve() for p in args.runs})  # a run given twice is reported once
         print(f"report: {path} ({count(n, 'run')})")
         return 0
