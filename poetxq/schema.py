@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
+from poetxq.paths import path_problem
+
 
 def _number_kind(annotation: Any) -> str | None:
     """``"integer"`` / ``"number"`` when ``annotation`` holds int / float (and not bool), else
@@ -50,6 +52,22 @@ def _bool_field(annotation: Any) -> tuple[bool, tuple[Any, ...]]:
         elif typing.get_origin(a) is typing.Literal:
             others.extend(typing.get_args(a))
     return True, tuple(others)
+
+
+def check_path_key(value: str | None) -> None:
+    """The one check of every recipe key that names a path (``train.output_dir``,
+    ``data.source``, ``data.tokenizer``, ``data.cache_dir``, ``model.pretrained``; each is
+    relative to the working directory, not to the recipe file), called by the sections' field
+    validators; None (unset) passes.
+
+    Raises:
+        ValueError: the path is empty, holds a NUL or control character, or is longer than a
+            file system takes (:func:`poetxq.paths.path_problem`); the schema error names the key.
+    """
+    if value is not None and (problem := path_problem(value)) is not None:
+        raise ValueError(
+            f"the path {problem}; give a file or folder path (relative to the working directory)"
+        )
 
 
 class StrictSection(BaseModel):

@@ -34,7 +34,7 @@ def test_fpo_diagnose_command_writes_json_and_plot(checkpoint, tmp_path, monkeyp
     assert report["model"] == str(checkpoint.resolve())
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    assert "targets: 3" in text and "cos_mlp" in text
+    assert "targets: layer 3 (" in text and "cos_mlp" in text
 
 
 def test_fpo_diagnose_errors_are_one_line(tmp_path, capsys):
@@ -66,7 +66,8 @@ def test_fpo_adapt_command_adapts_the_targets_and_saves_a_loadable_model(
                        "--ood-data", "pydoc")  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "targets: 3" in text and "fpo-adapt (fpo): the MLPs of layers 3, adamw lr" in text
+    assert "targets: layer 3 (" in text
+    assert "fpo-adapt (fpo): the MLPs of layers 3, adamw lr" in text
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layers"] == [3] and summary["steps"] == 3
     assert summary["first"]["step"] == 0 and summary["last"]["step"] == 3
@@ -179,7 +180,7 @@ def test_fpo_adapt_takes_post_mlp_norm_models(arch, tmp_path, monkeypatch, capsy
     argv = _adapt_argv(checkpoint, out, "--layers", "auto", "--steps", "2", "--bits", "8")
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "targets: 2" in text
+    assert "targets: layer 2 (" in text
     last = next(ln.split() for ln in text.splitlines() if ln.split()[:1] == ["2"])
     assert float(last[1]) == pytest.approx(1.0, abs=1e-3)  # cos_w3 of the last layer: exact
     assert float(last[2]) == pytest.approx(1.0, abs=1e-3)  # cos_mlp
@@ -211,7 +212,7 @@ def test_fpo_adapt_resume_keeps_the_run_settings_and_skips_the_diagnosis(
     monkeypatch.setenv("POETXQ_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert main(_adapt_argv(checkpoint, out, "--steps", "1", "--save-every", "1")) == 0
-    assert "targets: 3" in capsys.readouterr().out  # the first run diagnoses
+    assert "targets: layer 3 (" in capsys.readouterr().out  # the first run diagnoses
     for flag, value in (("--data", "embedded"), ("--method", "full"), ("--bits", "8"),
                         ("--lr", "0.5")):  # fmt: skip
         argv = _adapt_argv(checkpoint, out, "--steps", "2", "--resume", flag, value)
@@ -248,7 +249,7 @@ def test_fpo_commands_take_data_settings(checkpoint, tmp_path, monkeypatch, caps
     assert main(base) == 2
     assert "text field 'text'" in capsys.readouterr().err
     assert main([*base, "--set", "data.text_field=content"]) == 0
-    assert "targets: 3" in capsys.readouterr().out
+    assert "targets: layer 3 (" in capsys.readouterr().out
     for bad, expected in (("train.max_steps=3", "data.* settings only"),
                           ("data.source=pydoc", "not data.source"),
                           ("data.val_fraction=0.9", "--set data.val_fraction: "),

@@ -3,10 +3,12 @@ glob, read through the ``datasets`` library's ``text`` / ``json`` / ``parquet`` 
 streaming mode (nothing is converted or cached on the way: the token streams are the one cache,
 :mod:`poetxq.data.cache`).
 
-* ``.txt`` — one document per file; a file longer than about 8,000 characters is cut at blank
-  lines into documents of about that size. Line ends are read as ``\\n`` (``\\r\\n`` too). A file
-  that is binary (a NUL byte, or more than 1 % of it not UTF-8) is refused by name; a stray
-  undecodable byte becomes U+FFFD.
+* plain text: ``.txt`` and the documentation formats ``.md`` / ``.markdown`` / ``.rst`` /
+  ``.tex`` / ``.org`` (:data:`TEXT_SUFFIXES`, read as they are, markup included), and any ending
+  listed in ``data.text_extensions`` — one document per file; a file longer than about 8,000
+  characters is cut at blank lines into documents of about that size. Line ends are read as
+  ``\\n`` (``\\r\\n`` too). A file that is binary (a NUL byte, or more than 1 % of it not UTF-8)
+  is refused by name; a stray undecodable byte becomes U+FFFD.
 * ``.jsonl`` / ``.jsonl.gz`` / ``.json`` / ``.json.gz`` — JSON lines (such as a local C4 copy's
   ``c4-train.*.json.gz``) or a JSON list of records; ``.parquet`` — a table. Each record's text
   is its ``text_field``; a record whose field is null or empty (in JSON lines: or absent while
@@ -33,26 +35,49 @@ from typing import Any
 from poetxq.data.config import DataConfig, DataError
 from poetxq.data.documents import Source, chunk_text, first_line, record_text
 
-SUPPORTED_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".txt", ".parquet")
+#: file name endings read as plain text (one document per file), besides ``data.text_extensions``
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".tex", ".org")
+#: file name endings of record files (JSON lines, JSON lists, parquet tables)
+RECORD_SUFFIXES = (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".parquet")
+SUPPORTED_SUFFIXES = (*RECORD_SUFFIXES, *TEXT_SUFFIXES)
 #: share of bytes of a ``.txt`` file that may be undecodable as UTF-8 before it counts as binary
 _MAX_BAD_UTF8 = 0.01
 #: records handed over per batch when a file is read
 _BATCH_ROWS = 1024
 
 
-def _has_supported_suffix(path: Path) -> bool:
-    return path.name.lower().endswith(SUPPORTED_SUFFIXES)
+def is_text_file(path: Path, text_extensions: tuple[str, ...] | list[str] = ()) -> bool:
+    """Whether ``path`` is read as plain text: its name ends in one of :data:`TEXT_SUFFIXES` or
+    ``text_extensions`` (``data.text_extensions``, lower case with their dot)."""
+    return path.name.lower().endswith((*TEXT_SUFFIXES, *text_extensions))
 
 
-def local_files(source: str) -> tuple[list[Path], str]:
-    """Files named by a path (file / directory / glob) and a short description of the path."""
+def _has_supported_suffix(path: Path, text_extensions: tuple[str, ...] | list[str] = ()) -> bool:
+    return path.name.lower().endswith(RECORD_SUFFIXES) or is_text_file(path, text_extensions)
+
+
+def _supported(text_extensions: tuple[str, ...] | list[str]) -> str:
+    """The endings read, for the errors, with how to add one."""
+    given = [e for e in text_extensions if e not in SUPPORTED_SUFFIXES]
+    return (
+        f"{', '.join((*SUPPORTED_SUFFIXES, *given))}; to read other plain-text files, list "
+        "their ending in data.text_extensions (e.g. --set 'data.text_extensions=[.log]')"
+    )
+
+
+def local_files(
+    source: str, text_extensions: tuple[str, ...] | list[str] = ()
+) -> tuple[list[Path], str]:
+    """Files named by a path (file / directory / glob) and a short description of the path;
+    ``text_extensions`` (``data.text_extensions``) are read as text besides
+    :data:`TEXT_SUFFIXES`."""
     expanded = os.path.expanduser(source)
     path = Path(expanded)
     if path.is_file():
-        if not _has_supported_suffix(path):
+        if not _has_supported_suffix(path, text_extensions):
             raise DataError(
                 f"data file '{source}' has an unsupported type; use one of "
-                f"{', '.join(SUPPORTED_SUFFIXES)}"
+                f"{_supported(text_extensions)}"
             )
         files, what = [path.resolve()], f"file {source}"
     elif path.is_dir():
@@ -81,11 +106,10 @@ def local_files(source: str) -> tuple[list[Path], str]:
             f"data path '{source}' does not exist; pass an existing file/dir/glob "
             "or --data embedded"
         )
-    files = [p for p in files if _has_supported_suffix(p)]
+    files = [p for p in files if _has_supported_suffix(p, text_extensions)]
     if not files:
-        raise DataError(
-            f"no supported data files in {what}; supported types: {', '.join(SUPPORTED_SUFFIXES)}"
-        )
+        raise DataError(f"no supported data files in {what}; supported types: "
+                        f"{_supported(text_extensions)}")  # fmt: skip
     if all(p.stat().st_size == 0 for p in files):  # found before anything is read or printed
         which = (
             f"data file '{source}' is empty (0 bytes)"
@@ -108,8 +132,9 @@ def _listed(paths: list[Path], most: int = 3) -> str:
 
 
 def local_source(cfg: DataConfig) -> Source:
-    files, what = local_files(cfg.source)
+    files, what = local_files(cfg.source, cfg.text_extensions)
     field_name = cfg.text_field
+    text_extensions = tuple(cfg.text_extensions)
     val_files = [p for p in files if _names_split(p, "validation")]
     train_files = [p for p in files if _names_split(p, "train") and p not in val_files]
     predefined = len(files) > 1 and bool(val_files) and bool(train_files)
@@ -127,7 +152,7 @@ def local_source(cfg: DataConfig) -> Source:
         def documents() -> Iterator[str]:
             for p in paths:
                 try:
-                    yield from file_documents(p, field_name)
+                    yield from file_documents(p, field_name, text_extensions)
                 except DataError:
                     raise
                 except Exception as e:  # corrupt gzip/parquet/JSON, I/O errors
@@ -140,6 +165,9 @@ def local_source(cfg: DataConfig) -> Source:
     # the files are read through `datasets` (line ends of .txt files as "\n"): a new key, so a
     # cache written by the earlier hand-written reader is not taken for this one's
     reader_id = "datasets-1"
+    # how a file is read depends on the endings read as text (a .json listed there is text):
+    # named in the identity where set, so the caches of sources without it keep their keys
+    extra = {"text_extensions": sorted(text_extensions)} if text_extensions else {}
     if predefined:
         return Source(
             description=(
@@ -152,6 +180,7 @@ def local_source(cfg: DataConfig) -> Source:
                 "val": identity_of(val_files),
                 "text_field": field_name,
                 "reader": reader_id,
+                **extra,
             },
             train_documents=reader(train_files),
             val_documents=reader(val_files),
@@ -163,14 +192,16 @@ def local_source(cfg: DataConfig) -> Source:
             "files": identity_of(files),
             "text_field": field_name,
             "reader": reader_id,
+            **extra,
         },
         documents=reader(files),
     )
 
 
 def check_text_file(path: Path) -> None:
-    """Refuse a ``.txt`` file that is binary (a NUL byte, or more than 1 % of it not UTF-8) by
-    name, instead of training on it as replacement characters."""
+    """Refuse a plain-text file (``.txt``, ``.md``, ...: :func:`is_text_file`) that is binary
+    (a NUL byte, or more than 1 % of it not UTF-8) by name, instead of training on it as
+    replacement characters."""
     raw = path.read_bytes()
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
@@ -208,19 +239,20 @@ def _quiet_datasets() -> Iterator[Any]:
             ds_utils.enable_progress_bars()
 
 
-def _builder(path: Path) -> tuple[str, dict[str, Any]]:
+def _builder(path: Path, text: bool) -> tuple[str, dict[str, Any]]:
     name = path.name.lower()
-    if name.endswith(".txt"):  # one row per file: the whole text
+    if text:  # one row per file: the whole text
         return "text", {"sample_by": "document", "encoding_errors": "replace"}
     if name.endswith(".parquet"):  # batches of a fixed size (an empty row group would ask for 0)
         return "parquet", {"batch_size": _BATCH_ROWS}
     return "json", {}  # JSON lines, or a JSON list of records; .gz read as it streams
 
 
-def _records(path: Path, field_name: str) -> Iterator[Any]:
+def _records(path: Path, field_name: str, text: bool) -> Iterator[Any]:
     """The records of one file as ``datasets`` streams them: ``{field_name: value}`` dicts where
-    the file's columns are known (and hold ``field_name``), whole records otherwise."""
-    builder, kwargs = _builder(path)
+    the file's columns are known (and hold ``field_name``), whole records otherwise; ``text``:
+    the file is plain text (one record)."""
+    builder, kwargs = _builder(path, text)
     with _quiet_datasets() as datasets:
         try:  # data_files are patterns: a name with [ ] * ? is escaped
             ds = datasets.load_dataset(
@@ -253,14 +285,17 @@ def _records(path: Path, field_name: str) -> Iterator[Any]:
                 yield {field_name: value}
 
 
-def file_documents(path: Path, field_name: str) -> Iterator[str]:
-    """Documents of one local file (see the module docstring for the formats)."""
-    is_text = path.name.lower().endswith(".txt")
+def file_documents(
+    path: Path, field_name: str, text_extensions: tuple[str, ...] | list[str] = ()
+) -> Iterator[str]:
+    """Documents of one local file (see the module docstring for the formats; a name ending in
+    one of ``text_extensions`` is plain text too)."""
+    is_text = is_text_file(path, text_extensions)
     if is_text:
         check_text_file(path)
         field_name = "text"  # the text builder's one column
     index = skipped = 0
-    for index, rec in enumerate(_records(path, field_name), 1):
+    for index, rec in enumerate(_records(path, field_name, is_text), 1):
         text = record_text(rec, field_name, f"record {index} of {path}")
         if not text:  # a record without the field (in a file where others have it), null, ""
             if not is_text:  # (an empty .txt file is no record of anyone's)

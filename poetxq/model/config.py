@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from poetxq.schema import Section
+from poetxq.schema import Section, check_path_key
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -18,7 +18,8 @@ class ModelConfig(Section):
 
     ``pretrained`` (``--model``): a transformers Llama-family checkpoint directory (or hub id) to
     continue from; its own config, weights and tokenizer are used and the other fields here are
-    ignored (:mod:`poetxq.model.pretrained`).
+    ignored (:mod:`poetxq.model.pretrained`). A directory is relative to the working directory
+    (not to the recipe file), checked as every path key is (:func:`poetxq.schema.check_path_key`).
     """
 
     pretrained: str | None = None
@@ -35,6 +36,12 @@ class ModelConfig(Section):
     rms_norm_eps: float = Field(1e-6, gt=0)
     initializer_range: float = Field(0.02, gt=0)
     tie_word_embeddings: bool = False
+
+    @field_validator("pretrained")
+    @classmethod
+    def _pretrained_path(cls, value: str | None) -> str | None:
+        check_path_key(value)
+        return value
 
     @property
     def head_width(self) -> int:

@@ -174,6 +174,29 @@ def check_pretrained_config(
     return config
 
 
+def load_error_line(path: str, exc: BaseException) -> str:
+    """The one line for a checkpoint that ``from_pretrained`` could not load.
+
+    A pickle weights file (``pytorch_model.bin``) that holds more than tensors is refused by
+    torch's ``weights_only`` loader, whose message suggests loading it again with
+    ``weights_only=False``: that would run whatever code the file names. That advice is not
+    passed on; the line says what the file is and asks for a safetensors copy instead.
+    """
+    import pickle
+    import re
+
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError) or "weights_only" in text:
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f" (it names {named.group(1)[:80]})" if named else ""
+        return (
+            f"cannot load '{path}': its weights are a pickle file that holds more than tensors"
+            f"{what}, and poetxq does not unpickle such a file (loading it could run code from "
+            "it); get the checkpoint as safetensors (model.safetensors) from its source"
+        )
+    return f"cannot load '{path}': {text}".splitlines()[0]
+
+
 def load_pretrained(
     path: str, families: Sequence[str] = LLAMA_FAMILY, *, progress: bool = True
 ) -> nn.Module:
@@ -198,7 +221,7 @@ def load_pretrained(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:
-        raise PretrainedError(f"cannot load '{path}': {exc}".splitlines()[0]) from None
+        raise PretrainedError(load_error_line(path, exc)) from None
     finally:
         if was_on and not progress:
             hf_logging.enable_progress_bar()

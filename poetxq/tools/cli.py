@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from poetxq.tools.cli_common import (
+    CommandParser,
     Terminated,
     check_kernels_env,
     disk_full,
@@ -46,7 +47,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``poetxq`` parser: ``quantize-and-train``, ``train``, ``export``, ``validate``."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="poetxq",
         description="Memory-efficient quantized LLM pretraining with POET-XQ: each linear weight "
         "is trained as R·W0·P with block-diagonal orthogonal R, P while W0 stays frozen in int8 "

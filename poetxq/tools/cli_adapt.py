@@ -328,13 +328,20 @@ def _plot(report: dict, path: Path) -> None:
         plt.close(fig)
 
 
+def target_layers(layers: list[int]) -> str:
+    """The target layers in words: ``layer 3``, ``layers 25, 26, 27``, ``no layer``."""
+    if not layers:
+        return "no layer"
+    return ("layer " if len(layers) == 1 else "layers ") + ", ".join(map(str, layers))
+
+
 def _print_diagnosis(diag: Any) -> None:
     print(f"{'layer':>5}  {'cos_w3':>7}  {'cos_mlp':>7}  {'|g~h|/|W3|':>10}")
     for r in diag.layers:
         mark = "  <- target" if r.layer in diag.targets else ""
         print(f"{r.layer:>5}  {r.cos_w3:>7.3f}  {r.cos_mlp:>7.3f}  {r.ratio:>10.3g}{mark}")
     print(f"calibration: {diag.n_tokens} tokens, loss {diag.loss:.4f}")
-    print(f"targets: {','.join(map(str, diag.targets))} ({diag.rule})")
+    print(f"targets: {target_layers(diag.targets)} ({diag.rule})")
     for name, lr in diag.lr.items():
         sweep = ", ".join(f"{v:.3g}" for v in diag.sweep[name])
         print(f"lr {name}: {lr:.3g} (sweep {sweep})")

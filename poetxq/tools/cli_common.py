@@ -9,15 +9,47 @@ Each check runs before any work and raises one line that the CLI prints as
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 from pathlib import Path
+from typing import NoReturn
 
 from poetxq.paths import nearest_existing, writable_dir
 from poetxq.training.recipe import RecipeError
 
 #: bytes an atomic write's temporary name ``.<name>.tmp-<pid>`` adds to ``<name>`` (pid ≤ 7 digits)
 TMP_NAME_EXTRA_BYTES = len(".") + len(".tmp-") + 7
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The ``poetxq`` parser and, through ``add_subparsers`` (which makes sub-parsers of its
+    own class), every sub-command's: an argument error is one line, ``poetxq COMMAND: error:
+    ...`` naming the valid choices of the argument it is about, then a pointer to ``--help``;
+    exit status 2. The usage summary argparse prints first is left out (``--help`` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print the one error line and exit with status 2."""
+        text = " ".join(self._with_choices(message).splitlines())
+        if "--help" not in text:
+            text += f"; see {self.prog} --help"
+        self.exit(2, f"{self.prog}: error: {text}\n")
+
+    def _with_choices(self, message: str) -> str:
+        """``message`` with the valid values of each argument it names that has a fixed set of
+        them and whose values it does not list yet: a missing ``COMMAND`` or ``--format``, a
+        ``--bits`` without its value."""
+        named = {argparse._get_action_name(a): a for a in self._actions if a.choices}
+        named.pop(None, None)
+        listed = []
+        if message.startswith("argument ") and "choose from" not in message:
+            name = message.removeprefix("argument ").split(":", 1)[0]
+            listed = [name] if name in named else []
+        elif message.startswith("the following arguments are required: "):
+            wanted = message.split(": ", 1)[1].split(", ")
+            listed = [name for name in wanted if name in named]
+        extra = [f"{name}: one of {', '.join(map(str, named[name].choices))}" for name in listed]
+        return f"{message} ({'; '.join(extra)})" if extra else message
 
 
 def check_kernels_env() -> None:

@@ -237,7 +237,7 @@ def run_tool(args: argparse.Namespace) -> int:
     if args.command == "report":
         from poetxq.tools.report import build_report
 
-        path = build_report(args.runs, args.out)
+        path = build_report(args.runs, args.out, echo=print)
         n = len({Path(p).resolve() for p in args.runs})  # a run given twice is reported once
         print(f"report: {path} ({count(n, 'run')})")
         return 0
@@ -303,15 +303,19 @@ def run_tool(args: argparse.Namespace) -> int:
                 + f" runs on a GPU ({runs})"
             )
         vocab = args.vocab_size
+        title = None  # what the estimate's title names: the recipe, or the checkpoint's config
         if recipe.model.pretrained is not None:  # a --model checkpoint: its own shape
             shaped = estimation_recipe(recipe)
             assert shaped is not None  # checked above
+            title = str(Path(recipe.model.pretrained) / "config.json")
             print(
-                f"note: the shape and vocabulary of {shaped.name}, the other settings of "
+                f"note: the shape and vocabulary of {title}, the other settings of "
                 f"recipe {recipe.name}"
             )
             recipe, written, vocab = shaped, estimation_recipe(written) or shaped, None
         est = estimate_memory(recipe, vocab_size=vocab, precision=precision)
+        if title is not None:
+            est.recipe = title
         alt = other_variant(recipe, vocab_size=vocab, precision=precision)
         plans = plan_table(written, gpu_mem=gpu, vocab_size=vocab)
         shared = None

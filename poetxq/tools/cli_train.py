@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from poetxq.paths import RUN_LOCK, nearest_existing
+from poetxq.paths import RUN_LOCK, nearest_existing, safe_name
 from poetxq.tools.cli_common import (
     Terminated,
     check_kernels_env,
@@ -146,12 +146,14 @@ def run_train(args: argparse.Namespace) -> int:
     from poetxq.training.rundir import (
         RunDirError,
         check_not_in_use,
+        check_run_name,
         check_writable,
         release_unused_run_dir,
         resolve_run_dir,
     )
     from poetxq.training.train import train
 
+    check_run_name(args.run_name)  # before any path is made of it
     check_kernels_env()
     _check_tracker(args.log_with)
     gpu_mem = None
@@ -195,7 +197,7 @@ def run_train(args: argparse.Namespace) -> int:
         local = resolve_pretrained(recipe.model.pretrained)
         check_pretrained_config(local, recipe.train.seq_len, recipe.poet.block_size)
         if recipe.name == "tiny-poetxq":  # the default recipe's name: name runs after the model
-            recipe.name = os.path.basename(os.path.normpath(str(local)))
+            recipe.name = safe_name(os.path.basename(os.path.normpath(str(local))))
         if recipe.data.tokenizer == recipe.model.pretrained:
             recipe.data.tokenizer = local
     created = False  # whether this start made the run directory (to take it back on an abort)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,11 @@ def _setting(run: Run, key: str) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _differing_keys(runs: list[Run], keys: tuple[str, ...]) -> list[str]:
+    """Those of ``keys`` that have more than one value among ``runs``."""
+    return [k for k in keys if len({_setting(run, k) for run in runs}) > 1]
+
+
 def setting_differences(runs: list[Run]) -> list[str]:
     """Report lines on what differs between runs shown side by side: a warning when their data,
     vocabulary or sequence length differ (their perplexities are not comparable), then each
@@ -114,13 +120,12 @@ def setting_differences(runs: list[Run]) -> list[str]:
 
     def differing(keys: tuple[str, ...]) -> list[str]:
         out = []
-        for key in keys:
+        for key in _differing_keys(runs, keys):
             by_value: dict[str, list[str]] = {}
             for run in runs:
                 by_value.setdefault(_setting(run, key), []).append(run.name)
-            if len(by_value) > 1:
-                out.append(f"`{key}` " + ", ".join(f"{v} ({', '.join(n)})"
-                                                   for v, n in by_value.items()))  # fmt: skip
+            out.append(f"`{key}` " + ", ".join(f"{v} ({', '.join(n)})"
+                                               for v, n in by_value.items()))  # fmt: skip
         return out
 
     lines = []
@@ -131,6 +136,36 @@ def setting_differences(runs: list[Run]) -> list[str]:
     if settings := differing(SETTING_KEYS):
         lines.append("Settings that differ: " + "; ".join(settings) + ".")
     return lines
+
+
+def curve_legend(model: str, runs: list[Run]) -> tuple[str, list[str]]:
+    """The title of one model's loss / perplexity panel and a legend label per run (in the
+    order given). Runs on different data, vocabulary or sequence length (:data:`DATA_KEYS`)
+    drawn on one panel say so: the title names the keys and each label the run's values."""
+    keys = _differing_keys(runs, DATA_KEYS)
+    labels = [f"{run.method} ({run.name})" for run in runs]
+    if not keys:
+        return model, labels
+    labels = [
+        f"{run.method} ({run.name}; " + ", ".join(f"{k} {_setting(run, k)}" for k in keys) + ")"
+        for run in runs
+    ]
+    return f"{model}: different {', '.join(keys)}, not comparable", labels
+
+
+def plot_notes(runs: list[Run]) -> list[str]:
+    """One line per model whose runs, drawn on one loss / perplexity panel, differ in data,
+    vocabulary or sequence length (:data:`DATA_KEYS`); empty when none do."""
+    notes = []
+    for model in sorted({r.model for r in runs}):
+        keys = _differing_keys([r for r in runs if r.model == model], DATA_KEYS)
+        if keys:
+            notes.append(
+                f"the loss and perplexity plots of {model} draw runs that differ in "
+                f"{', '.join(keys)} on one panel: their curves are not comparable (the legend "
+                "names each run's values)"
+            )
+    return notes
 
 
 def results_rows(runs: list[Run]) -> list[dict[str, str]]:
@@ -178,13 +213,15 @@ def _plots(runs: list[Run], out: Path) -> list[str]:
     def curves(key: str, fname: str, ylabel: str, logy: bool) -> None:
         fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
         for ax, model in zip(axes[0], models):
-            for run in (r for r in runs if r.model == model):
+            panel = [r for r in runs if r.model == model]
+            title, labels = curve_legend(model, panel)
+            for run, label in zip(panel, labels, strict=True):
                 tps = run.summary.get("tokens", 0) / max(run.summary.get("steps", 1), 1)
                 pts = [(m["step"] * tps, m[key]) for m in run.metrics if m.get(key) is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o" if len(pts) < 20 else None, ms=3,
-                            label=f"{run.method} ({run.name})")  # fmt: skip
-            ax.set_title(model)
+                            label=label)  # fmt: skip
+            ax.set_title(title, **({"fontsize": 9} if title != model else {}))
             ax.set_xlabel("training tokens")
             ax.set_ylabel(ylabel)
             if logy:
@@ -274,8 +311,12 @@ def bar_labels(runs: list[Run]) -> list[str]:
     return labels
 
 
-def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
-    """Read ``run_dirs`` and write ``report.md`` and the PNG plots into ``out_dir``.
+def build_report(
+    run_dirs: list[str | Path], out_dir: str | Path, echo: Callable[[str], None] | None = None
+) -> Path:
+    """Read ``run_dirs`` and write ``report.md`` and the PNG plots into ``out_dir``; ``echo``
+    (e.g. ``print``) gets a ``note:`` line for each model whose plotted runs differ in data,
+    vocabulary or sequence length (:func:`plot_notes`).
 
     Returns:
         The path of ``report.md``.
@@ -338,6 +379,10 @@ def build_report(run_dirs: list[str | Path], out_dir: str | Path) -> Path:
         for note in setting_differences([r for r in runs if r.model == model]):
             lines += ["", note]
     lines += ["", "## Plots", ""]
+    for note in plot_notes(runs):
+        lines += [f"**Note:** {note}.", ""]
+        if echo is not None:
+            echo(f"note: {note}")
     titles = {"loss.png": "Training loss", "val_ppl.png": "Validation perplexity",
               "throughput.png": "Throughput", "peak_memory.png": "Peak memory"}  # fmt: skip
     for name in drawn:

@@ -307,8 +307,8 @@ _SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_h
 def estimation_recipe(recipe: Recipe, *, check_positions: bool = False) -> Recipe | None:
     """The recipe the estimator reads for ``recipe``: itself, or for a ``--model`` checkpoint
     (``model.pretrained``) a copy whose model section and vocabulary are the checkpoint's, read
-    from its ``config.json`` (JSON, no code), named after that file (``DIR/config.json``: the
-    estimate's title names the shape it estimates, not the recipe). None where that file is not
+    from its ``config.json`` (JSON, no code; the copy keeps the recipe's name, a run name:
+    ``estimate-memory``'s title names that file instead). None where that file is not
     a local one or lacks a field the recipe's model section needs (a hub id, a named base not
     converted yet).
 
@@ -333,7 +333,6 @@ def estimation_recipe(recipe: Recipe, *, check_positions: bool = False) -> Recip
         model.update({k: cfg[k] for k in _SHAPE_KEYS if k in cfg}, pretrained=None)
         model["max_position_embeddings"] = cfg["max_position_embeddings"]
         tree.setdefault("data", {})["vocab_size"] = cfg["vocab_size"]
-        tree["name"] = str(path)
         shaped = Recipe.model_validate(tree)
     except (OSError, ValueError, KeyError, TypeError):  # ValidationError is a ValueError
         return None

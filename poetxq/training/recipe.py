@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from poetxq.data import DataConfig
 from poetxq.model.config import TARGET_MODULES, ModelConfig, POETConfig
-from poetxq.schema import Section
+from poetxq.paths import NAME_RULE, name_problem
+from poetxq.schema import Section, check_path_key
 
 
 class RecipeError(ValueError):
@@ -91,7 +92,12 @@ class BaselineConfig(Section):
 
 
 class TrainConfig(Section):
-    """Loop settings. ``batch_size`` is per micro-batch; tokens/step = batch*accum*seq_len."""
+    """Loop settings. ``batch_size`` is per micro-batch; tokens/step = batch*accum*seq_len.
+
+    ``output_dir`` (``--output-dir``) is the one path here: the folder that holds the run
+    directories, relative to the working directory (not to the recipe file), checked as every
+    path key is (:func:`poetxq.schema.check_path_key`).
+    """
 
     max_steps: int = Field(300, gt=0)
     batch_size: int = Field(8, gt=0)
@@ -156,6 +162,12 @@ class TrainConfig(Section):
     # held whole (poetxq.training.loss); 0: one [tokens, vocab] logits tensor as usual
     loss_chunk_tokens: int = Field(0, ge=0)
 
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir_path(cls, value: str) -> str:
+        check_path_key(value)
+        return value
+
     def memory_options(self) -> list[str]:
         """The memory settings that are on, e.g. ``["gradient_checkpointing",
         "loss_chunk_tokens=256"]`` (``summary.json``, ``poetxq report``)."""
@@ -168,7 +180,14 @@ class TrainConfig(Section):
 
 
 class Recipe(Section):
-    """A whole training recipe. ``Recipe()`` is the embedded default."""
+    """A whole training recipe. ``Recipe()`` is the embedded default.
+
+    ``name`` is not a path: it names the run directories (``<name>-<method>-<timestamp>`` under
+    ``train.output_dir``) and must be one folder name (:func:`poetxq.paths.name_problem`). The
+    path keys and what they are relative to: ``train.output_dir``, ``data.source``,
+    ``data.tokenizer``, ``data.cache_dir`` and ``model.pretrained`` to the working directory;
+    a recipe file's ``base`` to that file (:mod:`poetxq.training.recipe_files`).
+    """
 
     name: str = "tiny-poetxq"
     method: Method = "poetxq"  # poetx = POET-X with unquantized W0 (forces poet.bits = 16)
@@ -182,6 +201,17 @@ class Recipe(Section):
     _notes: list[str] = PrivateAttr(default_factory=list)
     # the dotted keys an override set (load_recipe's overrides: a command-line flag or --set)
     _overridden: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        """One folder name (a run directory is named after it), never a path."""
+        if (problem := name_problem(name)) is not None:
+            raise ValueError(
+                f"the recipe's name {problem}; {NAME_RULE}: give it one (e.g. name: my-run) "
+                "and choose where runs go with --output-dir (train.output_dir)"
+            )
+        return name
 
     @property
     def overridden(self) -> frozenset[str]:

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from poetxq.paths import shown
 from poetxq.training.recipe import Recipe, RecipeError
 
 
@@ -319,6 +320,17 @@ def _compose(
     return tree, prov
 
 
+def _shown_value(value: Any) -> str:
+    """An override's value as an error names it: as YAML reads it (null, true/false; 1 stays
+    1); a long text, or one with a NUL byte or line break, quoted and cut
+    (:func:`poetxq.paths.shown`) so the error stays one short line."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, str) and (len(value) > 80 or not value.isprintable()):
+        return shown(value)
+    return str(value)
+
+
 def compose_recipe_tree(
     path: str | Path | None, overrides: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, str], str]:
@@ -355,10 +367,7 @@ def compose_recipe_tree(
             del prov[k]
     for key, value in (overrides or {}).items():
         _set_dotted(tree, key, value)  # an explicit None (``--set key=``) sets null
-        shown = value  # as YAML reads it: null, true/false (1 stays 1)
-        if value is None or isinstance(value, bool):
-            shown = "null" if value is None else str(value).lower()
-        prov[key] = f"override {key}={shown}"
+        prov[key] = f"override {key}={_shown_value(value)}"
     return tree, prov, source
 
 
@@ -398,6 +407,8 @@ def load_recipe(
         return recipe
     except ValidationError as exc:
         if overrides and not set(overrides) <= set(labels or {}):
-            source += " (with overrides " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+            source += " (with overrides " + ", ".join(
+                f"{k}={_shown_value(v)}" for k, v in overrides.items()
+            )
             source += ")"
         raise RecipeError(format_validation_error(exc, source, prov)) from None

@@ -124,6 +124,8 @@ def plan_resume(
             ``model.safetensors`` written), under ``auto`` and ``RUN_DIR`` alike: nothing to do
             (not an error; the recipe was checked against the checkpoint's first, so a changed
             ``train.max_steps`` is a mismatch, not "finished").
+        poetxq.training.rundir.RunDirError: under ``auto``, a ``run_name`` that is not one
+            folder name or that resolves outside ``train.output_dir``.
         CheckpointError: missing run directory or checkpoint, ``auto`` without ``run_name``, a
             corrupted checkpoint, or a recipe that differs from the
             checkpoint's in a key outside :data:`RESUMABLE_KEYS` (one line, naming the keys).
@@ -136,8 +138,11 @@ def plan_resume(
                 "--resume auto needs --run-name NAME (the run to continue, or to start when it "
                 "has no checkpoint yet)"
             )
+        from poetxq.training.rundir import check_run_name, run_dir_inside
+
+        check_run_name(run_name)
         recipe = load_recipe(recipe_path, overrides)
-        run_dir = Path(recipe.train.output_dir) / run_name
+        run_dir = run_dir_inside(recipe.train.output_dir, run_name)
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             return recipe, None, None

@@ -16,7 +16,7 @@ from typing import IO, Any
 import torch
 from torch import nn
 
-from poetxq.paths import RUN_LOCK, unwritable_reason
+from poetxq.paths import NAME_RULE, RUN_LOCK, name_problem, shown, unwritable_reason
 from poetxq.training.checkpoint import CHECKPOINT_DIR, write_tensors
 from poetxq.training.recipe import Recipe, run_label
 
@@ -26,6 +26,50 @@ RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.jso
 
 class RunDirError(ValueError):
     """The run directory cannot be used (exists and is not empty)."""
+
+
+def check_run_name(run_name: str | None, recipe: Recipe | None = None) -> None:
+    """The one check of a run's folder name, whatever gave it: ``--run-name`` (``run_name``), or
+    without one the recipe's ``name`` that the automatic ``<name>-<method>-<timestamp>`` starts
+    with (checked by the recipe's schema too, repeated here for a recipe built otherwise). The
+    name must be one folder name (:func:`poetxq.paths.name_problem`). Nothing is created.
+
+    Raises:
+        RunDirError: one line naming the name, what is wrong with it and the fix.
+    """
+    if run_name is not None:
+        if (problem := name_problem(run_name)) is not None:
+            raise RunDirError(
+                f"--run-name {shown(run_name)} {problem}; it must be a plain folder name "
+                f"({NAME_RULE}); use --output-dir to choose where runs go"
+            )
+    elif recipe is not None and (problem := name_problem(recipe.name)) is not None:
+        raise RunDirError(
+            f"the recipe's name {shown(recipe.name)} {problem}; {NAME_RULE}: give the recipe "
+            "a plain name (name: my-run) or a --run-name, and --output-dir for where runs go"
+        )
+
+
+def run_dir_inside(output_dir: str | Path, name: str) -> Path:
+    """``<output_dir>/<name>``, refused unless it resolves to a folder inside ``output_dir``:
+    where ``name`` exists there as a symbolic link, its target must lie inside ``output_dir``
+    too (a link placed there could otherwise send a run's files anywhere). ``name`` has passed
+    :func:`check_run_name`.
+
+    Raises:
+        RunDirError: the name resolves outside ``output_dir`` (or to it).
+    """
+    out = Path(output_dir)
+    path = out / name
+    real_out = Path(os.path.realpath(out))
+    real = Path(os.path.realpath(path))
+    if real == real_out or real_out not in real.parents:
+        raise RunDirError(
+            f"run directory '{path}' is a link to '{real}', not a folder inside --output-dir "
+            f"'{out}'; "
+            "remove the link or choose another --run-name"
+        )
+    return path
 
 
 def resolve_run_dir(
@@ -42,19 +86,14 @@ def resolve_run_dir(
 
     Raises:
         RunDirError: the directory exists and is not empty (and ``overwrite`` is False, or
-            it holds no previous run: ``overwrite`` never mixes a run into other files), or
-            ``run_name`` is not a plain folder name (a path, ``..``, empty or hidden).
+            it holds no previous run: ``overwrite`` never mixes a run into other files),
+            ``run_name`` (or, without one, the recipe's name) is not one plain folder name
+            (:func:`check_run_name`), or the directory resolves outside ``train.output_dir``
+            (:func:`run_dir_inside`).
     """
-    if run_name is not None and (
-        not run_name or run_name in (".", "..") or run_name.startswith(".")
-        or any(sep in run_name for sep in ("/", "\\"))
-    ):  # fmt: skip
-        raise RunDirError(
-            f"--run-name '{run_name}' must be a plain folder name (no '/', not starting with '.'); "
-            "use --output-dir to choose where runs go"
-        )
+    check_run_name(run_name, recipe)
     name = run_name or f"{run_label(recipe)}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path = Path(recipe.train.output_dir) / name
+    path = run_dir_inside(recipe.train.output_dir, name)
     if claim and run_name is None:
         check_writable(path, "choose a writable --output-dir")
         return _claim(path)
