@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import quant_kernels
-from poetxq.model import swiglu as maps
 from poetxq.model.layer_fm import POETXFastFmFn, fast_backward_fm, forward_fm, mem_backward_fm
 from poetxq.model.orthogonal import OrthogonalSide
 from poetxq.model.quant import make_frozen_weight
 from poetxq.model.store import FrozenStore
+from poetxq.model.swiglu import PLAIN, SwiGLUMaps
 from quant_kernels.policy import KernelPolicy, default_policy
 
 Variant = Literal["fast", "mem"]
@@ -196,7 +196,7 @@ class _SwiGLUDownFn(torch.autograd.Function):
     projection's input.
 
     The product ``SiLU(gate) · up`` and ``SiLU(gate)`` are recomputed in backward (elementwise,
-    the maps of :data:`poetxq.model.swiglu.SWIGLU_OPS`), instead of being kept as two more
+    by the MLP's :class:`~poetxq.model.swiglu.SwiGLUMaps`), instead of being kept as two more
     ``[T, f]`` tensors (with ``keep_h``: ``SiLU(gate)`` and the permuted input ``x'ᵀ``). The down
     projection's backward is the ``mem`` one (:func:`_mem_backward`) or, with ``keep_h``,
     :func:`poetxq.model.layer_fm.fast_backward_fm`, which spares the GEMM recompute.
@@ -213,8 +213,9 @@ class _SwiGLUDownFn(torch.autograd.Function):
         side_p: OrthogonalSide,
         side_r: OrthogonalSide,
         keep_h: bool,
+        maps: SwiGLUMaps,
     ) -> torch.Tensor:
-        x = maps.SWIGLU_OPS["forward"](gate, up)
+        x = maps.forward(gate, up)
         if keep_h:
             y, xpt, ht = forward_fm(x, g_p, g_r, frozen, side_p, side_r)
             del xpt
@@ -223,18 +224,19 @@ class _SwiGLUDownFn(torch.autograd.Function):
             y, kept = _forward(x, g_p, g_r, frozen, side_p, side_r), ()
         del x
         ctx.save_for_backward(gate, up, g_p, g_r, *kept)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
+        ctx.frozen, ctx.side_p, ctx.side_r, ctx.maps = frozen, side_p, side_r, maps
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         gate, up, g_p, g_r, *kept = ctx.saved_tensors
+        maps: SwiGLUMaps = ctx.maps
         sp, sr = ctx.side_p, ctx.side_r
         needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
         if kept:
 
             def permuted_input() -> tuple[torch.Tensor, torch.Size, torch.dtype]:
-                x = maps.SWIGLU_OPS["forward"](gate, up)
+                x = maps.forward(gate, up)
                 xpt = quant_kernels.permute_to_feature_major(
                     x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
                 )
@@ -244,13 +246,13 @@ class _SwiGLUDownFn(torch.autograd.Function):
                 dy, kept[0], g_p, g_r, ctx.frozen, sp, sr, needs, permuted_input
             )
         else:
-            x = maps.SWIGLU_OPS["forward"](gate, up)
+            x = maps.forward(gate, up)
             dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, sp, sr, needs)
             del x
         d_gate = d_up = None
         if dx is not None:
-            d_gate, d_up = maps.SWIGLU_OPS["grads"](gate, up, dx)
-        return d_gate, d_up, dg_p, dg_r, None, None, None, None
+            d_gate, d_up = maps.grads(gate, up, dx)
+        return d_gate, d_up, dg_p, dg_r, None, None, None, None, None
 
 
 def normalized_gaussian(
@@ -411,7 +413,9 @@ class POETXLinear(nn.Module):
             fm = fm and _feature_major(x, store, self.P, self.R, fast=True)
         return fm
 
-    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward_swiglu(
+        self, gate: torch.Tensor, up: torch.Tensor, maps: SwiGLUMaps = PLAIN
+    ) -> torch.Tensor:
         """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``
         for backward (the ``mem`` variant), or ``gate``, ``up`` and the GEMM output (the ``fast``
         variant on its feature-major path with the policy's ``lean_fast_swiglu``);
@@ -419,6 +423,7 @@ class POETXLinear(nn.Module):
 
         Args:
             gate, up: ``[..., in_features]`` outputs of the gate and up projections.
+            maps: the elementwise maps the fused path runs (the calling MLP's).
 
         Returns:
             ``[..., out_features]``, equal to ``self(F.silu(gate) * up)``.
@@ -437,7 +442,7 @@ class POETXLinear(nn.Module):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
             return _SwiGLUDownFn.apply(
-                gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R, keep_h
+                gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R, keep_h, maps
             )
 
     @torch.no_grad()
@@ -507,11 +512,21 @@ class POETXSwiGLUMLP(nn.Module):
     Holds the same ``gate_proj`` / ``up_proj`` / ``down_proj`` submodules as the transformers
     ``LlamaMLP`` it replaces, so state-dict keys are unchanged. Input ``[..., hidden]`` →
     output ``[..., hidden]``.
+
+    ``maps``: the SwiGLU elementwise maps its down projection runs (default the eager ones;
+    :func:`poetxq.model.fuse.fuse_elementwise` sets the compiled ones on one model's MLPs).
     """
 
-    def __init__(self, gate_proj: POETXLinear, up_proj: POETXLinear, down_proj: POETXLinear):
+    def __init__(
+        self,
+        gate_proj: POETXLinear,
+        up_proj: POETXLinear,
+        down_proj: POETXLinear,
+        maps: SwiGLUMaps = PLAIN,
+    ) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.maps = maps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_swiglu(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj.forward_swiglu(self.gate_proj(x), self.up_proj(x), self.maps)
