@@ -12,15 +12,13 @@ from __future__ import annotations
 
 from quant_kernels import cnp, reference
 from quant_kernels.block_diag import block_diag_grad, block_diag_matmul
-from quant_kernels.cnp import skew_from_packed
+from quant_kernels.cnp import cayley_neumann, skew_from_packed
 from quant_kernels.ops import (
     blockwise_4bit_backward_fm,
     blockwise_4bit_matmul,
     blockwise_4bit_matmul_fm,
     blockwise_4bit_matmul_t,
     blockwise_4bit_matmul_t_fm,
-    cayley_neumann,
-    cayley_neumann_lean,
     int8_rowwise_backward_fm,
     int8_rowwise_matmul,
     int8_rowwise_matmul_fm,
@@ -53,7 +51,6 @@ __all__ = [
     "blockwise_4bit_matmul_t",
     "blockwise_4bit_matmul_t_fm",
     "cayley_neumann",
-    "cayley_neumann_lean",
     "cnp",
     "default_policy",
     "dequant_int8_rowwise",

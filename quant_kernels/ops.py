@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from quant_kernels import cnp, reference, reference_4bit
+from quant_kernels import reference, reference_4bit
 from quant_kernels.policy import AUTO, KernelPolicy, _rows, slab_bytes_for
 
 __all__ = [
@@ -23,8 +23,6 @@ __all__ = [
     "blockwise_4bit_matmul_fm",
     "blockwise_4bit_matmul_t",
     "blockwise_4bit_matmul_t_fm",
-    "cayley_neumann",
-    "cayley_neumann_lean",
     "int8_rowwise_backward_fm",
     "int8_rowwise_matmul",
     "int8_rowwise_matmul_fm",
@@ -311,52 +309,3 @@ def permute_to_row_major(
     from quant_kernels import transpose_perm
 
     return transpose_perm.permute_to_row_major(xt, perm, out_dtype=out_dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# Cayley–Neumann blocks
-# ----------------------------------------------------------------------------------------------
-
-
-def _autocast_input(packed: torch.Tensor) -> torch.Tensor:
-    """``packed`` in the dtype the torch reference's products would run in: under autocast on
-    its device, fp32 ``packed`` cast to the autocast dtype (autocast runs the reference's
-    ``bmm`` in bf16 and returns bf16 ``G``; the fused kernels, which autocast does not see, get
-    that dtype this way, their elementwise terms in it too); otherwise ``packed`` itself."""
-    dev = packed.device.type
-    if packed.dtype == torch.float32 and torch.is_autocast_enabled(dev):
-        return packed.to(torch.get_autocast_dtype(dev))
-    return packed
-
-
-def cayley_neumann(
-    packed: torch.Tensor, block_size: int, terms: int = 3, *, kernels: KernelPolicy = AUTO
-) -> torch.Tensor:
-    """Cayley–Neumann blocks ``G [nb, b, b]`` from packed skew parameters ``[nb, b(b-1)/2]``
-    (:func:`quant_kernels.reference.cayley_neumann`: same arguments, result and errors).
-
-    The fused kernels (:func:`quant_kernels.cnp_hybrid.cayley_neumann_fused`) where
-    ``kernels.fused_cnp_for`` allows — under autocast on fp32 ``packed`` in the autocast dtype,
-    as the reference computes there (:func:`_autocast_input`); otherwise the torch reference
-    under plain autograd (its skew blocks by Triton where the policy allows).
-    """
-    x = _autocast_input(packed)
-    if kernels.fused_cnp_for(x, terms):
-        from quant_kernels import cnp_hybrid
-
-        return cnp_hybrid.cayley_neumann_fused(x, block_size, terms)
-    return cnp.cayley_neumann(packed, block_size, terms, kernels=kernels)
-
-
-def cayley_neumann_lean(
-    packed: torch.Tensor, block_size: int, terms: int = 3, *, kernels: KernelPolicy = AUTO
-) -> torch.Tensor:
-    """:func:`cayley_neumann` that saves only ``packed`` for backward
-    (:func:`quant_kernels.cnp.cayley_neumann_lean`; the fused kernels save only ``packed`` too).
-    """
-    x = _autocast_input(packed)
-    if kernels.fused_cnp_for(x, terms):
-        from quant_kernels import cnp_hybrid
-
-        return cnp_hybrid.cayley_neumann_fused(x, block_size, terms)
-    return cnp.cayley_neumann_lean(packed, block_size, terms, kernels=kernels)

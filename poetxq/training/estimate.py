@@ -347,7 +347,7 @@ def estimate_memory(
                 masked = ragged or pc.structure == "full"
                 buffers += 2 * 8 * dim + (q_numel * p if masked else 0)
                 # the blocks G in the compute dtype, saved by the layer; the CNP saves only its
-                # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
+                # packed input (quant_kernels.cayley_neumann): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
                 flat_gapless = flat_gapless and not ragged and q_numel % BNB_STATE_BLOCK == 0
