@@ -1,5 +1,5 @@
 """The layer's feature-major paths (poetxq.model.layer_fm: quant_kernels.transpose_perm +
-FrozenWeight.matmul_fm) against its torch path.
+WeightFormat.matmul_fm) against its torch path.
 
 On the CPU the Triton kernels run in the interpreter: the layers here run under policies that
 let the Triton paths serve CPU tensors (``interpret_on_cpu``) with only the switches under test on
@@ -124,7 +124,7 @@ def test_one_decode_backward_equals_torch_path(bits, freeze_r, monkeypatch, gen)
         return real(*a, on_rows=rec, **k)
 
     monkeypatch.setattr(streamed, "streamed_backward_fm", recording)
-    monkeypatch.setattr(quant_kernels.ops, "slab_bytes_for", lambda _rows: 1)  # smallest bands
+    monkeypatch.setattr(quant_kernels.formats, "slab_bytes_for", lambda _rows: 1)  # smallest bands
     layer.use_kernels(forced("streamed", feature_major=True, one_decode_backward=True))
     y, g = _run(layer, x)
     assert bands == ([] if freeze_r else [(0, 128), (128, 128), (256, 16)])
@@ -160,8 +160,8 @@ def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_sid
     y_ref, g_ref = _run(layer, x)
     perms = _count_calls(monkeypatch, quant_kernels,
                          ("permute_to_feature_major", "permute_to_row_major"))  # fmt: skip
-    store = type(layer.frozen)
-    gemms = _count_calls(monkeypatch, store, ("matmul_fm", "matmul_t_fm", "backward_fm"))
+    weight_format = type(layer.frozen.gemms())
+    gemms = _count_calls(monkeypatch, weight_format, ("matmul_fm", "matmul_t_fm", "backward_fm"))
     layer.use_kernels(forced(fast_feature_major=True))
     y, g = _run(layer, x)
     # forward: x in, y out; backward: dy in, dx out; one forward GEMM and one dX GEMM (the

@@ -32,19 +32,19 @@ class _FrozenMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, store: FrozenWeight) -> torch.Tensor:  # type: ignore[override]
         ctx.store = store
-        return store.matmul(x)
+        return store.gemms().matmul(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return ctx.store.matmul_t(grad), None
+        return ctx.store.gemms().matmul_t(grad), None
 
 
 class FrozenLinear(nn.Module):
     """A bias-free linear whose weight is a :class:`poetxq.model.quant.FrozenWeight` store.
 
-    ``forward(x)`` is ``store.matmul(x)`` (``[..., n]`` → ``[..., m]``, ``x.dtype``); no
-    parameter, nothing to train. Under grad mode, with ``x`` requiring grad, the input gradient
-    is ``store.matmul_t(g)`` (no weight gradient); FPO itself never builds that graph.
+    ``forward(x)`` is ``x @ Wᵀ`` by the store's GEMMs (``[..., n]`` → ``[..., m]``,
+    ``x.dtype``); no parameter, nothing to train. Under grad mode, with ``x`` requiring grad, the
+    input gradient is ``g @ W`` (no weight gradient); FPO itself never builds that graph.
     """
 
     def __init__(self, store: FrozenWeight) -> None:
@@ -55,7 +55,7 @@ class FrozenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
             return _FrozenMatmul.apply(x, self.store)
-        return self.store.matmul(x)
+        return self.store.gemms().matmul(x)
 
     def extra_repr(self) -> str:
         return f"{type(self.store).__name__}({self.out_features}, {self.in_features})"
