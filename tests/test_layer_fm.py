@@ -1,5 +1,5 @@
-"""The layer's feature-major paths (poetxq.model.layer_fm: quant_kernels.transpose_perm +
-WeightFormat.matmul_fm) against its torch path.
+"""The layer's feature-major layout (poetxq.model.layout.FeatureMajor: quant_kernels.transpose_perm
++ WeightFormat.matmul_fm) against its row-major torch path.
 
 On the CPU the Triton kernels run in the interpreter: the layers here run under policies that
 let the Triton paths serve CPU tensors (``interpret_on_cpu``) with only the switches under test on
@@ -23,6 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton 
 
 import quant_kernels
 from poetxq.model.layer import POETXLinear
+from poetxq.model.layout import ROW_MAJOR
 from quant_kernels.policy import AUTO, KernelPolicy
 
 _SWITCHES = [f.name for f in dataclasses.fields(KernelPolicy)
@@ -234,7 +235,7 @@ def test_fused_input_cast_needs_every_path_feature_major(gen):
     layer, _, _ = _case(40, 56, 8, False, gen)
     layer.use_kernels(forced(feature_major=True, fused_input_cast=True))
     x = torch.randn(3, 40, generator=gen)
-    assert not layer._casts_inside(x, torch.bfloat16, layer._store_op())
+    assert layer.layout.for_call(x, torch.bfloat16, fast_training=False) == (ROW_MAJOR, False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, g = _run(layer, x)
     assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
@@ -271,7 +272,7 @@ def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_sid
     y_ref, g_ref, bytes_ref, fns_ref = run()
     layer.use_kernels(forced(fast_feature_major=True, lean_fast_swiglu=True))  # as on a GPU
     y, g, bytes_lean, fns = run()
-    assert fns_ref == ["POETXFastFmFnBackward"] and fns == ["_SwiGLUDownFnBackward"]
+    assert fns_ref == ["POETXFastFmFnBackward"] and fns == ["SwiGLUDownFnBackward"]
     assert bytes_ref - bytes_lean == 2 * 10 * 32 * 4  # SiLU(gate) and x'ᵀ: [10 tokens, f = 32]
     _assert_same((y, g), (y_ref, g_ref))
     assert (g[2 if frozen_side == "P" else 3] is None) == (frozen_side is not None)

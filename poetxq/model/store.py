@@ -1,6 +1,7 @@
 """What a POET-X(Q) layer's GEMMs multiply by: its frozen ``W0`` store seen through the layer's
-kernel policy (and, for 4-bit stores, through ``P``'s permutation), in both the row-major
-(:mod:`poetxq.model.layer`) and the feature-major (:mod:`poetxq.model.layer_fm`) layout."""
+kernel policy (and, for 4-bit stores, through ``P``'s permutation), in both the row-major and
+the feature-major layout (:mod:`poetxq.model.layout`); the GEMMs themselves are the store's
+weight format's (:mod:`quant_kernels.formats`)."""
 
 from __future__ import annotations
 

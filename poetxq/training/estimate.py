@@ -409,7 +409,7 @@ def estimate_memory(
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
         # the lean path needs the feature-major one: no ragged side
         if lean_fast_swiglu(kernels, precision) and mlp and f % b == 0 and d % b == 0:
-            # poetxq.model.layer._SwiGLUDownFn (keep_h=False): neither SiLU(gate) nor the down
+            # poetxq.model.functions.SwiGLUDownFn (keep_h=False): neither SiLU(gate) nor the down
             # projection's permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
             notes.append("lean fast SwiGLU (kernel policy lean_fast_swiglu): 2·f fewer saved")
