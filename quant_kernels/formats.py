@@ -75,21 +75,54 @@ class WeightFormat(abc.ABC):
 
     def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``x @ Wᵀ``: ``x [..., K]`` → ``[..., N]`` in ``x.dtype`` (the forward GEMM)."""
-        return self._row_major(x, kernels, weight_t=False)
+        path = self._path(x, kernels)
+        if path == "streamed":
+            from quant_kernels.streamed import streamed_matmul_nt
+
+            dec = self._decoder(x.device)
+            return streamed_matmul_nt(x, dec, *self.shape, slab_bytes=slab_bytes_for(_rows(x)))
+        if path == "fused":
+            return self._fused(x, weight_t=False)
+        return self._reference(x, weight_t=False)
 
     def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``g @ W``: ``g [..., N]`` → ``[..., K]`` in ``g.dtype`` (the dX GEMM)."""
-        return self._row_major(g, kernels, weight_t=True)
+        path = self._path(g, kernels)
+        if path == "streamed":
+            from quant_kernels.streamed import streamed_matmul_nn
+
+            dec = self._decoder(g.device)
+            return streamed_matmul_nn(g, dec, *self.shape, slab_bytes=slab_bytes_for(_rows(g)))
+        if path == "fused":
+            return self._fused(g, weight_t=True)
+        return self._reference(g, weight_t=True)
 
     def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``W @ zt`` = ``(z @ Wᵀ)ᵀ`` for a feature-major activation ``zt [K, T]`` →
         ``[N, T]`` contiguous, ``zt.dtype`` (the forward GEMM of a feature-major layer)."""
-        return self._feature_major(zt, kernels, weight_t=False)
+        path = self._path(zt.t(), kernels)
+        if path == "streamed":
+            from quant_kernels.streamed import streamed_matmul_fm
+
+            dec = self._decoder(zt.device)
+            return streamed_matmul_fm(zt, dec, *self.shape, slab_bytes=slab_bytes_for(zt.shape[1]))
+        if path == "fused":
+            return self._fused(zt.t(), weight_t=False).t().contiguous()
+        return self._reference_fm(zt, weight_t=False)
 
     def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
         """``Wᵀ @ dht`` = ``(dh @ W)ᵀ`` for ``dht [N, T]`` → ``[K, T]`` contiguous (the dX GEMM,
         feature-major)."""
-        return self._feature_major(dht, kernels, weight_t=True)
+        path = self._path(dht.t(), kernels)
+        if path == "streamed":
+            from quant_kernels.streamed import streamed_matmul_t_fm
+
+            dec = self._decoder(dht.device)
+            slab = slab_bytes_for(dht.shape[1])
+            return streamed_matmul_t_fm(dht, dec, *self.shape, slab_bytes=slab)
+        if path == "fused":
+            return self._fused(dht.t(), weight_t=True).t().contiguous()
+        return self._reference_fm(dht, weight_t=True)
 
     def backward_fm(
         self,
@@ -121,32 +154,6 @@ class WeightFormat(abc.ABC):
             )  # fmt: skip
         on_rows(0, self.matmul_fm(zt, kernels=kernels))
         return self.matmul_t_fm(dht, kernels=kernels)
-
-    def _row_major(self, a: torch.Tensor, kernels: KernelPolicy, *, weight_t: bool) -> torch.Tensor:
-        path = self._path(a, kernels)
-        if path == "streamed":
-            from quant_kernels import streamed
-
-            run = streamed.streamed_matmul_nn if weight_t else streamed.streamed_matmul_nt
-            dec = self._decoder(a.device)
-            return run(a, dec, *self.shape, slab_bytes=slab_bytes_for(_rows(a)))
-        if path == "fused":
-            return self._fused(a, weight_t=weight_t)
-        return self._reference(a, weight_t=weight_t)
-
-    def _feature_major(
-        self, a: torch.Tensor, kernels: KernelPolicy, *, weight_t: bool
-    ) -> torch.Tensor:
-        path = self._path(a.t(), kernels)
-        if path == "streamed":
-            from quant_kernels import streamed
-
-            run = streamed.streamed_matmul_t_fm if weight_t else streamed.streamed_matmul_fm
-            dec = self._decoder(a.device)
-            return run(a, dec, *self.shape, slab_bytes=slab_bytes_for(a.shape[1]))
-        if path == "fused":
-            return self._fused(a.t(), weight_t=weight_t).t().contiguous()
-        return self._reference_fm(a, weight_t=weight_t)
 
 
 class Int8Rowwise(WeightFormat):

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import quant_kernels
+
 if TYPE_CHECKING:
     from poetxq.model.layout import FeatureMajor, Layout
     from poetxq.model.orthogonal import OrthogonalSide
@@ -62,7 +64,7 @@ class POETXMemFn(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(x, g_p, g_r)
         ctx.store, ctx.side_p, ctx.side_r, ctx.layout = store, side_p, side_r, layout
-        return layout.forward(x, g_p, g_r, store, side_p, side_r)
+        return layout.forward(x, g_p, g_r, store, side_p, side_r)[0]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor):  # type: ignore[override]
@@ -76,7 +78,7 @@ class POETXMemFn(torch.autograd.Function):
 
 class POETXFastFmFn(torch.autograd.Function):
     """The ``fast`` variant feature-major: the forward of
-    :meth:`~poetxq.model.layout.FeatureMajor.forward_keep`, keeping the permuted input
+    :meth:`~poetxq.model.layout.FeatureMajor.forward`, keeping the permuted input
     ``x'ᵀ [n, T]`` and the GEMM output ``hᵀ = W' zᵀ [m, T]`` for backward (what the autograd
     ``fast`` path keeps, there row-major), so ``dG_R`` comes from ``hᵀ`` and the backward runs
     one weight GEMM (dX) where ``mem`` runs two (the recompute and dX). Five permutations, each
@@ -93,7 +95,7 @@ class POETXFastFmFn(torch.autograd.Function):
         sr: OrthogonalSide,
         layout: FeatureMajor,
     ) -> torch.Tensor:
-        y, xpt, ht = layout.forward_keep(x, g_p, g_r, store, sp, sr)
+        y, (xpt, ht) = layout.forward(x, g_p, g_r, store, sp, sr)
         ctx.save_for_backward(xpt, ht, g_p, g_r)
         ctx.store, ctx.sp, ctx.sr, ctx.layout = store, sp, sr, layout
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
@@ -137,13 +139,9 @@ class SwiGLUDownFn(torch.autograd.Function):
         maps: SwiGLUMaps,
     ) -> torch.Tensor:
         x = maps.forward(gate, up)
-        if keep_h:
-            y, xpt, ht = layout.forward_keep(x, g_p, g_r, store, side_p, side_r)  # type: ignore[attr-defined]
-            del xpt
-            kept: tuple[torch.Tensor, ...] = (ht,)
-        else:
-            y, kept = layout.forward(x, g_p, g_r, store, side_p, side_r), ()
+        y, kept = layout.forward(x, g_p, g_r, store, side_p, side_r)
         del x
+        kept = kept[1:] if keep_h else ()  # hᵀ only
         ctx.save_for_backward(gate, up, g_p, g_r, *kept)
         ctx.store, ctx.side_p, ctx.side_r = store, side_p, side_r
         ctx.layout, ctx.maps = layout, maps
@@ -158,7 +156,10 @@ class SwiGLUDownFn(torch.autograd.Function):
 
             def permuted_input() -> tuple[torch.Tensor, torch.Size, torch.dtype]:
                 x = maps.forward(gate, up)
-                return layout.permuted_input(x, sp, g_p.dtype), x.shape, x.dtype
+                xpt = quant_kernels.permute_to_feature_major(
+                    x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
+                )
+                return xpt, x.shape, x.dtype
 
             dx, dg_p, dg_r = layout.fast_backward(
                 dy, kept[0], g_p, g_r, ctx.store, sp, sr, needs, permuted_input

@@ -219,7 +219,7 @@ class POETXLinear(nn.Module):
             elif fast_training and layout.feature_major:
                 y = POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R, layout)
             else:  # without grad, or the fast variant's autograd through the row-major ops
-                y = layout.forward(x, g_p, g_r, store, self.P, self.R)
+                y = layout.forward(x, g_p, g_r, store, self.P, self.R)[0]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -48,7 +48,9 @@ class Layout(abc.ABC):
     """How a layer lays out its activations between the two permutations (module docstring).
 
     ``forward`` computes ``y [..., m]`` from ``x [..., n]`` (in the blocks' compute dtype, or,
-    on the feature-major path, wider: :attr:`KernelPolicy.fused_input_cast`); ``mem_backward``
+    on the feature-major path, wider: :attr:`KernelPolicy.fused_input_cast`) and returns it with
+    what a ``fast`` backward of this layout keeps (feature-major: ``x'ᵀ [n, T]`` and
+    ``hᵀ = W' zᵀ [m, T]``; row-major: nothing, autograd keeps its own); ``mem_backward``
     recomputes what the ``mem`` variant did not keep and returns ``(dx, dG_P, dG_R)``, None
     where ``needs`` (for ``x``, ``G_P``, ``G_R``) is False. ``dy`` comes in the compute dtype.
     """
@@ -65,8 +67,8 @@ class Layout(abc.ABC):
         store: FrozenStore,
         sp: OrthogonalSide,
         sr: OrthogonalSide,
-    ) -> torch.Tensor:
-        """``y [..., m]`` of the layer for ``x [..., n]``."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(y [..., m], kept)`` of the layer for ``x [..., n]``."""
 
     @abc.abstractmethod
     def mem_backward(
@@ -97,15 +99,16 @@ class RowMajor(Layout):
         store: FrozenStore,
         sp: OrthogonalSide,
         sr: OrthogonalSide,
-    ) -> torch.Tensor:
-        """``y`` by autograd ops: differentiable in ``x``, ``g_p`` and ``g_r`` (the ``fast``
-        variant's training path: autograd keeps ``x'`` and ``h``), plain without grad."""
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(y, ())`` by autograd ops: differentiable in ``x``, ``g_p`` and ``g_r`` (the
+        ``fast`` variant's training path: autograd keeps ``x'`` and ``h``), plain without
+        grad."""
         n, m = sp.dim, sr.dim
         xp = pad_last(quant_kernels.permute_last(x, sp.perm, sp.inv_perm), sp.padded_dim)
         z = quant_kernels.block_diag_matmul(xp, g_p)[..., :n]
         h = FrozenMatmul.apply(z, store)
         u = quant_kernels.block_diag_matmul(pad_last(h, sr.padded_dim), g_r)[..., :m]
-        return quant_kernels.permute_last(u, sr.inv_perm, sr.perm)
+        return quant_kernels.permute_last(u, sr.inv_perm, sr.perm), ()
 
     def mem_backward(
         self,
@@ -145,34 +148,6 @@ class FeatureMajor(Layout):
 
     feature_major = True
 
-    @staticmethod
-    def permuted_input(x: torch.Tensor, sp: OrthogonalSide, dtype: torch.dtype) -> torch.Tensor:
-        """``x'ᵀ = x[..., Ψ_n]ᵀ`` ``[n, T]`` in ``dtype`` (the first permutation, casting)."""
-        return quant_kernels.permute_to_feature_major(
-            x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=dtype
-        )
-
-    def forward_keep(
-        self,
-        x: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        store: FrozenStore,
-        sp: OrthogonalSide,
-        sr: OrthogonalSide,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The forward, returning ``(y [..., m], x'ᵀ [n, T], hᵀ = W' zᵀ [m, T])``: the output
-        and what the ``fast`` variant keeps for backward, in ``g_p``'s dtype (``x`` may come
-        wider: the first permutation casts it)."""
-        t = x.numel() // sp.dim
-        xpt = self.permuted_input(x, sp, g_p.dtype)
-        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(sp.dim, t)
-        ht = store.matmul_fm(zt)  # W' zᵀ
-        del zt
-        ut = torch.bmm(g_r, ht.view(sr.nb, sr.block_size, t)).view(sr.dim, t)
-        y = quant_kernels.permute_to_row_major(ut, sr.inv_perm)  # y = u[..., inv_perm_R]
-        return y.view(*x.shape[:-1], sr.dim), xpt, ht
-
     def forward(
         self,
         x: torch.Tensor,
@@ -181,8 +156,21 @@ class FeatureMajor(Layout):
         store: FrozenStore,
         sp: OrthogonalSide,
         sr: OrthogonalSide,
-    ) -> torch.Tensor:
-        return self.forward_keep(x, g_p, g_r, store, sp, sr)[0]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``(y [..., m], (x'ᵀ [n, T], hᵀ = W' zᵀ [m, T]))``: the output and what the ``fast``
+        variant keeps for backward, in ``g_p``'s dtype (``x`` may come wider: the first
+        permutation casts it)."""
+        t = x.numel() // sp.dim
+        # x'ᵀ = x[..., Ψ_n]ᵀ, in the compute dtype
+        xpt = quant_kernels.permute_to_feature_major(
+            x.reshape(t, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
+        )
+        zt = torch.bmm(g_p, xpt.view(sp.nb, sp.block_size, t)).view(sp.dim, t)
+        ht = store.matmul_fm(zt)  # W' zᵀ
+        del zt
+        ut = torch.bmm(g_r, ht.view(sr.nb, sr.block_size, t)).view(sr.dim, t)
+        y = quant_kernels.permute_to_row_major(ut, sr.inv_perm)  # y = u[..., inv_perm_R]
+        return y.view(*x.shape[:-1], sr.dim), (xpt, ht)
 
     def mem_backward(
         self,
@@ -198,7 +186,9 @@ class FeatureMajor(Layout):
         """Four permutations, each fused with a layout change, instead of the row-major path's
         five gathers; ``h`` recomputed band by band beside the dX GEMM."""
         n, m, t, b_r = sp.dim, sr.dim, x.numel() // sp.dim, sr.block_size
-        xpt = self.permuted_input(x, sp, g_p.dtype)
+        xpt = quant_kernels.permute_to_feature_major(
+            x.reshape(t, n), sp.inv_perm, out_dtype=g_p.dtype
+        )
         # du = dy[..., Ψ_m]
         dut = quant_kernels.permute_to_feature_major(dy.reshape(t, m), sr.inv_perm)
         du_blocks = dut.view(sr.nb, b_r, t)
@@ -227,7 +217,7 @@ class FeatureMajor(Layout):
         needs: tuple[bool, ...],
         permuted_input: Callable[[], tuple[torch.Tensor, torch.Size, torch.dtype]],
     ) -> Grads:
-        """Backward of :meth:`forward_keep` from ``dy`` and the kept GEMM output ``hᵀ [m, T]``
+        """Backward of :meth:`forward` from ``dy`` and the kept GEMM output ``hᵀ [m, T]``
         (one weight GEMM, the dX one: ``dG_R`` comes from ``hᵀ``).
 
         ``permuted_input()`` gives ``(x'ᵀ [n, T], x.shape, x.dtype)`` of the layer's input; it
