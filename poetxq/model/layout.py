@@ -14,7 +14,7 @@ A layer builds its :class:`LayoutChoice` once (from its kernel policy and whethe
 ragged) and asks it once per call which layout serves the input at hand; the autograd
 Functions (:mod:`poetxq.model.functions`) keep that :class:`Layout` object, so a backward runs
 in the layout its forward ran in. Every function of :class:`FeatureMajor` equals its
-:class:`RowMajor` counterpart (``tests/test_layer_fm.py``).
+:class:`RowMajor` counterpart (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
