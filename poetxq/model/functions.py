@@ -141,7 +141,7 @@ class SwiGLUDownFn(torch.autograd.Function):
         x = maps.forward(gate, up)
         y, kept = layout.forward(x, g_p, g_r, store, side_p, side_r)
         del x
-        kept = kept[1:] if keep_h else ()  # hᵀ only
+        kept = kept[1:] if keep_h else ()  # only hᵀ: backward recomputes x'ᵀ from gate, up
         ctx.save_for_backward(gate, up, g_p, g_r, *kept)
         ctx.store, ctx.side_p, ctx.side_r = store, side_p, side_r
         ctx.layout, ctx.maps = layout, maps
