@@ -12,7 +12,8 @@ For fp32 and bf16 ``packed``: the fused result against the torch reference (max 
 error of ``G`` and of ``d_packed``; relative errors vs a float64 evaluation on a subset of
 blocks), then forward (no grad) and forward+backward times of
 :func:`quant_kernels.reference.cayley_neumann` under plain autograd,
-:func:`quant_kernels.cnp.cayley_neumann_lean` and
+:func:`quant_kernels.cnp.cayley_neumann` on its torch path (``lean``: the policy's ``fused_cnp``
+off) and
 :func:`quant_kernels.cnp_hybrid.cayley_neumann_fused` (``fused_hybrid``; median of CUDA-event
 timings after warm-up), the ratios, and the extra peak memory of one forward+backward. fp32
 matmuls run without tf32 (torch's default) everywhere. About a minute on an H200. ``--sweep``
@@ -27,6 +28,7 @@ Usage:  python evals/bench_cnp.py [--out FILE.json] [--block-size 256] [--dtypes
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable
 
@@ -42,7 +44,10 @@ from _common import (
 from poetxq.model.orthogonal import num_blocks
 from poetxq.training.estimate_terms import projections
 from poetxq.training.recipe_files import load_recipe
-from quant_kernels import cnp, reference
+from quant_kernels import KernelPolicy, cnp, reference
+
+#: the torch path of the CNP entry point on a GPU (its skew blocks still by Triton)
+TORCH_CNP = KernelPolicy(fused_cnp=False)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SWEEP_HYBRID = {  # (BM, BK, num_warps, num_stages) of the hybrid's Q² kernel tried by --sweep
@@ -142,7 +147,7 @@ def bench_dtype(
 
     paths = {
         "reference": reference.cayley_neumann,
-        "lean": cnp.cayley_neumann_lean,
+        "lean": functools.partial(cnp.cayley_neumann, kernels=TORCH_CNP),
         "fused_hybrid": fused_hybrid,
     }
     leaf = packed.detach().requires_grad_(True)

@@ -37,8 +37,8 @@ straight from the packed triangle ran at ~100 TFLOP/s and was removed; ``docs/KE
 Rounding: products accumulate in fp32 and every intermediate (``Q``, ``S``, ``B``, ``N``,
 ``E'``, ``D``, ``Y'``) is stored in the input dtype, as autograd of the torch reference stores
 its intermediates. :func:`cayley_neumann_fused` wraps both directions in an autograd Function
-that saves only ``packed`` (like :func:`quant_kernels.cnp.cayley_neumann_lean`). The oracle is
-:func:`quant_kernels.reference.cayley_neumann` (float64 in the tests).
+that saves only ``packed`` (like the torch path of :func:`quant_kernels.cnp.cayley_neumann`).
+The oracle is :func:`quant_kernels.reference.cayley_neumann` (float64 in the tests).
 """
 
 from __future__ import annotations
@@ -457,9 +457,9 @@ def cayley_neumann_fused(
     """Fused :func:`~quant_kernels.reference.cayley_neumann` for ``k = 3`` (POET,
     arXiv 2506.08001): ``G = I + 2(Q + Q² + Q³) + Q⁴`` with ``Q = U − Uᵀ``.
 
-    Saves only ``packed`` for backward (like :func:`quant_kernels.cnp.cayley_neumann_lean`);
-    backward recomputes ``S = Q²`` and runs the hand-derived gradient of the module docstring.
-    Not twice differentiable.
+    Saves only ``packed`` for backward (like the torch path of
+    :func:`quant_kernels.cnp.cayley_neumann`); backward recomputes ``S = Q²`` and runs the
+    hand-derived gradient of the module docstring. Not twice differentiable.
 
     Args:
         packed: ``[nb, b(b-1)/2]`` fp32/bf16/fp16 on CUDA (strict upper triangles of ``Q``).

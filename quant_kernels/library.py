@@ -2,7 +2,8 @@
 
 Each op has one schema, a CPU implementation that is the plain-torch reference
 (:mod:`quant_kernels.reference` / :mod:`quant_kernels.reference_4bit`), a CUDA implementation
-that dispatches as :mod:`quant_kernels.ops` does for the ``path`` it is given (``auto``,
+that dispatches as the weight formats of :mod:`quant_kernels.formats` do for the ``path`` it is
+given (``auto``,
 ``fused``, ``streamed`` or ``torch``: :attr:`~quant_kernels.policy.KernelPolicy.weight_gemm`), a
 fake (meta) implementation that only states the output's shape and dtype, and an autograd
 formula for the activation (the weight is frozen: no gradient). So the ops trace under
@@ -13,7 +14,7 @@ formula for the activation (the weight is frozen: no gradient). So the ops trace
     torch.ops.poetxq.blockwise_4bit_matmul(x, packed, absmax, "nf4", 64, n, k, "auto")
     torch.ops.poetxq.blockwise_4bit_matmul_t(g, packed, absmax, "nf4", 64, n, k, "auto")
 
-The layer calls :mod:`quant_kernels.ops` directly (same values; its own autograd Functions).
+The layer calls the weight formats directly (same values; its own autograd Functions).
 ``tests/quant_kernels/test_library.py`` checks every op with ``torch.library.opcheck``.
 """
 
@@ -24,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from quant_kernels import ops, reference, reference_4bit
+from quant_kernels import reference, reference_4bit
+from quant_kernels.formats import Blockwise4bit, Int8Rowwise
 from quant_kernels.policy import KernelPolicy
 
 __all__ = [
@@ -59,7 +61,7 @@ def int8_rowwise_matmul(x: Tensor, cb: Tensor, scb: Tensor, path: str = "auto") 
 
 @int8_rowwise_matmul.register_kernel("cuda")
 def _int8_rowwise_matmul_cuda(x: Tensor, cb: Tensor, scb: Tensor, path: str = "auto") -> Tensor:
-    return ops.int8_rowwise_matmul(x, cb, scb, kernels=_kernels(path))
+    return Int8Rowwise(cb, scb).matmul(x, kernels=_kernels(path))
 
 
 @int8_rowwise_matmul.register_fake
@@ -76,7 +78,7 @@ def int8_rowwise_matmul_t(g: Tensor, cb: Tensor, scb: Tensor, path: str = "auto"
 
 @int8_rowwise_matmul_t.register_kernel("cuda")
 def _int8_rowwise_matmul_t_cuda(g: Tensor, cb: Tensor, scb: Tensor, path: str = "auto") -> Tensor:
-    return ops.int8_rowwise_matmul_t(g, cb, scb, kernels=_kernels(path))
+    return Int8Rowwise(cb, scb).matmul_t(g, kernels=_kernels(path))
 
 
 @int8_rowwise_matmul_t.register_fake
@@ -124,9 +126,8 @@ def _blockwise_4bit_matmul_cuda(
     x: Tensor, packed: Tensor, absmax: Tensor, quant_type: str, blocksize: int, n: int, k: int,
     path: str = "auto",
 ) -> Tensor:  # fmt: skip
-    return ops.blockwise_4bit_matmul(
-        x, packed, absmax, quant_type, blocksize, (n, k), kernels=_kernels(path)
-    )
+    weight = Blockwise4bit(packed, absmax, quant_type, blocksize, (n, k))
+    return weight.matmul(x, kernels=_kernels(path))
 
 
 @blockwise_4bit_matmul.register_fake
@@ -152,9 +153,8 @@ def _blockwise_4bit_matmul_t_cuda(
     g: Tensor, packed: Tensor, absmax: Tensor, quant_type: str, blocksize: int, n: int, k: int,
     path: str = "auto",
 ) -> Tensor:  # fmt: skip
-    return ops.blockwise_4bit_matmul_t(
-        g, packed, absmax, quant_type, blocksize, (n, k), kernels=_kernels(path)
-    )
+    weight = Blockwise4bit(packed, absmax, quant_type, blocksize, (n, k))
+    return weight.matmul_t(g, kernels=_kernels(path))
 
 
 @blockwise_4bit_matmul_t.register_fake

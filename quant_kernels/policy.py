@@ -206,12 +206,14 @@ class KernelPolicy:
             and self.uses_triton(packed)
         )
 
-    def feature_major_for(self, x: torch.Tensor, *, fast: bool = False) -> bool:
+    def feature_major_for(
+        self, x: torch.Tensor, *, fast: bool = False, dtype: torch.dtype | None = None
+    ) -> bool:
         """Whether a layer may run feature-major for the input ``x`` (the ``mem`` variant, or
-        with ``fast`` the ``fast`` variant's training forward); the layer also needs
-        non-ragged sides."""
+        with ``fast`` the ``fast`` variant's training forward) once it is in ``dtype`` (default
+        ``x.dtype``); the layer also needs non-ragged sides."""
         on = self.fast_feature_major if fast else self.feature_major
-        return on and x.dtype in TRITON_DTYPES and self.uses_triton(x)
+        return on and (dtype or x.dtype) in TRITON_DTYPES and self.uses_triton(x)
 
     def fused_input_cast_for(self, x: torch.Tensor, compute_dtype: torch.dtype) -> bool:
         """Whether a feature-major layer takes ``x`` uncast: ``x`` is not yet in

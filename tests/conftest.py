@@ -21,10 +21,10 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
-def _plain_elementwise_maps() -> None:
-    """Every test starts with transformers' plain rotary function and poetxq's plain SwiGLU maps:
-    a training run on a GPU compiles them for the whole process (poetxq.model.fuse), and a later
-    test in the same process would otherwise run (and count) the compiled ones."""
+def _plain_rotary() -> None:
+    """Every test starts with transformers' plain rotary function: a training run on a GPU
+    compiles it for the whole process (poetxq.model.fuse), and a later test in the same process
+    would otherwise run (and count) the compiled one."""
     from poetxq.model.fuse import unfuse_elementwise
 
     unfuse_elementwise(torch.nn.Module())

@@ -55,13 +55,13 @@ def test_batched_blocks_equal_per_layer_blocks(checkpointing):
 def test_one_cnp_call_per_forward(monkeypatch):
     model = _model()
     calls = []
-    real = quant_kernels.cayley_neumann_lean
+    real = quant_kernels.cayley_neumann
 
     def counting(*a, **k):
         calls.append(a[0].shape[0])
         return real(*a, **k)
 
-    monkeypatch.setattr(quant_kernels, "cayley_neumann_lean", counting)
+    monkeypatch.setattr(quant_kernels, "cayley_neumann", counting)
     tokens = torch.randint(0, 97, (1, 9))
     model(input_ids=tokens)
     sides = [s for layer in poet_layers(model) for s in (layer.P, layer.R)]
@@ -116,7 +116,7 @@ def test_lean_cnp_saves_only_its_input_and_matches_the_reference():
     weight = torch.randn(5, 4, 4, generator=gen, dtype=torch.float64)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        g = quant_kernels.cayley_neumann_lean(packed, 4, 3)
+        g = quant_kernels.cayley_neumann(packed, 4, 3)
     assert len(saved) == 1 and saved[0] is packed
     (g * weight).sum().backward()
     lean_grad = packed.grad.clone()

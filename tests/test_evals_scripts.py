@@ -286,7 +286,7 @@ def test_host_profile_lists_the_bench_steps_host_time(tmp_path, capsys):
     rows = [
         line
         for line in text.splitlines()
-        if "poetxq/model/layer.py" in line and "_mem_backward" in line
+        if "poetxq/model/layout.py" in line and "(mem_backward)" in line
     ]
     assert rows, text[:3000]
     assert rows[0].split()[0] == "7"

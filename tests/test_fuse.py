@@ -18,14 +18,11 @@ CFG = ModelConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
 
 @pytest.fixture
 def restore_rope(monkeypatch):
-    """fuse_elementwise swaps transformers' rotary function and the SwiGLU maps process-wide:
-    undo it afterwards (tests/conftest.py starts every test from the plain ones)."""
+    """fuse_elementwise swaps transformers' rotary function process-wide: undo it afterwards
+    (tests/conftest.py starts every test from the plain one)."""
     from transformers.models.llama import modeling_llama
 
-    from poetxq.model import swiglu as maps
-
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
-    monkeypatch.setattr(maps, "SWIGLU_OPS", dict(maps.SWIGLU_OPS))
     return modeling_llama
 
 
@@ -54,7 +51,8 @@ def test_fused_model_matches_eager_loss_and_gradients(restore_rope):
 
 
 def test_unfuse_restores_the_eager_model(restore_rope):
-    from poetxq.model import swiglu as maps
+    from poetxq.model import swiglu
+    from poetxq.model.layer import POETXSwiGLUMLP
 
     plain_rope = restore_rope.apply_rotary_pos_emb
     model = build_llama(CFG, vocab_size=97)
@@ -64,7 +62,8 @@ def test_unfuse_restores_the_eager_model(restore_rope):
     n = fuse_elementwise(model, backend="aot_eager")
     assert unfuse_elementwise(model) == n
     assert restore_rope.apply_rotary_pos_emb is plain_rope
-    assert {"forward": maps.swiglu, "grads": maps.swiglu_grads} == maps.SWIGLU_OPS
+    mlps = [m for m in model.modules() if isinstance(m, POETXSwiGLUMLP)]
+    assert mlps and all(m.maps is swiglu.PLAIN for m in mlps)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert norms and all(m._compiled_call_impl is None for m in norms)
     assert unfuse_elementwise(model) == 0  # nothing left to undo

@@ -46,8 +46,8 @@ def test_int8_store_layout_and_gemms(gen):
     assert (deq - w).abs().max() <= w.abs().amax(1).max() / 127 / 2 + 1e-6  # half a step
     x = torch.randn(5, 40, generator=gen)
     g = torch.randn(5, 24, generator=gen)
-    torch.testing.assert_close(store.matmul(x), x @ deq.t())
-    torch.testing.assert_close(store.matmul_t(g), g @ deq)
+    torch.testing.assert_close(store.gemms().matmul(x), x @ deq.t())
+    torch.testing.assert_close(store.gemms().matmul_t(g), g @ deq)
     torch.testing.assert_close(int8_rowwise_matmul(x, sd["weight"], sd["SCB"]), x @ deq.t())
     torch.testing.assert_close(int8_rowwise_matmul_t(g, sd["weight"], sd["SCB"]), g @ deq)
     assert store.nbytes() == 24 * 40 + 24 * 4 + 1
@@ -77,16 +77,16 @@ def test_make_frozen_weight():
 
 @pytest.mark.parametrize("kind", ["int8", "nf4", "dense"])
 def test_feature_major_matmuls_equal_the_row_major_ones(kind):
-    """FrozenWeight.matmul_fm / matmul_t_fm (feature-major in and out) are the transposes of
+    """WeightFormat.matmul_fm / matmul_t_fm (feature-major in and out) are the transposes of
     matmul / matmul_t for every store."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=gen)
     store = make_frozen_weight(w, {"int8": 8, "nf4": 4, "dense": 16}[kind])
     z = torch.randn(13, 64, generator=gen)
     dh = torch.randn(13, 96, generator=gen)
-    ht = store.matmul_fm(z.t().contiguous())
+    ht = store.gemms().matmul_fm(z.t().contiguous())
     assert ht.shape == (96, 13) and ht.is_contiguous()
-    torch.testing.assert_close(ht, store.matmul(z).t(), rtol=1e-5, atol=1e-5)
-    dzt = store.matmul_t_fm(dh.t().contiguous())
+    torch.testing.assert_close(ht, store.gemms().matmul(z).t(), rtol=1e-5, atol=1e-5)
+    dzt = store.gemms().matmul_t_fm(dh.t().contiguous())
     assert dzt.shape == (64, 13) and dzt.is_contiguous()
-    torch.testing.assert_close(dzt, store.matmul_t(dh).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dzt, store.gemms().matmul_t(dh).t(), rtol=1e-5, atol=1e-5)

@@ -110,8 +110,8 @@ def test_store_layout_gemms_and_bnb_keys(quant_type, gen):
     assert torch.equal(deq, F.dequantize_4bit(ref, st))
     x = torch.randn(3, 5, 64, generator=gen)
     g = torch.randn(3, 5, 24, generator=gen)
-    torch.testing.assert_close(store.matmul(x), x @ deq.t())
-    torch.testing.assert_close(store.matmul_t(g), g @ deq)
+    torch.testing.assert_close(store.gemms().matmul(x), x @ deq.t())
+    torch.testing.assert_close(store.gemms().matmul_t(g), g @ deq)
     sd = store.state_dict()
     expected = st.as_dict(packed=True)
     assert set(sd) == {"weight"} | {f"weight.{k}" for k in expected}

@@ -1,4 +1,6 @@
-"""The package's shape: sub-packages by job, imports one way, no cycles.
+"""The package's shape: sub-packages by job, imports one way, no cycles; the POET layer in one
+home (its autograd Functions in one file, kernels called by name, a kernel within six calls of
+the module).
 
 ``poetxq.tools`` → ``poetxq.adapt`` (forward-only adaptation) → ``poetxq.training`` →
 ``poetxq.model`` / ``poetxq.data`` / ``poetxq.baselines`` (the baselines' update rules, which know
@@ -156,3 +158,93 @@ def test_sub_packages_import_one_way():
 def test_every_module_belongs_to_a_sub_package_or_is_shared():
     loose = sorted(m for m in MODULES if _package(m) not in ALLOWED and m not in SHARED)
     assert loose == ["poetxq.__main__"]
+
+
+# -- the POET layer has one home (docs/KERNELS.md: from the module to a kernel) --------------------
+
+#: the one file of the layer's autograd Functions
+LAYER_FUNCTIONS = "poetxq.model.functions"
+
+
+def _subclasses_of(tree: ast.AST, base: str) -> list[str]:
+    return [
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b).endswith(base) for b in node.bases)
+    ]
+
+
+def test_the_layers_autograd_functions_live_in_one_file():
+    """Nowhere in poetxq.model or poetxq.adapt but in model/functions.py does an autograd
+    Function of a linear layer appear (blockcache's concatenation of Q is not one)."""
+    found = {
+        name: _subclasses_of(ast.parse(MODULES[name].read_text(encoding="utf-8")), "Function")
+        for name in MODULES
+        if _package(name) in ("poetxq.model", "poetxq.adapt")
+    }
+    elsewhere = {m: fns for m, fns in found.items() if fns and m != LAYER_FUNCTIONS}
+    assert elsewhere == {"poetxq.model.blockcache": ["_AdjacentRows"]}
+    assert found[LAYER_FUNCTIONS]
+
+
+def test_no_kernel_is_found_by_a_built_name():
+    """Kernels are called by name, so grep finds every caller: no ``getattr`` of a module with
+    a computed attribute name in poetxq or quant_kernels."""
+    built = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and ast.unparse(node.func) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[0], ast.Name)
+                and node.args[0].id in ("quant_kernels", "ops", "streamed", "formats")
+                and not isinstance(node.args[1], ast.Constant)
+            ):
+                built.append(f"{name}:{node.lineno}")
+    assert built == []
+
+
+def test_a_layer_reaches_each_kernel_within_six_calls():
+    """One ``mem`` training forward (int8, feature-major, slab-streamed GEMM, fused CNP), traced
+    under the Triton interpreter: from ``POETXLinear.forward`` to a function of each kernel file
+    it runs, at most six calls (five to the slab-streamed GEMM, four to the permute-transpose
+    and to the fused CNP)."""
+    import sys
+
+    import torch
+
+    from poetxq.model.layer import POETXLinear
+    from quant_kernels.policy import HAS_TRITON, KernelPolicy
+
+    if not HAS_TRITON:
+        import pytest
+
+        pytest.skip("needs triton (its CPU interpreter serves here)")
+    policy = KernelPolicy(interpret_on_cpu=True, weight_gemm="streamed")
+    gen = torch.Generator().manual_seed(0)
+    layer = POETXLinear(32, 48, block_size=16, kernels=policy, generator=gen)
+    x = torch.randn(8, 32, generator=gen, requires_grad=True)
+    kernel_files = {"streamed.py", "transpose_perm.py", "cnp_hybrid.py"}
+    stack: list[tuple[object, str]] = []
+    depth: dict[str, int] = {}
+
+    def trace(frame, event, _arg):
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and ROOT in path.parents and ".venv" not in path.parts:
+            names = [n for _, n in stack]
+            if "POETXLinear.forward" in names and path.name in kernel_files:
+                start = len(names) - 1 - names[::-1].index("POETXLinear.forward")
+                calls = len(names) - start
+                depth[path.name] = min(depth.get(path.name, calls), calls)
+            stack.append((frame, frame.f_code.co_qualname))
+        elif event == "return" and stack and stack[-1][0] is frame:
+            stack.pop()
+
+    sys.setprofile(trace)
+    try:
+        layer(x)
+    finally:
+        sys.setprofile(None)
+    assert set(depth) == kernel_files, depth
+    assert max(depth.values()) <= 6, depth

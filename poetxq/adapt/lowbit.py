@@ -2,9 +2,10 @@
 
 FPO (Patil, Dennis et al., arXiv 2608.14563) needs only forward passes through the layers it does
 not adapt, so those can stay int8 (bitsandbytes ``Int8Params`` layout) or NF4/FP4
-(``Params4bit`` layout) and run through the fused dequant-matmul of :mod:`quant_kernels` (on a
-GPU; the plain-torch references elsewhere). The target MLP projections stay dense, with the fp32
-masters of :class:`poetxq.adapt.fpo.FPOAdapter`.
+(``Params4bit`` layout) in :class:`poetxq.model.layer.FrozenLinear`, the frozen low-bit linear
+the POET layer's GEMM is made of too: their weight formats' GEMMs (:mod:`quant_kernels.formats`)
+run Triton on a GPU and the plain-torch references elsewhere. The target MLP projections stay
+dense, with the fp32 masters of :class:`poetxq.adapt.fpo.FPOAdapter`.
 
 Scope (a choice, stated): the decoder blocks' attention and MLP projections are quantized; the
 embedding and the LM head stay dense (the LM head's weight is also ``W_lm`` of the output signal,
@@ -16,49 +17,15 @@ transformers checkpoint that computes what was adapted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
 from poetxq.adapt.fpo import MLP_PROJS, llama_parts
-from poetxq.model.quant import FrozenWeight, make_frozen_weight
+from poetxq.model.layer import FrozenLinear
+from poetxq.model.quant import make_frozen_weight
 
-
-class _FrozenMatmul(torch.autograd.Function):
-    """``x @ Wᵀ`` through the store, differentiable in ``x`` only (``dx = g @ W``): what the
-    autograd references (SFT-partial) need to pass gradients through a frozen low-bit layer."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, store: FrozenWeight) -> torch.Tensor:  # type: ignore[override]
-        ctx.store = store
-        return store.matmul(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return ctx.store.matmul_t(grad), None
-
-
-class FrozenLinear(nn.Module):
-    """A bias-free linear whose weight is a :class:`poetxq.model.quant.FrozenWeight` store.
-
-    ``forward(x)`` is ``store.matmul(x)`` (``[..., n]`` → ``[..., m]``, ``x.dtype``); no
-    parameter, nothing to train. Under grad mode, with ``x`` requiring grad, the input gradient
-    is ``store.matmul_t(g)`` (no weight gradient); FPO itself never builds that graph.
-    """
-
-    def __init__(self, store: FrozenWeight) -> None:
-        super().__init__()
-        self.store = store
-        self.in_features, self.out_features = store.in_features, store.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _FrozenMatmul.apply(x, self.store)
-        return self.store.matmul(x)
-
-    def extra_repr(self) -> str:
-        return f"{type(self.store).__name__}({self.out_features}, {self.in_features})"
+__all__ = ["FrozenLinear", "densify", "freeze_low_bit"]
 
 
 def freeze_low_bit(

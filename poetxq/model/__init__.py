@@ -8,9 +8,11 @@ Reading order, bottom up (each module imports only the ones above it and ``quant
 * orthogonal parameterization — :mod:`~poetxq.model.orthogonal` (one side's Cayley–Neumann
   ``R`` or ``P``), :mod:`~poetxq.model.flat` (many small parameters in one buffer),
   :mod:`~poetxq.model.blockcache` (every layer's ``R``/``P`` blocks in one batched call);
-* the POET layer — :mod:`~poetxq.model.layer` (``POETXLinear``, ``POETXSwiGLUMLP``) with its
-  feature-major paths in :mod:`~poetxq.model.layer_fm`, the frozen store both multiply by in
-  :mod:`~poetxq.model.store` and the SwiGLU maps in :mod:`~poetxq.model.swiglu`;
+* the POET layer — :mod:`~poetxq.model.store` (the frozen store seen through a layer's policy),
+  :mod:`~poetxq.model.swiglu` (the SwiGLU maps), :mod:`~poetxq.model.functions` (every autograd
+  Function of the layer), :mod:`~poetxq.model.layout` (the row- and feature-major layouts and
+  the choice between them), :mod:`~poetxq.model.layer` (the modules: ``POETXLinear``,
+  ``POETXSwiGLUMLP``, ``FrozenLinear``);
   :mod:`~poetxq.model.attention` and :mod:`~poetxq.model.fuse` (compiled RMSNorm / rotary /
   SwiGLU) speed up the rest of the decoder;
 * model surgery — :mod:`~poetxq.model.surgery` (build a Llama, swap its linears for POET

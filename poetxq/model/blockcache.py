@@ -63,9 +63,7 @@ class _Group:
         for other in self.peers:
             other.clear()
         q = _stack_q(self.sides)
-        self.g = quant_kernels.cayley_neumann_lean(
-            q, self.block_size, self.terms, kernels=self.kernels
-        )
+        self.g = quant_kernels.cayley_neumann(q, self.block_size, self.terms, kernels=self.kernels)
         self.versions = [s.Q._version for s in self.sides]
         self.pieces = {}
         self.unserved = set(range(len(self.sides)))

@@ -32,6 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from poetxq.model import swiglu
+from poetxq.model.layer import POETXSwiGLUMLP
+
 
 def fuse_wanted(train: Any, device: torch.device | str, graph: bool | None = None) -> bool:
     """Whether ``train.fuse_elementwise`` (a recipe's ``train`` section) asks for
@@ -54,14 +57,24 @@ def fuse_wanted(train: Any, device: torch.device | str, graph: bool | None = Non
     return bool(train.fuse_elementwise)
 
 
+def _set_swiglu_maps(model: nn.Module, maps: swiglu.SwiGLUMaps) -> bool:
+    """Give every fused POET MLP of ``model`` the SwiGLU ``maps``; whether one changed."""
+    changed = False
+    for module in model.modules():
+        if isinstance(module, POETXSwiGLUMLP) and module.maps is not maps:
+            module.maps = maps
+            changed = True
+    return changed
+
+
 def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and hasattr(module, "weight")
 
 
 def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
     """Compile every RMSNorm module of ``model`` in place (``nn.Module.compile``: names and
-    ``state_dict`` unchanged), transformers' Llama ``apply_rotary_pos_emb`` and the SwiGLU maps
-    of the fused POET ``mem`` MLP (:data:`poetxq.model.swiglu.SWIGLU_OPS`).
+    ``state_dict`` unchanged), transformers' Llama ``apply_rotary_pos_emb``, and give ``model``'s
+    fused POET MLPs the compiled SwiGLU maps (:func:`poetxq.model.swiglu.compiled_maps`).
 
     Args:
         model: a transformers Llama (or any model with ``*RMSNorm`` modules).
@@ -69,12 +82,14 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
             ``"aot_eager"``, which needs no compiler).
 
     Returns:
-        The number of modules and functions compiled now (0 when all already were).
+        The number of modules and functions compiled now (0 when all already were): the
+        RMSNorm modules, the rotary function, and the two SwiGLU maps when an MLP of ``model``
+        took them now.
 
     Notes:
-        The rotary function (in ``transformers.models.llama.modeling_llama``) and the SwiGLU
-        maps are replaced for the whole process (every model there uses the compiled ones;
-        same results). A model not fused before resets dynamo's compiled code of the whole
+        The rotary function (in ``transformers.models.llama.modeling_llama``) is replaced for
+        the whole process (every model there uses the compiled one; same results); the SwiGLU
+        maps only for ``model``. A model not fused before resets dynamo's compiled code of the whole
         process (``torch._dynamo.reset``; module docstring: shapes): other compiled functions
         compile again at their next call.
     """
@@ -88,12 +103,9 @@ def fuse_elementwise(model: nn.Module, *, backend: str = "inductor") -> int:
         # dynamic=None: static first, a changed size recompiles once with that size symbolic
         module.compile(backend=backend, dynamic=None)
     done = len(norms)
-    from poetxq.model import swiglu as maps
-
-    for key, fn in (("forward", maps.swiglu), ("grads", maps.swiglu_grads)):
-        if maps.SWIGLU_OPS[key] is fn:  # the fused MLPs' elementwise maps (process-wide)
-            maps.SWIGLU_OPS[key] = torch.compile(fn, backend=backend, dynamic=None)
-            done += 1
+    compiled = swiglu.compiled_maps(backend)
+    if _set_swiglu_maps(model, compiled):
+        done += 2  # the forward and the gradient map
     try:
         from transformers.models.llama import modeling_llama
     except ImportError:  # pragma: no cover - transformers without Llama
@@ -126,8 +138,8 @@ def rope_fused() -> bool:
 
 
 def unfuse_elementwise(model: nn.Module) -> int:
-    """Undo :func:`fuse_elementwise`: ``model``'s RMSNorm modules run eagerly again, and the
-    process-wide rotary function and SwiGLU maps are the plain ones again (for every model).
+    """Undo :func:`fuse_elementwise`: ``model``'s RMSNorm modules and SwiGLU maps run eagerly
+    again, and the process-wide rotary function is the plain one again (for every model).
 
     For measurements that compare settings on one built model (``evals/gpu_memory.py``, where
     ``train.fuse_elementwise=auto`` decides per setting). Returns the number of modules and
@@ -138,12 +150,8 @@ def unfuse_elementwise(model: nn.Module) -> int:
         if _is_rms_norm(module) and getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
             done += 1
-    from poetxq.model import swiglu as maps
-
-    for key, fn in (("forward", maps.swiglu), ("grads", maps.swiglu_grads)):
-        if maps.SWIGLU_OPS[key] is not fn:
-            maps.SWIGLU_OPS[key] = fn
-            done += 1
+    if _set_swiglu_maps(model, swiglu.PLAIN):
+        done += 2
     try:
         from transformers.models.llama import modeling_llama
     except ImportError:  # pragma: no cover - transformers without Llama

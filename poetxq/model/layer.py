@@ -1,5 +1,3 @@
-# Over 500 lines: the layer, its autograd Functions (mem / fast, SwiGLU down) and its merge share
-# private helpers and the math of the module docstring; split, they would import each other.
 """The POET-X(Q) linear layer: ``y = x @ (R · W0 · P)ᵀ`` computed input-centric.
 
 Math (POET-X, arXiv 2603.05500). With ``R = Ψ_mᵀ BD(G_R) Ψ_m`` and
@@ -23,15 +21,19 @@ Variants:
 * ``mem`` saves only the layer input ``x`` and recomputes ``x'``, ``z`` and ``h`` in backward, in
   its own autograd Function: 3 big GEMMs per step, no ``[N, m]`` activation kept. POET-XQ uses mem.
 
-On a GPU both variants run feature-major between their two permutations
-(:mod:`poetxq.model.layer_fm`) when no side is ragged and the compute dtype is one Triton takes
-(fp32, bf16, fp16); this module holds the row-major path, which is the CPU path, the fallback and
-the oracle, and chooses between the two (``_feature_major``).
+Where things are: this module holds the modules — :class:`POETXLinear` (a thin ``apply``: the
+blocks, one layout decision, one autograd Function), :class:`POETXSwiGLUMLP` and
+:class:`FrozenLinear` (the same frozen GEMM without orthogonal sides, for ``poetxq.adapt``); the
+autograd Functions are in :mod:`poetxq.model.functions`; the row- and feature-major layouts and
+the choice between them in :mod:`poetxq.model.layout` (on a GPU both variants run feature-major
+when no side is ragged and the compute dtype is one Triton takes: fp32, bf16, fp16); the GEMMs
+against ``W'`` in :class:`~poetxq.model.store.FrozenStore`, which hands them to the store's
+weight format (:mod:`quant_kernels.formats`).
 
 Every kernel choice comes from the layer's :class:`~quant_kernels.policy.KernelPolicy`, fixed
 when the layer is built (``kernels``, default :func:`quant_kernels.policy.default_policy`). The
-autograd Functions keep the store they ran with, policy included, so a backward always takes the
-path its forward took.
+autograd Functions keep the store they ran with, policy included, and the layout of their call,
+so a backward always takes the path its forward took.
 
 ``merge_then_reinitialize()`` folds ``R`` and ``P`` into the stored weight (in fp32, then
 re-quantized), draws new permutations and resets ``Q`` to zero; the layer's function is unchanged
@@ -47,12 +49,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import quant_kernels
-from poetxq.model import swiglu as maps
-from poetxq.model.layer_fm import POETXFastFmFn, fast_backward_fm, forward_fm, mem_backward_fm
+from poetxq.model.functions import FrozenMatmul, POETXFastFmFn, POETXMemFn, SwiGLUDownFn
+from poetxq.model.layout import LayoutChoice, pad_last
 from poetxq.model.orthogonal import OrthogonalSide
-from poetxq.model.quant import make_frozen_weight
+from poetxq.model.quant import FrozenWeight, make_frozen_weight
 from poetxq.model.store import FrozenStore
-from quant_kernels.policy import KernelPolicy, default_policy
+from poetxq.model.swiglu import PLAIN, SwiGLUMaps
+from quant_kernels.policy import AUTO, KernelPolicy, default_policy
 
 Variant = Literal["fast", "mem"]
 VARIANTS: tuple[str, ...] = ("fast", "mem")
@@ -63,194 +66,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     else ``x.dtype``."""
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
-def _pad_to(t: torch.Tensor, size: int) -> torch.Tensor:
-    d = t.shape[-1]
-    return t if d == size else F.pad(t, (0, size - d))
-
-
-class _FrozenMatmul(torch.autograd.Function):
-    """``z @ W'ᵀ`` with a frozen store: backward is ``dh @ W'`` only (no weight gradient)."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, frozen: FrozenStore) -> torch.Tensor:  # type: ignore[override]
-        ctx.frozen = frozen
-        return frozen.matmul(z)
-
-    @staticmethod
-    def backward(ctx, dh: torch.Tensor):  # type: ignore[override]
-        return ctx.frozen.matmul_t(dh), None
-
-
-def _forward_autograd(
-    x: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenStore,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-) -> torch.Tensor:
-    """Forward built from autograd ops (the ``fast`` variant; also used without grad)."""
-    n, m = side_p.dim, side_r.dim
-    xp = _pad_to(quant_kernels.permute_last(x, side_p.perm, side_p.inv_perm), side_p.padded_dim)
-    z = quant_kernels.block_diag_matmul(xp, g_p)[..., :n]
-    h = _FrozenMatmul.apply(z, frozen)
-    u = quant_kernels.block_diag_matmul(_pad_to(h, side_r.padded_dim), g_r)[..., :m]
-    return quant_kernels.permute_last(u, side_r.inv_perm, side_r.perm)
-
-
-def _feature_major(
-    x: torch.Tensor,
-    frozen: FrozenStore,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-    *,
-    fast: bool = False,
-) -> bool:
-    """Whether the feature-major path serves this call: allowed for ``x`` by the store's policy
-    (``feature_major``, or for the ``fast`` variant's training forward ``fast_feature_major``)
-    and no ragged block on either side."""
-    allowed = frozen.kernels.feature_major_for(x, fast=fast)
-    return allowed and side_p.padded_dim == side_p.dim and side_r.padded_dim == side_r.dim
-
-
-def _forward(
-    x: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenStore,
-    side_p: OrthogonalSide,
-    side_r: OrthogonalSide,
-) -> torch.Tensor:
-    """The layer's forward: feature-major without grad where :func:`_feature_major` allows, else
-    from autograd ops."""
-    if not torch.is_grad_enabled() and _feature_major(x, frozen, side_p, side_r):
-        return forward_fm(x, g_p, g_r, frozen, side_p, side_r)[0]
-    return _forward_autograd(x, g_p, g_r, frozen, side_p, side_r)
-
-
-class _POETXMemFn(torch.autograd.Function):
-    """The ``mem`` variant: saves ``x``, ``G_P``, ``G_R`` only; recomputes the GEMM in backward."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        x: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        frozen: FrozenStore,
-        side_p: OrthogonalSide,
-        side_r: OrthogonalSide,
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, g_p, g_r)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        return _forward(x, g_p, g_r, frozen, side_p, side_r)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        x, g_p, g_r = ctx.saved_tensors
-        dx, dg_p, dg_r = _mem_backward(
-            x, dy, g_p, g_r, ctx.frozen, ctx.side_p, ctx.side_r, ctx.needs_input_grad[:3]
-        )
-        return dx, dg_p, dg_r, None, None, None
-
-
-def _mem_backward(
-    x: torch.Tensor,
-    dy: torch.Tensor,
-    g_p: torch.Tensor,
-    g_r: torch.Tensor,
-    frozen: FrozenStore,
-    sp: OrthogonalSide,
-    sr: OrthogonalSide,
-    needs: tuple[bool, ...],
-) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Backward of the ``mem`` forward from its saved input: ``(dx, dG_P, dG_R)`` (None where
-    ``needs`` is False), recomputing ``x'``, ``z`` and ``h``."""
-    n, m, b_p, b_r = sp.dim, sr.dim, sp.block_size, sr.block_size
-    dy = dy.to(g_p.dtype)  # the compute dtype (x may be wider: KernelPolicy.fused_input_cast)
-    if _feature_major(x, frozen, sp, sr):  # as in forward: same store, same policy
-        return mem_backward_fm(x, dy, g_p, g_r, frozen, sp, sr, needs)
-    xp = _pad_to(quant_kernels.permute_last(x, sp.perm), sp.padded_dim)
-    z = quant_kernels.block_diag_matmul(xp, g_p)
-    h = _pad_to(frozen.matmul(z[..., :n]), sr.padded_dim)
-    # y = u[..., inv_perm_R]  =>  du = dy[..., perm_R]
-    du = _pad_to(quant_kernels.permute_last(dy, sr.perm), sr.padded_dim)
-    grad = quant_kernels.block_diag_grad
-    dg_r = grad(du, h, sr.nb, b_r) if needs[2] else None
-    del h
-    dh = quant_kernels.block_diag_matmul(du, g_r.transpose(1, 2))[..., :m]
-    dz = _pad_to(frozen.matmul_t(dh), sp.padded_dim)
-    dg_p = grad(dz, xp, sp.nb, b_p) if needs[1] else None
-    dx = None
-    if needs[0]:
-        dxp = quant_kernels.block_diag_matmul(dz, g_p.transpose(1, 2))[..., :n]
-        dx = quant_kernels.permute_last(dxp, sp.inv_perm)
-    return dx, dg_p, dg_r
-
-
-class _SwiGLUDownFn(torch.autograd.Function):
-    """``down(SiLU(gate) · up)`` saving ``gate`` and ``up`` (and, on the ``fast`` variant's
-    feature-major path, ``keep_h``, the GEMM output ``hᵀ [m, T]``) instead of the down
-    projection's input.
-
-    The product ``SiLU(gate) · up`` and ``SiLU(gate)`` are recomputed in backward (elementwise,
-    the maps of :data:`poetxq.model.swiglu.SWIGLU_OPS`), instead of being kept as two more
-    ``[T, f]`` tensors (with ``keep_h``: ``SiLU(gate)`` and the permuted input ``x'ᵀ``). The down
-    projection's backward is the ``mem`` one (:func:`_mem_backward`) or, with ``keep_h``,
-    :func:`poetxq.model.layer_fm.fast_backward_fm`, which spares the GEMM recompute.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
-        gate: torch.Tensor,
-        up: torch.Tensor,
-        g_p: torch.Tensor,
-        g_r: torch.Tensor,
-        frozen: FrozenStore,
-        side_p: OrthogonalSide,
-        side_r: OrthogonalSide,
-        keep_h: bool,
-    ) -> torch.Tensor:
-        x = maps.SWIGLU_OPS["forward"](gate, up)
-        if keep_h:
-            y, xpt, ht = forward_fm(x, g_p, g_r, frozen, side_p, side_r)
-            del xpt
-            kept: tuple[torch.Tensor, ...] = (ht,)
-        else:
-            y, kept = _forward(x, g_p, g_r, frozen, side_p, side_r), ()
-        del x
-        ctx.save_for_backward(gate, up, g_p, g_r, *kept)
-        ctx.frozen, ctx.side_p, ctx.side_r = frozen, side_p, side_r
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        gate, up, g_p, g_r, *kept = ctx.saved_tensors
-        sp, sr = ctx.side_p, ctx.side_r
-        needs = (any(ctx.needs_input_grad[:2]), *ctx.needs_input_grad[2:4])
-        if kept:
-
-            def permuted_input() -> tuple[torch.Tensor, torch.Size, torch.dtype]:
-                x = maps.SWIGLU_OPS["forward"](gate, up)
-                xpt = quant_kernels.permute_to_feature_major(
-                    x.reshape(-1, sp.dim), sp.inv_perm, out_dtype=g_p.dtype
-                )
-                return xpt, x.shape, x.dtype
-
-            dx, dg_p, dg_r = fast_backward_fm(
-                dy, kept[0], g_p, g_r, ctx.frozen, sp, sr, needs, permuted_input
-            )
-        else:
-            x = maps.SWIGLU_OPS["forward"](gate, up)
-            dx, dg_p, dg_r = _mem_backward(x, dy, g_p, g_r, ctx.frozen, sp, sr, needs)
-            del x
-        d_gate = d_up = None
-        if dx is not None:
-            d_gate, d_up = maps.SWIGLU_OPS["grads"](gate, up, dx)
-        return d_gate, d_up, dg_p, dg_r, None, None, None, None
 
 
 def normalized_gaussian(
@@ -349,6 +164,7 @@ class POETXLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         )
+        self._layout = LayoutChoice(self._kernels, ragged=self.P.ragged or self.R.ragged)
 
     def _to_store_order(self, w: torch.Tensor) -> torch.Tensor:
         """``W [m, n]`` in original coordinates → the stored order (rows, and unless
@@ -367,6 +183,12 @@ class POETXLinear(nn.Module):
         forward). Call it before :func:`poetxq.model.blockcache.attach_block_cache`, which groups
         sides by policy."""
         self._kernels = self.P.kernels = self.R.kernels = kernels
+        self._layout = LayoutChoice(kernels, ragged=self.P.ragged or self.R.ragged)
+
+    @property
+    def layout(self) -> LayoutChoice:
+        """How this layer's calls choose their layout (:mod:`poetxq.model.layout`)."""
+        return self._layout
 
     def _store_op(self) -> FrozenStore:
         """What the GEMMs multiply by: ``W'`` in ``P``'s permuted column order, under this
@@ -383,35 +205,28 @@ class POETXLinear(nn.Module):
         return [self.P.Q, self.R.Q]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev, cdtype = x.device.type, _compute_dtype(x)
-        store = self._store_op()
-        if not self._casts_inside(x, cdtype, store):
+        dev, cdtype, grad = x.device.type, _compute_dtype(x), torch.is_grad_enabled()
+        fast_training = grad and self.variant == "fast"
+        layout, cast_inside = self._layout.for_call(x, cdtype, fast_training=fast_training)
+        if not cast_inside:
             x = x.to(cdtype)
+        store = self._store_op()
         with torch.autocast(dev, enabled=False):  # CNP in the parameters' precision, then cast
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
-            if self.variant == "mem" and torch.is_grad_enabled():
-                y = _POETXMemFn.apply(x, g_p, g_r, store, self.P, self.R)
-            elif torch.is_grad_enabled() and _feature_major(x, store, self.P, self.R, fast=True):
-                y = POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R)
-            else:
-                y = _forward(x, g_p, g_r, store, self.P, self.R)
+            if self.variant == "mem" and grad:
+                y = POETXMemFn.apply(x, g_p, g_r, store, self.P, self.R, layout)
+            elif fast_training and layout.feature_major:
+                y = POETXFastFmFn.apply(x, g_p, g_r, store, self.P, self.R, layout)
+            else:  # without grad, or the fast variant's autograd through the row-major ops
+                y = layout.forward(x, g_p, g_r, store, self.P, self.R)[0]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
 
-    def _casts_inside(self, x: torch.Tensor, cdtype: torch.dtype, store: FrozenStore) -> bool:
-        """Whether this call passes ``x`` uncast and lets the feature-major path cast it in its
-        first permutation (the policy's ``fused_input_cast``): only when every path this call
-        can take is feature-major (the ``fast`` training path asks its own switch)."""
-        if not self._kernels.fused_input_cast_for(x, cdtype):
-            return False
-        fm = _feature_major(x, store, self.P, self.R)
-        if self.variant == "fast" and torch.is_grad_enabled():
-            fm = fm and _feature_major(x, store, self.P, self.R, fast=True)
-        return fm
-
-    def forward_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward_swiglu(
+        self, gate: torch.Tensor, up: torch.Tensor, maps: SwiGLUMaps = PLAIN
+    ) -> torch.Tensor:
         """``self(SiLU(gate) · up)`` — a Llama down projection — keeping only ``gate`` and ``up``
         for backward (the ``mem`` variant), or ``gate``, ``up`` and the GEMM output (the ``fast``
         variant on its feature-major path with the policy's ``lean_fast_swiglu``);
@@ -419,26 +234,26 @@ class POETXLinear(nn.Module):
 
         Args:
             gate, up: ``[..., in_features]`` outputs of the gate and up projections.
+            maps: the elementwise maps the fused path runs (the calling MLP's).
 
         Returns:
             ``[..., out_features]``, equal to ``self(F.silu(gate) * up)``.
         """
         if self.bias is not None or not torch.is_grad_enabled():
             return self(F.silu(gate) * up)
-        store = self._store_op()
-        keep_h = self.variant == "fast"
-        if keep_h and not (
-            self._kernels.lean_fast_swiglu_for(gate)
-            and _feature_major(gate, store, self.P, self.R, fast=True)
-        ):
-            return self(F.silu(gate) * up)
         dev, cdtype = gate.device.type, _compute_dtype(gate)
+        keep_h = self.variant == "fast"
+        layout = self._layout.for_swiglu(gate, cdtype, fast=keep_h)
+        if layout is None:
+            return self(F.silu(gate) * up)
+        store = self._store_op()
         with torch.autocast(dev, enabled=False):
             g_p = self.P.blocks_as(cdtype)
             g_r = self.R.blocks_as(cdtype)
-            return _SwiGLUDownFn.apply(
-                gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R, keep_h
-            )
+            return SwiGLUDownFn.apply(
+                gate.to(cdtype), up.to(cdtype), g_p, g_r, store, self.P, self.R, layout, keep_h,
+                maps,
+            )  # fmt: skip
 
     @torch.no_grad()
     def _rotated(self) -> torch.Tensor:
@@ -451,9 +266,9 @@ class POETXLinear(nn.Module):
         if self.input_order_store:
             w = w[:, self.P.perm]
         # BD(G_R) · W': apply the R blocks to each column.
-        w = quant_kernels.block_diag_matmul(_pad_to(w.t(), self.R.padded_dim), g_r)[..., :m].t()
+        w = quant_kernels.block_diag_matmul(pad_last(w.t(), self.R.padded_dim), g_r)[..., :m].t()
         # (·) · BD(G_P): row @ BD(G_P) = row @ (BD(G_Pᵀ))ᵀ.
-        w = quant_kernels.block_diag_matmul(_pad_to(w, self.P.padded_dim), g_p.transpose(1, 2))
+        w = quant_kernels.block_diag_matmul(pad_last(w, self.P.padded_dim), g_p.transpose(1, 2))
         return w[..., :n]
 
     def effective_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -507,11 +322,49 @@ class POETXSwiGLUMLP(nn.Module):
     Holds the same ``gate_proj`` / ``up_proj`` / ``down_proj`` submodules as the transformers
     ``LlamaMLP`` it replaces, so state-dict keys are unchanged. Input ``[..., hidden]`` →
     output ``[..., hidden]``.
+
+    ``maps``: the SwiGLU elementwise maps its down projection runs (default the eager ones;
+    :func:`poetxq.model.fuse.fuse_elementwise` sets the compiled ones on one model's MLPs).
     """
 
-    def __init__(self, gate_proj: POETXLinear, up_proj: POETXLinear, down_proj: POETXLinear):
+    def __init__(
+        self,
+        gate_proj: POETXLinear,
+        up_proj: POETXLinear,
+        down_proj: POETXLinear,
+        maps: SwiGLUMaps = PLAIN,
+    ) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.maps = maps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_swiglu(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj.forward_swiglu(self.gate_proj(x), self.up_proj(x), self.maps)
+
+
+class FrozenLinear(nn.Module):
+    """A bias-free linear whose weight is a frozen :class:`~poetxq.model.quant.FrozenWeight`
+    store: the layer's GEMM without orthogonal sides (``poetxq.adapt`` freezes the linears it
+    does not adapt in low bits with it).
+
+    ``forward(x)`` is ``x @ Wᵀ`` (``[..., n]`` → ``[..., m]``, ``x.dtype``) through the store's
+    weight format under ``kernels`` (default :data:`quant_kernels.policy.AUTO`); no parameter,
+    nothing to train. Under grad mode, with ``x`` requiring grad, the input gradient is
+    ``g @ W`` (:class:`~poetxq.model.functions.FrozenMatmul`; no weight gradient).
+
+    Args:
+        store: the frozen weight ``[m, n]`` (its state-dict keys sit under ``store.``).
+        kernels: the kernel policy of its GEMMs.
+    """
+
+    def __init__(self, store: FrozenWeight, kernels: KernelPolicy = AUTO) -> None:
+        super().__init__()
+        self.store = store
+        self.kernels = kernels
+        self.in_features, self.out_features = store.in_features, store.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return FrozenMatmul.apply(x, FrozenStore(self.store, self.kernels))
+
+    def extra_repr(self) -> str:
+        return f"{type(self.store).__name__}({self.out_features}, {self.in_features})"

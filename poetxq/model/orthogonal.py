@@ -161,9 +161,9 @@ class OrthogonalSide(nn.Module):
     def blocks(self) -> torch.Tensor:
         """The orthogonal blocks ``G`` ``[nb, b, b]`` (differentiable w.r.t. ``Q``; backward
         recomputes the CNP intermediates instead of keeping them, see
-        :func:`quant_kernels.cayley_neumann_lean`)."""
+        :func:`quant_kernels.cayley_neumann`)."""
         q = self.Q if self.mask is None else self.Q * self.mask
-        return quant_kernels.cayley_neumann_lean(
+        return quant_kernels.cayley_neumann(
             q, self.block_size, self.neumann_terms, kernels=self.kernels
         )
 

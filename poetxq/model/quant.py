@@ -1,9 +1,10 @@
 """Frozen-weight stores for POET-X(Q) layers: where ``W'`` lives and how GEMMs reach it.
 
-A POET-X layer never trains its stored weight ``W'`` (= ``Ψ_m · W0 · Ψ_nᵀ``); it only needs two
-GEMMs against it — ``z @ W'ᵀ`` (forward) and ``g @ W'`` (the dX GEMM of backward) — plus a full
-dequantize/re-store at each merge. Each store below provides exactly that, so the layer is agnostic
-to the storage format.
+A POET-X layer never trains its stored weight ``W'`` (= ``Ψ_m · W0 · Ψ_nᵀ``); it only needs
+GEMMs against it — ``z @ W'ᵀ`` (forward) and ``g @ W'`` (the dX GEMM of backward), row- or
+feature-major — plus a full dequantize/re-store at each merge. Each store below holds one
+format's buffers and hands its GEMMs to that format's :class:`quant_kernels.WeightFormat`
+(:meth:`FrozenWeight.gemms`), so the layer is agnostic to the storage format.
 
 * :class:`Int8RowwiseWeight` — bitsandbytes ``Int8Params`` / ``Linear8bitLt`` row-wise layout
   (LLM.int8(), arXiv 2208.07339): buffers ``weight`` (= ``CB``, int8 ``[m, n]``), ``SCB``
@@ -19,7 +20,6 @@ to the storage format.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,7 +27,6 @@ from torch import nn
 
 import quant_kernels
 from quant_kernels import reference_4bit as q4
-from quant_kernels.policy import AUTO, KernelPolicy
 from quant_kernels.reference_double_quant import double_dequantize_absmax
 
 INT8_ROW_FORMAT = 0  # bitsandbytes ``weight_format`` code for row-major int8
@@ -37,45 +36,18 @@ QUANT_TYPES_4BIT = q4.QUANT_TYPES_4BIT  # ("nf4", "fp4")
 
 
 class FrozenWeight(nn.Module, abc.ABC):
-    """Interface of a frozen ``[m, n]`` weight store (``m`` = out features, ``n`` = in features)."""
+    """Interface of a frozen ``[m, n]`` weight store (``m`` = out features, ``n`` = in features):
+    the buffers of one bitsandbytes-compatible format, their (re-)quantization and state dict.
+    Its GEMMs are the weight format's (:meth:`gemms`)."""
 
     out_features: int
     in_features: int
 
     @abc.abstractmethod
-    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        """``x @ Wᵀ``: ``[..., n]`` → ``[..., m]`` in ``x.dtype``."""
-
-    @abc.abstractmethod
-    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        """``g @ W``: ``[..., m]`` → ``[..., n]`` in ``g.dtype``."""
-
-    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        """``W @ zt``: a feature-major activation ``[n, T]`` → ``[m, T]`` contiguous, the forward
-        GEMM with both sides feature-major (default: :meth:`matmul` and a transpose copy)."""
-        return self.matmul(zt.t(), kernels=kernels).t().contiguous()
-
-    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        """``Wᵀ @ dht``: ``[m, T]`` → ``[n, T]`` contiguous, the dX GEMM feature-major (default:
-        :meth:`matmul_t` and a transpose copy)."""
-        return self.matmul_t(dht.t(), kernels=kernels).t().contiguous()
-
-    def backward_fm(
-        self,
-        zt: torch.Tensor,
-        dht: torch.Tensor,
-        row_align: int,
-        on_rows: Callable[[int, torch.Tensor], None],
-        *,
-        kernels: KernelPolicy = AUTO,
-    ) -> torch.Tensor:
-        """Both weight GEMMs of a feature-major ``mem`` backward: the recompute ``W @ zt``
-        (``[n, T]`` → ``[m, T]``), handed to ``on_rows(row0, rows)`` in bands of whole
-        ``row_align``-row groups (default: one band), and the returned dX GEMM ``Wᵀ @ dht``
-        (``[m, T]`` → ``[n, T]`` contiguous). A store may decode each part of itself once for
-        both."""
-        on_rows(0, self.matmul_fm(zt, kernels=kernels))
-        return self.matmul_t_fm(dht, kernels=kernels)
+    def gemms(self) -> quant_kernels.WeightFormat:
+        """The weight format over the current buffers (:mod:`quant_kernels.formats`), whose
+        five GEMMs multiply by the stored weight; cheap, built per GEMM call so a
+        ``load_state_dict`` or ``.to()`` of the store is always seen."""
 
     @abc.abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -93,47 +65,7 @@ class FrozenWeight(nn.Module, abc.ABC):
         return f"out_features={self.out_features}, in_features={self.in_features}"
 
 
-class _KernelWeight(FrozenWeight):
-    """A quantized store whose five GEMMs are :mod:`quant_kernels` functions of one family:
-    ``<KERNELS>_matmul``, ``_matmul_t``, ``_matmul_fm``, ``_matmul_t_fm`` and ``_backward_fm``
-    (looked up at call time), each taking the activations, then the store's :meth:`_gemm_args`,
-    then (``backward_fm``) ``row_align`` and ``on_rows``."""
-
-    KERNELS: str  # the quant_kernels function family, e.g. "int8_rowwise"
-
-    @abc.abstractmethod
-    def _gemm_args(self) -> tuple[Any, ...]:
-        """The stored operands the GEMMs take after the activations."""
-
-    def _kernel(self, op: str) -> Callable[..., torch.Tensor]:
-        return getattr(quant_kernels, f"{self.KERNELS}_{op}")
-
-    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self._kernel("matmul")(x, *self._gemm_args(), kernels=kernels)
-
-    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self._kernel("matmul_t")(g, *self._gemm_args(), kernels=kernels)
-
-    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self._kernel("matmul_fm")(zt, *self._gemm_args(), kernels=kernels)
-
-    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self._kernel("matmul_t_fm")(dht, *self._gemm_args(), kernels=kernels)
-
-    def backward_fm(
-        self,
-        zt: torch.Tensor,
-        dht: torch.Tensor,
-        row_align: int,
-        on_rows: Callable[[int, torch.Tensor], None],
-        *,
-        kernels: KernelPolicy = AUTO,
-    ) -> torch.Tensor:
-        args = (*self._gemm_args(), row_align, on_rows)
-        return self._kernel("backward_fm")(zt, dht, *args, kernels=kernels)
-
-
-class Int8RowwiseWeight(_KernelWeight):
+class Int8RowwiseWeight(FrozenWeight):
     """int8 row-wise absmax store in the bitsandbytes ``Int8Params`` layout.
 
     Buffers (state-dict keys as bitsandbytes ``Linear8bitLt``): ``weight`` int8 ``[m, n]`` (CB),
@@ -144,8 +76,6 @@ class Int8RowwiseWeight(_KernelWeight):
         stochastic: round stochastically when (re-)quantizing (unbiased), else to nearest.
     """
 
-    KERNELS = "int8_rowwise"
-
     def __init__(self, weight: torch.Tensor, *, stochastic: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -155,9 +85,8 @@ class Int8RowwiseWeight(_KernelWeight):
         self.register_buffer("SCB", scb)
         self.register_buffer("weight_format", torch.tensor(INT8_ROW_FORMAT, dtype=torch.uint8))
 
-    def _gemm_args(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(CB, SCB)`` for the int8 row-wise GEMMs."""
-        return self.weight, self.SCB
+    def gemms(self) -> quant_kernels.Int8Rowwise:
+        return quant_kernels.Int8Rowwise(self.weight, self.SCB)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return quant_kernels.dequant_int8_rowwise(self.weight, self.SCB, dtype)
@@ -171,7 +100,7 @@ class Int8RowwiseWeight(_KernelWeight):
         self.SCB.copy_(scb)
 
 
-class Blockwise4bitWeight(_KernelWeight):
+class Blockwise4bitWeight(FrozenWeight):
     """NF4/FP4 blockwise store in the bitsandbytes ``Params4bit`` layout.
 
     Buffers: ``weight`` uint8 ``[ceil(m·n/2), 1]`` (two codes per byte, first in the high nibble);
@@ -197,8 +126,6 @@ class Blockwise4bitWeight(_KernelWeight):
     Raises:
         ValueError: unknown ``quant_type``, bad ``blocksize`` or a non-2-D weight.
     """
-
-    KERNELS = "blockwise_4bit"
 
     def __init__(
         self,
@@ -252,10 +179,11 @@ class Blockwise4bitWeight(_KernelWeight):
             self.nested_blocksize,
         )  # fmt: skip
 
-    def _gemm_args(self) -> tuple[torch.Tensor, torch.Tensor, str, int, tuple[int, int]]:
-        """``(packed, fp32 absmax, quant_type, blocksize, (m, n))`` for the 4-bit GEMMs."""
-        shape = (self.out_features, self.in_features)
-        return self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize, shape
+    def gemms(self) -> quant_kernels.Blockwise4bit:
+        return quant_kernels.Blockwise4bit(
+            self.weight, self.dequantized_absmax(), self.quant_type, self.blocksize,
+            (self.out_features, self.in_features),
+        )  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return q4.dequantize_4bit_blockwise(
@@ -367,17 +295,8 @@ class DenseWeight(FrozenWeight):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight", weight.detach().clone())
 
-    def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return x @ self.weight.to(x.dtype).t()
-
-    def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return g @ self.weight.to(g.dtype)
-
-    def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self.weight.to(zt.dtype) @ zt
-
-    def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
-        return self.weight.to(dht.dtype).t() @ dht
+    def gemms(self) -> quant_kernels.Dense:
+        return quant_kernels.Dense(self.weight)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype, copy=True)

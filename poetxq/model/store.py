@@ -1,6 +1,7 @@
 """What a POET-X(Q) layer's GEMMs multiply by: its frozen ``W0`` store seen through the layer's
-kernel policy (and, for 4-bit stores, through ``P``'s permutation), in both the row-major
-(:mod:`poetxq.model.layer`) and the feature-major (:mod:`poetxq.model.layer_fm`) layout."""
+kernel policy (and, for 4-bit stores, through ``P``'s permutation), in both the row-major and
+the feature-major layout (:mod:`poetxq.model.layout`); the GEMMs themselves are the store's
+weight format's (:mod:`quant_kernels.formats`)."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ class FrozenStore:
         """``z @ W'ᵀ``: ``z [..., n]`` in ``P``'s permuted order → ``[..., m]``."""
         if self.side_p is not None:
             z = quant_kernels.permute_last(z, self.side_p.inv_perm)
-        return self.frozen.matmul(z, kernels=self.kernels)
+        return self.frozen.gemms().matmul(z, kernels=self.kernels)
 
     def matmul_t(self, dh: torch.Tensor) -> torch.Tensor:
         """``dh @ W'``: ``[..., m]`` → ``[..., n]`` in ``P``'s permuted order."""
-        dz = self.frozen.matmul_t(dh, kernels=self.kernels)
+        dz = self.frozen.gemms().matmul_t(dh, kernels=self.kernels)
         return dz if self.side_p is None else quant_kernels.permute_last(dz, self.side_p.perm)
 
     # feature-major (``[features, T]``): the permutations become gathers of whole rows
@@ -50,12 +51,12 @@ class FrozenStore:
         return dzt if self.side_p is None else dzt.index_select(0, self.side_p.perm)
 
     def matmul_fm(self, zt: torch.Tensor) -> torch.Tensor:
-        """``W' zᵀ``: ``[n, T]`` → ``[m, T]`` (:meth:`FrozenWeight.matmul_fm`)."""
-        return self.frozen.matmul_fm(self._to_store_fm(zt), kernels=self.kernels)
+        """``W' zᵀ``: ``[n, T]`` → ``[m, T]`` (:meth:`quant_kernels.WeightFormat.matmul_fm`)."""
+        return self.frozen.gemms().matmul_fm(self._to_store_fm(zt), kernels=self.kernels)
 
     def matmul_t_fm(self, dht: torch.Tensor) -> torch.Tensor:
-        """``W'ᵀ dhᵀ``: ``[m, T]`` → ``[n, T]`` (:meth:`FrozenWeight.matmul_t_fm`)."""
-        return self._from_store_fm(self.frozen.matmul_t_fm(dht, kernels=self.kernels))
+        """``W'ᵀ dhᵀ``: ``[m, T]`` → ``[n, T]`` (:meth:`quant_kernels.WeightFormat.matmul_t_fm`)."""
+        return self._from_store_fm(self.frozen.gemms().matmul_t_fm(dht, kernels=self.kernels))
 
     def backward_fm(
         self,
@@ -65,7 +66,7 @@ class FrozenStore:
         on_rows: Callable[[int, torch.Tensor], None],
     ) -> torch.Tensor:
         """The recompute ``W' zᵀ`` (to ``on_rows``) and the returned ``W'ᵀ dhᵀ`` of a ``mem``
-        backward (:meth:`FrozenWeight.backward_fm`)."""
+        backward (:meth:`quant_kernels.WeightFormat.backward_fm`)."""
         zt = self._to_store_fm(zt)
-        dzt = self.frozen.backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
+        dzt = self.frozen.gemms().backward_fm(zt, dht, row_align, on_rows, kernels=self.kernels)
         return self._from_store_fm(dzt)

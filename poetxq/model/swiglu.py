@@ -1,13 +1,16 @@
 """The SwiGLU elementwise maps of the fused POET MLPs (:class:`poetxq.model.layer.POETXSwiGLUMLP`).
 
-The layers look the maps up in :data:`SWIGLU_OPS` at call time, so
-:func:`poetxq.model.fuse.fuse_elementwise` can swap in ``torch.compile``'d versions for every model
-at once (and put the plain ones back).
+An MLP is given its :class:`SwiGLUMaps` when it is built (:data:`PLAIN`, the eager maps) and
+passes them to its down projection on every call; :func:`poetxq.model.fuse.fuse_elementwise`
+hands one model's MLPs the ``torch.compile``'d pair (:func:`compiled_maps`), leaving every other
+model as it is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,33 @@ def swiglu_grads(
     return torch.ops.aten.silu_backward(dx * up, gate), dx * F.silu(gate)
 
 
-#: the SwiGLU elementwise maps used by the fused MLPs; :func:`poetxq.model.fuse.fuse_elementwise`
-#: swaps in ``torch.compile``'d versions (one kernel each instead of two and five)
-SWIGLU_OPS: dict[str, Any] = {"forward": swiglu, "grads": swiglu_grads}
+@dataclass(frozen=True)
+class SwiGLUMaps:
+    """The two elementwise maps a fused MLP's down projection runs.
+
+    Attributes:
+        forward: ``(gate, up) -> SiLU(gate) · up``, both ``[..., f]``, same dtype out.
+        grads: ``(gate, up, dx) -> (∂gate, ∂up)``, all ``[..., f]``.
+    """
+
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    grads: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+#: the eager maps (two kernels forward, five backward over ``[T, f]``)
+PLAIN = SwiGLUMaps(swiglu, swiglu_grads)
+
+
+@functools.cache
+def compiled_maps(backend: str = "inductor") -> SwiGLUMaps:
+    """The ``torch.compile``'d :data:`PLAIN` maps for ``backend`` (one fused kernel each),
+    compiled once per backend so every fused model reuses the same compiled code.
+
+    Args:
+        backend: a ``torch.compile`` backend (``"inductor"``; tests use ``"aot_eager"``).
+    """
+    # dynamic=None: static first, a changed size recompiles once with that size symbolic
+    return SwiGLUMaps(
+        torch.compile(swiglu, backend=backend, dynamic=None),
+        torch.compile(swiglu_grads, backend=backend, dynamic=None),
+    )

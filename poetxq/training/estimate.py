@@ -349,7 +349,7 @@ def estimate_memory(
                 masked = ragged or pc.structure == "full"
                 buffers += 2 * 8 * dim + (q_numel * p if masked else 0)
                 # the blocks G in the compute dtype, saved by the layer; the CNP saves only its
-                # packed input (quant_kernels.cayley_neumann_lean): the parameter itself, or a
+                # packed input (quant_kernels.cayley_neumann): the parameter itself, or a
                 # masked copy of a ragged side's Q when each layer computes its own blocks
                 cnp_const += nb * b * b * c
                 flat_gapless = flat_gapless and not ragged and q_numel % BNB_STATE_BLOCK == 0
@@ -413,7 +413,7 @@ def estimate_memory(
         mlp = {"gate_proj", "up_proj", "down_proj"} <= targets  # POETXSwiGLUMLP wraps it
         # the lean path needs the feature-major one: no ragged side
         if lean_fast_swiglu(kernels, precision) and mlp and f % b == 0 and d % b == 0:
-            # poetxq.model.layer._SwiGLUDownFn (keep_h=False): neither SiLU(gate) nor the down
+            # poetxq.model.functions.SwiGLUDownFn (keep_h=False): neither SiLU(gate) nor the down
             # projection's permuted input is kept (both recomputed in backward)
             layer_tok -= 2 * c * f
             notes.append("lean fast SwiGLU (kernel policy lean_fast_swiglu): 2·f fewer saved")

@@ -1,5 +1,5 @@
-"""The layer's feature-major paths (poetxq.model.layer_fm: quant_kernels.transpose_perm +
-FrozenWeight.matmul_fm) against its torch path.
+"""The layer's feature-major layout (poetxq.model.layout.FeatureMajor: quant_kernels.transpose_perm
++ WeightFormat.matmul_fm) against its row-major torch path.
 
 On the CPU the Triton kernels run in the interpreter: the layers here run under policies that
 let the Triton paths serve CPU tensors (``interpret_on_cpu``) with only the switches under test on
@@ -23,6 +23,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors through the Triton 
 
 import quant_kernels
 from poetxq.model.layer import POETXLinear
+from poetxq.model.layout import ROW_MAJOR
 from quant_kernels.policy import AUTO, KernelPolicy
 
 _SWITCHES = [f.name for f in dataclasses.fields(KernelPolicy)
@@ -124,7 +125,7 @@ def test_one_decode_backward_equals_torch_path(bits, freeze_r, monkeypatch, gen)
         return real(*a, on_rows=rec, **k)
 
     monkeypatch.setattr(streamed, "streamed_backward_fm", recording)
-    monkeypatch.setattr(quant_kernels.ops, "slab_bytes_for", lambda _rows: 1)  # smallest bands
+    monkeypatch.setattr(quant_kernels.formats, "slab_bytes_for", lambda _rows: 1)  # smallest bands
     layer.use_kernels(forced("streamed", feature_major=True, one_decode_backward=True))
     y, g = _run(layer, x)
     assert bands == ([] if freeze_r else [(0, 128), (128, 128), (256, 16)])
@@ -160,8 +161,8 @@ def test_fast_feature_major_path_equals_torch_path(n, m, bits, taken, frozen_sid
     y_ref, g_ref = _run(layer, x)
     perms = _count_calls(monkeypatch, quant_kernels,
                          ("permute_to_feature_major", "permute_to_row_major"))  # fmt: skip
-    store = type(layer.frozen)
-    gemms = _count_calls(monkeypatch, store, ("matmul_fm", "matmul_t_fm", "backward_fm"))
+    weight_format = type(layer.frozen.gemms())
+    gemms = _count_calls(monkeypatch, weight_format, ("matmul_fm", "matmul_t_fm", "backward_fm"))
     layer.use_kernels(forced(fast_feature_major=True))
     y, g = _run(layer, x)
     # forward: x in, y out; backward: dy in, dx out; one forward GEMM and one dX GEMM (the
@@ -234,7 +235,7 @@ def test_fused_input_cast_needs_every_path_feature_major(gen):
     layer, _, _ = _case(40, 56, 8, False, gen)
     layer.use_kernels(forced(feature_major=True, fused_input_cast=True))
     x = torch.randn(3, 40, generator=gen)
-    assert not layer._casts_inside(x, torch.bfloat16, layer._store_op())
+    assert layer.layout.for_call(x, torch.bfloat16, fast_training=False) == (ROW_MAJOR, False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, g = _run(layer, x)
     assert y.dtype == torch.bfloat16 and g[0].dtype == torch.float32
@@ -271,7 +272,7 @@ def test_lean_fast_swiglu_equals_the_composition_and_keeps_less(bits, frozen_sid
     y_ref, g_ref, bytes_ref, fns_ref = run()
     layer.use_kernels(forced(fast_feature_major=True, lean_fast_swiglu=True))  # as on a GPU
     y, g, bytes_lean, fns = run()
-    assert fns_ref == ["POETXFastFmFnBackward"] and fns == ["_SwiGLUDownFnBackward"]
+    assert fns_ref == ["POETXFastFmFnBackward"] and fns == ["SwiGLUDownFnBackward"]
     assert bytes_ref - bytes_lean == 2 * 10 * 32 * 4  # SiLU(gate) and x'ᵀ: [10 tokens, f = 32]
     _assert_same((y, g), (y_ref, g_ref))
     assert (g[2 if frozen_side == "P" else 3] is None) == (frozen_side is not None)
