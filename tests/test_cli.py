@@ -1115,7 +1115,8 @@ def test_validate_method_names_the_valid_methods_not_set(capsys, argv):
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("poetxq validate: error: --method: validate has no such flag; name ")
     assert "did you mean --set" not in line
-    assert "MODEL:METHOD (METHOD one of adamw, apollo, galore, muon, poetx, poetxq, poetxq-fs, " in line
+    methods = "adamw, apollo, galore, muon, poetx, poetxq, poetxq-fs, "
+    assert f"MODEL:METHOD (METHOD one of {methods}" in line
     assert f"--set method=NAME (NAME one of {', '.join(METHODS)})" in line
 
 
