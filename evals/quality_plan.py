@@ -17,7 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evals.quality_stats import best_point, decide, extension_points, paired_stats  # noqa: E402
+from evals.quality_stats import (  # noqa: E402
+    best_point,
+    decide,
+    extension_points,
+    paired_stats,
+    refinement_points,
+)
 
 if TYPE_CHECKING:
     from poetxq.training.recipe import Recipe
@@ -89,6 +95,9 @@ class Study(_Strict):
     close_seeds: list[int] = Field(default_factory=list)
     close_margin: float = Field(0.02, ge=0)
     max_extend: int = Field(2, ge=0)  # points added past a winning grid edge, per axis
+    # once the best point is interior: try best·√2 and best/√2 on each axis (the grid refined
+    # to √2 at the optimum), then choose again
+    refine: bool = False
     methods: dict[str, MethodSpec] = Field(min_length=1)
     controls: dict[str, ControlSpec] = Field(default_factory=dict)
     reference: str = "poetxq"  # the method the others are compared with
@@ -159,7 +168,8 @@ def point_label(p: dict[str, Any]) -> str:
 
 
 def _extension_origins(grid: dict[str, list[float]], ext: list[dict]) -> dict[str, str]:
-    """Why each grid extension was added: ``{json point: "edge extension of best ..."}``.
+    """Why each grid extension was added: ``{json point: "edge extension of best ..."}``, or a
+    √2 refinement (:func:`evals.quality_stats.refinement_points`) for a point inside the range.
 
     An extension point is its best point with one axis moved past the values tried before it
     (:func:`evals.quality_stats.extension_points`), so the best point is the extension with that
@@ -170,7 +180,9 @@ def _extension_origins(grid: dict[str, list[float]], ext: list[dict]) -> dict[st
     for p in ext:
         moved = [k for k in grid if p[k] not in tried[k]]
         why = "edge extension"
-        if len(moved) == 1:
+        if len(moved) == 1 and min(tried[moved[0]]) < p[moved[0]] < max(tried[moved[0]]):
+            why = f"√2 refinement of {moved[0]} around the best point"
+        elif len(moved) == 1:
             k = moved[0]
             low = p[k] < min(tried[k])
             edge = min(tried[k]) if low else max(tried[k])
@@ -301,6 +313,8 @@ def plan_runs(study: Study, results: dict[str, Any]) -> tuple[list[dict], dict[s
             }
             best = best_point(points, scores)
             new = extension_points(spec.grid, points, best, ext, study.max_extend)
+            if not new and study.refine:
+                new = refinement_points(spec.grid, points, best)
             if not new:
                 state[method] = {"tuned": True, "points": points, "best": best}
                 break

@@ -9,7 +9,7 @@ import json
 import math
 from typing import Any
 
-__all__ = ["best_point", "decide", "extension_points", "paired_stats"]
+__all__ = ["best_point", "decide", "extension_points", "paired_stats", "refinement_points"]
 
 
 def _score(values: list[float | None]) -> float:
@@ -50,7 +50,8 @@ def extension_points(
         if len(original) < 2:
             continue
         tried = sorted({p[key] for p in points})
-        beyond = sum(1 for v in {p[key] for p in added} if v not in original)
+        lo, hi = min(original), max(original)  # refinement points inside do not count
+        beyond = sum(1 for v in {p[key] for p in added} if v < lo or v > hi)
         if beyond >= max_extend:
             continue
         v = best[key]
@@ -65,6 +66,28 @@ def extension_points(
         point = {**best, key: float(f"{nxt:.6g}")}
         if point not in points and point not in new:
             new.append(point)
+    return new
+
+
+def refinement_points(
+    grid: dict[str, list[float]], points: list[dict[str, float]], best: dict[str, float]
+) -> list[dict[str, float]]:
+    """Points that refine a factor-2 grid to √2 at ``best``: on each axis of two or more values,
+    ``best·√2`` and ``best/√2`` with the other axes at ``best``'s values (rounded to 6
+    significant digits), those not tried yet. Around a best point that is itself a refinement
+    its √2 neighbours are tried grid points, so refining ends after one round.
+    """
+    new: list[dict[str, float]] = []
+    for key, original in grid.items():
+        if len(original) < 2:
+            continue
+        for factor in (1 / math.sqrt(2), math.sqrt(2)):
+            point = {**best, key: float(f"{best[key] * factor:.6g}")}
+            close = any(
+                all(math.isclose(point[k], p[k], rel_tol=1e-4) for k in point) for p in points
+            )
+            if not close and point not in new:
+                new.append(point)
     return new
 
 

@@ -1122,3 +1122,44 @@ def test_methods_within_two_percent_get_the_close_seeds(tmp_path, corpus):
         del results["runs"][run_id("adamw", best["adamw"], s)]
         del results["runs"][run_id("poetxq", best["poetxq"], s)]
     assert plan_runs(study, results)[0] == []
+
+
+def test_a_refining_study_tries_the_sqrt2_neighbours_of_an_interior_best(tmp_path, corpus):
+    """refine: true: once the best point is interior, best·√2 and best/√2 on each axis are
+    planned (labelled as a refinement), counted apart from max_extend; around a refinement
+    winner no more points are added."""
+    from evals.quality_stats import refinement_points
+
+    grid = {"optim.lr": [1e-3, 2e-3, 4e-3], "optim.matrix_lr": [1e-3]}
+    pts = [{"optim.lr": v, "optim.matrix_lr": 1e-3} for v in grid["optim.lr"]]
+    best = pts[1]
+    assert refinement_points(grid, pts, best) == [
+        {"optim.lr": 0.00141421, "optim.matrix_lr": 1e-3},
+        {"optim.lr": 0.00282843, "optim.matrix_lr": 1e-3},
+    ]
+    won = {"optim.lr": 0.00282843, "optim.matrix_lr": 1e-3}
+    assert refinement_points(grid, [*pts, *refinement_points(grid, pts, best)], won) == []
+    # inside the original range a refinement does not use up the edge extensions (max_extend
+    # 1 here); the step past the edge is then the refined ratio, √2
+    edge = {"optim.lr": 4e-3, "optim.matrix_lr": 1e-3}
+    assert extension_points(grid, [*pts, won], edge, [won], 1) == [
+        {"optim.lr": 0.00565685, "optim.matrix_lr": 1e-3}
+    ]
+    study = load_study(_study(tmp_path, corpus.folder, tune_seeds=[0], final_seeds=[0],
+                              refine=True))  # fmt: skip
+    results: dict = {"runs": {}}
+    for method, key, values, scores in (
+        ("poetxq", "optim.poet_lr", (4e-3, 8e-3), (30.0, 31.0)),
+        ("adamw", "optim.lr", (1e-3, 2e-3), (25.0, 24.0)),
+    ):
+        for v, ppl in zip(values, scores):
+            rid = run_id(method, {key: v}, 0)
+            results["runs"][rid] = {"method": method, "tune_ppl": ppl, "test_ppl": ppl}
+    pending, _ = plan_runs(study, results)
+    # max_extend 0: both bests sit on an edge, so the refinement is all that is added
+    got = sorted((p["method"], tuple(p["params"].values())) for p in pending)
+    assert got == [("adamw", (0.00141421,)), ("adamw", (0.00282843,)),
+                   ("poetxq", (0.00282843,)), ("poetxq", (0.00565685,))]  # fmt: skip
+    labels = {p["params"].get("optim.lr"): p["why"] for p in pending if p["method"] == "adamw"}
+    assert labels[0.00141421] == "√2 refinement of optim.lr around the best point"
+    assert labels[0.00282843].startswith("edge extension")
