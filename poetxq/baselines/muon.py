@@ -88,9 +88,8 @@ class MuonAdamW(torch.optim.Optimizer):
             else None
         )
         self.adamw = torch.optim.AdamW(adamw, betas=betas, eps=eps) if adamw else None
-        inner = [o for o in (self.muon, self.adamw) if o is not None]
         # the inner optimizers' own group dicts: a scheduler's lr reaches the update
-        super().__init__([g for o in inner for g in o.param_groups], {})
+        super().__init__([g for o in self._inner.values() for g in o.param_groups], {})
         self._link()
 
     @property
