@@ -87,10 +87,13 @@ def test_stochastic_rounding_is_unbiased():
     assert abs(mean[0, 1:-1].mean().item() - 0.3) < 2e-4
 
 
-def adam_dir(moments, r, t):
-    """Adam direction at step t from the moments list [m, v] (updated in place)."""
+def adam_dir(moments, r, t, corrected=True):
+    """Adam direction at step t from the moments list [m, v] (updated in place); with
+    ``corrected=False`` the uncorrected m / (√v + ε) (APOLLO over float weights)."""
     moments[0] = B1 * moments[0] + (1 - B1) * r
     moments[1] = B2 * moments[1] + (1 - B2) * r * r
+    if not corrected:
+        return moments[0] / (moments[1].sqrt() + EPS)
     mhat, vhat = moments[0] / (1 - B1**t), moments[1] / (1 - B2**t)
     return mhat / (vhat.sqrt() + EPS)
 
@@ -140,7 +143,7 @@ def test_apollo_two_steps_match_reference(gen, scale_type, shape):
     mom, prev, w = [0.0, 0.0], None, w0.clone()
     for t, g in enumerate((g1, g2), start=1):
         r = g @ P.T if right else P.T @ g
-        d = adam_dir(mom, r, t)
+        d = adam_dir(mom, r, t, corrected=False)  # the limiter sees uncorrected norms
         if scale_type == "tensor":
             s = d.norm() / (r.norm() + 1e-8)
         elif right:  # one factor per row of G
@@ -154,7 +157,7 @@ def test_apollo_two_steps_match_reference(gen, scale_type, shape):
                 assert lim > 1.5  # the limiter is exercised
             gs = gs / lim
         prev = gs.norm().item()
-        w = w - LR * math.sqrt(4.0) * gs
+        w = w - LR * math.sqrt(4.0) * gs * (math.sqrt(1 - B2**t) / (1 - B1**t))
         p.grad = g.clone()
         opt.step()
         torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)

@@ -27,7 +27,11 @@ Every parameter group has a ``method``:
   ``G`` if ``m ≥ n``, per column otherwise) or per tensor (``scale_type = "tensor"``,
   APOLLO-Mini). ``G̃ = G · s``; the norm-growth limiter (γ = ``norm_growth_limit``, 1.01) divides
   ``G̃`` by ``max(‖G̃‖ / ‖G̃_prev‖, γ) / γ`` from the second step on and remembers the limited
-  norm. The update is ``√scale · G̃`` (the authors' code multiplies by √scale).
+  norm. The update is ``√scale · G̃`` (the authors' code multiplies by √scale). For float
+  weights (APOLLO) ``s`` and the limiter use the uncorrected ``m / (√v + ε)`` and ``G̃`` is
+  multiplied by ``√(1−β2^t) / (1−β1^t)`` after the limiter, as ``apollo_torch.APOLLOAdamW``
+  does; for quantized weights (Q-APOLLO) they use ``N``, as ``apollo_torch.QAPOLLOAdamW``
+  (bitsandbytes' corrected Adam step) does. The two official optimizers differ there.
 
 Weights are either float ``nn.Parameter`` (gradient in ``.grad``) or
 :class:`~poetxq.baselines.qlinear.QuantLinear` codes (gradient in ``float_grad``). For the latter
@@ -228,8 +232,11 @@ class LowRankAdamW(torch.optim.Optimizer):
                     p.copy_(w)
         return loss
 
-    def _adam(self, state: dict, r: torch.Tensor, group: dict) -> torch.Tensor:
-        """Adam direction ``N = m̂ / (√v̂ + ε)`` for gradient ``r``; updates the moments."""
+    def _adam(
+        self, state: dict, r: torch.Tensor, group: dict, *, corrected: bool = True
+    ) -> torch.Tensor:
+        """Adam direction ``N = m̂ / (√v̂ + ε)`` for gradient ``r`` (``corrected=False``: the
+        uncorrected ``m / (√v + ε)``); updates the moments."""
         b1, b2 = group["betas"]
         eight = group["method"] != "adamw" and group["state_bits"] == 8
         if eight and self._m8 is None:  # also after load_state_dict
@@ -252,7 +259,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             m, v = state["exp_avg"], state["exp_avg_sq"]
         m.mul_(b1).add_(r, alpha=1 - b1)
         v.mul_(b2).addcmul_(r, r, value=1 - b2)
-        n = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
+        if corrected:
+            n = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + group["eps"])
+        else:
+            n = m / (v.sqrt() + group["eps"])
         if eight:
             state["exp_avg"], state["exp_avg_absmax"] = self._m8.quantize(m)
             state["exp_avg_sq"], state["exp_avg_sq_absmax"] = self._v8.quantize(v)
@@ -315,7 +325,12 @@ class LowRankAdamW(torch.optim.Optimizer):
         m, n = grad.shape
         right = m >= n
         low = grad @ proj.t() if right else proj.t() @ grad
-        direction = self._adam(state, low, group)
+        # apollo-torch's APOLLOAdamW (float weights) scales by the raw m / (√v + ε) and applies the
+        # bias correction last, so its limiter compares uncorrected norms; its QAPOLLOAdamW
+        # (quantized weights) takes bitsandbytes' corrected direction: each baseline follows its
+        # own authors' code (tests/test_baselines_official.py)
+        raw = group["method"] == "apollo" and id(p) not in self._qmods
+        direction = self._adam(state, low, group, corrected=not raw)
         if group["method"] == "galore":
             back = direction @ proj if right else proj @ direction
             return group["scale"] * back
@@ -335,6 +350,10 @@ class LowRankAdamW(torch.optim.Optimizer):
             state["prev_norm"] = norm / limiter
         else:
             state["prev_norm"] = norm
+        if raw:
+            b1, b2 = group["betas"]
+            t = state["step"]
+            scaled = scaled * (math.sqrt(1 - b2**t) / (1 - b1**t))
         return math.sqrt(group["scale"]) * scaled
 
 
