@@ -159,3 +159,29 @@ def test_shape_errors(gen):
     with pytest.raises(ValueError, match="2-D"):
         int8_mma.int8_mma_matmul(torch.randn(1, 2, 16, device=DEVICE), cb, scb,
                                  feature_major_out=True)  # fmt: skip
+
+
+def test_int8_rowwise_format_runs_the_kernels_under_its_policy(gen, monkeypatch):
+    from quant_kernels.formats import Int8Rowwise
+    from quant_kernels.policy import KernelPolicy
+
+    cb, scb, _ = _weight(24, 40, gen)
+    fmt = Int8Rowwise(cb, scb)
+    pol = KernelPolicy(w0_gemm="int8", interpret_on_cpu=True)
+    x = torch.randn(6, 40, generator=gen).to(DEVICE)
+    g = torch.randn(6, 24, generator=gen).to(DEVICE)
+    calls = []
+    real = int8_mma.int8_mma_matmul
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("feature_major_out", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(int8_mma, "int8_mma_matmul", spy)
+    _same(fmt.matmul(x, kernels=pol), ref.int8_mma_matmul(x, cb, scb))
+    _same(fmt.matmul_fm(x.t().contiguous(), kernels=pol),
+          ref.int8_mma_matmul(x, cb, scb).t().contiguous())  # fmt: skip
+    assert calls == [False, True]
+    _same(fmt.matmul_t(g, kernels=pol), ref.int8_mma_matmul_t(g, cb, scb))
+    _same(fmt.matmul_t_fm(g.t().contiguous(), kernels=pol),
+          ref.int8_mma_matmul_t(g, cb, scb).t().contiguous())  # fmt: skip

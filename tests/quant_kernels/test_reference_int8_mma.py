@@ -162,3 +162,32 @@ def test_stochastic_rounding_is_seeded():
     other = int8_mma_matmul_t(g, cb, scb, stochastic=True,
                               generator=torch.Generator().manual_seed(2))  # fmt: skip
     assert torch.equal(one, same) and not torch.equal(one, other)
+
+
+def test_int8_rowwise_format_takes_the_int8_path_when_the_policy_says_so():
+    from quant_kernels.formats import Int8Rowwise
+    from quant_kernels.policy import KernelPolicy
+
+    gen = torch.Generator().manual_seed(9)
+    cb, scb, _ = _weight(24, 40, gen)
+    fmt = Int8Rowwise(cb, scb)
+    x, g = torch.randn(6, 40, generator=gen), torch.randn(6, 24, generator=gen)
+    int8 = KernelPolicy(w0_gemm="int8", triton=False)
+    assert torch.equal(fmt.matmul(x, kernels=int8), int8_mma_matmul(x, cb, scb))
+    assert torch.equal(fmt.matmul_t(g, kernels=int8), int8_mma_matmul_t(g, cb, scb))
+    ht = fmt.matmul_fm(x.t().contiguous(), kernels=int8)
+    assert ht.is_contiguous() and torch.equal(ht, int8_mma_matmul(x, cb, scb).t())
+    dzt = fmt.matmul_t_fm(g.t().contiguous(), kernels=int8)
+    assert dzt.is_contiguous() and torch.equal(dzt, int8_mma_matmul_t(g, cb, scb).t())
+    rows = []
+    dzt2 = fmt.backward_fm(x.t().contiguous(), g.t().contiguous(), 8,
+                           lambda r0, h: rows.append((r0, h)), kernels=int8)  # fmt: skip
+    assert torch.equal(dzt2, dzt) and rows[0][0] == 0 and torch.equal(rows[0][1], ht)
+    # the default policy keeps the dequant reference (not the int8 product)
+    assert not torch.equal(fmt.matmul(x), int8_mma_matmul(x, cb, scb))
+    sr = KernelPolicy(w0_gemm="int8", triton=False, int8_dx_rounding="stochastic")
+    torch.manual_seed(0)
+    one = fmt.matmul_t(g, kernels=sr)
+    assert not torch.equal(one, fmt.matmul_t(g, kernels=int8))
+    torch.manual_seed(0)
+    assert torch.equal(one, fmt.matmul_t(g, kernels=sr))  # seeded by torch's global RNG
