@@ -142,8 +142,13 @@ def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=torch.int32, device=a.device)
-    if a.device.type == "cpu" or (m > 16 and k % 8 == 0 and n % 8 == 0):
+    if a.device.type == "cpu":
         return torch._int_mm(a.contiguous(), b)
+    if m > 16 and k % 8 == 0 and n % 8 == 0:
+        try:  # cuBLASLt's int8 GEMM; a layout it refuses falls back to the exact float64 product
+            return torch._int_mm(a.contiguous(), b)
+        except RuntimeError:
+            pass
     return (a.double() @ b.double()).to(torch.int32)
 
 
