@@ -5,7 +5,9 @@
    ``x @ (R·W0·P)ᵀ`` built on the GPU from the same blocks and permutations, in fp32 and under
    bf16 autocast; in fp32 the block gradients against the torch path.
 2. The int8 / NF4 weight GEMMs (fused, slab-streamed, torch, bnb) vs bf16 cuBLAS at the 8B/13B
-   MLP shapes (``evals/bench_dequant_matmul.py``).
+   MLP shapes (``evals/bench_dequant_matmul.py``); ``int8_gemm``: the int8 × int8 GEMMs
+   (activation quantization included) against bf16 cuBLAS and the dequant path, with their
+   real-size check (``evals/bench_int8_gemm.py``).
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
    ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
 4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
@@ -349,8 +351,8 @@ def layer_profile(n: int, m: int, b: int, bits: int = 8, variant: str = "mem") -
     )
 
 
-PARTS = ("correctness", "kernel_tests", "training_tests", "dequant", "layer", "profile",
-         "overhead", "train")  # fmt: skip
+PARTS = ("correctness", "kernel_tests", "training_tests", "dequant", "int8_gemm", "layer",
+         "profile", "overhead", "train")  # fmt: skip
 #: the training tests with GPU-only cases (``training_tests``)
 TRAINING_TEST_FILES = (
     "tests/test_graph_optim.py",
@@ -446,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
         import bench_dequant_matmul
 
         report["dequant_matmul"] = bench_dequant_matmul.run_all()
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    if "int8_gemm" in parts:
+        import bench_int8_gemm
+
+        report["int8_gemm"] = bench_int8_gemm.run_all()
         path.write_text(json.dumps(report, indent=2) + "\n")
     if "layer" in parts:
         report["layer_speed_8b_mlp_bf16"] = [

@@ -11,7 +11,11 @@ together. :class:`WeightFormat` writes those five once, choosing the path the ca
   cuBLAS multiplies it; a format only says how to decode itself (:meth:`WeightFormat._decoder`);
 * ``fused``: the int8 dequant-matmul kernels of :mod:`quant_kernels.dequant_matmul` (int8 only);
 * ``torch``: the plain-torch references of :mod:`quant_kernels.reference` /
-  :mod:`quant_kernels.reference_4bit`, which are the CPU path and the test oracle.
+  :mod:`quant_kernels.reference_4bit`, which are the CPU path and the test oracle;
+* ``mma`` / ``mma_torch`` (int8 only, when the policy's ``w0_gemm`` asks for it:
+  :meth:`~quant_kernels.policy.KernelPolicy.int8_mma_path`): the activation is quantized per
+  token and multiplied int8 by int8, by :mod:`quant_kernels.int8_mma` on the tensor cores or by
+  its reference :mod:`quant_kernels.reference_int8_mma`.
 
 A format object holds the stored tensors it was built from (no copy) and is cheap to build: a
 store builds one per GEMM call, so a ``load_state_dict`` or ``.to()`` of the store is always
@@ -25,10 +29,13 @@ from collections.abc import Callable
 
 import torch
 
-from quant_kernels import reference, reference_4bit
+from quant_kernels import reference, reference_4bit, reference_int8_mma
 from quant_kernels.policy import AUTO, KernelPolicy, _rows, slab_bytes_for
 
 __all__ = ["Blockwise4bit", "Dense", "Int8Rowwise", "WeightFormat"]
+
+#: the paths of the int8 x int8 GEMMs (:meth:`WeightFormat._mma`)
+_MMA = ("mma", "mma_torch")
 
 #: a slab decoder of :mod:`quant_kernels.streamed`: ``(buf, row0, rows, col0, cols) -> slab``
 Decoder = Callable[[torch.Tensor, int, int, int, int], torch.Tensor]
@@ -50,7 +57,8 @@ class WeightFormat(abc.ABC):
     # -- what a format provides ------------------------------------------------------------
 
     def _path(self, act: torch.Tensor, kernels: KernelPolicy) -> str:
-        """``"torch"``, ``"fused"`` or ``"streamed"`` for a GEMM whose activation is ``act``."""
+        """``"torch"``, ``"fused"`` or ``"streamed"`` for a GEMM whose activation is ``act``
+        (int8 weights also ``"mma"`` / ``"mma_torch"``)."""
         return kernels.weight_gemm_path(act, bits=self.bits)
 
     @abc.abstractmethod
@@ -71,6 +79,15 @@ class WeightFormat(abc.ABC):
         """The fused dequant-matmul of :meth:`_reference` (formats without one never take it)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused dequant-matmul")
 
+    def _mma(
+        self, a: torch.Tensor, *, weight_t: bool, path: str, kernels: KernelPolicy,
+        feature_major_out: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """The int8 × int8 product of :meth:`_reference` (``path`` ``"mma"``: Triton,
+        ``"mma_torch"``: the reference); with ``feature_major_out`` (``a`` 2-D) its transpose,
+        contiguous. Formats without one never take it."""
+        raise NotImplementedError(f"{type(self).__name__} has no int8 x int8 path")
+
     # -- the five GEMMs ----------------------------------------------------------------------
 
     def matmul(self, x: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
@@ -83,6 +100,8 @@ class WeightFormat(abc.ABC):
             return streamed_matmul_nt(x, dec, *self.shape, slab_bytes=slab_bytes_for(_rows(x)))
         if path == "fused":
             return self._fused(x, weight_t=False)
+        if path in _MMA:
+            return self._mma(x, weight_t=False, path=path, kernels=kernels)
         return self._reference(x, weight_t=False)
 
     def matmul_t(self, g: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
@@ -95,6 +114,8 @@ class WeightFormat(abc.ABC):
             return streamed_matmul_nn(g, dec, *self.shape, slab_bytes=slab_bytes_for(_rows(g)))
         if path == "fused":
             return self._fused(g, weight_t=True)
+        if path in _MMA:
+            return self._mma(g, weight_t=True, path=path, kernels=kernels)
         return self._reference(g, weight_t=True)
 
     def matmul_fm(self, zt: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
@@ -108,6 +129,9 @@ class WeightFormat(abc.ABC):
             return streamed_matmul_fm(zt, dec, *self.shape, slab_bytes=slab_bytes_for(zt.shape[1]))
         if path == "fused":
             return self._fused(zt.t(), weight_t=False).t().contiguous()
+        if path in _MMA:
+            mma = self._mma
+            return mma(zt.t(), weight_t=False, path=path, kernels=kernels, feature_major_out=True)
         return self._reference_fm(zt, weight_t=False)
 
     def matmul_t_fm(self, dht: torch.Tensor, *, kernels: KernelPolicy = AUTO) -> torch.Tensor:
@@ -122,6 +146,9 @@ class WeightFormat(abc.ABC):
             return streamed_matmul_t_fm(dht, dec, *self.shape, slab_bytes=slab)
         if path == "fused":
             return self._fused(dht.t(), weight_t=True).t().contiguous()
+        if path in _MMA:
+            mma = self._mma
+            return mma(dht.t(), weight_t=True, path=path, kernels=kernels, feature_major_out=True)
         return self._reference_fm(dht, weight_t=True)
 
     def backward_fm(
@@ -179,6 +206,35 @@ class Int8Rowwise(WeightFormat):
     def _reference_fm(self, a: torch.Tensor, *, weight_t: bool) -> torch.Tensor:
         w = reference.dequant_int8_rowwise(self.cb, self.scb, a.dtype)
         return (w.t() if weight_t else w) @ a
+
+    def _path(self, act: torch.Tensor, kernels: KernelPolicy) -> str:
+        mma = kernels.int8_mma_path(act)
+        if mma is not None:
+            return "mma" if mma == "triton" else "mma_torch"
+        return kernels.weight_gemm_path(act, bits=self.bits)
+
+    def _mma(
+        self, a: torch.Tensor, *, weight_t: bool, path: str, kernels: KernelPolicy,
+        feature_major_out: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        if path == "mma":
+            from quant_kernels import int8_mma
+
+            if weight_t:
+                return int8_mma.int8_mma_matmul_t(
+                    a, self.cb, self.scb, stochastic=kernels.int8_dx_rounding == "stochastic",
+                    feature_major_out=feature_major_out,
+                )  # fmt: skip
+            return int8_mma.int8_mma_matmul(
+                a, self.cb, self.scb, feature_major_out=feature_major_out
+            )
+        if weight_t:
+            out = reference_int8_mma.int8_mma_matmul_t(
+                a, self.cb, self.scb, stochastic=kernels.int8_dx_rounding == "stochastic"
+            )
+        else:
+            out = reference_int8_mma.int8_mma_matmul(a, self.cb, self.scb)
+        return out.t().contiguous() if feature_major_out else out
 
     def _decoder(self, device: torch.device) -> Decoder:
         from quant_kernels.streamed import int8_decoder

@@ -31,9 +31,13 @@ __all__ = [
     "AUTO",
     "ENV_VAR",
     "HAS_TRITON",
+    "INT8_DX_ROUNDINGS",
+    "INT8_MMA_AUTO",
+    "INT8_MMA_MIN_M",
     "KERNEL_MODES",
     "STREAMED_MIN_M",
     "TRITON_DTYPES",
+    "W0_GEMMS",
     "WEIGHT_GEMMS",
     "KernelPolicy",
     "default_policy",
@@ -48,6 +52,18 @@ ENV_VAR = "POETXQ_KERNELS"
 KERNEL_MODES = ("auto", "fused", "streamed", "torch")
 #: the values of :attr:`KernelPolicy.weight_gemm`
 WEIGHT_GEMMS = ("auto", "fused", "streamed", "torch")
+#: the values of :attr:`KernelPolicy.w0_gemm` (the recipe's ``poet.gemm``)
+W0_GEMMS = ("auto", "bf16", "int8")
+#: the values of :attr:`KernelPolicy.int8_dx_rounding`
+INT8_DX_ROUNDINGS = ("nearest", "stochastic")
+#: whether ``w0_gemm="auto"`` takes the int8 tensor cores at all. Off: the int8 path changes the
+#: numerics (the activations are quantized) and neither its GPU speed nor its training quality
+#: has been measured yet (``docs/KERNELS.md``); ``evals/bench_int8_gemm.py`` and the quality
+#: study's A/B decide whether this turns on
+INT8_MMA_AUTO = False
+#: token rows from which ``auto`` would take the int8 tensor cores (under :data:`INT8_MMA_AUTO`;
+#: not yet tuned: below it the activation quantization is a larger share of the GEMM)
+INT8_MMA_MIN_M = 512
 #: activation dtypes the Triton kernels take
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: token rows from which an int8 weight GEMM takes the slab-streamed path under ``auto``
@@ -95,10 +111,18 @@ class KernelPolicy:
             :func:`quant_kernels.adam8bit.adam8bit_update` instead of bitsandbytes' CUDA op.
         interpret_on_cpu: let the Triton paths serve CPU tensors too (only under
             ``TRITON_INTERPRET=1``: the tests).
+        w0_gemm: the GEMMs against an int8 ``W0`` (the recipe's ``poet.gemm``): ``bf16``
+            (dequantize ``W0`` to the activation's dtype: the :attr:`weight_gemm` paths),
+            ``int8`` (quantize the activation per token and multiply int8 by int8:
+            :mod:`quant_kernels.int8_mma` on a GPU, :mod:`quant_kernels.reference_int8_mma`
+            on the CPU), or ``auto`` (``bf16`` for now: :data:`INT8_MMA_AUTO`). 4-bit and
+            unquantized weights always take their dequant path.
+        int8_dx_rounding: how the int8 path rounds the dX GEMM's ``dh``: ``nearest`` or
+            ``stochastic`` (unbiased; torch's global RNG seeds it).
 
     Raises:
-        ValueError: ``weight_gemm`` is not one of :data:`WEIGHT_GEMMS`, or a switch is not a
-            bool.
+        ValueError: a choice (``weight_gemm``, ``w0_gemm``, ``int8_dx_rounding``) takes a value
+            not in its list, or a switch is not a bool.
     """
 
     triton: bool = True
@@ -111,14 +135,15 @@ class KernelPolicy:
     lean_fast_swiglu: bool = True
     triton_8bit_update: bool = True
     interpret_on_cpu: bool = False
+    w0_gemm: str = "auto"
+    int8_dx_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
-        if self.weight_gemm not in WEIGHT_GEMMS:
-            raise ValueError(
-                f"weight_gemm={self.weight_gemm!r}; use one of {', '.join(WEIGHT_GEMMS)}"
-            )
+        for name, allowed in _CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; use one of {', '.join(allowed)}")
         for f in dataclasses.fields(self):
-            if f.name != "weight_gemm" and type(getattr(self, f.name)) is not bool:
+            if f.name not in _CHOICES and type(getattr(self, f.name)) is not bool:
                 raise ValueError(f"{f.name} must be True or False, got {getattr(self, f.name)!r}")
 
     # -- construction -----------------------------------------------------------------------
@@ -152,7 +177,8 @@ class KernelPolicy:
 
     def with_overrides(self, specs: list[str]) -> KernelPolicy:
         """This policy with ``NAME=VALUE`` settings applied (a benchmark's A/B switch):
-        ``NAME`` a field, ``VALUE`` ``0``/``1`` for a switch or a :data:`WEIGHT_GEMMS` value.
+        ``NAME`` a field, ``VALUE`` ``0``/``1`` for a switch or one of a choice's values
+        (:data:`WEIGHT_GEMMS`, :data:`W0_GEMMS`, :data:`INT8_DX_ROUNDINGS`).
 
         Raises:
             ValueError: a spec is not ``NAME=VALUE``, names no field, or has a bad value (the
@@ -164,14 +190,14 @@ class KernelPolicy:
             name, eq, value = spec.partition("=")
             ok = eq and name in names
             if ok:
-                ok = value in (WEIGHT_GEMMS if name == "weight_gemm" else ("0", "1"))
+                ok = value in _CHOICES.get(name, ("0", "1"))
             if not ok:
+                choices = ", ".join(f"{n}={'|'.join(v)}" for n, v in _CHOICES.items())
                 raise ValueError(
                     f"kernel setting {spec!r}: use NAME=0 or NAME=1 with NAME one of "
-                    f"{', '.join(n for n in names if n != 'weight_gemm')}, or weight_gemm="
-                    f"{'|'.join(WEIGHT_GEMMS)}"
+                    f"{', '.join(n for n in names if n not in _CHOICES)}, or {choices}"
                 )
-            changes[name] = value if name == "weight_gemm" else value == "1"
+            changes[name] = value if name in _CHOICES else value == "1"
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +221,23 @@ class KernelPolicy:
         if self.weight_gemm == "fused":
             return "fused"
         return "streamed" if _rows(act) >= STREAMED_MIN_M else "fused"
+
+    def int8_mma_path(self, act: torch.Tensor) -> str | None:
+        """How an int8 ``W0``'s GEMM with the activation ``act`` multiplies: ``None`` (the
+        dequant paths of :meth:`weight_gemm_path`), ``"triton"`` (the int8 tensor-core kernels)
+        or ``"torch"`` (their plain-torch reference: the CPU, or no Triton).
+
+        ``int8`` always takes the int8 path (Triton where :meth:`uses_triton` and the dtype
+        allow, else the reference); ``auto`` takes the kernels only under
+        :data:`INT8_MMA_AUTO`, on a CUDA card of compute capability ≥ 8.0 (int8 ``tl.dot``)
+        from :data:`INT8_MMA_MIN_M` token rows; ``bf16`` never."""
+        if self.w0_gemm == "bf16":
+            return None
+        triton_ok = self.uses_triton(act) and act.dtype in TRITON_DTYPES
+        if self.w0_gemm == "int8":
+            return "triton" if triton_ok else "torch"
+        auto = INT8_MMA_AUTO and triton_ok and act.is_cuda and _rows(act) >= INT8_MMA_MIN_M
+        return "triton" if auto and _int8_tensor_cores(act) else None
 
     def fused_cnp_for(self, packed: torch.Tensor, terms: int) -> bool:
         """Whether the fused CNP serves packed ``Q`` (already in its compute dtype): ``k = 3``,
@@ -241,6 +284,19 @@ class KernelPolicy:
         """Whether a GPU run with this policy takes the opt-in path ``switch`` (a field name):
         the switch and :attr:`triton`."""
         return self.triton and bool(getattr(self, switch))
+
+
+#: the string-valued fields and their allowed values (every other field is a bool switch)
+_CHOICES = {
+    "weight_gemm": WEIGHT_GEMMS,
+    "w0_gemm": W0_GEMMS,
+    "int8_dx_rounding": INT8_DX_ROUNDINGS,
+}
+
+
+def _int8_tensor_cores(act: torch.Tensor) -> bool:
+    """Whether ``act``'s CUDA device runs int8 ``tl.dot`` on tensor cores (sm80 and newer)."""
+    return torch.cuda.get_device_capability(act.device) >= (8, 0)
 
 
 #: the measured default on CUDA (what the kernel entry points use when given no policy)

@@ -178,6 +178,38 @@ def test_bench_gather_routes_agree_and_it_needs_a_gpu(capsys, tmp_path):
         assert capsys.readouterr().err.strip() == "bench_gather: error: needs a CUDA device"
 
 
+def test_bench_int8_gemm_check_holds_on_cpu_and_it_needs_a_gpu(capsys):
+    """The bench's real-size correctness check at a small size (the kernels under the Triton
+    interpreter): the kernels equal the oracle and keep the derived bound; the dequant path's
+    error is recorded beside them. Without CUDA the script refuses in one line."""
+    pytest.importorskip("triton")
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    from quant_kernels.reference import quantize_int8_rowwise
+
+    bench = _load("bench_int8_gemm")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(0)
+    cb, scb = quantize_int8_rowwise(torch.randn(40, 72, generator=gen))
+    x = torch.randn(50, 72, generator=gen).to(torch.bfloat16)
+    g = torch.randn(50, 40, generator=gen).to(torch.bfloat16)
+    res = bench.check_shape(cb.to(dev), scb.to(dev), x.to(dev), g.to(dev), 33)
+    assert res["rows"] == 33 and res["quantizer_codes_equal"]
+    for key in ("forward", "dx"):
+        assert res[key]["int8_mma"]["within_bound_fraction"] == 1.0, res
+        assert 0 < res[key]["int8_mma"]["max_err_over_bound"] <= 1
+        assert res[key]["int8_mma"]["rel_err_vs_fp64"] < 0.02
+        assert 0 < res[key]["int8_dequant"]["rel_err_vs_fp64"] < 0.02
+        if dev == "cpu":
+            assert res[key]["int8_mma_equal_to_oracle"]
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "needs a CUDA GPU" in err
+
+
 @pytest.mark.parametrize("bits", [8, 4, 16])
 def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
     # the GPU run's correctness check, at a small size: every store layout must pass it (an

@@ -27,7 +27,8 @@ from poetxq.model.layout import ROW_MAJOR
 from quant_kernels.policy import AUTO, KernelPolicy
 
 _SWITCHES = [f.name for f in dataclasses.fields(KernelPolicy)
-             if f.name not in ("triton", "weight_gemm", "interpret_on_cpu")]  # fmt: skip
+             if f.name not in ("triton", "weight_gemm", "interpret_on_cpu", "w0_gemm",
+                               "int8_dx_rounding")]  # fmt: skip
 
 
 def forced(weight_gemm: str = "torch", **on: bool) -> KernelPolicy:

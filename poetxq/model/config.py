@@ -90,4 +90,9 @@ class POETConfig(Section):
     # merge once more after the last step, so the final evaluation, model.safetensors and a
     # same-format export (hf-bnb8 of int8, hf-bnb4 of 4-bit) are one model, R = P = I
     merge_at_end: bool = False
+    # the GEMMs against W0 (quant_kernels.KernelPolicy.w0_gemm, docs/KERNELS.md): bf16 =
+    # dequantize W0 to the activation dtype inside the GEMM; int8 = quantize the activations per
+    # token and multiply int8 by int8 on the tensor cores (int8 W0 only; a CPU runs the
+    # plain-torch reference); auto = bf16 until the int8 path's speed and quality are measured
+    gemm: Literal["auto", "bf16", "int8"] = "auto"
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))

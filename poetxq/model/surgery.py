@@ -9,7 +9,7 @@ are not a multiple of the block size get a masked ragged last block, and the sum
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -231,6 +231,7 @@ def convert_to_poetx(
             each linear's own device. Required when the linears are on the meta device.
         kernels: the kernel policy of every converted layer; default
             :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``), read once here.
+            ``cfg.gemm`` other than ``auto`` replaces its ``w0_gemm``.
         param_dtype: the dtype each converted layer's parameters (``Q``, bias) are cast to right
             after the layer is built (``torch.bfloat16`` for a ``bf16-true`` run), so the whole
             model's float32 ``Q`` never exists at once; buffers (``W0``, scales, permutations)
@@ -256,6 +257,8 @@ def convert_to_poetx(
         raise ValueError(f"no nn.Linear named one of {cfg.target_modules} found in the model")
     b = cfg.block_size
     kernels = default_policy() if kernels is None else kernels
+    if cfg.gemm != "auto":  # the recipe's poet.gemm; auto leaves the policy's own choice
+        kernels = replace(kernels, w0_gemm=cfg.gemm)
     for name, lin in targets:
         n, m = lin.in_features, lin.out_features
         if b > min(n, m):

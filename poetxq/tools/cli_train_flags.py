@@ -24,6 +24,7 @@ FLAG_KEYS = {
     "variant": "poet.variant",
     "requant": "poet.requant",
     "quant_type": "poet.quant_type",
+    "gemm": "poet.gemm",
     "max_steps": "train.max_steps",
     "batch_size": "train.batch_size",
     "grad_accum": "train.grad_accum",
@@ -143,6 +144,14 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
         "--requant",
         choices=("nearest", "stochastic"),
         help="rounding when W0 is re-quantized at a merge [poet.requant, default nearest]",
+    )
+    g.add_argument(
+        "--gemm",
+        choices=("auto", "bf16", "int8"),
+        help="the GEMMs against an int8 W0: bf16 dequantizes W0 inside them; int8 quantizes "
+        "the activations per token and multiplies int8 by int8 on the tensor cores (changes the "
+        "numerics; CPU: its torch reference); auto = bf16 until the int8 path is measured. "
+        "NF4/FP4 (--bits 4) and unquantized W0 keep the dequant path [poet.gemm, default auto]",
     )
     g.add_argument(
         "--freeze-orthogonal",

@@ -298,6 +298,12 @@ class Recipe(Section):
                        kv_heads * m.head_width)  # fmt: skip
         if self.method == "poetx" and self.poet.bits != 16:
             self.poet.bits = 16
+        if self.method in POET_METHODS and self.poet.gemm == "int8" and self.poet.bits != 8:
+            what = "NF4/FP4" if self.poet.bits == 4 else "unquantized"
+            raise ValueError(
+                f"poet.gemm: int8 needs an int8 W0 (poet.bits: 8); poet.bits {self.poet.bits} "
+                f"({what}, method {self.method}) keeps the dequant GEMMs: set poet.gemm: auto"
+            )
         if m.pretrained is not None:
             _check_pretrained(self)
         elif self.method in POET_METHODS and self.poet.block_size > smallest:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import quant_kernels
-from quant_kernels import cnp_hybrid, reference
+from quant_kernels import cnp_hybrid, policy, reference
 from quant_kernels.policy import (
     AUTO,
     STREAMED_MIN_M,
@@ -30,6 +30,7 @@ class _FakeCuda:
         self.is_cuda = True
         self.shape = (rows, cols)
         self.dtype = dtype
+        self.device = torch.device("cuda", 0)
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -37,9 +38,12 @@ class _FakeCuda:
 
 def test_the_default_is_every_measured_path():
     # every switch on: each was measured faster on the H200 (docs/KERNELS.md names the files)
-    switches = [f.name for f in dataclasses.fields(AUTO) if f.name != "weight_gemm"]
-    assert all(getattr(AUTO, n) for n in switches if n != "interpret_on_cpu")
+    choices = ("weight_gemm", "w0_gemm", "int8_dx_rounding")
+    switches = [f.name for f in dataclasses.fields(AUTO) if f.name not in choices]
+    assert all(getattr(AUTO, n) is True for n in switches if n != "interpret_on_cpu")
     assert not AUTO.interpret_on_cpu and AUTO.weight_gemm == "auto"
+    # the int8 tensor-core path is not measured yet: auto keeps the dequant GEMMs
+    assert AUTO.w0_gemm == "auto" and AUTO.int8_dx_rounding == "nearest"
     assert KernelPolicy() == AUTO
     with pytest.raises(dataclasses.FrozenInstanceError):
         AUTO.fused_cnp = False  # type: ignore[misc]
@@ -92,6 +96,40 @@ def test_overrides_name_fields_and_refuse_the_rest():
         KernelPolicy(weight_gemm="fastest")
     with pytest.raises(ValueError, match="fused_cnp must be True or False"):
         KernelPolicy(fused_cnp=1)  # type: ignore[arg-type]
+
+
+def test_w0_gemm_choices_and_overrides():
+    pol = AUTO.with_overrides(["w0_gemm=int8", "int8_dx_rounding=stochastic"])
+    assert pol == KernelPolicy(w0_gemm="int8", int8_dx_rounding="stochastic")
+    for bad in ("w0_gemm=fp8", "int8_dx_rounding=1"):
+        with pytest.raises(ValueError, match=r"w0_gemm=auto\|bf16\|int8"):
+            AUTO.with_overrides([bad])
+    with pytest.raises(ValueError, match="w0_gemm='int4'"):
+        KernelPolicy(w0_gemm="int4")
+
+
+def test_int8_mma_path_by_choice(monkeypatch):
+    cpu = torch.zeros(4096, 8)
+    assert AUTO.int8_mma_path(cpu) is None  # auto: the dequant path
+    assert KernelPolicy(w0_gemm="bf16").int8_mma_path(cpu) is None
+    assert KernelPolicy(w0_gemm="int8").int8_mma_path(cpu) == "torch"  # the reference
+    assert KernelPolicy(w0_gemm="int8", triton=False).int8_mma_path(cpu) == "torch"
+    if quant_kernels.HAS_TRITON:
+        on_cpu = KernelPolicy(w0_gemm="int8", interpret_on_cpu=True)
+        assert on_cpu.int8_mma_path(cpu) == "triton"
+        assert on_cpu.int8_mma_path(cpu.double()) == "torch"  # not a Triton dtype
+    big, small = _FakeCuda(policy.INT8_MMA_MIN_M), _FakeCuda(policy.INT8_MMA_MIN_M - 1)
+    if quant_kernels.HAS_TRITON:
+        assert KernelPolicy(w0_gemm="int8").int8_mma_path(small) == "triton"
+    assert AUTO.int8_mma_path(big) is None  # INT8_MMA_AUTO is off until measured
+    # with it on: sm80+ cards from INT8_MMA_MIN_M rows
+    monkeypatch.setattr(policy, "INT8_MMA_AUTO", True)
+    monkeypatch.setattr(policy, "HAS_TRITON", True)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+    assert AUTO.int8_mma_path(big) == "triton" and AUTO.int8_mma_path(small) is None
+    cap["value"] = (7, 5)
+    assert AUTO.int8_mma_path(big) is None
 
 
 @needs_triton
