@@ -124,8 +124,8 @@ def _absolute_paths(recipe: Any) -> None:
 
 
 #: what a run writes before its first checkpoint (train.py); nothing there is worth keeping
-_STARTUP_FILES = {"recipe.yaml", "config.json", "metrics.jsonl", "tokenizer", "checkpoints",
-                  RUN_LOCK}  # fmt: skip
+_STARTUP_FILES = {"recipe.yaml", "plan.json", "config.json", "metrics.jsonl", "tokenizer",
+                  "checkpoints", RUN_LOCK}  # fmt: skip
 
 
 def _only_startup_files(run_dir: Path) -> bool:
