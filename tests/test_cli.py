@@ -427,8 +427,8 @@ def test_overwrite_replaces_every_output(tmp_path):
         (["--method", "adamw", "--freeze-orthogonal"], "POET methods (poetxq and poetx) only"),
         (["--method", "galore", "--poet-lr", "1e-3", "--merge-interval", "5"], "apply to the POET"),
         (["--method", "poetx", "--bits", "8"], "use --method poetxq"),
-        (["--bits", "8", "--quant-type", "fp4"], "--quant-type applies to --bits 4"),
-        (["--bits", "16", "--requant", "stochastic"], "--requant applies to quantized W0"),
+        (["--bits", "8", "--quant-type", "fp4"], "poet.quant_type fp4 (--quant-type) applies"),
+        (["--bits", "16", "--requant", "stochastic"], "(--requant) applies to a quantized W0"),
         (["--resume", "runs/x", "--run-name", "y"], "go with --resume auto"),
         (["--resume", "auto", "--run-name", "y", "--overwrite"], "drop one"),
     ],
@@ -437,6 +437,34 @@ def test_flags_that_do_not_apply_are_one_error(tmp_path, capsys, flags, expect):
     assert _run(tmp_path, *flags) == 2
     assert expect in _one_error_line(capsys)
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "poet,flags",
+    [
+        ({"bits": 8, "quant_type": "fp4"}, ["--bits", "8", "--quant-type", "fp4"]),
+        ({"bits": 16, "requant": "stochastic"}, ["--bits", "16", "--requant", "stochastic"]),
+        ({"bits": 8, "double_quant": False}, ["--bits", "8", "--set", "poet.double_quant=false"]),
+        ({"block_size": 300}, ["--block-size", "300"]),
+    ],
+)
+def test_a_rule_between_keys_is_the_same_error_from_yaml_and_from_flags(
+    tmp_path, capsys, poet, flags
+):
+    """Every rule between keys is the recipe schema's: a recipe file and the flags that say the
+    same get the same message (after the prefix naming where the values came from), and
+    nothing is written."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"poet": poet}))
+    out = tmp_path / "out"
+    assert main(["train", "--recipe", str(recipe), "--output-dir", str(out)]) == 2
+    from_yaml = _one_error_line(capsys)
+    assert main(["train", *flags, "--output-dir", str(out)]) == 2
+    from_flags = _one_error_line(capsys)
+    assert from_yaml.startswith(f"poetxq: error: {recipe}: ")
+    tail = from_yaml.split(": ", 3)[-1]
+    assert from_flags.endswith(tail) and "poet." in tail
+    assert not out.exists()
 
 
 def test_relative_data_path_is_saved_absolute(tmp_path, monkeypatch):
@@ -1199,7 +1227,7 @@ def test_a_check_across_keys_names_the_flag_that_broke_it(tmp_path, capsys):
     assert main([*argv, "--block-size", "300"]) == 2
     assert _one_error_line(capsys) == (
         "poetxq: error: --block-size 300: poet.block_size 300 exceeds the smallest layer "
-        "dimension 256; choose a block size <= 256"
+        "dimension 256; choose a block size <= 256 (--block-size 256)"
     )
     assert main([*argv, "--set", "poet.block_size=300"]) == 2
     assert _one_error_line(capsys).startswith(

@@ -307,3 +307,20 @@ def test_a_shipped_recipe_path_from_another_folder_names_the_shipped_file(tmp_pa
     )
     with pytest.raises(RecipeError, match="does not exist; pass an existing YAML file"):
         load_recipe("recipes/tiny/nope.yaml")
+
+
+def test_validation_fills_dependent_keys_without_changing_what_it_was_given():
+    """``method: poetx`` is ``poet.bits`` 16 and ``model.max_position_embeddings`` follows
+    ``train.seq_len``, filled in at construction: the sections passed in are left as given
+    (the schema never changes a validated object), and validating the result again changes
+    nothing."""
+    from poetxq.model.config import ModelConfig, POETConfig
+    from poetxq.training.recipe import TrainConfig
+
+    poet, model = POETConfig(bits=8), ModelConfig(max_position_embeddings=64)
+    r = Recipe(method="poetx", poet=poet, model=model, train=TrainConfig(seq_len=256))
+    assert r.poet.bits == 16 and r.model.max_position_embeddings == 256
+    assert poet.bits == 8 and model.max_position_embeddings == 64
+    assert "train.seq_len 256 exceeds model.max_position_embeddings 64" in r.notes[0]
+    again = Recipe.model_validate(r.model_dump())
+    assert again.poet.bits == 16 and again.model.max_position_embeddings == 256

@@ -248,3 +248,51 @@ def test_a_layer_reaches_each_kernel_within_six_calls():
         sys.setprofile(None)
     assert set(depth) == kernel_files, depth
     assert max(depth.values()) <= 6, depth
+
+
+#: the recipe's resolved switches: settings whose value on a run the run plan decides
+#: (poetxq.training.plan.RunPlan: cuda_graph, grad_sync, precision, fuse)
+RESOLVED_SWITCHES = ("cuda_graph", "grad_sync", "precision", "fuse_elementwise")
+#: the modules that may read them off a recipe's ``train`` section, and why
+SWITCH_READERS = {
+    "poetxq.training.recipe": "the schema: its checks of how the settings combine",
+    "poetxq.training.plan": "resolves them once (resolve_plan)",
+    "poetxq.training.cudagraph": "graph_wanted, graph_hint, grad_sync_mode (called by the plan) "
+    "and the capture's fallback, which only train.cuda_graph: auto allows",
+    "poetxq.model.fuse": "fuse_wanted (called by the plan)",
+    "poetxq.training.precision": "run_precision and cpu_note (called by the plan)",
+    "poetxq.training.memory": "the memory plan, whose optimizer offload gives way to the "
+    "recipe's own train.cuda_graph: true",
+    "poetxq.tools.cli_tools": "estimate-memory's note compares train.precision as written with "
+    "the value the memory plan set (the setting, not the resolved precision)",
+    "poetxq.tools.run_dir": "a run directory from before plan.json: its precision resolved "
+    "again from recipe.yaml",
+}
+
+
+def _switch_reads(path: Path) -> list[str]:
+    """``train.<switch>`` / ``tc.<switch>`` / ``<x>.train.<switch>`` reads in ``path`` (the
+    names a recipe's ``train`` section goes by in this code base)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(node, ast.Attribute) and node.attr in RESOLVED_SWITCHES):
+            continue
+        base = node.value
+        name = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
+        if name in ("train", "tc"):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_only_the_plan_and_its_deciding_functions_read_the_resolved_switches():
+    """The trainer, the bench and the builder read the run plan (``plan.cuda_graph``, ...), not
+    ``recipe.train.cuda_graph``: a new reader of a switch would re-decide what the plan decided
+    (and could decide it differently). Each module allowed to read them says why."""
+    found = [
+        hit
+        for module, path in MODULES.items()
+        if module not in SWITCH_READERS
+        for hit in _switch_reads(path)
+    ]
+    assert found == [], "read the run plan (poetxq.training.plan) instead:\n" + "\n".join(found)
+    assert all(_switch_reads(MODULES[m]) for m in SWITCH_READERS), "an exemption no longer used"

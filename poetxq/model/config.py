@@ -4,6 +4,7 @@ them with the other sections and checks how they combine."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -11,6 +12,30 @@ from pydantic import Field, field_validator, model_validator
 from poetxq.schema import Section, check_path_key
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_block_size(block_size: int, dims: Iterable[int | None], where: str = "") -> None:
+    """The one check of the POET block-size bound: ``poet.block_size`` ``b`` must not exceed
+    the smallest of ``dims`` (the widths of the layers a run converts). The recipe schema
+    (its own model section), a ``--model`` checkpoint's config
+    (:func:`poetxq.model.pretrained.check_pretrained_config`), surgery (each target linear) and
+    the orthogonal parametrization (its dimension) all call it, so the bound and its message
+    live here.
+
+    Args:
+        block_size: ``b``.
+        dims: the layer widths; None entries (unknown) are skipped, none known skips the check.
+        where: what the widths belong to, appended after the smallest (e.g. `` of 'ckpt'``).
+
+    Raises:
+        ValueError: ``block_size`` exceeds the smallest width (one line, with the fix).
+    """
+    smallest = min((d for d in dims if isinstance(d, int)), default=None)
+    if smallest is not None and block_size > smallest:
+        raise ValueError(
+            f"poet.block_size {block_size} exceeds the smallest layer dimension {smallest}"
+            f"{where}; choose a block size <= {smallest} (--block-size {smallest})"
+        )
 
 
 class ModelConfig(Section):
@@ -96,3 +121,28 @@ class POETConfig(Section):
     # plain-torch reference); auto = bf16 until the int8 path's speed and quality are measured
     gemm: Literal["auto", "bf16", "int8"] = "auto"
     target_modules: list[str] = Field(default_factory=lambda: list(TARGET_MODULES))
+
+    @model_validator(mode="after")
+    def _format_keys_fit_bits(self) -> POETConfig:
+        """The W0-format keys need the bits they describe: ``quant_type`` and ``double_quant``
+        describe a 4-bit W0, ``requant`` the rounding of a quantized one (bits 8 or 4). A key at
+        its default passes (a saved ``recipe.yaml`` spells every key out); one set to another
+        value under the wrong bits is refused, whether it came from YAML, ``--set`` or a flag."""
+        if self.quant_type != "nf4" and self.bits != 4:
+            raise ValueError(
+                f"poet.quant_type {self.quant_type} (--quant-type) applies to poet.bits 4 "
+                f"(--bits 4) only, and this recipe has poet.bits {self.bits}; set poet.bits: 4 "
+                "or drop poet.quant_type"
+            )
+        if not self.double_quant and self.bits != 4:
+            raise ValueError(
+                f"poet.double_quant false applies to poet.bits 4 (--bits 4) only, and this "
+                f"recipe has poet.bits {self.bits}; set poet.bits: 4 or drop poet.double_quant"
+            )
+        if self.requant != "nearest" and self.bits == 16:
+            raise ValueError(
+                f"poet.requant {self.requant} (--requant) applies to a quantized W0 (poet.bits "
+                "8 or 4, --bits 8 or 4), not to poet.bits 16; set poet.bits: 8 or drop "
+                "poet.requant"
+            )
+        return self

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import quant_kernels
+from poetxq.model.config import check_block_size
 from quant_kernels.policy import KernelPolicy, default_policy
 
 
@@ -126,8 +127,7 @@ class OrthogonalSide(nn.Module):
         self.kernels = default_policy() if kernels is None else kernels
         if block_size < 2:
             raise ValueError(f"block size b={block_size} must be >= 2")
-        if block_size > dim:
-            raise ValueError(f"block size b={block_size} exceeds the dimension {dim}")
+        check_block_size(block_size, (dim,))
         self.dim = dim
         self.block_size = block_size
         self.neumann_terms = neumann_terms

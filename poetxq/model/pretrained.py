@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from poetxq.model.config import check_block_size
+
 #: model types whose projections are named q/k/v/o_proj and gate/up/down_proj
 LLAMA_FAMILY: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -165,12 +167,11 @@ def check_pretrained_config(
         head_dim = dims[0] // heads
     if isinstance(kv_heads, int) and isinstance(head_dim, int):
         dims.append(kv_heads * head_dim)  # k_proj / v_proj rows under grouped-query attention
-    smallest = min((d for d in dims if isinstance(d, int)), default=None)
-    if block_size is not None and smallest is not None and block_size > smallest:
-        raise PretrainedError(
-            f"poet.block_size {block_size} exceeds the smallest layer dimension {smallest} of "
-            f"'{path}'; choose --block-size {smallest} or less"
-        )
+    if block_size is not None:
+        try:
+            check_block_size(block_size, dims, f" of '{path}'")
+        except ValueError as exc:
+            raise PretrainedError(str(exc)) from None
     return config
 
 
@@ -236,27 +237,27 @@ def load_pretrained(
 CONTINUED_TRAINING_RATES: dict[str, float] = {"lr": 1e-4, "poet_lr": 1e-4}
 
 
-def apply_continued_training_rates(optim: Any) -> str | None:
-    """Give a ``--model`` run the continued-training rates its recipe left at their defaults.
+def continued_training_rates(optim: Any) -> tuple[dict[str, float], str | None]:
+    """The continued-training rates a ``--model`` run takes where its recipe left the rates at
+    their defaults (the recipe fills them in at construction,
+    :func:`poetxq.training.recipe.dependent_defaults`; ``optim`` is not changed).
 
     A rate the user set (in a recipe file, ``--set``, ``--lr`` or ``--poet-lr``; pydantic's
     ``model_fields_set`` of the section) is kept; each other rate of
     :data:`CONTINUED_TRAINING_RATES` replaces the schema's pretraining default.
 
     Args:
-        optim: the recipe's ``optim`` section (:class:`poetxq.training.recipe.OptimConfig`),
-            changed in place.
+        optim: the recipe's ``optim`` section (:class:`poetxq.training.recipe.OptimConfig`).
 
     Returns:
-        The note to print (which rates were taken, and why; which were kept), or None when the
-        recipe set every rate itself.
+        ``(rates, note)``: the rates to take (key -> value, empty when the recipe set every
+        rate itself) and the note to print (which rates were taken, and why; which were kept),
+        or None.
     """
     explicit = set(optim.model_fields_set)
     taken = {k: v for k, v in CONTINUED_TRAINING_RATES.items() if k not in explicit}
     if not taken:
-        return None
-    for key, value in taken.items():
-        setattr(optim, key, value)
+        return {}, None
     kept = [f"optim.{k} {getattr(optim, k):g}" for k in CONTINUED_TRAINING_RATES if k in explicit]
     note = (
         "--model continues a pretrained checkpoint: "
@@ -268,4 +269,4 @@ def apply_continued_training_rates(optim: Any) -> str | None:
     )
     if kept:
         note += f"; kept {', '.join(kept)} as set"
-    return note
+    return taken, note

@@ -88,6 +88,18 @@ def relayout_wanted(
     return torch.device(device).type == "cuda" and expandable_segments() and flat
 
 
+def relayout_planned(device: torch.device | str, allocator: str | None = None) -> bool:
+    """Whether a run on ``device`` will lay its memory out afresh (:func:`relayout_wanted`,
+    given an optimizer with flattened groups) once a memory plan's ``allocator`` setting is
+    applied (:func:`poetxq.training.memory.apply_allocator`: an ``expandable_segments`` the
+    user set in the environment wins; otherwise the plan's setting is added)."""
+    if torch.device(device).type != "cuda":
+        return False
+    if "expandable_segments" in alloc_conf() or not allocator:
+        return expandable_segments()
+    return "expandable_segments:true" in allocator.replace(" ", "").lower()
+
+
 def model_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> list[torch.Tensor]:

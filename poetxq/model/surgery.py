@@ -16,7 +16,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from poetxq.model.blockcache import attach_block_cache
-from poetxq.model.config import ModelConfig, POETConfig
+from poetxq.model.config import ModelConfig, POETConfig, check_block_size
 from poetxq.model.layer import POETXLinear, POETXSwiGLUMLP
 from quant_kernels.policy import KernelPolicy, default_policy
 
@@ -261,11 +261,7 @@ def convert_to_poetx(
         kernels = replace(kernels, w0_gemm=cfg.gemm)
     for name, lin in targets:
         n, m = lin.in_features, lin.out_features
-        if b > min(n, m):
-            raise ValueError(
-                f"block size b={b} exceeds a dimension of {name} ({m}x{n}); "
-                f"choose --block-size <= {min(n, m)}"
-            )
+        check_block_size(b, (m, n), f" of {name} ({m}x{n})")
         dev = torch.device(device) if device is not None else lin.weight.device
         if dev.type == "meta" or (keep_weights and lin.weight.is_meta):
             raise ValueError(

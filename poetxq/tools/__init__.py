@@ -4,7 +4,7 @@
   :mod:`~poetxq.tools.console` imports it): its sub-commands'
   parsers and error handling; :mod:`~poetxq.tools.cli_train_flags` adds training's flags,
   :mod:`~poetxq.tools.cli_train` runs it, :mod:`~poetxq.tools.cli_tools` adds
-  ``estimate-memory``, ``bench`` and ``report``;
+  ``estimate-memory``, ``plan``, ``bench`` and ``report``;
   :mod:`~poetxq.tools.cli_common` holds what they share;
 * :mod:`~poetxq.tools.estimate_report` — the text of the analytic GPU-memory estimate
   (:mod:`poetxq.training.estimate`, which the trainer's memory plans read too);

@@ -29,15 +29,19 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from poetxq.model.relayout import alloc_conf
 from poetxq.text import count
 from poetxq.training.estimate_terms import projections
-from poetxq.training.precision import cpu_note, run_precision
+from poetxq.training.precision import cpu_note
 from poetxq.training.recipe import Recipe, method_label, poet_variant, run_label
 from quant_kernels.policy import KernelPolicy
+
+if TYPE_CHECKING:
+    from poetxq.training.plan import RunPlan
 
 #: dense bf16 tensor-core peak, TFLOP/s (vendor data sheets, SXM parts, no sparsity)
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "A10": 125.0}
@@ -184,12 +188,15 @@ def build_model_and_optimizer(
     meta_init: bool | None = None,
     echo: Callable[[str], None] = print,
     kernels: KernelPolicy | None = None,
+    plan: RunPlan | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The recipe's Llama on ``device`` (POET methods: converted, W0 drawn from
     ``train.seed + 1``; baselines: prepared) and its optimizer, as the trainer builds them
     (:func:`poetxq.training.build.build_for_training`: on CUDA with meta init, no CPU copy;
     ``meta_init`` overrides that choice). ``kernels``: the POET layers' kernel policy (default
-    :func:`quant_kernels.policy.default_policy`)."""
+    :func:`quant_kernels.policy.default_policy`). ``plan``: the run plan
+    (:func:`poetxq.training.plan.resolve_plan`) whose meta init, CUDA graph, fusion, precision,
+    kernel policy and relayout decide."""
     from poetxq.model.relayout import relayout_if_wanted
     from poetxq.training.baseline_methods import build_baseline_optimizer
     from poetxq.training.build import build_for_training
@@ -198,15 +205,17 @@ def build_model_and_optimizer(
     gen = torch.Generator().manual_seed(recipe.train.seed + 1)
     built = build_for_training(
         recipe, vocab_size, device, generator=gen, meta_init=meta_init, echo=echo,
-        kernels=kernels,
+        kernels=kernels, plan=plan,
     )  # fmt: skip
+    kernels = plan.kernels if plan is not None and kernels is None else kernels
     if built.surgery is not None:
         # train.offload_optimizer moves each parameter's states on their own: no flat groups
         optimizer = build_optimizer(
             built.model, recipe.optim, kernels=kernels,
             flatten=not recipe.train.offload_optimizer,
         )  # fmt: skip
-        relayout_if_wanted(built.model, optimizer, built.device, echo)
+        if plan is None or plan.relayout:
+            relayout_if_wanted(built.model, optimizer, built.device, echo)
     else:
         assert built.baseline is not None
         optimizer = build_baseline_optimizer(
@@ -261,12 +270,11 @@ def run_bench(
         BenchError: ``steps < 1``, ``warmup < 0``, ``vocab_size < 1``, a non-finite or
             non-positive ``peak_tflops``, or CUDA asked for but absent.
     """
-    from poetxq.model.fuse import fuse_wanted
-    from poetxq.training.cudagraph import graph_wanted
     from poetxq.training.estimate import estimate_memory
     from poetxq.training.loss import training_loss
     from poetxq.training.lowmem import enable_activation_checkpointing
-    from poetxq.training.memory import apply_allocator, resolve_memory_plan
+    from poetxq.training.memory import apply_allocator
+    from poetxq.training.plan import resolve_plan
     from poetxq.training.step import StepEngine
     from poetxq.training.train import peak_rss_bytes
 
@@ -282,21 +290,23 @@ def run_bench(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda asked for but no CUDA device is visible; use --device cpu")
-    # train.memory, as the trainer resolves it (before anything reads the memory keys)
-    recipe, plan = resolve_memory_plan(recipe, dev, gpu_mem=gpu_mem, vocab_size=vocab_size)
+    # the run plan, as the trainer resolves it (before anything reads the memory keys)
+    run_plan = resolve_plan(recipe, dev, 1, gpu_mem, vocab_size=vocab_size, kernels=kernels)
+    plan = run_plan.memory
+    recipe = run_plan.recipe
     apply_allocator(plan)
-    if dev.type == "cuda" or plan.name != "fastest" or gpu_mem is not None:  # as train says it
+    if plan.line() in run_plan.notes:  # as train says it
         echo(plan.line())
     tc, oc = recipe.train, recipe.optim
-    if tc.cuda_graph is True and dev.type != "cuda":  # before the model is built
-        raise BenchError("train.cuda_graph needs a CUDA device; set train.cuda_graph=false")
-    graph = graph_wanted(recipe, dev)
+    if run_plan.refusals:  # before the model is built
+        raise BenchError(run_plan.refusals[0])
+    graph = run_plan.cuda_graph
     V = vocab_size or recipe.data.vocab_size
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo, kernels=kernels)
+    model, optimizer = build_model_and_optimizer(recipe, V, dev, echo=echo, plan=run_plan)
     build_s = time.perf_counter() - start
     # what building held at most (W0 drawn and quantized layer by layer on the device)
     build_reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else None
@@ -305,7 +315,7 @@ def run_bench(
         # offloaded in a graph: to host buffers made once (poetxq.training.lowmem.HostSlots)
         enable_activation_checkpointing(model, offload=tc.offload_activations, graph_safe=graph)
     model.train()
-    precision = run_precision(tc, dev)  # bf16-true: parameters cast by poetxq.training.build
+    precision = run_plan.precision  # bf16-true: parameters cast by poetxq.training.build
     if note := cpu_note(tc, dev):
         echo(note)
     amp = precision == "autocast"
@@ -359,7 +369,7 @@ def run_bench(
         peak_tflops_for(name) if dev.type == "cuda" else None
     )  # fmt: skip
     n_dense = dense_param_count(recipe, V)
-    est = estimate_memory(recipe, vocab_size=V, precision=precision, kernels=kernels)
+    est = estimate_memory(recipe, vocab_size=V, precision=precision, kernels=run_plan.kernels)
     return BenchResult(
         recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
         device=name, precision=precision, batch_size=tc.batch_size,
@@ -375,7 +385,7 @@ def run_bench(
         offload_activations=tc.offload_activations, optimizer_in_backward=tc.optimizer_in_backward,
         loss_chunk_tokens=tc.loss_chunk_tokens, offload_optimizer=tc.offload_optimizer,
         memory_plan=plan.name, build_peak_reserved_bytes=build_reserved,
-        fuse_elementwise=fuse_wanted(tc, dev, engine.graph),
+        fuse_elementwise=run_plan.fuse,
         state_bits=recipe.optim.state_bits,
         peak_reserved_bytes=peak_reserved, gpu_time_ms=breakdown or None,
         variant=variant,

@@ -3,7 +3,7 @@
 The entry point (:func:`main`, also ``python -m poetxq``) with its error and signal handling, and
 the ``export`` and ``validate`` sub-commands; training's flags are
 :mod:`poetxq.tools.cli_train_flags` and its run :mod:`poetxq.tools.cli_train`,
-``estimate-memory`` / ``bench`` / ``report`` are :mod:`poetxq.tools.cli_tools`,
+``estimate-memory`` / ``plan`` / ``bench`` / ``report`` are :mod:`poetxq.tools.cli_tools`,
 ``fpo-diagnose`` / ``fpo-adapt`` are :mod:`poetxq.tools.cli_adapt`. Most flags set a recipe
 key (named in their help); ``--set section.key=value`` reaches any other key. Bad input exits
 with status 2 and one ``poetxq: error: ...`` line, before anything is written to the run
@@ -250,7 +250,7 @@ def _set_without_equals(argv: Sequence[str]) -> str | None:
 
 
 #: options whose value may start with ``-`` and a digit (a negative size, a layer list "-1,3")
-_NEGATIVE_VALUES = ("--gpu-mem", "--layers")
+_NEGATIVE_VALUES = ("--gpu-mem", "--gpu-memory", "--layers")
 
 
 def _negative_sizes_joined(argv: list[str]) -> list[str]:
@@ -323,7 +323,7 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         if args.command == "validate":
             return _run_validate(args)
-        if args.command in ("estimate-memory", "bench", "report"):
+        if args.command in ("estimate-memory", "plan", "bench", "report"):
             return run_tool(args)
         if args.command == "export":
             return _run_export(args)

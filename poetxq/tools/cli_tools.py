@@ -1,4 +1,4 @@
-"""The ``estimate-memory``, ``bench`` and ``report`` sub-commands of ``poetxq``.
+"""The ``estimate-memory``, ``plan``, ``bench`` and ``report`` sub-commands of ``poetxq``.
 
 Kept apart from :mod:`poetxq.tools.cli` (training flags) so each tool's flags live next to its
 runner. :mod:`poetxq.tools.cli` adds these parsers and runs them; this module never imports it (the
@@ -131,8 +131,70 @@ def _estimate_precision(text: str) -> str:
     return text
 
 
+def _add_plan_parser(sub: Any) -> None:
+    """``poetxq plan``: the run plan (:mod:`poetxq.training.plan`) a recipe gets."""
+    p = sub.add_parser(
+        "plan", help="the run plan a recipe would get here or on a GPU of a given size",
+        description="Print the run plan of a recipe (poetxq.training.plan.RunPlan): every "
+        "run-level decision poetxq train would take before building anything - the memory plan "
+        "(train.memory), CUDA graph (train.cuda_graph), gradient sync across processes "
+        "(train.grad_sync), precision (train.precision), meta init, fused elementwise kernels "
+        "(train.fuse_elementwise), relayout, the kernel policy (POETXQ_KERNELS), and what the "
+        "launch would refuse, with the fix. Nothing is built, no data is read; a run writes the "
+        "same plan to plan.json in its run directory.",
+        epilog="examples: poetxq plan --recipe llama-1b:poetxq --gpu-memory 80GiB "
+        "--world-size 2; poetxq plan --recipe my.yaml --json plan.json. Exit status 1 when "
+        "the plan has a refusal (poetxq train would stop there), 2 for bad input.",
+    )  # fmt: skip
+    _recipe_args(p)
+    p.add_argument(
+        "--gpu-memory", "--gpu-mem", dest="gpu_mem", metavar="SIZE",
+        help="plan for a GPU of this much memory (e.g. 80GiB; GB is read as GiB, as "
+        "estimate-memory reads it) instead of this machine's device: implies --device cuda",
+    )  # fmt: skip
+    p.add_argument(
+        "--world-size", type=int, default=1, metavar="N",
+        help="processes of the run (torchrun / accelerate launch; default 1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"),
+        help="default: cuda with --gpu-memory or where a CUDA device is visible, else cpu",
+    )  # fmt: skip
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON (plan.json's form)")
+
+
+def _run_plan(args: argparse.Namespace, recipe: Any) -> int:
+    """``poetxq plan``: print the plan's lines (and write ``--json``); 1 where it refuses."""
+    import torch
+
+    from poetxq.tools.bench import write_text
+    from poetxq.tools.estimate_report import parse_bytes
+    from poetxq.training.plan import resolve_plan
+
+    check_kernels_env()
+    if args.world_size < 1:
+        raise EstimateError(f"--world-size must be at least 1, got {args.world_size}")
+    gpu = parse_bytes(args.gpu_mem) if args.gpu_mem is not None else None
+    device = args.device or ("cuda" if gpu is not None or torch.cuda.is_available() else "cpu")
+    if device == "cuda" and gpu is None and not torch.cuda.is_available():
+        raise EstimateError(
+            "--device cuda without a CUDA device here: give the GPU's size with --gpu-memory "
+            "(e.g. 80GiB)"
+        )
+    if args.json:
+        check_output_file(Path(args.json), "--json", EstimateError)
+    plan = resolve_plan(
+        recipe, device, args.world_size, gpu, vocab_size=args.vocab_size
+    )  # fmt: skip
+    if args.json:
+        write_text(plan.to_json(), Path(args.json))
+    print("\n".join(plan.lines()))
+    return 1 if plan.refusals else 0
+
+
 def add_tool_parsers(sub: Any) -> None:
-    """Add ``estimate-memory``, ``bench`` and ``report`` to the ``poetxq`` sub-parsers."""
+    """Add ``estimate-memory``, ``plan``, ``bench`` and ``report`` to the ``poetxq``
+    sub-parsers."""
     p = sub.add_parser(
         "estimate-memory", help="analytic memory breakdown of a recipe's training step",
         description="Predict the peak GPU memory of one training step of a recipe (frozen "
@@ -169,6 +231,7 @@ def add_tool_parsers(sub: Any) -> None:
         "leave (not implemented in poetxq)",
     )  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the breakdown as JSON")
+    _add_plan_parser(sub)
 
     p = sub.add_parser(
         "bench", help="tokens/s, MFU and peak memory of a recipe on random tokens",
@@ -233,7 +296,8 @@ def _load(args: argparse.Namespace):  # -> Recipe
 
 
 def run_tool(args: argparse.Namespace) -> int:
-    """Run the parsed ``estimate-memory`` / ``bench`` / ``report`` command; returns exit status."""
+    """Run the parsed ``estimate-memory`` / ``plan`` / ``bench`` / ``report`` command; returns
+    exit status."""
     if args.command == "report":
         from poetxq.tools.report import build_report
 
@@ -244,6 +308,8 @@ def run_tool(args: argparse.Namespace) -> int:
     from poetxq.tools.bench import write_json
 
     recipe = _load(args)
+    if args.command == "plan":
+        return _run_plan(args, recipe)
     if args.command == "estimate-memory":
         from poetxq.data.config import MIN_VOCAB_SIZE
         from poetxq.tools.estimate_report import (

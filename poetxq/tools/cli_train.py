@@ -84,12 +84,8 @@ def _check_flags(args: argparse.Namespace, recipe: Any) -> None:
         raise RecipeError(
             f"--method poetx keeps W0 unquantized; for --bits {args.bits} use --method poetxq"
         )
-    if args.quant_type is not None and recipe.poet.bits != 4:
-        raise RecipeError(
-            f"--quant-type applies to --bits 4 only (this run has bits {recipe.poet.bits})"
-        )
-    if args.requant is not None and recipe.poet.bits == 16:
-        raise RecipeError("--requant applies to quantized W0 (--bits 8 or 4), not to --bits 16")
+    # poet.quant_type / poet.requant against poet.bits: the recipe schema's rule
+    # (poetxq.model.config.POETConfig), the same error for a flag and a recipe file
     if recipe.model.pretrained is not None and args.vocab_size:
         raise RecipeError(
             "--model takes its vocabulary from the checkpoint's tokenizer; drop --vocab-size"
@@ -128,8 +124,8 @@ def _absolute_paths(recipe: Any) -> None:
 
 
 #: what a run writes before its first checkpoint (train.py); nothing there is worth keeping
-_STARTUP_FILES = {"recipe.yaml", "config.json", "metrics.jsonl", "tokenizer", "checkpoints",
-                  RUN_LOCK}  # fmt: skip
+_STARTUP_FILES = {"recipe.yaml", "plan.json", "config.json", "metrics.jsonl", "tokenizer",
+                  "checkpoints", RUN_LOCK}  # fmt: skip
 
 
 def _only_startup_files(run_dir: Path) -> bool:

@@ -12,6 +12,7 @@ anywhere: YAML through ``safe_load`` and the schema, numbers checked, one-line e
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import yaml
 from poetxq.model.diagnostics import DIAG_KEYS, REQUANT_KEY
 from poetxq.training.precision import run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label, run_label
+from poetxq.training.rundir import PLAN_FILE
 
 #: how a run without summary.json is marked in the table
 NO_SUMMARY = "interrupted (no summary.json)"
@@ -44,6 +46,8 @@ class Run:
     shape_note: str = ""
     # recipe.yaml as read, before validation: which keys the run's version of poetxq wrote
     recipe_tree: dict[str, Any] = field(default_factory=dict)
+    # plan.json as read (poetxq.training.plan.RunPlan.to_dict); empty for a run from before it
+    run_plan: dict[str, Any] = field(default_factory=dict)
 
     @property
     def method(self) -> str:
@@ -108,10 +112,15 @@ class Run:
         """How the run held its parameters and computed (``autocast``, ``bf16-true``, ``fp32``:
         :func:`~poetxq.training.precision.run_precision` of ``train.precision`` on the run's
         device), ``fp32 (auto)`` where ``auto`` chose it (plain ``auto`` where the device is not
-        recorded); None where ``recipe.yaml`` has no ``train.precision`` (an older run)."""
+        recorded); None where ``recipe.yaml`` has no ``train.precision`` (an older run). The
+        run's ``plan.json`` says what it ran; a run from before plan.json is resolved again
+        from its recipe and device."""
         train = self.recipe_tree.get("train")
         if not isinstance(train, dict) or "precision" not in train:
             return None
+        planned = self.run_plan.get("precision")
+        if isinstance(planned, str):
+            return planned + (" (auto)" if train.get("precision") == "auto" else "")
         tc, device = self.recipe.train, self.summary.get("device")
         on = "cuda" if str(device).startswith("cuda") else "cpu"
         if tc.precision != "auto":
@@ -274,7 +283,13 @@ def read_run(path: str | Path) -> Run:
         raise ReportError(f"{files[name]}: bad JSON ({exc})") from None
     if has_summary:
         _check_numbers(summary, SUMMARY_NUMBERS, str(files["summary.json"]))
-    return Run(p, recipe, summary, metrics, has_summary=has_summary, recipe_tree=tree)
+    run_plan: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):  # an older run has none; a torn one: unread
+        loaded = json.loads((p / PLAN_FILE).read_text(encoding="utf-8"))
+        run_plan = loaded if isinstance(loaded, dict) else {}
+    return Run(
+        p, recipe, summary, metrics, has_summary=has_summary, recipe_tree=tree, run_plan=run_plan
+    )
 
 
 def mark_shapes(runs: list[Run]) -> None:

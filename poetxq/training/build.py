@@ -40,7 +40,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ from poetxq.training.cudagraph import graph_wanted
 from poetxq.training.precision import cast_parameters, run_precision
 from poetxq.training.recipe import POET_METHODS, Recipe
 from quant_kernels.policy import KernelPolicy
+
+if TYPE_CHECKING:
+    from poetxq.training.plan import RunPlan
 
 #: environment switch of :func:`use_meta_init`: ``0`` never, ``1`` always (CPU too), unset: CUDA
 META_INIT_ENV = "POETXQ_META_INIT"
@@ -200,6 +203,7 @@ def build_for_training(
     cuda_graph: bool | None = None,
     kernels: KernelPolicy | None = None,
     progress: bool = True,
+    plan: RunPlan | None = None,
 ) -> BuiltModel:
     """The recipe's model on ``device``, converted (POET methods) or prepared (baselines).
 
@@ -216,6 +220,10 @@ def build_for_training(
         kernels: the kernel policy of the POET-X(Q) layers; default
             :func:`quant_kernels.policy.default_policy` (``POETXQ_KERNELS``).
         progress: False loads a ``--model`` checkpoint without transformers' progress bars.
+        plan: the run plan (:func:`poetxq.training.plan.resolve_plan`): where given, its
+            ``meta_init``, ``cuda_graph``, ``fuse``, ``precision`` and ``kernels`` decide (the
+            trainer's and the bench's way); ``meta_init``, ``cuda_graph`` and ``kernels`` given
+            as well win over it.
 
     Returns:
         :class:`BuiltModel` (the optimizer is built by the caller).
@@ -225,12 +233,21 @@ def build_for_training(
         poetxq.model.pretrained.PretrainedError: the ``--model`` checkpoint is unusable.
     """
     dev = torch.device(device)
+    fuse = None
+    precision = None
+    if plan is not None:
+        meta_init = plan.meta_init if meta_init is None else meta_init
+        kernels = plan.kernels if kernels is None else kernels
+        if cuda_graph is None:
+            cuda_graph, fuse = plan.cuda_graph, plan.fuse
+        precision = plan.precision
     if meta_init is None:
         meta_init = use_meta_init(recipe, dev)
     if meta_init and recipe.model.pretrained is not None:
         raise ValueError("meta init builds a model from scratch; --model loads its weights")
     is_poet = recipe.method in POET_METHODS
-    bf16_true = run_precision(recipe.train, dev) == "bf16-true"
+    precision = run_precision(recipe.train, dev) if precision is None else precision
+    bf16_true = precision == "bf16-true"
     start = time.perf_counter()
     surgery = baseline = None
     if meta_init:
@@ -267,7 +284,9 @@ def build_for_training(
         cast_parameters(model, torch.bfloat16)
     if cuda_graph is None:
         cuda_graph = graph_wanted(recipe, dev)
-    if fuse_wanted(recipe.train, dev, cuda_graph):  # torch.compile of RMSNorm, rotary, SwiGLU
+    if fuse is None:
+        fuse = fuse_wanted(recipe.train, dev, cuda_graph)
+    if fuse:  # torch.compile of RMSNorm, rotary, SwiGLU
         fuse_elementwise(model)
     _sync(dev)
     return BuiltModel(

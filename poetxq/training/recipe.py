@@ -4,21 +4,30 @@ A recipe is plain data (YAML): a ``method`` (``poetxq`` by default, or a baselin
 sections — ``model``, ``poet`` (:mod:`poetxq.model.config`), ``optim``, ``train``, ``data``
 (:class:`poetxq.data.DataConfig`), ``baseline`` — validated by pydantic with unknown keys
 forbidden. :class:`Recipe`'s own validator is the one place where the sections' combinations are
-checked (or adjusted, with a note). The defaults of this schema *are* the embedded default recipe
-(a tiny Llama on the embedded English corpus, sized to finish in under three minutes on 2 CPU
-cores); ``recipes/tiny/poetxq.yaml`` spells the same values out. Files, composition and overrides
-are :mod:`poetxq.training.recipe_files`.
+checked; it never changes a recipe: keys that follow from other keys (``method: poetx`` is
+``poet.bits`` 16, ``model.max_position_embeddings`` at least ``train.seq_len``, a ``--model``
+checkpoint's tokenizer and continued-training rates) are filled in at construction
+(:func:`dependent_defaults`), with a note where the user should know. The defaults of this
+schema *are* the embedded default recipe (a tiny Llama on the embedded English corpus, sized to
+finish in under three minutes on 2 CPU cores); ``recipes/tiny/poetxq.yaml`` spells the same values
+out. Files, composition and overrides are :mod:`poetxq.training.recipe_files`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from poetxq.data import DataConfig
-from poetxq.model.config import TARGET_MODULES, ModelConfig, POETConfig
+from poetxq.model.config import TARGET_MODULES, ModelConfig, POETConfig, check_block_size
 from poetxq.paths import NAME_RULE, name_problem
 from poetxq.schema import Section, check_path_key
 
@@ -190,7 +199,7 @@ class Recipe(Section):
     """
 
     name: str = "tiny-poetxq"
-    method: Method = "poetxq"  # poetx = POET-X with unquantized W0 (forces poet.bits = 16)
+    method: Method = "poetxq"  # poetx = POET-X, unquantized W0 (poet.bits 16: dependent_defaults)
     model: ModelConfig = Field(default_factory=ModelConfig)
     poet: POETConfig = Field(default_factory=POETConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -289,15 +298,33 @@ class Recipe(Section):
         if needs:
             raise ValueError("train.optimizer_in_backward needs " + " and ".join(needs))
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _dependent_defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Recipe]) -> Recipe:
+        """Keys whose value follows from other keys, filled in at construction and never by
+        changing a validated recipe: the input is validated, :func:`dependent_defaults` reads
+        what follows from it, and where that differs the input with those keys filled in is
+        validated once more (every check runs on the recipe that will train). The notes of the
+        filled-in keys come first in :attr:`notes`."""
+        recipe = handler(data)
+        fills, notes = dependent_defaults(recipe)
+        if not fills:
+            return recipe
+        tree = recipe.model_dump(exclude_unset=True)
+        for key, value in fills.items():
+            section, name = key.split(".")
+            tree.setdefault(section, {})[name] = value
+        filled = handler(tree)
+        filled._notes[:0] = [n for n in notes if n not in filled._notes]
+        filled._overridden = recipe._overridden
+        return filled
+
     @model_validator(mode="after")
     def _block_fits(self) -> Recipe:
+        """The checks across sections (each a one-line refusal naming the fix); nothing here
+        changes the recipe (:meth:`_dependent_defaults` fills in what follows from other keys)."""
         m = self.model
         kv_heads = m.num_key_value_heads or m.num_attention_heads
-        # the seven projections' widths: hidden, MLP, query/output heads, key/value heads
-        smallest = min(m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_width,
-                       kv_heads * m.head_width)  # fmt: skip
-        if self.method == "poetx" and self.poet.bits != 16:
-            self.poet.bits = 16
         if self.method in POET_METHODS and self.poet.gemm == "int8" and self.poet.bits != 8:
             what = "NF4/FP4" if self.poet.bits == 4 else "unquantized"
             raise ValueError(
@@ -306,22 +333,12 @@ class Recipe(Section):
             )
         if m.pretrained is not None:
             _check_pretrained(self)
-        elif self.method in POET_METHODS and self.poet.block_size > smallest:
-            raise ValueError(
-                f"poet.block_size {self.poet.block_size} exceeds the smallest layer dimension "
-                f"{smallest}; choose a block size <= {smallest}"
-            )
-        if m.max_position_embeddings < self.train.seq_len:
-            if m.pretrained is None:  # a checkpoint's own limit is checked where it is read
-                note = (
-                    f"train.seq_len {self.train.seq_len} exceeds model.max_position_embeddings "
-                    f"{m.max_position_embeddings}; the model is built with "
-                    f"max_position_embeddings {self.train.seq_len} (trained from scratch at "
-                    "that length)"
-                )
-                if note not in self._notes:
-                    self._notes.append(note)
-            m.max_position_embeddings = self.train.seq_len
+        elif self.method in POET_METHODS:
+            # the seven projections' widths: hidden, MLP, query/output heads, key/value heads
+            check_block_size(self.poet.block_size, (
+                m.hidden_size, m.intermediate_size, m.num_attention_heads * m.head_width,
+                kv_heads * m.head_width,
+            ))  # fmt: skip
         if self.train.cuda_graph is True and self.method not in GRAPH_METHODS:
             raise ValueError(
                 f"train.cuda_graph applies to the POET methods and adamw, not {self.method}; "
@@ -380,20 +397,6 @@ class Recipe(Section):
             )
         return self
 
-    # --- continued training (model.pretrained): rates the recipe did not set --------------------
-    @model_validator(mode="after")
-    def _continued_training_rates(self) -> Recipe:
-        """``model.pretrained`` with a POET method: the optim rates the user did not set become
-        the continued-training defaults, with a note
-        (:func:`poetxq.model.pretrained.apply_continued_training_rates`)."""
-        if self.model.pretrained is not None and self.method in POET_METHODS:
-            from poetxq.model.pretrained import apply_continued_training_rates
-
-            note = apply_continued_training_rates(self.optim)
-            if note:
-                self.add_note(note)
-        return self
-
 
 def _unused_settings(recipe: Recipe) -> list[str]:
     """Notes for settings the recipe's method ignores: ``poet.*`` away from its defaults under a
@@ -416,13 +419,52 @@ def _unused_settings(recipe: Recipe) -> list[str]:
 
 
 def _check_pretrained(recipe: Recipe) -> None:
-    """``model.pretrained`` set: POET methods only; the tokenizer defaults to the checkpoint's."""
+    """``model.pretrained`` set: POET methods only (its tokenizer is a dependent default,
+    :func:`dependent_defaults`)."""
     if recipe.method not in POET_METHODS:
         raise ValueError(
             f"model.pretrained (--model) works with methods poetxq and poetx, not {recipe.method!r}"
         )
-    if recipe.data.tokenizer.strip() == "bpe":  # the default: use the checkpoint's tokenizer
-        recipe.data.tokenizer = recipe.model.pretrained  # type: ignore[assignment]
+
+
+def dependent_defaults(recipe: Recipe) -> tuple[dict[str, Any], list[str]]:
+    """The keys of a validated ``recipe`` whose value follows from other keys, where they
+    differ from what it holds, and the notes to print for them.
+
+    * ``method: poetx`` trains an unquantized W0: ``poet.bits`` is 16 (whatever the file says;
+      ``--method poetx`` on a ``bits: 8`` recipe file is the documented way to train POET-X).
+    * ``model.max_position_embeddings`` is at least ``train.seq_len`` (a note for a model from
+      scratch; a ``--model`` checkpoint's own limit is checked where it is read).
+    * ``model.pretrained``: ``data.tokenizer`` left at ``bpe`` is the checkpoint's own, and the
+      optimizer rates the recipe did not set are the continued-training defaults, with a note
+      (:func:`poetxq.model.pretrained.continued_training_rates`).
+
+    Returns:
+        ``(fills, notes)``: dotted key -> value, and the notes (empty when nothing follows).
+    """
+    fills: dict[str, Any] = {}
+    notes: list[str] = []
+    m, tc = recipe.model, recipe.train
+    if recipe.method == "poetx" and recipe.poet.bits != 16:
+        fills["poet.bits"] = 16
+    if m.max_position_embeddings < tc.seq_len:
+        fills["model.max_position_embeddings"] = tc.seq_len
+        if m.pretrained is None:
+            notes.append(
+                f"train.seq_len {tc.seq_len} exceeds model.max_position_embeddings "
+                f"{m.max_position_embeddings}; the model is built with max_position_embeddings "
+                f"{tc.seq_len} (trained from scratch at that length)"
+            )
+    if m.pretrained is not None and recipe.method in POET_METHODS:
+        from poetxq.model.pretrained import continued_training_rates
+
+        if recipe.data.tokenizer.strip() == "bpe":  # the default: the checkpoint's tokenizer
+            fills["data.tokenizer"] = m.pretrained
+        rates, note = continued_training_rates(recipe.optim)
+        fills.update({f"optim.{k}": v for k, v in rates.items()})
+        if note:
+            notes.append(note)
+    return fills, notes
 
 
 METHOD_LABELS = (

@@ -21,7 +21,10 @@ from poetxq.training.checkpoint import CHECKPOINT_DIR, write_tensors
 from poetxq.training.recipe import Recipe, run_label
 
 #: files a run writes into its directory
-RUN_OUTPUTS = ("recipe.yaml", "metrics.jsonl", "model.safetensors", "summary.json", "config.json")
+RUN_OUTPUTS = ("recipe.yaml", "plan.json", "metrics.jsonl", "model.safetensors", "summary.json",
+               "config.json")  # fmt: skip
+#: the run plan's file beside recipe.yaml (:func:`write_plan`)
+PLAN_FILE = "plan.json"
 
 
 class RunDirError(ValueError):
@@ -245,6 +248,15 @@ def _atomic_write_bytes(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def write_plan(run_dir: Path, plan: Any) -> None:
+    """Write ``plan`` (a :class:`poetxq.training.plan.RunPlan`) as ``<run_dir>/plan.json``
+    beside ``recipe.yaml``: every decision the run took (memory plan, CUDA graph, gradient sync,
+    precision, meta init, fusion, relayout, kernel policy, refusals and notes). A resumed
+    session writes its own."""
+    path = run_dir / PLAN_FILE
+    _atomic_write_bytes(path, lambda tmp: tmp.write_text(plan.to_json(), encoding="utf-8"))
 
 
 def save_checkpoint(model: torch.nn.Module, path: Path) -> None:

@@ -52,11 +52,6 @@ from poetxq.training.checkpoint import (
     load_training_checkpoint,
     save_training_checkpoint,
 )
-from poetxq.training.cudagraph import (
-    grad_sync_mode,
-    graph_hint,
-    graph_wanted,
-)
 from poetxq.training.distributed import (
     ShardedBatches,
     StopSignals,
@@ -68,14 +63,14 @@ from poetxq.training.distributed import (
 from poetxq.training.evaluate import evaluate_perplexity
 from poetxq.training.loss import training_loss
 from poetxq.training.lowmem import enable_activation_checkpointing
-from poetxq.training.memory import apply_allocator, resolve_memory_plan
+from poetxq.training.memory import apply_allocator
 from poetxq.training.optim import (
     build_optimizer,
     build_scheduler,
     clip_threshold,
     merge_and_reset,
 )
-from poetxq.training.precision import cpu_note, run_precision
+from poetxq.training.plan import RunPlan, resolve_plan
 from poetxq.training.recipe import POET_METHODS, Recipe, dump_recipe, method_label
 from poetxq.training.rundir import (
     RUN_OUTPUTS,
@@ -85,6 +80,7 @@ from poetxq.training.rundir import (
     save_checkpoint,
     save_run_artifacts,
     unlock_run_dir,
+    write_plan,
 )
 from poetxq.training.step import StepEngine
 
@@ -277,18 +273,17 @@ class _Run:
         """The memory plan, the precision and the Accelerator; refuses settings this launch
         cannot run (:meth:`_refuse`) and says what the run will do (:meth:`_announce`)."""
         cuda = torch.cuda.is_available()
-        # train.memory: the plan fitted to this GPU (poetxq.training.memory) decides memory keys,
-        # precision included, so it comes before anything reads them; recipe.yaml records its keys
-        recipe, plan = resolve_memory_plan(
-            recipe, "cuda" if cuda else "cpu", gpu_mem=gpu_mem, vocab_size=vocab
+        # the run plan (poetxq.training.plan): the memory plan fitted to this GPU decides memory
+        # keys, precision included, so it comes before anything reads them; recipe.yaml records
+        # its keys, plan.json every decision
+        self.run_plan = resolve_plan(
+            recipe, "cuda" if cuda else "cpu", gpu_memory_limit=gpu_mem, vocab_size=vocab
         )
-        apply_allocator(plan)
-        self.recipe, self.plan = recipe, plan
-        self.tc, self.oc, self.pc = recipe.train, recipe.optim, recipe.poet
+        self._take_plan(self.run_plan)
+        apply_allocator(self.plan)
         tc = self.tc
         # autocast: accelerate's bf16 mixed precision; bf16-true: bf16 parameters (cast by
         # poetxq.training.build), no autocast; fp32
-        self.precision = run_precision(tc, "cuda" if cuda else "cpu")
         mixed = "bf16" if self.precision == "autocast" else "no"
         # accelerate keeps one AcceleratorState per process and refuses a second run of another
         # precision (a bf16 run after an fp32 one in a notebook or a test session): start it
@@ -310,59 +305,41 @@ class _Run:
         self.main = self.accelerator.is_main_process
         self.world = self.accelerator.num_processes
         self.device = self.accelerator.device
-        self._refuse(cuda)
+        if self.world != self.run_plan.world_size:  # the launcher's count, not $WORLD_SIZE's
+            self.run_plan = resolve_plan(
+                recipe, "cuda" if cuda else "cpu", self.world, gpu_mem, vocab_size=vocab
+            )
+            self._take_plan(self.run_plan)
+        self._refuse()
         self.say: Callable[[str], None] = self.echo if self.main else (lambda _s: None)
-        self._announce(cuda, gpu_mem)
+        self._announce()
 
-    def _refuse(self, cuda: bool) -> None:
-        """Raise RunDirError for a busy run directory or settings this launch cannot run; sets
-        ``graph`` (capture the micro-step in a CUDA graph) and ``sync`` (``"none"``, ``"ddp"``
-        or ``"step"``)."""
-        tc, world, run_dir = self.tc, self.world, self.run_dir
+    def _take_plan(self, plan: RunPlan) -> None:
+        """The run's settings from ``plan``: the recipe that runs and its sections, the memory
+        plan (``plan``), precision, ``graph`` (the micro-steps replay a CUDA graph) and
+        ``sync`` (``"none"``, ``"ddp"`` or ``"step"``)."""
+        self.recipe, self.plan = plan.recipe, plan.memory
+        self.tc, self.oc, self.pc = plan.recipe.train, plan.recipe.optim, plan.recipe.poet
+        self.precision, self.graph, self.sync = plan.precision, plan.cuda_graph, plan.grad_sync
+
+    def _refuse(self) -> None:
+        """Raise RunDirError for a busy run directory or the first setting this launch cannot
+        run (:attr:`RunPlan.refusals <poetxq.training.plan.RunPlan.refusals>`)."""
+        run_dir = self.run_dir
         # --overwrite / --resume: refuse a busy directory before any work (a process training
         # there holds the lock file; where there is none, nothing is created until the run starts
         # writing)
         if self.main and (run_dir / RUN_LOCK).is_file():
             lock_run_dir(run_dir)
-        if tc.cuda_graph is True:
-            if not cuda:  # the method is checked by the recipe schema
-                raise RunDirError(
-                    "train.cuda_graph needs a CUDA device; set train.cuda_graph: false"
-                )
-            if world > 1 and tc.grad_sync == "ddp":
-                raise RunDirError(
-                    "train.cuda_graph with train.grad_sync: ddp cannot work (DDP all-reduces "
-                    "inside backward, outside the graph); set train.grad_sync: step (or auto)"
-                )
-        self.graph = graph_wanted(self.recipe, self.device, world)
-        self.sync = grad_sync_mode(tc, self.graph, world)  # "none", "ddp" or "step"
-        for key in ("optimizer_in_backward", "offload_optimizer"):  # no all-reduce of their grads
-            if world > 1 and getattr(tc, key):
-                raise RunDirError(f"train.{key} runs in one process only; set train.{key}: false")
-        if self.sync == "ddp" and tc.loss_chunk_tokens:  # it calls the bare model, past DDP's hooks
-            raise RunDirError(
-                "train.loss_chunk_tokens cannot run under DDP; set train.grad_sync: step (or "
-                "auto), or train.loss_chunk_tokens: 0"
-            )
+        if self.run_plan.refusals:
+            raise RunDirError(self.run_plan.refusals[0])
 
-    def _announce(self, cuda: bool, gpu_mem: int | None) -> None:
-        """The lines about the plan, the device, the graph, the grad sync and the recipe's notes;
-        refuses a ``resume_from`` saved by another number of processes."""
-        say, tc, world, sync = self.say, self.tc, self.world, self.sync
-        if cuda or self.plan.name != "fastest" or gpu_mem is not None:  # on a CPU auto: no change
-            say(self.plan.line())
-        if note := cpu_note(tc, self.device):  # what a user on a laptop would wonder about
-            say(note)
-        hint = graph_hint(self.recipe, self.device, world)  # a graph would serve this run
-        if hint:
-            say(hint)
-        if sync != "none":
-            say(
-                f"grad sync: {sync} across {world} processes ("
-                + ("DistributedDataParallel, all-reduce during backward" if sync == "ddp" else
-                   "one all-reduce of every gradient per step, after the micro-steps")
-                + "; train.grad_sync)"
-            )  # fmt: skip
+    def _announce(self) -> None:
+        """The plan's lines (memory plan, CPU bf16 warning, CUDA graph hint, grad sync) and the
+        recipe's notes; refuses a ``resume_from`` saved by another number of processes."""
+        say, world = self.say, self.world
+        for line in self.run_plan.notes:
+            say(line)
         if self.resume_from is not None:  # before any work: the global batch and data order
             check_world_size(Path(self.resume_from), world)  # depend on it
         for note in self.recipe.notes:  # what recipe validation adjusted
@@ -405,7 +382,7 @@ class _Run:
             self.device,
             generator=poet_gen,
             echo=say,
-            cuda_graph=self.graph,
+            plan=self.run_plan,
             progress=self.progress and self.main,  # --no-progress: no "Loading weights" bar
         )  # --model: pretrained
         model = built.model
@@ -414,7 +391,8 @@ class _Run:
         if self.is_poet:
             # HostOffload moves each parameter's states on their own: no flattened groups
             optimizer = build_optimizer(model, oc, flatten=not tc.offload_optimizer)
-            relayout_if_wanted(model, optimizer, built.device, say)
+            if self.run_plan.relayout:
+                relayout_if_wanted(model, optimizer, built.device, say)
         else:
             assert built.baseline is not None
             optimizer = build_baseline_optimizer(model, built.baseline, recipe.baseline, oc)
@@ -516,6 +494,7 @@ class _Run:
                 keep_metrics_until(run_dir / "metrics.jsonl", resumed["step"])
                 (run_dir / "summary.json").unlink(missing_ok=True)
             (run_dir / "recipe.yaml").write_text(dump_recipe(self.recipe), encoding="utf-8")
+            write_plan(run_dir, self.run_plan)  # plan.json: every decision the run took
         self.accelerator.wait_for_everyone()
         if main and self.resume_from is None:  # config.json + tokenizer/, for poetxq export
             save_run_artifacts(run_dir, self.raw_model, self.data.tokenizer, self.data.eos_id)
