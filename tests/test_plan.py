@@ -12,6 +12,7 @@ from poetxq.training.memory import resolve_memory_plan
 from poetxq.training.plan import resolve_plan
 from poetxq.training.precision import run_precision
 from poetxq.training.recipe_files import load_recipe
+from quant_kernels.policy import default_policy
 
 GIB = 2**30
 
@@ -132,3 +133,10 @@ def test_a_run_directory_holds_plan_json_beside_recipe_yaml(tmp_path):
     assert data["device"] == "cpu" and data["precision"] == "fp32" and data["refusals"] == []
     assert data["memory_plan"]["name"] == "fastest" and data["cuda_graph"] is False
     assert data["recipe"] == load_recipe(str(run / "recipe.yaml")).name
+
+
+@pytest.mark.parametrize("gemm", ["auto", "bf16", "int8"])
+def test_the_plans_kernel_policy_carries_poet_gemm(gemm):
+    plan = resolve_plan(load_recipe(None, {"poet.gemm": gemm}), "cpu")
+    assert plan.kernels.w0_gemm == (default_policy().w0_gemm if gemm == "auto" else gemm)
+    assert plan.to_dict()["kernels"]["w0_gemm"] == plan.kernels.w0_gemm

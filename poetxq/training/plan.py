@@ -30,6 +30,7 @@ plan`` prints the plan a recipe would get on this machine or a GPU of a given si
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -239,7 +240,16 @@ def resolve_plan(
             and not tc.offload_optimizer  # its optimizer has no flattened groups
             and relayout_planned(dev, choice.allocator)
         ),
-        kernels=default_policy() if kernels is None else kernels,
+        kernels=_kernels(resolved, kernels),
         refusals=tuple(_refusals(resolved, cuda, graph, sync, world)),
         notes=tuple(notes),
     )
+
+
+def _kernels(recipe: Recipe, kernels: KernelPolicy | None) -> KernelPolicy:
+    """The layers' policy: the caller's (default :func:`default_policy`) with the recipe's
+    ``poet.gemm`` where it names one (as :func:`poetxq.model.surgery.convert_to_poetx` applies)."""
+    policy = default_policy() if kernels is None else kernels
+    if recipe.method in POET_METHODS and recipe.poet.gemm != "auto":
+        policy = dataclasses.replace(policy, w0_gemm=recipe.poet.gemm)
+    return policy
