@@ -96,6 +96,7 @@ def test_recipe_gemm_reaches_every_layer():
     assert all(layer.kernels.w0_gemm == "int8" for layer in poet_layers(model))
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_on_the_int8_path(monkeypatch):
     calls = {"fwd": 0, "dx": 0}
     fwd, dx = reference_int8_mma.int8_mma_matmul, reference_int8_mma.int8_mma_matmul_t
@@ -134,6 +135,7 @@ def test_tiny_model_trains_on_the_int8_path(monkeypatch):
     assert abs(a[-1] - b[-1]) / b[-1] < 0.15  # and a similar one after 25 steps
 
 
+@pytest.mark.slow
 def test_cli_flag_sets_the_recipe_key(tiny_train, tmp_path, capsys):
     import yaml
 
