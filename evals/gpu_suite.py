@@ -9,7 +9,8 @@
    (activation quantization included) against bf16 cuBLAS and the dequant path, with their
    real-size check (``evals/bench_int8_gemm.py``).
 3. Layer forward+backward time at the Llama-8B MLP shapes, input [1, 2048, d], bf16, against
-   ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer.
+   ``nn.Linear`` (cuBLAS), ratios measured side by side; peak extra memory per layer (int8
+   ``W0`` also on the int8 tensor cores: ``*_int8_mma``).
 4. Profile: the top CUDA kernels of one POET-XQ int8 mem layer forward+backward (4096 → 14336).
    ``overhead``: where that layer's wall time goes — host time to issue one forward+backward,
    GPU time (the same forward+backward replayed from a CUDA graph), the eager wall time, peak
@@ -181,6 +182,8 @@ def layer_speed(n: int, m: int, b: int) -> dict:
     for suffix, kernels in OTHER_LAYER_PATHS:
         for bits in (8, 16):
             time_layer(f"poetx{label[bits]}_mem_{suffix}", bits, "mem", kernels)
+    for variant in ("fast", "mem"):  # the int8 W0 on the int8 tensor cores (poet.gemm: int8)
+        time_layer(f"poetxq_int8_{variant}_int8_mma", 8, variant, INT8_MMA)
     return res
 
 
@@ -314,6 +317,10 @@ OTHER_LAYER_PATHS = (
     ("row_major", KernelPolicy(feature_major=False)),
     ("two_decodes", KernelPolicy(one_decode_backward=False)),
 )
+#: the int8 x int8 weight GEMMs (``poet.gemm: int8``): their error is the activations'
+#: quantization (``quant_kernels.reference_int8_mma.int8_mma_error_bound``), so their
+#: correctness rows are a record, not held to the dequant rows' tolerance
+INT8_MMA = KernelPolicy(w0_gemm="int8")
 #: the ``fast`` variant's autograd path (its feature-major one switched off)
 FAST_AUTOGRAD = KernelPolicy(fast_feature_major=False)
 
@@ -435,6 +442,14 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as exc:
                     row = {"shape": f"{n}->{m}", "bits": bits, "error": repr(exc)}
                 report["correctness"].append({**row, "path": suffix})
+        for variant in ("mem", "fast"):  # int8 x int8 GEMMs: recorded beside the dequant rows
+            for n, m in ((4096, 14336), (14336, 4096), (2736, 1024)):
+                try:
+                    row = correctness(n, m, 256, 8, gen, variant=variant, kernels=INT8_MMA)
+                except Exception as exc:
+                    row = {"shape": f"{n}->{m}", "bits": 8, "variant": variant,
+                           "error": repr(exc)}  # fmt: skip
+                report["correctness"].append({**row, "path": "int8_mma"})
         print(json.dumps(report["correctness"], indent=1), flush=True)
         path.write_text(json.dumps(report, indent=2) + "\n")
     repo = Path(__file__).resolve().parents[1]

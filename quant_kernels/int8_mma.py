@@ -6,7 +6,8 @@ docstring gives the format and the rounding), in three kernels:
 * :func:`quantize_rows`: per-row absmax int8 quantization of an activation of any strides
   (a feature-major ``zᵀ`` is read as the ``[T, K]`` view ``zt.t()``), optionally of its product
   with a column scale (the dX GEMM's ``SCB / 127``), by round-half-to-even or by stochastic
-  rounding from a seed held on the device (capturable in a CUDA graph);
+  rounding from a seed drawn on the device (no host sync: meant to be capturable in a CUDA graph,
+  not yet tested under capture);
 * forward ``h = z @ Wᵀ``: ``tl.dot`` of int8 tiles of the codes ``q_z [M, K]`` and ``CB [N, K]``
   (both K-major) into int32, then ``acc · s_z[m] · (SCB[n] / 127)`` in fp32, stored in the
   output dtype, row- or feature-major;
@@ -206,7 +207,7 @@ def quantize_rows(
         a: ``[M, K]`` fp32/bf16/fp16, any strides (``zt.t()`` for a feature-major ``zt``).
         col_scale: optional fp32 ``[K]``: quantize ``a · col_scale[None, :]``.
         stochastic: stochastic rounding (Philox noise, seeded from ``generator``'s next draw or
-            torch's global RNG on ``a``'s device: capturable in a CUDA graph).
+            torch's global RNG on ``a``'s device, with no host sync).
         generator: RNG of the seed.
 
     Returns:

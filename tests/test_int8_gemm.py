@@ -12,7 +12,7 @@ import torch
 
 from poetxq.model.config import ModelConfig, POETConfig
 from poetxq.model.layer import POETXLinear
-from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers
+from poetxq.model.surgery import build_llama, convert_to_poetx, poet_layers, summarize
 from quant_kernels import reference_int8_mma
 from quant_kernels.policy import KernelPolicy
 
@@ -88,6 +88,14 @@ def test_recipe_gemm_reaches_every_layer():
     for gemm, want in (("int8", "int8"), ("bf16", "bf16"), ("auto", "auto")):
         layers = poet_layers(_tiny(gemm))
         assert layers and all(layer.kernels.w0_gemm == want for layer in layers)
+    model = build_llama(ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                    num_hidden_layers=1), 64)  # fmt: skip
+    report = convert_to_poetx(model, POETConfig(block_size=8, gemm="int8"))
+    assert "int8 x int8 GEMMs" in summarize(model, report).splitlines()[0]
+    report = convert_to_poetx(build_llama(ModelConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=1), 64),
+        POETConfig(block_size=8))  # fmt: skip
+    assert report.w0_gemm == "auto"
     # auto leaves an explicit policy's own choice
     model = build_llama(ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                     num_hidden_layers=1), 64)  # fmt: skip
@@ -96,6 +104,7 @@ def test_recipe_gemm_reaches_every_layer():
     assert all(layer.kernels.w0_gemm == "int8" for layer in poet_layers(model))
 
 
+@pytest.mark.slow
 def test_tiny_model_trains_on_the_int8_path(monkeypatch):
     calls = {"fwd": 0, "dx": 0}
     fwd, dx = reference_int8_mma.int8_mma_matmul, reference_int8_mma.int8_mma_matmul_t
@@ -134,6 +143,7 @@ def test_tiny_model_trains_on_the_int8_path(monkeypatch):
     assert abs(a[-1] - b[-1]) / b[-1] < 0.15  # and a similar one after 25 steps
 
 
+@pytest.mark.slow
 def test_cli_flag_sets_the_recipe_key(tiny_train, tmp_path, capsys):
     import yaml
 

@@ -43,6 +43,7 @@ class SurgeryReport:
     quant_type: str = "nf4"
     fused_mlps: int = 0  # MLPs replaced by POETXSwiGLUMLP
     structure: str = "block"  # POET-BS or POET-FS (poetxq.model.orthogonal)
+    w0_gemm: str = "auto"  # the layers' KernelPolicy.w0_gemm (the recipe's poet.gemm)
 
     def ragged(self) -> list[ConvertedLayer]:
         return [c for c in self.layers if c.ragged_in or c.ragged_out]
@@ -259,6 +260,7 @@ def convert_to_poetx(
     kernels = default_policy() if kernels is None else kernels
     if cfg.gemm != "auto":  # the recipe's poet.gemm; auto leaves the policy's own choice
         kernels = replace(kernels, w0_gemm=cfg.gemm)
+    report.w0_gemm = kernels.w0_gemm
     for name, lin in targets:
         n, m = lin.in_features, lin.out_features
         check_block_size(b, (m, n), f" of {name} ({m}x{n})")
@@ -351,7 +353,8 @@ def summarize(model: nn.Module, report: SurgeryReport) -> str:
     frozen = sum(layer.frozen.nbytes() for layer in layers)
     frozen_params = sum(layer.in_features * layer.out_features for layer in layers)
     kind = {
-        8: "int8 row-wise (bitsandbytes layout)",
+        8: "int8 row-wise (bitsandbytes layout)"
+        + (", int8 x int8 GEMMs" if report.w0_gemm == "int8" else ""),
         4: f"4-bit {report.quant_type.upper()} blockwise (bitsandbytes Params4bit layout)",
     }.get(report.bits, "unquantized (POET-X)")
     shapes: dict[tuple[str, int, int], int] = {}

@@ -124,17 +124,16 @@ def test_stochastic_codes_are_a_neighbour_and_unbiased():
     assert torch.equal(s, s_rtn)
     scaled = (g.float() * ws[None, :]) / s_rtn[:, None]
     assert ((q.float() - scaled).abs() < 1 + 1e-4).all()
-    # the mean of many draws of the dX GEMM converges to the exact product
+    # the mean of many draws of the dX GEMM converges to the exact product; the draws are the
+    # rows of one call on the rows repeated (each row and column gets its own Philox noise)
     exact = g.double().cpu() @ w
-    draws = 600
-    samples = torch.stack([
-        int8_mma.int8_mma_matmul_t(g, cb, scb, stochastic=True).double().cpu()
-        for _ in range(draws)
-    ])  # fmt: skip
+    draws = 256
+    samples = int8_mma.int8_mma_matmul_t(g.repeat(draws, 1), cb, scb, stochastic=True)
+    samples = samples.double().cpu().view(draws, *exact.shape)
     sem = samples.std(dim=0) / math.sqrt(draws)
     assert ((samples.mean(dim=0) - exact).abs() / sem).max() < 5
     z_rtn = (int8_mma.int8_mma_matmul_t(g, cb, scb).double().cpu() - exact).abs() / sem
-    assert (z_rtn > 5).float().mean() > 0.3  # round-to-nearest's fixed error shows up
+    assert (z_rtn > 5).float().mean() > 0.2, (z_rtn > 5).float().mean()  # RTN's fixed error
 
 
 def test_stochastic_rounding_follows_its_generator(gen):
