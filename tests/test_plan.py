@@ -132,3 +132,15 @@ def test_a_run_directory_holds_plan_json_beside_recipe_yaml(tmp_path):
     assert data["device"] == "cpu" and data["precision"] == "fp32" and data["refusals"] == []
     assert data["memory_plan"]["name"] == "fastest" and data["cuda_graph"] is False
     assert data["recipe"] == load_recipe(str(run / "recipe.yaml")).name
+
+
+@pytest.mark.parametrize("over", [{}, {"train.gradient_checkpointing": True}, {"method": "adamw"}])
+def test_the_estimate_of_a_cuda_plan_is_the_one_process_gpu_estimate(over):
+    """The estimator reads a CUDA plan's graph and fusion; for one process they are what it
+    decided for itself, so the numbers agree."""
+    from poetxq.training.estimate import estimate_memory
+
+    plan = resolve_plan(load_recipe(None, over), "cuda", 1, 80 * GIB)
+    alone = estimate_memory(plan.recipe, precision=plan.precision)
+    with_plan = estimate_memory(plan.recipe, precision=plan.precision, plan=plan)
+    assert with_plan.to_dict() == alone.to_dict()
