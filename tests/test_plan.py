@@ -140,3 +140,15 @@ def test_the_plans_kernel_policy_carries_poet_gemm(gemm):
     plan = resolve_plan(load_recipe(None, {"poet.gemm": gemm}), "cpu")
     assert plan.kernels.w0_gemm == (default_policy().w0_gemm if gemm == "auto" else gemm)
     assert plan.to_dict()["kernels"]["w0_gemm"] == plan.kernels.w0_gemm
+
+
+@pytest.mark.parametrize("over", [{}, {"train.gradient_checkpointing": True}, {"method": "adamw"}])
+def test_the_estimate_of_a_cuda_plan_is_the_one_process_gpu_estimate(over):
+    """The estimator reads a CUDA plan's graph and fusion; for one process they are what it
+    decided for itself, so the numbers agree."""
+    from poetxq.training.estimate import estimate_memory
+
+    plan = resolve_plan(load_recipe(None, over), "cuda", 1, 80 * GIB)
+    alone = estimate_memory(plan.recipe, precision=plan.precision)
+    with_plan = estimate_memory(plan.recipe, precision=plan.precision, plan=plan)
+    assert with_plan.to_dict() == alone.to_dict()

@@ -369,7 +369,9 @@ def run_bench(
         peak_tflops_for(name) if dev.type == "cuda" else None
     )  # fmt: skip
     n_dense = dense_param_count(recipe, V)
-    est = estimate_memory(recipe, vocab_size=V, precision=precision, kernels=run_plan.kernels)
+    est = estimate_memory(
+        recipe, vocab_size=V, precision=precision, kernels=run_plan.kernels, plan=run_plan
+    )
     return BenchResult(
         recipe=recipe.name, run_label=run_label(recipe), method=method_label(recipe),
         device=name, precision=precision, batch_size=tc.batch_size,

@@ -2,7 +2,8 @@
 
 * option resolution — :mod:`~poetxq.training.recipe` (the recipe schema and every check of how
   its options combine), :mod:`~poetxq.training.recipe_files` (YAML files, composition,
-  overrides), :mod:`~poetxq.training.precision` (fp32 / autocast / bf16-true);
+  overrides), :mod:`~poetxq.training.precision` (fp32 / autocast / bf16-true),
+  :mod:`~poetxq.training.plan` (every run-level decision resolved once into a ``RunPlan``);
 * building — :mod:`~poetxq.training.build` (the model a recipe asks for, on its device),
   :mod:`~poetxq.training.baseline_methods` (a baseline method's model, optimizer and summary);
 * the step engine — :mod:`~poetxq.training.optim` (POET AdamW, merges, schedule),

@@ -27,7 +27,7 @@ seq 1024.
 
 Several processes replay one graph each and average their gradients after the replay
 (``train.grad_sync: step``, :func:`grad_sync_mode`), not through DDP, whose gradient hooks would
-all-reduce outside the graph. Not supported (refused by the trainer): DDP with a graph, shapes
+all-reduce outside the graph. Not supported (refused by the run plan): DDP with a graph, shapes
 that change between steps, and code that reads tensor values on the host during forward.
 """
 
@@ -52,7 +52,8 @@ def graph_wanted(recipe: Any, device: torch.device | str, world: int = 1) -> boo
     micro-steps from a CUDA graph (``train.cuda_graph``).
 
     ``True`` / ``False`` are returned as set (``True`` where it cannot work is refused by the
-    recipe schema, :func:`poetxq.tools.bench.run_bench` and the trainer). ``"auto"`` is on for the
+    recipe schema, or by the run plan, :func:`poetxq.training.plan.resolve_plan`, which calls
+    this and whose refusals the trainer and the bench raise). ``"auto"`` is on for the
     POET methods on a CUDA device — with several processes unless ``train.grad_sync: ddp`` (the
     gradients are then all-reduced once after the replays, :func:`grad_sync_mode`; on two H200s
     that ran Llama-1B at 69,432 tokens/s against eager DDP's 22,605,

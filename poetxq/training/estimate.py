@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from poetxq.model.flat import BNB_STATE_BLOCK
 from poetxq.model.fuse import fuse_wanted
@@ -98,6 +99,9 @@ from poetxq.training.estimate_terms import (
 from poetxq.training.loss import SLICE_BYTES
 from poetxq.training.recipe import POET_METHODS, Recipe, method_label
 from quant_kernels.policy import KernelPolicy, default_policy
+
+if TYPE_CHECKING:
+    from poetxq.training.plan import RunPlan
 
 #: how far above the estimate a CUDA-graph run's *reserved* peak has measured (the graph's
 #: private pool fragments): at most 14.4 % on an H200, Llama-8B / 13B with and without
@@ -247,6 +251,7 @@ def estimate_memory(
     seq_len: int | None = None,
     precision: Precision = "autocast",
     kernels: KernelPolicy | None = None,
+    plan: RunPlan | None = None,
 ) -> MemoryEstimate:
     """Estimate the memory of one steady-state training step of ``recipe`` (module docstring).
 
@@ -260,6 +265,10 @@ def estimate_memory(
             official code's setting) or ``"fp32"`` (CPU training).
         kernels: the kernel policy the run's layers are built with (what they keep for backward
             depends on it); default :func:`quant_kernels.policy.default_policy`, as the layers'.
+        plan: the run plan of a CUDA run (:func:`poetxq.training.plan.resolve_plan`): its
+            ``cuda_graph`` and ``fuse`` decide what the step holds. Default (and for a plan of
+            another device): what a one-process GPU run of ``recipe`` decides, by the plan's
+            own deciding functions (the memory plan estimates before a run plan exists).
 
     Returns:
         :class:`MemoryEstimate` with every component in bytes.
@@ -426,11 +435,13 @@ def estimate_memory(
                 "token and layer (fp32 inputs shared, no bf16 copy per projection)"
             )
     head_norm = {"bf16-true": 8 * d + 4, "autocast": 10 * d + 4, "fp32": 12 * d + 4}[precision]
-    graph = graph_wanted(recipe, "cuda")  # what a GPU run of this recipe does
+    on_gpu = plan is not None and plan.device == "cuda"
+    graph = plan.cuda_graph if on_gpu else graph_wanted(recipe, "cuda")  # a GPU run's
     if graph and tc.optimizer_in_backward and tc.loss_chunk_tokens and not mc.tie_word_embeddings:
         # the chunked loss hands it to the update inside the graph a slice at a time
         lm_head_grad = min(lm_head_grad, SLICE_BYTES)
-    if precision != "fp32" and fuse_wanted(tc, "cuda", graph):
+    fused = plan.fuse if on_gpu else fuse_wanted(tc, "cuda", graph)
+    if precision != "fp32" and fused:
         # poetxq.model.fuse: a compiled RMSNorm keeps its input and the per-row scale, not an fp32
         # copy of its input beside the normalized rows (4d bytes per token less per norm)
         layer_tok -= 2 * 4 * d
