@@ -210,6 +210,33 @@ def test_bench_int8_gemm_check_holds_on_cpu_and_it_needs_a_gpu(capsys):
         assert err.count("\n") == 0 and "needs a CUDA GPU" in err
 
 
+def test_int8_gemm_error_records_every_projection_and_restores_the_format():
+    """evals/int8_gemm_error.py's measurement: every GEMM against an int8 W0 of one forward and
+    backward, per projection type, at the activation-quantization level of error."""
+    from poetxq.model.config import ModelConfig, POETConfig
+    from poetxq.model.surgery import build_llama, convert_to_poetx
+    from quant_kernels.formats import Int8Rowwise
+
+    mod = _load("int8_gemm_error")
+    before = Int8Rowwise.matmul_t
+    torch.manual_seed(0)
+    model = build_llama(ModelConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                    num_hidden_layers=2), 64)  # fmt: skip
+    convert_to_poetx(model, POETConfig(block_size=8), generator=torch.Generator().manual_seed(1))
+    res = mod.measure(model, torch.randint(0, 64, (2, 16)))
+    assert Int8Rowwise.matmul_t is before
+    kinds = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert sorted(res) == kinds
+    for row in res.values():
+        assert row["h"]["gemms"] == 4  # 2 layers x (forward + the mem recompute)
+        assert row["dz_nearest"]["gemms"] == row["dz_stochastic"]["gemms"] == 2
+        for q in ("h", "dz_nearest", "dz_stochastic"):
+            assert 1e-4 < row[q]["mean"] <= row[q]["max"] < 0.05, row
+    # stochastic rounding's larger variance shows in its error (on average over the types)
+    mean = lambda q: sum(r[q]["mean"] for r in res.values()) / len(res)  # noqa: E731
+    assert mean("dz_stochastic") > mean("dz_nearest")
+
+
 @pytest.mark.parametrize("bits", [8, 4, 16])
 def test_gpu_suite_layer_oracle_holds_on_cpu(bits):
     # the GPU run's correctness check, at a small size: every store layout must pass it (an
