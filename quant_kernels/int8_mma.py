@@ -207,7 +207,8 @@ def quantize_rows(
         a: ``[M, K]`` fp32/bf16/fp16, any strides (``zt.t()`` for a feature-major ``zt``).
         col_scale: optional fp32 ``[K]``: quantize ``a · col_scale[None, :]``.
         stochastic: stochastic rounding (Philox noise, seeded from ``generator``'s next draw or
-            torch's global RNG on ``a``'s device, with no host sync).
+            torch's global RNG on ``a``'s device, with no host sync; the noise is indexed by the
+            element's int32 offset ``m·K + k``, so it repeats beyond 2³¹ elements).
         generator: RNG of the seed.
 
     Returns:
