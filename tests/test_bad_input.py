@@ -84,7 +84,8 @@ def test_an_argument_error_is_one_line_naming_the_command_and_the_choices(
 @pytest.mark.parametrize(
     ("argv", "piece"),
     [([], "the following arguments are required: COMMAND (COMMAND: one of quantize-and-train, "
-      "train, export, validate, estimate-memory, bench, report, fpo-diagnose, fpo-adapt)"),
+      "train, export, validate, estimate-memory, plan, bench, report, fpo-diagnose, "
+      "fpo-adapt)"),
      (["nosuch"], "argument COMMAND: invalid choice: 'nosuch' (choose from 'quantize-and-train',")],
 )  # fmt: skip
 def test_a_missing_or_unknown_command_is_one_line_naming_the_commands(capsys, argv, piece):
@@ -105,7 +106,7 @@ def test_every_command_parses_with_the_one_line_parser_and_help_still_shows_usag
     assert isinstance(parser, CommandParser)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == {"quantize-and-train", "train", "export", "validate",
-                                "estimate-memory", "bench", "report", "fpo-diagnose",
+                                "estimate-memory", "plan", "bench", "report", "fpo-diagnose",
                                 "fpo-adapt"}  # fmt: skip
     for name, p in sub.choices.items():
         assert type(p) is CommandParser, name
